@@ -1,0 +1,103 @@
+"""``add_lora``: the one entry point the model calls after each LoRA-capable base matmul.
+
+It checks the call (shapes, dtypes, devices, strides) with no host synchronisation, then
+picks a backend: the fused Triton SGMV kernel on CUDA tensors (or on the CPU under
+``TRITON_INTERPRET=1``), a vectorised torch path on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .batch import LoRABatch
+from .reference import add_lora_torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _check(y, x, lora_a, lora_b, scaling, batch, ranks, output_slices) -> tuple[int, ...]:
+    """Validates a call; returns the output slices (one slice when none are given)."""
+    if x.dim() != 2 or y.dim() != 2:
+        raise ValueError(f"x and y must be 2-D [tokens, features], got {tuple(x.shape)} and {tuple(y.shape)}")
+    num_tokens, in_features = x.shape
+    out_features = y.shape[1]
+    if y.shape[0] != num_tokens or batch.num_tokens != num_tokens:
+        raise ValueError(f"x has {num_tokens} rows, y {y.shape[0]}, the batch {batch.num_tokens}: they must agree")
+    slices = tuple(int(o) for o in output_slices) if output_slices is not None else (out_features,)
+    if any(o <= 0 for o in slices) or sum(slices) != out_features:
+        raise ValueError(f"output_slices {slices} must be positive and sum to y's {out_features} columns")
+    if lora_a.dim() != 3 or lora_b.dim() != 3:
+        raise ValueError("lora_a must be [slots, n*rank, in] and lora_b [slots, out, rank]")
+    num_slots, _, rank = lora_b.shape
+    expected_a = (num_slots, len(slices) * rank, in_features)
+    if tuple(lora_a.shape) != expected_a:
+        raise ValueError(f"lora_a is {tuple(lora_a.shape)}, expected {expected_a} for lora_b {tuple(lora_b.shape)} and {len(slices)} slice(s)")
+    if lora_b.shape[1] != out_features:
+        raise ValueError(f"lora_b has {lora_b.shape[1]} output rows, y has {out_features} columns")
+    if batch.num_slots != num_slots:
+        raise ValueError(f"the batch was built for {batch.num_slots} slots, the buffers have {num_slots}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype {x.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    for name, t in (("y", y), ("lora_a", lora_a), ("lora_b", lora_b)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} is {t.dtype} but x is {x.dtype}: all four must share a dtype")
+    if scaling.dtype != torch.float32 or tuple(scaling.shape) not in ((num_slots,), (num_slots, len(slices))):
+        raise ValueError(f"scaling must be float32 [{num_slots}] or [{num_slots}, {len(slices)}], got {scaling.dtype} {tuple(scaling.shape)}")
+    if ranks is not None and (ranks.dtype != torch.int32 or tuple(ranks.shape) != (num_slots,)):
+        raise ValueError(f"ranks must be int32 [{num_slots}], got {ranks.dtype} {tuple(ranks.shape)}")
+    # Rows may be strided (a view into a wider buffer); within a row, elements must be dense.
+    for name, t in (("x", x), ("y", y), ("lora_a", lora_a), ("lora_b", lora_b)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along its last dimension (stride {t.stride(-1)}); call .contiguous()")
+    if lora_a.stride(1) < in_features or lora_b.stride(1) < rank:
+        raise ValueError("lora_a and lora_b rows must not overlap")
+    devices = {t.device for t in (y, x, lora_a, lora_b, scaling, batch.token_slots)}
+    if ranks is not None:
+        devices.add(ranks.device)
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    return slices
+
+
+def add_lora(
+    y: torch.Tensor,  # [T, out]: updated in place
+    x: torch.Tensor,  # [T, in]
+    lora_a: torch.Tensor,  # [S, n*R, in]
+    lora_b: torch.Tensor,  # [S, out, R]
+    scaling: torch.Tensor,  # float32 [S] or [S, n]
+    batch: LoRABatch,
+    ranks: torch.Tensor | None = None,  # int32 [S]
+    backend: str = "auto",
+    output_slices: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """Adds each row's own adapter term into ``y`` and returns ``y``.
+
+    Semantics, for each row t with slot s = batch.token_slots[t] >= 0 and slice i::
+
+        y[t, off_i : off_i + o_i] += scaling[s, i] * (x[t] @ A_i[s].T) @ B_i[s].T
+
+    with A_i = lora_a[:, i*R:(i+1)*R] and B_i = lora_b[:, off_i:off_i+o_i] (one slice, the
+    whole of y, when ``output_slices`` is None). Rank rows and columns of slot s at or past
+    ``ranks[s]`` do not change the result. No host synchronisation on the Triton path.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    slices = _check(y, x, lora_a, lora_b, scaling, batch, ranks, output_slices)
+    if x.shape[0] == 0:
+        return y
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    if backend == "torch":
+        add_lora_torch(y, x, lora_a, lora_b, scaling, batch.token_slots, ranks, slices)
+        return y
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before loraplex.kernels is imported")
+    if batch.block_m < 16 or batch.block_m & (batch.block_m - 1):
+        raise ValueError(f"the Triton path needs block_m a power of two >= 16, the batch has {batch.block_m}")
+    from .sgmv import sgmv_add  # imports triton only when the Triton path is used
+
+    sgmv_add(y, x, lora_a, lora_b, scaling, batch, ranks, slices)
+    return y

@@ -1,0 +1,119 @@
+"""Per-step batch metadata for the SGMV kernels: built once per forward step, read by every layer.
+
+A step's rows (tokens) each name a GPU adapter slot, or -1 for the base model alone. The
+kernels want rows grouped by slot (so that one program reads one adapter's weights once for
+many rows) and cut into blocks of at most ``block_m`` rows of one slot. ``LoRABatch.build``
+does that grouping on the device with sort/scan ops only: no host synchronisation, so the
+step that builds it can be captured in a CUDA graph.
+
+Worked example, 7 tokens, 3 slots, block_m = 2::
+
+    token_slots   = [ 1, -1,  1,  0,  1,  2, -1]
+    sorted_tokens = [ 3,  0,  2,  4,  5,  1,  6]   # slot 0 | slot 1 x3 | slot 2 | base rows last
+    slot_counts   = [ 1,  3,  1]
+    block_slot    = [ 0,  1,  1,  2, -1, -1, ...]   # blocks: {3}, {0, 2}, {4}, {5}; -1 = no block
+    block_start   = [ 0,  1,  3,  4,  .., ..]       # offsets into sorted_tokens
+    block_len     = [ 1,  2,  1,  1,  0,  0]
+
+Rows with slot -1 belong to no block: they cost the kernels nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Rows per block: small for decode (each request's row is its own segment, so a larger
+# block would mostly compute padding), larger for prefill (long segments share weights).
+DECODE_BLOCK_M = 16
+PREFILL_BLOCK_M = 64
+PREFILL_MIN_TOKENS = 512
+
+
+def default_block_m(num_tokens: int) -> int:
+    """Rows per block for a step of ``num_tokens`` rows."""
+    return PREFILL_BLOCK_M if num_tokens >= PREFILL_MIN_TOKENS else DECODE_BLOCK_M
+
+
+def max_blocks(num_tokens: int, num_slots: int, block_m: int) -> int:
+    """An upper bound on the blocks of any slot assignment: the grid size, fixed per shape.
+
+    sum_s ceil(c_s / m) <= floor(T / m) + (number of non-empty slots), over counts c_s
+    summing to at most T.
+    """
+    return max(1, num_tokens // block_m + min(num_slots, num_tokens))
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """Token -> slot grouping of one forward step (all tensors int32, on the step's device)."""
+
+    token_slots: torch.Tensor  # [T]: slot of each row, -1 = base only
+    sorted_tokens: torch.Tensor  # [T]: row indices grouped by slot, ascending slots, -1 rows last
+    slot_counts: torch.Tensor  # [S]: rows per slot
+    block_slot: torch.Tensor  # [B]: slot of each block of rows, -1 past the last block
+    block_start: torch.Tensor  # [B]: first position of the block in sorted_tokens
+    block_len: torch.Tensor  # [B]: rows in the block, 1..block_m (0 past the last block)
+    num_slots: int  # S
+    block_m: int  # rows per block at most
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the grid (an upper bound; blocks past the real ones have slot -1)."""
+        return self.block_slot.shape[0]
+
+    @classmethod
+    def build(cls, token_slots: torch.Tensor, num_slots: int, block_m: int | None = None) -> "LoRABatch":
+        """Group ``token_slots`` (int32 [T], -1 = no adapter) into blocks of one slot each.
+
+        Device ops only (sort, scatter, scan, searchsorted): no host synchronisation.
+        """
+        if token_slots.dim() != 1:
+            raise ValueError(f"token_slots must be 1-D [num_tokens], got shape {tuple(token_slots.shape)}")
+        if token_slots.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"token_slots must be int32, got {token_slots.dtype}")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        num_tokens = token_slots.shape[0]
+        block_m = block_m or default_block_m(num_tokens)
+        device = token_slots.device
+        slots = token_slots.to(torch.int64)
+
+        # Base-only rows sort after every slot: key S.
+        key = torch.where(slots < 0, torch.full_like(slots, num_slots), slots)
+        sorted_tokens = torch.sort(key, stable=True).indices
+
+        # bincount would read max(key) on the host; a scatter into a fixed size does not.
+        counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+        counts.scatter_add_(0, key, torch.ones_like(key))
+        counts = counts[:num_slots]
+        starts = torch.cumsum(counts, 0) - counts  # [S] first sorted position of each slot
+        blocks = (counts + block_m - 1) // block_m  # [S] blocks of each slot
+        blocks_end = torch.cumsum(blocks, 0)  # [S] one past each slot's last block
+
+        block_ids = torch.arange(max_blocks(num_tokens, num_slots, block_m), device=device)
+        block_slot = torch.searchsorted(blocks_end, block_ids, right=True)  # [B] in 0..S
+        valid = block_slot < num_slots
+        s = block_slot.clamp(max=num_slots - 1)
+        index_in_slot = block_ids - (blocks_end[s] - blocks[s])
+        block_start = starts[s] + index_in_slot * block_m
+        block_len = (counts[s] - index_in_slot * block_m).clamp(min=0, max=block_m)
+
+        def i32(t: torch.Tensor) -> torch.Tensor:
+            return t.to(torch.int32).contiguous()
+
+        return cls(
+            token_slots=i32(slots),
+            sorted_tokens=i32(sorted_tokens),
+            slot_counts=i32(counts),
+            block_slot=i32(torch.where(valid, block_slot, -1)),
+            block_start=i32(torch.where(valid, block_start, 0)),
+            block_len=i32(torch.where(valid, block_len, 0)),
+            num_slots=num_slots,
+            block_m=block_m,
+        )

@@ -1,0 +1,108 @@
+"""The LoRA term in plain torch: the reference the kernels are tested against, and the path
+``add_lora`` takes on CPU tensors.
+
+For every row t whose slot s = token_slots[t] is not -1, and every output slice i::
+
+    y[t, off_i : off_i + o_i] += scaling[s, i] * (x[t] @ A_i[s, :r_s].T) @ B_i[s, :, :r_s].T
+
+where A_i = lora_a[:, i*R:(i+1)*R, :], B_i = lora_b[:, off_i:off_i+o_i, :] and r_s = ranks[s]
+(R when no ranks are given).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Rows gathered at once by the torch path: bounds its [rows, n*R, in] weight gather.
+_TORCH_CHUNK_ROWS = 256
+
+
+def _slice_bounds(out_features: int, output_slices: tuple[int, ...] | None) -> list[tuple[int, int]]:
+    """[(first column, width)] of each output slice."""
+    slices = output_slices or (out_features,)
+    bounds, offset = [], 0
+    for width in slices:
+        bounds.append((offset, width))
+        offset += width
+    return bounds
+
+
+def _per_slice_scaling(scaling: torch.Tensor, num_slices: int) -> torch.Tensor:
+    """float32 [S] or [S, n] -> [S, n]."""
+    return scaling[:, None].expand(-1, num_slices) if scaling.dim() == 1 else scaling
+
+
+def _rank_mask(lora_a: torch.Tensor, ranks: torch.Tensor | None, rank: int) -> torch.Tensor | None:
+    """[S, R] 1.0 where a rank row is inside its slot's rank, else 0.0; None when all are."""
+    if ranks is None:
+        return None
+    return (torch.arange(rank, device=lora_a.device)[None, :] < ranks[:, None].to(lora_a.device)).to(torch.float32)
+
+
+def add_lora_reference(
+    y: torch.Tensor,  # [T, out]
+    x: torch.Tensor,  # [T, in]
+    lora_a: torch.Tensor,  # [S, n*R, in]
+    lora_b: torch.Tensor,  # [S, out, R]
+    scaling: torch.Tensor,  # float32 [S] or [S, n]
+    token_slots: torch.Tensor,  # int [T], -1 = no adapter
+    ranks: torch.Tensor | None = None,  # int [S]
+    output_slices: tuple[int, ...] | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Returns y + the LoRA term, in ``compute_dtype`` (y itself is not changed)."""
+    bounds = _slice_bounds(y.shape[1], output_slices)
+    rank = lora_b.shape[2]
+    scale = _per_slice_scaling(scaling, len(bounds)).to(compute_dtype)
+    mask = _rank_mask(lora_a, ranks, rank)
+
+    out = y.to(compute_dtype).clone()
+    rows = torch.nonzero(token_slots >= 0).flatten()
+    slots = token_slots[rows].long()
+    xs = x[rows].to(compute_dtype)  # [t, in]
+    for i, (offset, width) in enumerate(bounds):
+        a = lora_a[slots, i * rank : (i + 1) * rank, :].to(compute_dtype)  # [t, R, in]
+        b = lora_b[slots, offset : offset + width, :].to(compute_dtype)  # [t, o, R]
+        v = torch.einsum("tk,trk->tr", xs, a)  # shrink: [t, R]
+        if mask is not None:
+            v = v * mask[slots].to(compute_dtype)
+        delta = torch.einsum("tr,tor->to", v, b) * scale[slots, i][:, None]  # expand: [t, o]
+        out[rows, offset : offset + width] += delta
+    return out
+
+
+def add_lora_torch(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor,
+    token_slots: torch.Tensor,
+    ranks: torch.Tensor | None = None,
+    output_slices: tuple[int, ...] | None = None,
+) -> None:
+    """The LoRA term added into ``y`` in place, vectorised over rows (a gather per chunk of rows).
+
+    Base-only rows gather slot 0 and are masked out, so nothing depends on a host read of
+    the slots; the arithmetic runs in the inputs' dtype with float32 scaling, like PEFT.
+    """
+    bounds = _slice_bounds(y.shape[1], output_slices)
+    rank = lora_b.shape[2]
+    scale = _per_slice_scaling(scaling, len(bounds)).to(torch.float32)
+    mask = _rank_mask(lora_a, ranks, rank)
+
+    for start in range(0, x.shape[0], _TORCH_CHUNK_ROWS):
+        stop = min(start + _TORCH_CHUNK_ROWS, x.shape[0])
+        slots = token_slots[start:stop].long()
+        active = (slots >= 0).to(torch.float32)  # [t]
+        slots = slots.clamp(min=0)
+        xs = x[start:stop]
+        a = lora_a[slots]  # [t, n*R, in]
+        v = torch.bmm(a, xs.unsqueeze(2)).squeeze(2).float()  # shrink, all slices: [t, n*R]
+        if mask is not None:
+            v = v * mask[slots].repeat(1, len(bounds))
+        for i, (offset, width) in enumerate(bounds):
+            vi = v[:, i * rank : (i + 1) * rank] * (scale[slots, i] * active)[:, None]
+            b = lora_b[slots, offset : offset + width, :]  # [t, o, R]
+            delta = torch.bmm(b, vi.to(b.dtype).unsqueeze(2)).squeeze(2)  # expand: [t, o]
+            y[start:stop, offset : offset + width] += delta.to(y.dtype)
