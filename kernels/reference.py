@@ -84,7 +84,7 @@ def add_lora_torch(
     """The LoRA term added into ``y`` in place, vectorised over rows (a gather per chunk of rows).
 
     Base-only rows gather slot 0 and are masked out, so nothing depends on a host read of
-    the slots; the arithmetic runs in the inputs' dtype with float32 scaling, like PEFT.
+    the slots; the matmuls run in the inputs' dtype with float32 scaling, like PEFT.
     """
     bounds = _slice_bounds(y.shape[1], output_slices)
     rank = lora_b.shape[2]
@@ -94,15 +94,16 @@ def add_lora_torch(
     for start in range(0, x.shape[0], _TORCH_CHUNK_ROWS):
         stop = min(start + _TORCH_CHUNK_ROWS, x.shape[0])
         slots = token_slots[start:stop].long()
-        active = (slots >= 0).to(torch.float32)  # [t]
+        active = slots >= 0  # [t]
         slots = slots.clamp(min=0)
+        # Rank entries a row may use: inside its slot's rank, and only for adapter rows.
+        # Selected with `where`, not multiplied, so whatever lies in the padding never leaks.
+        keep = active[:, None] if mask is None else (mask[slots] > 0) & active[:, None]  # [t, R]
         xs = x[start:stop]
         a = lora_a[slots]  # [t, n*R, in]
         v = torch.bmm(a, xs.unsqueeze(2)).squeeze(2).float()  # shrink, all slices: [t, n*R]
-        if mask is not None:
-            v = v * mask[slots].repeat(1, len(bounds))
         for i, (offset, width) in enumerate(bounds):
-            vi = v[:, i * rank : (i + 1) * rank] * (scale[slots, i] * active)[:, None]
-            b = lora_b[slots, offset : offset + width, :]  # [t, o, R]
+            vi = torch.where(keep, v[:, i * rank : (i + 1) * rank], 0.0) * scale[slots, i][:, None]
+            b = torch.where(keep[:, None, :], lora_b[slots, offset : offset + width, :], 0)  # [t, o, R]
             delta = torch.bmm(b, vi.to(b.dtype).unsqueeze(2)).squeeze(2)  # expand: [t, o]
             y[start:stop, offset : offset + width] += delta.to(y.dtype)

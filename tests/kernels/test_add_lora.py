@@ -1,0 +1,202 @@
+"""add_lora against the float64 reference, on both backends (Triton through its interpreter).
+
+Inputs are poisoned so that a wrong read or a missed write fails: y starts random (not
+zero), rank rows and columns past a slot's rank are NaN, unused slots are NaN, and strided
+inputs carry NaN in the gaps between rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loraplex.kernels import LoRABatch, add_lora, add_lora_reference
+
+# Real model projections scaled down (widths / 32 for Llama-3-8B, / 8 for Qwen2-0.5B):
+# (in_features, output_slices).
+LLAMA3_QKV = (128, (128, 32, 32))
+LLAMA3_GATE_UP = (128, (448, 448))
+LLAMA3_DOWN = (448, (128,))
+QWEN2_QKV = (112, (112, 16, 16))
+SHAPES = {"llama3-qkv": LLAMA3_QKV, "llama3-gate-up": LLAMA3_GATE_UP, "llama3-down": LLAMA3_DOWN, "qwen2-qkv": QWEN2_QKV}
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+
+def slot_pattern(pattern: str, num_tokens: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
+    """token_slots for a named pattern of rows."""
+    if pattern == "all-base":
+        slots = torch.full((num_tokens,), -1)
+    elif pattern == "one-adapter":
+        slots = torch.full((num_tokens,), num_slots - 1)
+    elif pattern == "every-row-own":  # decode: each request its own adapter
+        slots = torch.arange(num_tokens) % num_slots
+    elif pattern == "prefill-segments":  # a few long runs, base rows among them
+        bounds = sorted(torch.randint(1, num_tokens, (3,), generator=gen).tolist())
+        slots = torch.empty(num_tokens, dtype=torch.long)
+        for i, (lo, hi) in enumerate(zip([0, *bounds], [*bounds, num_tokens])):
+            slots[lo:hi] = -1 if i == 1 else (i * 3) % num_slots
+    elif pattern == "random-mixed":
+        slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen)
+    else:
+        raise ValueError(pattern)
+    return slots.to(torch.int32)
+
+
+def make_weights(num_slots, rank, in_features, slices, ranks, dtype, gen, used):
+    """Adapter buffers with NaN past each slot's rank and in slots no row uses."""
+    n = len(slices)
+    lora_a = torch.randn(num_slots, n * rank, in_features, generator=gen) / math.sqrt(in_features)
+    lora_b = torch.randn(num_slots, sum(slices), rank, generator=gen) / math.sqrt(rank)
+    for s in range(num_slots):
+        r = int(ranks[s])
+        for i in range(n):
+            lora_a[s, i * rank + r : (i + 1) * rank] = float("nan")
+        lora_b[s, :, r:] = float("nan")
+        if s not in used:
+            lora_a[s] = float("nan")
+            lora_b[s] = float("nan")
+    scaling = torch.rand(num_slots, n, generator=gen) * 2 + 0.1
+    return lora_a.to(dtype), lora_b.to(dtype), scaling
+
+
+def check(case_seed, num_tokens, num_slots, rank, shape, pattern, dtype, backend, mixed_ranks=True, strided=False):
+    gen = torch.Generator().manual_seed(case_seed)
+    in_features, slices = SHAPES[shape]
+    token_slots = slot_pattern(pattern, num_tokens, num_slots, gen)
+    used = set(token_slots[token_slots >= 0].tolist())
+    if mixed_ranks:
+        ranks = torch.randint(1, rank + 1, (num_slots,), generator=gen).to(torch.int32)
+        ranks[0] = rank
+    else:
+        ranks = torch.full((num_slots,), rank, dtype=torch.int32)
+    lora_a, lora_b, scaling = make_weights(num_slots, rank, in_features, slices, ranks, dtype, gen, used)
+
+    out_features = sum(slices)
+    if strided:  # rows of x and y are views into wider buffers, NaN in between
+        x_buf = torch.full((num_tokens, in_features + 24), float("nan"), dtype=dtype)
+        y_buf = torch.full((num_tokens, out_features + 40), float("nan"), dtype=dtype)
+        x, y = x_buf[:, 8 : 8 + in_features], y_buf[:, 16 : 16 + out_features]
+        x.copy_(torch.randn(num_tokens, in_features, generator=gen))
+        y.copy_(torch.randn(num_tokens, out_features, generator=gen))
+    else:
+        x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
+        y = torch.randn(num_tokens, out_features, generator=gen).to(dtype)
+
+    expected = add_lora_reference(y, x, torch.nan_to_num(lora_a), torch.nan_to_num(lora_b), scaling, token_slots, ranks, slices)
+    before = y.clone()
+    batch = LoRABatch.build(token_slots, num_slots)
+    out = add_lora(y, x, lora_a, lora_b, scaling, batch, ranks=ranks, backend=backend, output_slices=slices)
+    assert out is y
+
+    base_rows = token_slots < 0
+    assert torch.equal(y[base_rows], before[base_rows]), "a base-only row changed"
+    delta = y.double() - before.double()
+    expected_delta = expected - before.double()
+    assert torch.isfinite(delta).all(), "NaN read from padding, an unused slot or a stride gap"
+    if expected_delta.abs().sum() > 0:
+        err = ((delta - expected_delta).norm() / expected_delta.norm()).item()
+        assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+    if strided:
+        assert torch.isnan(y_buf[:, :16]).all() and torch.isnan(y_buf[:, 16 + out_features :]).all(), "wrote outside y"
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "num_tokens,num_slots,rank,shape,pattern",
+    [
+        (1, 4, 16, "llama3-qkv", "one-adapter"),
+        (8, 8, 16, "llama3-qkv", "every-row-own"),
+        (8, 4, 8, "llama3-qkv", "all-base"),
+        (33, 5, 32, "llama3-gate-up", "random-mixed"),
+        (40, 6, 16, "llama3-down", "every-row-own"),
+        (96, 8, 64, "qwen2-qkv", "prefill-segments"),
+        (600, 4, 16, "llama3-qkv", "prefill-segments"),  # prefill block size (64 rows)
+    ],
+)
+def test_matches_reference(backend, dtype, num_tokens, num_slots, rank, shape, pattern):
+    check(num_tokens * 131 + rank, num_tokens, num_slots, rank, shape, pattern, dtype, backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_strided_rows(backend):
+    check(7, 24, 4, 16, "llama3-qkv", "random-mixed", torch.float32, backend, strided=True)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_uniform_ranks_without_ranks_tensor(backend):
+    """ranks=None means every slot uses the buffers' full rank."""
+    gen = torch.Generator().manual_seed(3)
+    in_features, slices = LLAMA3_GATE_UP
+    token_slots = slot_pattern("random-mixed", 20, 3, gen)
+    lora_a = torch.randn(3, 2 * 16, in_features, generator=gen) / 10
+    lora_b = torch.randn(3, sum(slices), 16, generator=gen) / 4
+    scaling = torch.rand(3, generator=gen)
+    x = torch.randn(20, in_features, generator=gen)
+    y = torch.randn(20, sum(slices), generator=gen)
+    expected = add_lora_reference(y, x, lora_a, lora_b, scaling, token_slots, None, slices)
+    add_lora(y, x, lora_a, lora_b, scaling, LoRABatch.build(token_slots, 3), backend=backend, output_slices=slices)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fused_slices_equal_separate_calls(backend):
+    """One launch over q/k/v gives what three single-slice calls give."""
+    gen = torch.Generator().manual_seed(11)
+    in_features, slices = LLAMA3_QKV
+    num_slots, rank, num_tokens = 4, 16, 12
+    token_slots = slot_pattern("random-mixed", num_tokens, num_slots, gen)
+    batch = LoRABatch.build(token_slots, num_slots)
+    lora_a = torch.randn(num_slots, 3 * rank, in_features, generator=gen) / 10
+    lora_b = torch.randn(num_slots, sum(slices), rank, generator=gen) / 4
+    scaling = torch.rand(num_slots, 3, generator=gen)
+    x = torch.randn(num_tokens, in_features, generator=gen)
+    y = torch.randn(num_tokens, sum(slices), generator=gen)
+    fused = add_lora(y.clone(), x, lora_a, lora_b, scaling, batch, backend=backend, output_slices=slices)
+    offset = 0
+    for i, width in enumerate(slices):
+        part = y[:, offset : offset + width].contiguous()
+        add_lora(
+            part, x, lora_a[:, i * rank : (i + 1) * rank].contiguous(), lora_b[:, offset : offset + width].contiguous(),
+            scaling[:, i].contiguous(), batch, backend=backend,
+        )
+        torch.testing.assert_close(fused[:, offset : offset + width], part, rtol=1e-5, atol=1e-5)
+        offset += width
+
+
+def _call_args(**overrides):
+    args = dict(
+        y=torch.zeros(4, 32), x=torch.zeros(4, 16), lora_a=torch.zeros(2, 8, 16), lora_b=torch.zeros(2, 32, 8),
+        scaling=torch.ones(2), batch=LoRABatch.build(torch.tensor([0, 1, -1, 0], dtype=torch.int32), 2),
+    )
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    "overrides,error,match",
+    [
+        (dict(x=torch.zeros(3, 16)), ValueError, "rows"),
+        (dict(lora_a=torch.zeros(2, 8, 15)), ValueError, "lora_a is"),
+        (dict(lora_b=torch.zeros(3, 32, 8)), ValueError, "lora_a is"),
+        (dict(y=torch.zeros(4, 32, dtype=torch.float16)), TypeError, "share a dtype"),
+        (dict(scaling=torch.ones(2, dtype=torch.float64)), ValueError, "scaling"),
+        (dict(ranks=torch.ones(2, dtype=torch.int64)), ValueError, "ranks"),
+        (dict(x=torch.zeros(16, 4).t()), ValueError, "contiguous"),
+        (dict(output_slices=(16, 8)), ValueError, "output_slices"),
+        (dict(backend="cuda"), ValueError, "backend"),
+        (dict(x=torch.zeros(4, 16, dtype=torch.int32)), TypeError, "not supported"),
+    ],
+)
+def test_refuses_bad_calls(overrides, error, match):
+    with pytest.raises(error, match=match):
+        add_lora(**_call_args(**overrides))
+
+
+def test_triton_backend_needs_block_m_of_16():
+    args = _call_args(batch=LoRABatch.build(torch.tensor([0, 1, -1, 0], dtype=torch.int32), 2, block_m=2))
+    with pytest.raises(ValueError, match="block_m"):
+        add_lora(**args, backend="triton")

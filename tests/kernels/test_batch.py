@@ -1,0 +1,69 @@
+"""LoRABatch.build: every adapter row in exactly one block of its own slot; base rows in none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.kernels.batch import LoRABatch, max_blocks
+
+
+def blocks_of(batch: LoRABatch) -> list[tuple[int, list[int]]]:
+    """[(slot, rows)] of the real blocks, read back from the batch."""
+    out = []
+    for b in range(batch.num_blocks):
+        slot = int(batch.block_slot[b])
+        if slot < 0:
+            assert int(batch.block_len[b]) == 0
+            continue
+        start, length = int(batch.block_start[b]), int(batch.block_len[b])
+        out.append((slot, batch.sorted_tokens[start : start + length].tolist()))
+    return out
+
+
+def test_worked_example_of_the_docstring():
+    batch = LoRABatch.build(torch.tensor([1, -1, 1, 0, 1, 2, -1], dtype=torch.int32), 3, block_m=2)
+    assert batch.sorted_tokens.tolist() == [3, 0, 2, 4, 5, 1, 6]
+    assert batch.slot_counts.tolist() == [1, 3, 1]
+    assert blocks_of(batch) == [(0, [3]), (1, [0, 2]), (1, [4]), (2, [5])]
+    assert batch.num_blocks == max_blocks(7, 3, 2) == 6
+
+
+@pytest.mark.parametrize(
+    "token_slots,num_slots,block_m",
+    [
+        ([-1, -1, -1], 4, 16),
+        ([0] * 40, 1, 16),
+        (list(range(8)), 8, 16),
+        ([3, 3, -1, 0, 3, 0, -1, 3, 2], 4, 2),
+        ([5] * 7 + [-1] * 3 + [1] * 20, 6, 4),
+    ],
+)
+def test_blocks_cover_each_adapter_row_once(token_slots, num_slots, block_m):
+    batch = LoRABatch.build(torch.tensor(token_slots, dtype=torch.int32), num_slots, block_m=block_m)
+    blocks = blocks_of(batch)
+    seen = sorted(row for _, rows in blocks for row in rows)
+    assert seen == [t for t, s in enumerate(token_slots) if s >= 0]
+    for slot, rows in blocks:
+        assert 1 <= len(rows) <= block_m
+        assert all(token_slots[r] == slot for r in rows)
+    # Blocks of one slot are consecutive and slots ascend: each adapter's weights stream once.
+    slots_in_order = [slot for slot, _ in blocks]
+    assert slots_in_order == sorted(slots_in_order)
+    assert batch.num_blocks >= len(blocks)
+
+
+def test_random_assignments_never_exceed_the_grid():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        num_tokens = int(torch.randint(1, 300, (1,), generator=gen))
+        num_slots = int(torch.randint(1, 40, (1,), generator=gen))
+        slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen).to(torch.int32)
+        batch = LoRABatch.build(slots, num_slots)
+        assert sum(len(rows) for _, rows in blocks_of(batch)) == int((slots >= 0).sum())
+
+
+@pytest.mark.parametrize("bad,error", [(torch.zeros(2, 2, dtype=torch.int32), ValueError), (torch.zeros(3), TypeError)])
+def test_refuses_bad_token_slots(bad, error):
+    with pytest.raises(error):
+        LoRABatch.build(bad, 4)
