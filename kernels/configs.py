@@ -31,25 +31,39 @@ class SGMVConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.lru_cache(maxsize=1024)
-def _config(num_blocks: int, in_features: int, output_slices: tuple[int, ...], rank: int, itemsize: int, sms: int) -> SGMVConfig:
+def make_config(
+    num_blocks: int,
+    in_features: int,
+    output_slices: tuple[int, ...],
+    rank: int,
+    itemsize: int,
+    sms: int,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> SGMVConfig:
+    """A configuration from the problem size; the keyword arguments override the defaults."""
     block_r = max(16, triton.next_power_of_2(rank))
-    block_n = 64 if block_r >= 64 else 128
-    # Keep the [BLOCK_K, BLOCK_R] tile of A and [BLOCK_M, BLOCK_K] of x near 16-32 KB.
-    block_k = max(32, min(256, triton.next_power_of_2(in_features), 4096 // block_r * 4 // itemsize))
+    block_n = block_n or (64 if block_r >= 64 else 128)
+    # Keep the [BLOCK_K, BLOCK_R] tile of A near 16 KB.
+    block_k = block_k or max(32, min(256, triton.next_power_of_2(in_features), 16384 // (block_r * itemsize)))
     column_tiles = sum(triton.cdiv(w, block_n) for w in output_slices)
-    wanted_spans = triton.cdiv(PROGRAMS_PER_SM * sms, num_blocks)
+    wanted_spans = triton.cdiv(programs_per_sm * sms, num_blocks)
     spans = max(len(output_slices), min(column_tiles, wanted_spans))
-    widest = max(output_slices)
     span = triton.cdiv(triton.cdiv(sum(output_slices), spans), block_n) * block_n
-    span = max(block_n, min(span, triton.cdiv(widest, block_n) * block_n))
-    return SGMVConfig(block_n=block_n, block_k=block_k, span=span, num_warps=4, num_stages=3)
+    span = max(block_n, min(span, triton.cdiv(max(output_slices), block_n) * block_n))
+    return SGMVConfig(block_n=block_n, block_k=block_k, span=span, num_warps=num_warps, num_stages=num_stages)
+
+
+_cached_config = functools.lru_cache(maxsize=1024)(make_config)
 
 
 def sgmv_config(
@@ -62,4 +76,4 @@ def sgmv_config(
 ) -> SGMVConfig:
     """The launch configuration for one call shape (cached)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return _config(num_blocks, in_features, tuple(output_slices), rank, itemsize, _multiprocessors(device))
+    return _cached_config(num_blocks, in_features, tuple(output_slices), rank, itemsize, multiprocessors(device))

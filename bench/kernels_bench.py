@@ -1,0 +1,284 @@
+"""Builds, checks and times add_lora on Llama-3-8B layer shapes (bf16), on one GPU, in one run.
+
+    python3 bench/kernels_bench.py --out results.json [--quick] [--sweep]
+
+For each case (layer x tokens x distinct adapters x rank), in this order:
+  1. ours (the fused SGMV Triton kernel) and two baselines (a torch gather-then-bmm, a
+     loop of one matmul per distinct adapter) are checked against the float32 reference
+     (relative error of the LoRA term; bf16 must land under 2e-2);
+  2. each is captured in a CUDA graph and its replays timed with L2 flushed before each
+     (median of `--reps`), as is the base GEMM of the same layer (x @ W^T);
+  3. achieved bandwidth counts the fewest bytes: each distinct adapter's A and B once at
+     its rank, x once, y read and written once, against the measured device-to-device
+     copy bandwidth (bytes read + written).
+`--sweep` also times launch configurations around the default on a subset of cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from loraplex.kernels import LoRABatch, add_lora
+from loraplex.kernels.batch import default_block_m
+from loraplex.kernels.configs import make_config, multiprocessors
+from loraplex.kernels.reference import add_lora_torch
+from loraplex.kernels.sgmv import sgmv_add
+
+# Llama-3-8B: (in_features, output_slices)
+LAYERS = {
+    "qkv": (4096, (4096, 1024, 1024)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (14336, 14336)),
+    "down": (14336, (4096,)),
+}
+DECODE_TOKENS = (1, 8, 32, 64, 128, 256)
+DECODE_ADAPTERS = (1, 8, 16, 32, "per-token")
+RANKS = (8, 16, 64)
+PREFILL = (8, 512)  # sequences x tokens
+DTYPE = torch.bfloat16
+FLUSH_BYTES = 512 << 20  # > L2 (60 MB on an H200)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * n / (ms * 1e-3)
+
+
+class GraphTimer:
+    """Times a callable as CUDA-graph replays with L2 flushed before each replay."""
+
+    def __init__(self, reps: int):
+        self.reps = reps
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn) -> float:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        for i in range(self.reps):
+            self.flush.zero_()
+            starts[i].record()
+            graph.replay()
+            ends[i].record()
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))  # us
+        return times[len(times) // 2]
+
+
+def loop_per_adapter(y, x, lora_a, lora_b, scaling, groups, slices, rank):
+    """Baseline: one matmul per distinct adapter (and slice), rows gathered by index.
+
+    In float32 on upcast inputs it is also the reference the others are checked against.
+    """
+    for slot, rows in groups:
+        v = x[rows] @ lora_a[slot].T  # [t, n*R]
+        offset = 0
+        for i, width in enumerate(slices):
+            vi = v[:, i * rank : (i + 1) * rank] * scaling[slot, i]
+            y[rows, offset : offset + width] += vi @ lora_b[slot, offset : offset + width].T
+            offset += width
+
+
+def rel_error(got: torch.Tensor, before: torch.Tensor, expected: torch.Tensor) -> float:
+    delta = got.float() - before.float()
+    want = expected - before.float()
+    return float((delta - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def make_case(layer, num_tokens, adapters, rank, seqs=None, gen=None):
+    in_features, slices = LAYERS[layer]
+    out_features = sum(slices)
+    n = len(slices)
+    num_adapters = num_tokens if adapters == "per-token" else adapters
+    if seqs:  # prefill: contiguous sequences, adapter i % num_adapters for sequence i
+        per_seq = num_tokens // seqs
+        token_slots = torch.arange(num_tokens) // per_seq % num_adapters
+    else:  # decode: one row per request, adapters interleaved in a random order
+        token_slots = torch.arange(num_tokens) % num_adapters
+        token_slots = token_slots[torch.randperm(num_tokens, generator=gen)]
+    dev = "cuda"
+    x = torch.randn(num_tokens, in_features, generator=gen).to(dev, DTYPE)
+    y = torch.randn(num_tokens, out_features, generator=gen).to(dev, DTYPE)
+    lora_a = (torch.randn(num_adapters, n * rank, in_features, generator=gen) / math.sqrt(in_features)).to(dev, DTYPE)
+    lora_b = (torch.randn(num_adapters, out_features, rank, generator=gen) / math.sqrt(rank)).to(dev, DTYPE)
+    scaling = (torch.rand(num_adapters, n, generator=gen) + 0.5).to(dev)
+    weight = (torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)).to(dev, DTYPE)
+    token_slots = token_slots.to(torch.int32).to(dev)
+    return dict(x=x, y=y, lora_a=lora_a, lora_b=lora_b, scaling=scaling, weight=weight, token_slots=token_slots,
+                slices=slices, num_adapters=num_adapters, rank=rank)
+
+
+def fewest_bytes(c) -> int:
+    item = 2
+    t, k = c["x"].shape
+    out = c["y"].shape[1]
+    adapters = c["num_adapters"] * (len(c["slices"]) * c["rank"] * k + out * c["rank"]) * item
+    return adapters + t * k * item + 2 * t * out * item
+
+
+def run_case(c, timer, bandwidth, sweep):
+    x, y0, lora_a, lora_b, scaling, slots = c["x"], c["y"], c["lora_a"], c["lora_b"], c["scaling"], c["token_slots"]
+    slices, rank, S = c["slices"], c["rank"], c["num_adapters"]
+    batch = LoRABatch.build(slots, S)
+    groups = [(s, torch.nonzero(slots == s).flatten()) for s in range(S)]
+    groups = [(s, rows) for s, rows in groups if rows.numel()]
+    # The float32 reference, one adapter at a time (a per-row gather would not fit at prefill).
+    expected = y0.float()
+    loop_per_adapter(expected, x.float(), lora_a.float(), lora_b.float(), scaling, groups, slices, rank)
+
+    variants = {
+        "ours": lambda y: add_lora(y, x, lora_a, lora_b, scaling, batch, output_slices=slices),
+        "gather_bmm": lambda y: add_lora_torch(y, x, lora_a, lora_b, scaling, slots, None, slices),
+        "loop": lambda y: loop_per_adapter(y, x, lora_a, lora_b, scaling, groups, slices, rank),
+    }
+    row = {"errors": {}, "us": {}}
+    for name, fn in variants.items():
+        y = y0.clone()
+        fn(y)
+        torch.cuda.synchronize()
+        row["errors"][name] = rel_error(y, y0, expected)
+        if not row["errors"][name] < 2e-2:
+            row["us"][name] = None
+            continue
+        y = y0.clone()
+        row["us"][name] = timer(lambda: fn(y))
+    out = torch.empty_like(y0)
+    row["us"]["base_gemm"] = timer(lambda: torch.matmul(x, c["weight"].T, out=out))
+
+    nbytes = fewest_bytes(c)
+    row["fewest_bytes"] = nbytes
+    if row["us"]["ours"]:
+        row["ours_over_base"] = row["us"]["ours"] / row["us"]["base_gemm"]
+        row["ours_bandwidth_fraction"] = nbytes / (row["us"]["ours"] * 1e-6) / bandwidth
+
+    if sweep:
+        sms = multiprocessors(x.device)
+        row["sweep"] = []
+        base = dict(programs_per_sm=4, block_n=None, block_k=None, num_warps=4, num_stages=3)
+        trials = [dict(base)]
+        for key, values in (("programs_per_sm", (1, 2, 8, 16)), ("num_warps", (2, 8)), ("num_stages", (2, 4)),
+                            ("block_k", (64, 128)), ("block_n", (64, 256))):
+            for v in values:
+                trials.append({**base, key: v})
+        for block_m in sorted({16, 32, 64, default_block_m(x.shape[0])}):
+            if block_m > 16 and x.shape[0] < 64:
+                continue
+            b = LoRABatch.build(slots, S, block_m=block_m)
+            for t in trials if block_m == batch.block_m else [base]:
+                cfg = make_config(b.num_blocks, x.shape[1], slices, rank, 2, sms, **t)
+                y = y0.clone()
+                try:
+                    sgmv_add(y, x, lora_a, lora_b, scaling, b, None, slices, config=cfg)
+                    err = rel_error(y, y0, expected)
+                    us = timer(lambda: sgmv_add(y, x, lora_a, lora_b, scaling, b, None, slices, config=cfg)) if err < 2e-2 else None
+                except Exception as exc:  # a config the compiler refuses: record and go on
+                    err, us = repr(exc)[:200], None
+                row["sweep"].append({"block_m": block_m, **t, "span": cfg.span, "block_k_used": cfg.block_k,
+                                     "block_n_used": cfg.block_n, "error": err, "us": us})
+    return row
+
+
+def check_no_sync():
+    """LoRABatch.build and add_lora must capture into a CUDA graph (any host sync would fail)."""
+    slots = torch.randint(-1, 8, (64,), device="cuda", dtype=torch.int32)
+    x = torch.randn(64, 256, device="cuda", dtype=DTYPE)
+    y = torch.zeros(64, 512, device="cuda", dtype=DTYPE)
+    a = torch.randn(8, 16, 256, device="cuda", dtype=DTYPE)
+    b = torch.randn(8, 512, 16, device="cuda", dtype=DTYPE)
+    sc = torch.ones(8, device="cuda")
+    LoRABatch.build(slots, 8)
+    add_lora(y, x, a, b, sc, LoRABatch.build(slots, 8))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph):
+            add_lora(y, x, a, b, sc, LoRABatch.build(slots, 8))
+    graph.replay()
+    torch.cuda.synchronize()
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--quick", action="store_true", help="a few cases only")
+    parser.add_argument("--sweep", action="store_true", help="time configurations around the default")
+    parser.add_argument("--layers", default=",".join(LAYERS))
+    args = parser.parse_args(argv)
+
+    gen = torch.Generator().manual_seed(0)
+    bandwidth = copy_bandwidth()
+    timer = GraphTimer(args.reps)
+    meta = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "copy_bandwidth_bytes_per_s": bandwidth,
+        "graph_capture_without_sync": check_no_sync(), "dtype": str(DTYPE), "reps": args.reps,
+        "timing": "median CUDA-graph replay, L2 flushed before each",
+    }
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+
+    cases = []
+    for layer in args.layers.split(","):
+        for rank in RANKS:
+            for t in DECODE_TOKENS:
+                for adapters in DECODE_ADAPTERS:
+                    if adapters != "per-token" and adapters > t:
+                        continue
+                    if adapters == "per-token" and t in (1,):
+                        continue
+                    cases.append(dict(layer=layer, phase="decode", tokens=t, adapters=adapters, rank=rank))
+            for adapters in (1, 8):
+                cases.append(dict(layer=layer, phase="prefill", tokens=PREFILL[0] * PREFILL[1], adapters=adapters, rank=rank))
+    if args.quick:
+        cases = [c for c in cases if c["rank"] == 16 and c["tokens"] in (1, 64, 4096)]
+    sweep_keys = {("decode", 1, 1), ("decode", 64, 16), ("decode", 256, "per-token"), ("prefill", 4096, 8)}
+
+    results = []
+    started = time.time()
+    for spec in cases:
+        try:
+            c = make_case(spec["layer"], spec["tokens"], spec["adapters"], spec["rank"],
+                          seqs=PREFILL[0] if spec["phase"] == "prefill" else None, gen=gen)
+            sweep = args.sweep and spec["rank"] == 16 and (spec["phase"], spec["tokens"], spec["adapters"]) in sweep_keys
+            row = {**spec, **run_case(c, timer, bandwidth, sweep)}
+            del c
+        except Exception as exc:  # record and carry on: one broken case must not lose the run
+            row = {**spec, "failure": repr(exc)[:500]}
+        results.append(row)
+        us = row.get("us", {})
+        fmt = lambda v: f"{v:8.1f}" if isinstance(v, (int, float)) else "       -"
+        print(f"{spec['layer']:8s} {spec['phase']:7s} T={spec['tokens']:5d} A={str(spec['adapters']):9s} r={spec['rank']:2d} "
+              f"ours {fmt(us.get('ours'))} gather {fmt(us.get('gather_bmm'))} loop {fmt(us.get('loop'))} "
+              f"base {fmt(us.get('base_gemm'))} ratio {row.get('ours_over_base', float('nan')):.2f} "
+              f"bw {row.get('ours_bandwidth_fraction', float('nan')):.2f} {row.get('failure', '')}", flush=True)
+        args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    meta["seconds"] = time.time() - started
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
