@@ -1,0 +1,202 @@
+"""kopf handlers: wire BaseModel / LoRAAdapter events to the planner.
+
+    LoRAAdapter  create / update / resume / delete (finalizer)  -> reconcile its base
+    LoRAAdapter  every event (node agents patch status.nodes)   -> its own Staged / Ready
+    BaseModel    create / update / resume                      -> Deployment + Service, reconcile
+    BaseModel    deleted                                        -> its adapters go Pending
+    BaseModel    daemon                                         -> reconcile when a warm-up window opens or ends
+    Deployment   readiness (ours, by label)                    -> reconcile its base
+
+The indices hold every BaseModel and LoRAAdapter as small parsed records, so a handler
+never lists objects. Run with `kopf run -m loraplex.operator` or `loraplex-operator`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from typing import Any
+
+import kopf
+
+from loraplex.operator import kube, status as statuses, workloads
+from loraplex.operator.packing import pack
+from loraplex.operator.plan import Plan
+from loraplex.operator.reconciler import AdapterRecord, BaseRecord, Planner, utcnow
+from loraplex.operator.specs import GROUP, VERSION, AdapterSpec, BaseModelSpec, SpecError
+from loraplex.operator.validation import Verdict, validate
+
+BASEMODELS = (GROUP, VERSION, "basemodels")
+ADAPTERS = (GROUP, VERSION, "loraadapters")
+OURS = {"app.kubernetes.io/managed-by": workloads.MANAGED_BY}
+FINALIZER = "loraplex.io/operator"
+ANNOTATIONS_PREFIX = "operator.loraplex.io"
+# Longest a BaseModel's daemon sleeps between plans when no warm-up window is due (seconds);
+# each run also re-reads the ConfigMap, so a plan deleted by hand comes back.
+RESYNC_SECONDS = 300.0
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATIONS_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATIONS_PREFIX, key="last-handled-configuration")
+    if "planner" not in memo:
+        memo.planner = Planner(kube.KubeClient(kube.login(settings)))
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    if "planner" in memo:
+        await memo.planner.client.close()
+
+
+# Indices: (namespace, base name) -> records. kopf fills them before any handler runs.
+
+@kopf.index(*BASEMODELS)
+def basemodels(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], BaseRecord]:
+    return {(namespace, name): BaseRecord.from_body(body)}
+
+
+@kopf.index(*ADAPTERS)
+def adapters_by_base(body: kopf.Body, namespace: str, **_: Any) -> dict[tuple[str, str], AdapterRecord]:
+    record = AdapterRecord.from_body(body)
+    return {(namespace, record.base_model): record}
+
+
+# LoRAAdapter
+
+@kopf.on.create(*ADAPTERS)
+@kopf.on.update(*ADAPTERS)
+@kopf.on.resume(*ADAPTERS)
+async def adapter_changed(body: kopf.Body, old: Any, namespace: str, memo: kopf.Memo, patch: kopf.Patch,
+                          basemodels: kopf.Index, adapters_by_base: kopf.Index, **_: Any) -> None:
+    try:
+        spec = AdapterSpec.from_body(body)
+    except SpecError as exc:
+        patch.status.update(_invalid_status(body, str(exc), phase="Rejected"))
+        raise kopf.PermanentError(f"invalid LoRAAdapter spec: {exc}") from exc
+    planner: Planner = memo.planner
+    await planner.reconcile((namespace, spec.base_model), basemodels, adapters_by_base)
+    previous = ((old or {}).get("spec") or {}).get("baseModel")
+    if previous and previous != spec.base_model:
+        await planner.reconcile((namespace, previous), basemodels, adapters_by_base)
+
+
+@kopf.on.delete(*ADAPTERS)
+async def adapter_deleted(body: kopf.Body, namespace: str, memo: kopf.Memo,
+                          basemodels: kopf.Index, adapters_by_base: kopf.Index, **_: Any) -> None:
+    """The finalizer: release the adapter only once a plan without it is written, so servers
+    unpin it and node agents unstage it."""
+    base = (body.get("spec") or {}).get("baseModel")
+    if base:
+        await memo.planner.reconcile((namespace, base), basemodels, adapters_by_base)
+
+
+@kopf.on.event(*ADAPTERS)
+async def adapter_staging(event: kopf.RawEvent, body: kopf.Body, namespace: str, memo: kopf.Memo,
+                          patch: kopf.Patch, adapters_by_base: kopf.Index, **_: Any) -> None:
+    """Node agents merge-patch status.nodes.<node>; fold that into Staged / Ready."""
+    if event.get("type") == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
+        return
+    record = AdapterRecord.from_body(body)
+    planner: Planner = memo.planner
+    plan = planner.plan_of((namespace, record.base_model))
+    if plan is None or record.spec is None or record.spec.name not in plan.verdicts:
+        return  # not planned yet: the reconcile that plans it writes its whole status
+    if plan.verdicts[record.spec.name] != _verdict_now(plan, record.spec):
+        return  # the plan is older than this spec: a reconcile is on its way
+    ready = planner.state((namespace, record.base_model)).ready_replicas > 0
+    desired = statuses.adapter_status(record.spec, plan.verdicts[record.spec.name], plan,
+                                      record.status, ready, utcnow())
+    if statuses.differs(record.status, desired):
+        patch.status.update(desired)
+
+
+# BaseModel
+
+@kopf.on.create(*BASEMODELS)
+@kopf.on.update(*BASEMODELS)
+@kopf.on.resume(*BASEMODELS)
+async def basemodel_changed(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, patch: kopf.Patch,
+                            logger: logging.Logger, basemodels: kopf.Index, adapters_by_base: kopf.Index,
+                            **_: Any) -> None:
+    try:
+        base = BaseModelSpec.from_body(body)
+    except SpecError as exc:
+        patch.status.update(_invalid_status(body, str(exc), phase="Failed"))
+        raise kopf.PermanentError(f"invalid BaseModel spec: {exc}") from exc
+    planner: Planner = memo.planner
+    children = [workloads.deployment(base, pack(base).slots), workloads.service(base)]
+    kopf.adopt(children, owner=body)
+    try:
+        for child in children:
+            outcome = await planner.client.ensure(child)
+            if outcome != "unchanged":
+                logger.info("%s %s %s", child["kind"], child["metadata"]["name"], outcome)
+    except kube.KubeError as exc:
+        raise kopf.TemporaryError(f"writing the serving workloads: {exc}", delay=5) from exc
+    planner.forget_written((namespace, name))
+    await planner.reconcile((namespace, name), basemodels, adapters_by_base)
+
+
+@kopf.on.event(*BASEMODELS)
+async def basemodel_gone(event: kopf.RawEvent, namespace: str, name: str, memo: kopf.Memo,
+                         basemodels: kopf.Index, adapters_by_base: kopf.Index, **_: Any) -> None:
+    """Its adapters go back to Pending (BaseModelNotFound); owned objects are garbage-collected."""
+    if event.get("type") == "DELETED":
+        await memo.planner.reconcile((namespace, name), basemodels, adapters_by_base)
+
+
+@kopf.daemon(*BASEMODELS, cancellation_timeout=1.0)
+async def follow_warmup_windows(namespace: str, name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped,
+                                basemodels: kopf.Index, adapters_by_base: kopf.Index, **_: Any) -> None:
+    """Re-plan when a warm-up window opens (minus its lead) or ends, and every RESYNC_SECONDS."""
+    planner: Planner = memo.planner
+    key = (namespace, name)
+    state = planner.state(key)
+    while not stopped:
+        delay = RESYNC_SECONDS
+        if state.wakeup is not None:
+            delay = min(delay, max(0.0, (state.wakeup - planner.clock()).total_seconds()))
+        state.wake.clear()
+        try:
+            await asyncio.wait_for(state.wake.wait(), timeout=delay)
+            continue  # the wake-up time moved: sleep again until the new one
+        except asyncio.TimeoutError:
+            pass
+        if state.wakeup is None or state.wakeup <= planner.clock():
+            planner.forget_written(key)
+        await planner.reconcile(key, basemodels, adapters_by_base)
+
+
+# Serving Deployments
+
+@kopf.on.event("apps", "v1", "deployments", labels=OURS)
+async def deployment_readiness(event: kopf.RawEvent, body: kopf.Body, namespace: str, memo: kopf.Memo,
+                               basemodels: kopf.Index, adapters_by_base: kopf.Index, **_: Any) -> None:
+    base = body.get("metadata", {}).get("labels", {}).get(workloads.BASE_LABEL)
+    if not base:
+        return
+    deleted = event.get("type") == "DELETED"
+    ready = 0 if deleted else int((body.get("status") or {}).get("readyReplicas") or 0)
+    planner: Planner = memo.planner
+    if planner.set_ready_replicas((namespace, base), ready):
+        await planner.reconcile((namespace, base), basemodels, adapters_by_base)
+
+
+def _verdict_now(plan: Plan, spec: AdapterSpec) -> Verdict:
+    return validate(spec, plan.base)
+
+
+def _invalid_status(body: kopf.Body, message: str, phase: str) -> dict[str, Any]:
+    generation = int(body.get("metadata", {}).get("generation") or 0)
+    cond = statuses.condition("Accepted", False, "InvalidSpec", message, generation)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {
+        "observedGeneration": generation,
+        "phase": phase,
+        "conditions": statuses.merge_conditions((body.get("status") or {}).get("conditions"), [cond], now),
+    }

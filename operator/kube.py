@@ -1,0 +1,189 @@
+"""A small async Kubernetes API client for the objects kopf does not patch for us.
+
+kopf patches the object a handler runs for; the operator also writes other objects: the
+plan ConfigMap, the serving Deployment and Service, and the status of adapters whose
+pinning moved because another adapter changed. This client does just that: GET, POST,
+merge-PATCH, with the same credentials kopf uses (service account in a pod, kubeconfig
+outside), over aiohttp, which kopf already depends on.
+
+    kube = KubeClient(login(settings))
+    await kube.ensure(desired_config_map)                    # create, patch, or leave alone
+    await kube.patch_status(ADAPTERS, "ml", "a", {"pinned": True})
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+import ssl
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import kopf
+
+from loraplex.operator import workloads
+from loraplex.operator.specs import GROUP, VERSION
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resource:
+    """Where a kind lives in the API: ("", "v1", "configmaps") -> /api/v1/..."""
+
+    group: str
+    version: str
+    plural: str
+
+    def path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+        prefix = f"/api/{self.version}" if not self.group else f"/apis/{self.group}/{self.version}"
+        path = f"{prefix}/namespaces/{namespace}/{self.plural}"
+        if name is not None:
+            path += f"/{name}"
+        if subresource is not None:
+            path += f"/{subresource}"
+        return path
+
+
+CONFIG_MAPS = Resource("", "v1", "configmaps")
+SERVICES = Resource("", "v1", "services")
+DEPLOYMENTS = Resource("apps", "v1", "deployments")
+BASE_MODELS = Resource(GROUP, VERSION, "basemodels")
+ADAPTERS = Resource(GROUP, VERSION, "loraadapters")
+_BY_KIND = {"ConfigMap": CONFIG_MAPS, "Service": SERVICES, "Deployment": DEPLOYMENTS}
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+def login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
+    """The same credentials kopf's own login would find: service account, then kubeconfig."""
+    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+    if info is None:
+        raise kopf.PermanentError("no Kubernetes credentials: no service account and no kubeconfig")
+    return info
+
+
+class KubeClient:
+    """GET / POST / merge-PATCH against one API server. Errors raise `KubeError`."""
+
+    def __init__(self, info: kopf.ConnectionInfo, timeout: float = 30.0) -> None:
+        self._info = info
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._tempfiles: list[Any] = []
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        for f in self._tempfiles:
+            f.close()
+        self._tempfiles.clear()
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        """The object at `path`, or None when it does not exist."""
+        try:
+            return await self._request("GET", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._request("POST", path, json=body)
+
+    async def merge_patch(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._request("PATCH", path, json=body,
+                                   headers={"Content-Type": "application/merge-patch+json"})
+
+    async def patch_status(self, resource: Resource, namespace: str, name: str,
+                           status: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Merge-patch `status` through the status subresource; None if the object is gone."""
+        try:
+            return await self.merge_patch(resource.path(namespace, name, "status"), {"status": status})
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def ensure(self, desired: Mapping[str, Any]) -> str:
+        """Create `desired` or patch the parts we own; returns "created", "patched" or "unchanged"."""
+        resource = _BY_KIND[desired["kind"]]
+        meta = desired["metadata"]
+        path = resource.path(meta["namespace"], meta["name"])
+        existing = await self.get(path)
+        if existing is None:
+            try:
+                await self.create(resource.path(meta["namespace"]), desired)
+                return "created"
+            except KubeError as exc:
+                if exc.status != 409:
+                    raise
+                existing = await self.get(path)  # created meanwhile: fall through to compare
+        if not workloads.needs_update(existing, desired):
+            return "unchanged"
+        owned = {key: desired[key] for key in ("spec", "data") if key in desired}
+        patch = {"metadata": {"labels": meta.get("labels", {}),
+                              "ownerReferences": meta.get("ownerReferences")}, **owned}
+        if patch["metadata"]["ownerReferences"] is None:
+            del patch["metadata"]["ownerReferences"]
+        await self.merge_patch(path, patch)
+        return "patched"
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        session = self._session or self._open()
+        url = self._info.server.rstrip("/") + path
+        headers = dict(kwargs.pop("headers", {}))
+        if self._info.token:
+            headers["Authorization"] = f"{self._info.scheme or 'Bearer'} {self._info.token}"
+        async with session.request(method, url, headers=headers, **kwargs) as response:
+            if response.status >= 400:
+                text = await response.text()
+                raise KubeError(response.status, text[:500])
+            result: dict[str, Any] = await response.json(content_type=None)
+            return result
+
+    def _open(self) -> aiohttp.ClientSession:
+        info = self._info
+        ctx: ssl.SSLContext | bool | None = None
+        if info.server.startswith("https"):
+            if info.insecure:
+                ctx = False
+            else:
+                ctx = ssl.create_default_context(
+                    cafile=str(info.ca_path) if info.ca_path else None,
+                    cadata=_text(info.ca_data) if info.ca_data else None)
+                cert = info.certificate_path or self._spill(info.certificate_data)
+                key = info.private_key_path or self._spill(info.private_key_data)
+                if cert:
+                    ctx.load_cert_chain(str(cert), str(key) if key else None)
+        auth = aiohttp.BasicAuth(info.username, info.password or "") if info.username else None
+        self._session = aiohttp.ClientSession(timeout=self._timeout, auth=auth,
+                                              connector=aiohttp.TCPConnector(ssl=ctx if ctx is not None else True))
+        return self._session
+
+    def _spill(self, data: str | bytes | None) -> str | None:
+        """ssl needs client certs as files; kubeconfigs carry them inline (base64 or PEM)."""
+        if not data:
+            return None
+        f = tempfile.NamedTemporaryFile(suffix=".pem")
+        f.write(_pem(data))
+        f.flush()
+        self._tempfiles.append(f)
+        return f.name
+
+
+def _text(data: str | bytes) -> str:
+    return _pem(data).decode("ascii")
+
+
+def _pem(data: str | bytes) -> bytes:
+    raw = data.encode("ascii") if isinstance(data, str) else data
+    return raw if raw.lstrip().startswith(b"-----") else base64.b64decode(raw)

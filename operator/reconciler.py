@@ -1,0 +1,214 @@
+"""Recompute one base's plan and write what changed: the plan ConfigMap and statuses.
+
+Every event that can move a plan (an adapter created, changed or deleted; a BaseModel
+changed; a Deployment's readiness; a warm-up window opening) asks for the same thing:
+`Planner.reconcile((namespace, base))`. Requests for one base are coalesced: a run reads
+the kopf indices as they are when it starts, so every request made before that moment is
+served by it, and 10,000 adapters resumed at start-up cost one plan, not 10,000.
+
+A run writes only what differs: the ConfigMap when the plan's JSON changed, an adapter's
+status when its pinning or verdict changed, the BaseModel's status when its summary did.
+The fan-out goes through `KubeClient`, not each handler's `patch`: one run writes the
+status of many objects, most of which are not the object the handler runs for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import kopf
+
+from loraplex.operator import kube, status as statuses, workloads
+from loraplex.operator.plan import Plan, build_plan, next_wakeup
+from loraplex.operator.specs import API_VERSION, AdapterSpec, BaseModelSpec, SpecError
+from loraplex.operator.validation import read_adapter_config
+
+logger = logging.getLogger(__name__)
+
+BaseKey = tuple[str, str]  # (namespace, BaseModel name)
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseRecord:
+    """A BaseModel as the index holds it: the parsed spec (None if invalid) and its status."""
+
+    namespace: str
+    name: str
+    uid: str
+    labels: Mapping[str, str]
+    spec: BaseModelSpec | None
+    error: str | None
+    status: Mapping[str, Any]
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> BaseRecord:
+        meta = body.get("metadata") or {}
+        try:
+            spec, error = BaseModelSpec.from_body(body), None
+        except SpecError as exc:
+            spec, error = None, str(exc)
+        return cls(str(meta.get("namespace") or "default"), str(meta.get("name")), str(meta.get("uid") or ""),
+                   dict(meta.get("labels") or {}), spec, error, dict(body.get("status") or {}))
+
+    def owner(self) -> dict[str, Any]:
+        """A body for `kopf.adopt`: enough to write an owner reference."""
+        return {"apiVersion": API_VERSION, "kind": "BaseModel",
+                "metadata": {"name": self.name, "namespace": self.namespace, "uid": self.uid,
+                             "labels": dict(self.labels)}}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterRecord:
+    namespace: str
+    name: str
+    base_model: str
+    spec: AdapterSpec | None
+    error: str | None
+    status: Mapping[str, Any]
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> AdapterRecord:
+        meta = body.get("metadata") or {}
+        try:
+            spec: AdapterSpec | None = AdapterSpec.from_body(body)
+            error = None
+            assert spec is not None
+            if spec.rank is None or spec.target_modules is None:
+                spec = spec.with_metadata(*read_adapter_config(spec.source))
+        except SpecError as exc:
+            spec, error = None, str(exc)
+        return cls(str(meta.get("namespace") or "default"), str(meta.get("name")),
+                   str((body.get("spec") or {}).get("baseModel") or ""), spec, error,
+                   dict(body.get("status") or {}))
+
+
+@dataclasses.dataclass
+class _BaseState:
+    """Per-base coalescing and what the last run computed."""
+
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    requested: int = 0
+    done: int = 0
+    plan: Plan | None = None
+    written_json: str | None = None  # the plan JSON known to be in the ConfigMap
+    ready_replicas: int = 0
+    wakeup: datetime.datetime | None = None
+    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
+Indices = Mapping[Any, Iterable[Any]]  # kopf.Index: key -> store of values
+Clock = Callable[[], datetime.datetime]
+
+
+def utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+class Planner:
+    """Coalesced reconciles per base; state survives only in memory (a restart recomputes)."""
+
+    def __init__(self, client: kube.KubeClient, clock: Clock = utcnow) -> None:
+        self.client = client
+        self.clock = clock
+        self._states: dict[BaseKey, _BaseState] = {}
+
+    def state(self, key: BaseKey) -> _BaseState:
+        if key not in self._states:
+            self._states[key] = _BaseState()
+        return self._states[key]
+
+    def plan_of(self, key: BaseKey) -> Plan | None:
+        return self._states[key].plan if key in self._states else None
+
+    def set_ready_replicas(self, key: BaseKey, ready: int) -> bool:
+        """Record a Deployment's readiness; True if it changed (so the caller reconciles)."""
+        state = self.state(key)
+        changed = state.ready_replicas != ready
+        state.ready_replicas = ready
+        return changed
+
+    def forget_written(self, key: BaseKey) -> None:
+        """Drop the cached plan JSON, so the next run compares with the ConfigMap again."""
+        self.state(key).written_json = None
+
+    async def reconcile(self, key: BaseKey, basemodels: Indices, adapters: Indices) -> Plan | None:
+        """Bring the plan of `key` and every status it decides up to date with the indices."""
+        state = self.state(key)
+        state.requested += 1
+        ticket = state.requested
+        async with state.lock:
+            if state.done >= ticket:
+                return state.plan  # a run that started after our request covered it
+            target = state.requested
+            try:
+                await self._run(key, state, basemodels, adapters)
+            except kube.KubeError as exc:
+                raise kopf.TemporaryError(f"writing the plan of {key[0]}/{key[1]}: {exc}", delay=5) from exc
+            state.done = target
+            return state.plan
+
+    async def _run(self, key: BaseKey, state: _BaseState, basemodels: Indices, adapters: Indices) -> None:
+        namespace, name = key
+        now = self.clock()
+        base_records: list[BaseRecord] = list(basemodels.get(key, ()))
+        adapter_records: list[AdapterRecord] = [r for r in adapters.get(key, ()) if r.spec is not None]
+        base = base_records[0] if base_records else None
+
+        if base is None or base.spec is None:
+            state.plan = None
+            for record in adapter_records:
+                assert record.spec is not None
+                if record.spec.deleting:
+                    continue
+                desired = statuses.orphan_status(record.spec, record.status, now)
+                await self._patch_adapter(record, desired)
+            return
+
+        started = now
+        plan = build_plan(base.spec, [r.spec for r in adapter_records if r.spec is not None], now)
+        logger.debug("planned %s/%s: %d adapters in %.3fs", namespace, name, len(plan.adapters),
+                     (self.clock() - started).total_seconds())
+        await self._write_config_map(base, plan, state)
+
+        for record in adapter_records:
+            assert record.spec is not None
+            if record.spec.deleting:
+                continue
+            verdict = plan.verdicts[record.spec.name]
+            desired = statuses.adapter_status(record.spec, verdict, plan, record.status,
+                                              state.ready_replicas > 0, now)
+            await self._patch_adapter(record, desired)
+
+        cm_name = workloads.plan_config_map_name(name)
+        desired_base = statuses.base_status(plan, base.status, state.ready_replicas, cm_name, now)
+        if statuses.differs(base.status, desired_base):
+            await self.client.patch_status(kube.BASE_MODELS, namespace, name, desired_base)
+
+        state.plan = plan
+        wakeup = next_wakeup(plan, now)
+        if wakeup != state.wakeup:
+            state.wakeup = wakeup
+            state.wake.set()
+
+    async def _write_config_map(self, base: BaseRecord, plan: Plan, state: _BaseState) -> None:
+        assert base.spec is not None
+        text = plan.to_json()
+        if state.written_json == text:
+            return
+        desired = workloads.plan_config_map(base.spec, text)
+        kopf.adopt(desired, owner=base.owner())  # type: ignore[arg-type]
+        outcome = await self.client.ensure(desired)
+        if outcome != "unchanged":
+            logger.info("plan %s/%s %s: %d adapters, %d pinned, %d slots", base.namespace,
+                        desired["metadata"]["name"], outcome, len(plan.adapters),
+                        len(plan.pinning.pinned), plan.slots)
+        state.written_json = text
+
+    async def _patch_adapter(self, record: AdapterRecord, desired: Mapping[str, Any]) -> None:
+        if statuses.differs(record.status, desired):
+            await self.client.patch_status(kube.ADAPTERS, record.namespace, record.name, desired)

@@ -1,0 +1,287 @@
+"""Custom resources in, small frozen records out.
+
+The planning functions never see raw Kubernetes dicts: the handlers turn each BaseModel
+and LoRAAdapter body into one of these records (defaults applied the way the CRD schemas
+default them, so a record is the same whether or not the API server defaulted the body),
+and everything downstream is pure.
+
+    body = {"metadata": {"name": "llama-3-8b", ...}, "spec": {"maxLoraRank": 64, ...}}
+    base = BaseModelSpec.from_body(body)       # BaseModelSpec(name="llama-3-8b", ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import re
+from collections.abc import Mapping
+from typing import Any
+
+GROUP = "loraplex.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Modules a Llama-family server can put LoRA on, in the server's order.
+ALL_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+)
+DEFAULT_TARGET_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+PIN_POLICIES: tuple[str, ...] = ("Auto", "Always", "Never")
+
+# Kubernetes quantities: "80Gi", "16G", "40M", "1.5Gi", or a plain number of bytes.
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([kMGTPE]|[KMGTPE]i)?$")
+_SUFFIX: dict[str, int] = {
+    "": 1,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}
+
+
+class SpecError(ValueError):
+    """A body the CRD schema should have refused (or an older operator wrote)."""
+
+
+def parse_quantity(value: int | str | None) -> int | None:
+    """Bytes from a Kubernetes quantity: parse_quantity("40M") == 40_000_000."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise SpecError(f"not a quantity: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise SpecError(f"negative quantity: {value}")
+        return value
+    match = _QUANTITY.match(str(value).strip())
+    if not match:
+        raise SpecError(f"not a quantity: {value!r} (use bytes or e.g. 80Gi, 16G, 40M)")
+    number, suffix = match.groups()
+    return int(float(number) * _SUFFIX[suffix or ""])
+
+
+def parse_time(value: str | None) -> datetime.datetime | None:
+    """An RFC 3339 time (`2026-12-01T08:00:00Z`) as an aware UTC datetime."""
+    if value is None:
+        return None
+    try:
+        parsed = datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise SpecError(f"not an RFC 3339 time: {value!r}") from exc
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.timezone.utc)
+    return parsed.astimezone(datetime.timezone.utc)
+
+
+def format_time(value: datetime.datetime) -> str:
+    """RFC 3339 in UTC with a Z, to the second: the form Kubernetes writes."""
+    return value.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """The shape of a Llama-family base, as in its config.json (GQA when kv heads < heads)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> Architecture:
+        heads = int(spec["numAttentionHeads"])
+        hidden = int(spec["hiddenSize"])
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(spec["intermediateSize"]),
+            num_layers=int(spec["numLayers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(spec.get("numKeyValueHeads") or heads),
+            head_dim=int(spec.get("headDim") or hidden // heads),
+            vocab_size=int(spec.get("vocabSize") or 0),
+            tie_word_embeddings=bool(spec.get("tieWordEmbeddings", False)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Per-GPU byte figures for the packing math; None where the spec leaves them out."""
+
+    gpu_memory: int | None = None
+    base_weights: int | None = None
+    kv_cache_reserve: int = 0
+    overhead: int = 0
+    adapter_bytes: int | None = None
+    slots: int | None = None
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> Memory:
+        slots = spec.get("slots")
+        return cls(
+            gpu_memory=parse_quantity(spec.get("gpuMemory")),
+            base_weights=parse_quantity(spec.get("baseWeights")),
+            kv_cache_reserve=parse_quantity(spec.get("kvCacheReserve")) or 0,
+            overhead=parse_quantity(spec.get("overhead")) or 0,
+            adapter_bytes=parse_quantity(spec.get("adapterBytes")),
+            slots=int(slots) if slots is not None else None,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """The serving Deployment's template; free-form Kubernetes parts kept as given."""
+
+    replicas: int = 1
+    image: str = "loraplex/server:0.1.0"
+    model_path: str | None = None
+    resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    volumes: tuple[Mapping[str, Any], ...] = ()
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> Serving:
+        return cls(
+            replicas=int(spec.get("replicas", 1)),
+            image=str(spec.get("image") or cls.image),
+            model_path=spec.get("modelPath"),
+            resources=dict(spec.get("resources") or {}),
+            node_selector=dict(spec.get("nodeSelector") or {}),
+            tolerations=tuple(spec.get("tolerations") or ()),
+            volumes=tuple(spec.get("volumes") or ()),
+            volume_mounts=tuple(spec.get("volumeMounts") or ()),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseModelSpec:
+    """One BaseModel CR: what the pool's adapters must fit, and how to size its slots."""
+
+    name: str
+    namespace: str
+    source: str
+    max_lora_rank: int
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+    dtype: str = "bfloat16"
+    architecture: Architecture | None = None
+    memory: Memory = Memory()
+    pinned_percent: int = 50
+    warmup_lead_seconds: int = 600
+    serving: Serving = Serving()
+    generation: int = 0
+    uid: str = ""
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> BaseModelSpec:
+        meta = body.get("metadata") or {}
+        spec = body.get("spec") or {}
+        try:
+            dtype = str(spec.get("dtype") or "bfloat16")
+            if dtype not in DTYPE_BYTES:
+                raise SpecError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+            modules = tuple(spec.get("targetModules") or DEFAULT_TARGET_MODULES)
+            unknown = sorted(set(modules) - set(ALL_TARGET_MODULES))
+            if unknown:
+                raise SpecError(f"unknown target modules {unknown}")
+            arch = spec.get("architecture")
+            return cls(
+                name=str(meta["name"]),
+                namespace=str(meta.get("namespace") or "default"),
+                source=str(spec["source"]),
+                max_lora_rank=int(spec["maxLoraRank"]),
+                target_modules=modules,
+                dtype=dtype,
+                architecture=Architecture.from_spec(arch) if arch else None,
+                memory=Memory.from_spec(spec.get("memory") or {}),
+                pinned_percent=int(spec.get("pinnedPercent", 50)),
+                warmup_lead_seconds=int(spec.get("warmupLeadSeconds", 600)),
+                serving=Serving.from_spec(spec.get("serving") or {}),
+                generation=int(meta.get("generation") or 0),
+                uid=str(meta.get("uid") or ""),
+            )
+        except KeyError as exc:
+            raise SpecError(f"missing field {exc.args[0]!r}") from exc
+        except (TypeError, ValueError) as exc:
+            raise SpecError(str(exc)) from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class Warmup:
+    """A campaign window: prefetch the adapter before `start`, keep it warm until `end`."""
+
+    start: datetime.datetime
+    end: datetime.datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterSpec:
+    """One LoRAAdapter CR. `rank` / `target_modules` are None when not known (yet)."""
+
+    name: str
+    namespace: str
+    base_model: str
+    source: str
+    sha256: str | None = None
+    tenant: str = "default"
+    priority: int = 0
+    pin_policy: str = "Auto"
+    rank: int | None = None
+    target_modules: tuple[str, ...] | None = None
+    warmup: Warmup | None = None
+    generation: int = 0
+    deleting: bool = False
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> AdapterSpec:
+        meta = body.get("metadata") or {}
+        spec = body.get("spec") or {}
+        try:
+            policy = str(spec.get("pinPolicy") or "Auto")
+            if policy not in PIN_POLICIES:
+                raise SpecError(f"pinPolicy {policy!r} is not one of {list(PIN_POLICIES)}")
+            window = spec.get("warmup")
+            warmup = None
+            if window:
+                start, end = parse_time(window["start"]), parse_time(window["end"])
+                assert start is not None and end is not None
+                if end <= start:
+                    raise SpecError("warmup.end must be after warmup.start")
+                warmup = Warmup(start=start, end=end)
+            modules = spec.get("targetModules")
+            rank = spec.get("rank")
+            return cls(
+                name=str(meta["name"]),
+                namespace=str(meta.get("namespace") or "default"),
+                base_model=str(spec["baseModel"]),
+                source=str(spec["source"]),
+                sha256=spec.get("sha256"),
+                tenant=str(spec.get("tenant") or "default"),
+                priority=int(spec.get("priority") or 0),
+                pin_policy=policy,
+                rank=int(rank) if rank is not None else None,
+                target_modules=tuple(sorted(modules)) if modules else None,
+                warmup=warmup,
+                generation=int(meta.get("generation") or 0),
+                deleting=bool(meta.get("deletionTimestamp")),
+            )
+        except KeyError as exc:
+            raise SpecError(f"missing field {exc.args[0]!r}") from exc
+        except (TypeError, ValueError) as exc:
+            raise SpecError(str(exc)) from exc
+
+    def with_metadata(self, rank: int | None, target_modules: tuple[str, ...] | None) -> AdapterSpec:
+        """The same adapter with rank / modules filled in from its adapter_config.json."""
+        return dataclasses.replace(
+            self,
+            rank=self.rank if self.rank is not None else rank,
+            target_modules=self.target_modules if self.target_modules is not None
+            else (tuple(sorted(target_modules)) if target_modules else None),
+        )

@@ -1,0 +1,179 @@
+"""Status the operator writes, by the Kubernetes API conventions.
+
+Conditions `Accepted`, `Staged`, `Ready` (status "True"/"False"/"Unknown", a CamelCase
+reason, a message, observedGeneration, lastTransitionTime), plus summary fields for
+`kubectl get`. Everything here is a pure function of the plan and of what node agents and
+Deployments report, so the same inputs give the same status and nothing is re-patched:
+`lastTransitionTime` only moves when a condition's status flips.
+
+Node agents own `status.nodes.<node>` of an adapter ({"phase": "Staged", "message": "",
+"bytes": 41943040}); the operator reads it and never writes it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from loraplex.operator import packing
+from loraplex.operator.plan import Plan
+from loraplex.operator.specs import AdapterSpec, format_time
+from loraplex.operator.validation import Verdict, validate
+
+CONDITION_TYPES = ("Accepted", "Staged", "Ready")
+
+
+def condition(kind: str, status: bool | None, reason: str, message: str,
+              generation: int) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "status": "Unknown" if status is None else ("True" if status else "False"),
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
+
+
+def merge_conditions(old: Sequence[Mapping[str, Any]] | None, new: Sequence[Mapping[str, Any]],
+                     now: datetime.datetime) -> list[dict[str, Any]]:
+    """`new` with lastTransitionTime carried over from `old` where the status did not flip."""
+    previous = {c.get("type"): c for c in old or ()}
+    merged = []
+    for cond in new:
+        before = previous.get(cond["type"])
+        if before is not None and before.get("status") == cond["status"] and before.get("lastTransitionTime"):
+            since = before["lastTransitionTime"]
+        else:
+            since = format_time(now)
+        merged.append({**cond, "lastTransitionTime": since})
+    return merged
+
+
+def staging_summary(nodes: Mapping[str, Mapping[str, Any]] | None) -> tuple[bool | None, str, str]:
+    """(staged, reason, message) from the node agents' reports under status.nodes."""
+    nodes = nodes or {}
+    staged = sorted(n for n, s in nodes.items() if (s or {}).get("phase") == "Staged")
+    failed = sorted(n for n, s in nodes.items() if (s or {}).get("phase") == "Failed")
+    if staged:
+        message = f"staged on {len(staged)}/{len(nodes)} nodes"
+        if failed:
+            message += f"; failed on {', '.join(failed)}: {nodes[failed[0]].get('message', '')}"
+        return True, "Staged", message
+    if failed:
+        first = failed[0]
+        return False, "StagingFailed", f"failed on {', '.join(failed)}: {nodes[first].get('message', '')}"
+    if nodes:
+        return False, "Staging", f"staging on {len(nodes)} nodes"
+    return None, "NotStaged", "no node agent has reported this adapter yet"
+
+
+def adapter_size(plan: Plan | None, adapter: AdapterSpec,
+                 nodes: Mapping[str, Mapping[str, Any]] | None) -> int | None:
+    """Bytes on disk as node agents report them, else computed from the base's shape."""
+    reported = [int(s["bytes"]) for s in (nodes or {}).values() if (s or {}).get("bytes")]
+    if reported:
+        return max(reported)
+    if plan is None or plan.base.architecture is None or adapter.rank is None or not adapter.target_modules:
+        return None
+    try:
+        return packing.adapter_bytes(plan.base.architecture, adapter.target_modules,
+                                     adapter.rank, plan.base.dtype_bytes)
+    except ValueError:
+        return None
+
+
+def adapter_status(adapter: AdapterSpec, verdict: Verdict, plan: Plan | None,
+                   current: Mapping[str, Any] | None, base_ready: bool,
+                   now: datetime.datetime) -> dict[str, Any]:
+    """The operator's part of an adapter's status (everything but `nodes`)."""
+    current = current or {}
+    nodes = current.get("nodes")
+    pinned = plan.is_pinned(adapter.name) if plan is not None and verdict.accepted else False
+    gen = adapter.generation
+    staged, staged_reason, staged_message = staging_summary(nodes)
+    if not verdict.accepted:
+        phase = verdict.phase
+        ready = condition("Ready", False, verdict.reason, "not accepted for this base", gen)
+    elif staged and base_ready:
+        phase = "Ready"
+        ready = condition("Ready", True, "Ready", "in the plan, staged, and servers are ready", gen)
+    else:
+        phase = "Staged" if staged else "Accepted"
+        waiting = "servers not ready" if staged else "not staged on any node yet"
+        ready = condition("Ready", False, "Waiting", waiting, gen)
+    if pinned:
+        accepted_message = verdict.message + "; pinned"
+    elif plan is not None and adapter.name in plan.pinning.overflow:
+        accepted_message = verdict.message + "; pinPolicy Always but the pinned share is full"
+    else:
+        accepted_message = verdict.message
+    conditions = [
+        condition("Accepted", verdict.accepted if verdict.phase != "Pending" else None,
+                  verdict.reason, accepted_message, gen),
+        condition("Staged", staged, staged_reason, staged_message, gen),
+        ready,
+    ]
+    status: dict[str, Any] = {
+        "observedGeneration": gen,
+        "phase": phase,
+        "pinned": pinned,
+        "rank": adapter.rank,
+        "sizeBytes": adapter_size(plan, adapter, nodes),
+        "targetModules": list(adapter.target_modules) if adapter.target_modules else None,
+        "conditions": merge_conditions(current.get("conditions"), conditions, now),
+    }
+    return status
+
+
+def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: int,
+                plan_config_map: str, now: datetime.datetime) -> dict[str, Any]:
+    """The BaseModel's status: packing outcome, pinned set, counts, conditions."""
+    current = current or {}
+    base = plan.base
+    gen = base.generation
+    packed = plan.packing
+    accepted_message = packed.message + (f"; hint: {plan.hint}" if plan.hint else "")
+    replicas = base.serving.replicas
+    if replicas == 0:
+        ready = condition("Ready", False, "ScaledToZero", "serving.replicas is 0", gen)
+    elif ready_replicas >= replicas:
+        ready = condition("Ready", True, "ReplicasReady", f"{ready_replicas}/{replicas} replicas ready", gen)
+    else:
+        ready = condition("Ready", False, "ReplicasNotReady", f"{ready_replicas}/{replicas} replicas ready", gen)
+    conditions = [
+        condition("Accepted", packed.slots > 0, packed.reason, accepted_message, gen),
+        condition("Staged", True, "PlanWritten",
+                  f"{len(plan.adapters)} adapters ({len(plan.pinning.pinned)} pinned) in ConfigMap"
+                  f" {plan_config_map}", gen),
+        ready,
+    ]
+    rejected = sum(1 for v in plan.verdicts.values() if v.phase == "Rejected")
+    phase = "Failed" if packed.slots == 0 else ("Ready" if ready["status"] == "True" else "Planned")
+    return {
+        "observedGeneration": gen,
+        "phase": phase,
+        "slots": packed.slots,
+        "slotBytes": packed.slot_bytes,
+        "adapterRoomBytes": packed.room_bytes,
+        "pinned": list(plan.pinning.pinned),
+        "pinnedCount": len(plan.pinning.pinned),
+        "adapterCount": len(plan.adapters),
+        "rejectedCount": rejected,
+        "maxRankInUse": plan.max_rank_in_use,
+        "readyReplicas": ready_replicas,
+        "planConfigMap": plan_config_map,
+        "conditions": merge_conditions(current.get("conditions"), conditions, now),
+    }
+
+
+def orphan_status(adapter: AdapterSpec, current: Mapping[str, Any] | None,
+                  now: datetime.datetime) -> dict[str, Any]:
+    """Status of an adapter whose BaseModel does not exist (yet, or any more)."""
+    return adapter_status(adapter, validate(adapter, None), None, current, False, now)
+
+
+def differs(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> bool:
+    """Whether patching `desired` into `current` would change anything."""
+    current = current or {}
+    return any(current.get(key) != value for key, value in desired.items())

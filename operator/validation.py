@@ -1,0 +1,111 @@
+"""Does an adapter fit its base? Rejected with a reason, never half-served.
+
+An adapter is planned only when it names this base, its rank fits the base's buffers and
+every module it targets is one the base serves. Anything else gets a verdict the operator
+writes to the adapter's `Accepted` condition:
+
+    validate(adapter, base) -> Verdict("Accepted", "Accepted", "rank 16 <= 64, ...")
+    validate(rank_128, base) -> Verdict("Rejected", "RankTooLarge", "rank 128 > maxLoraRank 64")
+
+Rank and target modules come from the spec, or from the adapter's adapter_config.json when
+the operator can read it (file:// sources and mounted paths; see `read_adapter_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import urllib.parse
+from typing import Any
+
+from loraplex.operator.specs import AdapterSpec, BaseModelSpec
+
+# adapter_config.json is a few hundred bytes; anything this big is not one.
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """phase: Accepted (planned), Rejected (never, until its spec changes) or Pending (not yet)."""
+
+    phase: str
+    reason: str
+    message: str
+
+    @property
+    def accepted(self) -> bool:
+        return self.phase == "Accepted"
+
+
+def validate(adapter: AdapterSpec, base: BaseModelSpec | None) -> Verdict:
+    """The verdict on one adapter against the base it names (None: no such BaseModel)."""
+    if base is None:
+        return Verdict("Pending", "BaseModelNotFound",
+                       f"BaseModel {adapter.base_model!r} does not exist in namespace {adapter.namespace!r}")
+    if adapter.base_model != base.name or adapter.namespace != base.namespace:
+        return Verdict("Rejected", "WrongBaseModel",
+                       f"adapter is for base {adapter.namespace}/{adapter.base_model},"
+                       f" not {base.namespace}/{base.name}")
+    if adapter.rank is None or adapter.target_modules is None:
+        return Verdict("Pending", "MetadataUnknown",
+                       "rank and target modules unknown: set spec.rank and spec.targetModules"
+                       " (read from adapter_config.json only for file:// sources)")
+    if adapter.rank > base.max_lora_rank:
+        return Verdict("Rejected", "RankTooLarge",
+                       f"rank {adapter.rank} > maxLoraRank {base.max_lora_rank} of {base.name}")
+    extra = sorted(set(adapter.target_modules) - set(base.target_modules))
+    if extra:
+        return Verdict("Rejected", "TargetModulesNotAllowed",
+                       f"target modules {extra} are not served by {base.name}"
+                       f" (allowed: {sorted(base.target_modules)})")
+    return Verdict("Accepted", "Accepted",
+                   f"rank {adapter.rank} <= {base.max_lora_rank},"
+                   f" modules {list(adapter.target_modules)} allowed")
+
+
+def normalise_target_modules(value: Any) -> tuple[str, ...] | None:
+    """PEFT writes a list of names or one name ("q_proj", "model.layers.0.self_attn.q_proj")."""
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else list(value)
+    return tuple(sorted({str(name).rsplit(".", 1)[-1] for name in names}))
+
+
+def parse_adapter_config(text: str) -> tuple[int | None, tuple[str, ...] | None]:
+    """(rank, target modules) from the text of a PEFT adapter_config.json."""
+    config = json.loads(text)
+    if not isinstance(config, dict):
+        raise ValueError("adapter_config.json is not a JSON object")
+    rank = config.get("r")
+    return (int(rank) if rank is not None else None,
+            normalise_target_modules(config.get("target_modules")))
+
+
+def local_path(source: str) -> pathlib.Path | None:
+    """The directory of a file:// or absolute-path source; None for remote sources."""
+    if source.startswith("/"):
+        return pathlib.Path(source)
+    parsed = urllib.parse.urlparse(source)
+    if parsed.scheme == "file":
+        return pathlib.Path(urllib.parse.unquote(parsed.path))
+    return None
+
+
+def read_adapter_config(source: str) -> tuple[int | None, tuple[str, ...] | None]:
+    """(rank, target modules) of a local adapter; (None, None) when it cannot be read here."""
+    path = local_path(source)
+    if path is None:
+        return None, None
+    config = path / "adapter_config.json"
+    try:
+        with config.open("rb") as f:
+            data = f.read(_MAX_CONFIG_BYTES + 1)
+    except OSError:
+        return None, None
+    if len(data) > _MAX_CONFIG_BYTES:
+        return None, None
+    try:
+        return parse_adapter_config(data.decode("utf-8"))
+    except (ValueError, TypeError):
+        return None, None

@@ -1,0 +1,170 @@
+"""The objects the operator owns for each BaseModel, as plain dicts.
+
+For a BaseModel `llama-3-8b` in namespace `ml`:
+
+    ConfigMap  ml/llama-3-8b-plan   data: {"plan.json": <Plan.to_json()>}
+    Deployment ml/llama-3-8b        loraplex-server --model ... --plan-file /etc/loraplex/plan/plan.json
+    Service    ml/llama-3-8b        port 8000, named http
+
+The handlers adopt them (`kopf.adopt`: owner reference, namespace) and write them only
+when `needs_update` says the part we own differs from what is there, so an adapter change
+touches the ConfigMap and never the Deployment.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from loraplex.operator.specs import BaseModelSpec
+from loraplex.operator.validation import local_path
+
+MANAGED_BY = "loraplex-operator"
+BASE_LABEL = "loraplex.io/base-model"
+PLAN_KEY = "plan.json"
+PLAN_DIR = "/etc/loraplex/plan"
+PLAN_FILE = f"{PLAN_DIR}/{PLAN_KEY}"
+ADAPTER_CACHE_DIR = "/var/lib/loraplex/adapters"
+SERVER_PORT = 8000
+
+
+def plan_config_map_name(base_name: str) -> str:
+    return f"{base_name}-plan"
+
+
+def labels(base_name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "loraplex-server",
+        "app.kubernetes.io/instance": base_name,
+        "app.kubernetes.io/component": "server",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        BASE_LABEL: base_name,
+    }
+
+
+def selector_labels(base_name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "loraplex-server", BASE_LABEL: base_name}
+
+
+def plan_config_map(base: BaseModelSpec, plan_json: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": plan_config_map_name(base.name),
+            "namespace": base.namespace,
+            "labels": {"app.kubernetes.io/managed-by": MANAGED_BY, BASE_LABEL: base.name},
+        },
+        "data": {PLAN_KEY: plan_json},
+    }
+
+
+def model_path(base: BaseModelSpec) -> str:
+    """`--model`: serving.modelPath, else a local source, else /models/<name>."""
+    if base.serving.model_path:
+        return base.serving.model_path
+    local = local_path(base.source)
+    return str(local) if local is not None else f"/models/{base.name}"
+
+
+def server_args(base: BaseModelSpec, slots: int) -> list[str]:
+    return [
+        "--model", model_path(base),
+        "--port", str(SERVER_PORT),
+        "--plan-file", PLAN_FILE,
+        "--max-loras", str(max(slots, 1)),
+        "--max-lora-rank", str(base.max_lora_rank),
+        "--dtype", base.dtype,
+    ]
+
+
+def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
+    """The serving Deployment: the plan ConfigMap mounted read-only, the node's adapter cache
+    (staged there by the node agent) mounted from the host."""
+    serving = base.serving
+    container: dict[str, Any] = {
+        "name": "server",
+        "image": serving.image,
+        "command": ["loraplex-server"],
+        "args": server_args(base, slots),
+        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "env": [{"name": "LORAPLEX_ADAPTER_DIR", "value": ADAPTER_CACHE_DIR}],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 6},
+        "volumeMounts": [
+            {"name": "plan", "mountPath": PLAN_DIR, "readOnly": True},
+            {"name": "adapters", "mountPath": ADAPTER_CACHE_DIR, "readOnly": True},
+            *copy.deepcopy(list(serving.volume_mounts)),
+        ],
+    }
+    if serving.resources:
+        container["resources"] = copy.deepcopy(dict(serving.resources))
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [
+            {"name": "plan", "configMap": {"name": plan_config_map_name(base.name)}},
+            {"name": "adapters", "hostPath": {"path": ADAPTER_CACHE_DIR, "type": "DirectoryOrCreate"}},
+            *copy.deepcopy(list(serving.volumes)),
+        ],
+    }
+    if serving.node_selector:
+        pod_spec["nodeSelector"] = dict(serving.node_selector)
+    if serving.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(list(serving.tolerations))
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": base.name, "namespace": base.namespace, "labels": labels(base.name)},
+        "spec": {
+            "replicas": serving.replicas,
+            "selector": {"matchLabels": selector_labels(base.name)},
+            "template": {
+                "metadata": {"labels": labels(base.name)},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def service(base: BaseModelSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": base.name, "namespace": base.namespace, "labels": labels(base.name)},
+        "spec": {
+            "selector": selector_labels(base.name),
+            "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def needs_update(existing: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> bool:
+    """Whether `existing` lacks or differs in any part of `desired` we own.
+
+    Compared: labels and owner references we set, and `spec` / `data` as a subset (the API
+    server adds defaults such as a Service's clusterIP, which are not ours to fight).
+    """
+    if existing is None:
+        return True
+    want_meta, have_meta = desired.get("metadata", {}), existing.get("metadata", {})
+    if not _contains(have_meta.get("labels") or {}, want_meta.get("labels") or {}):
+        return True
+    if want_meta.get("ownerReferences") and \
+            want_meta["ownerReferences"] != have_meta.get("ownerReferences"):
+        return True
+    for key in ("spec", "data"):
+        if key in desired and not _contains(existing.get(key), desired[key]):
+            return True
+    return False
+
+
+def _contains(have: Any, want: Any) -> bool:
+    """Recursive subset: every key of `want` is in `have` with a containing value."""
+    if isinstance(want, Mapping):
+        return isinstance(have, Mapping) and all(k in have and _contains(have[k], v) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(have, list) and len(have) == len(want) and all(
+            _contains(h, w) for h, w in zip(have, want))
+    return bool(have == want)

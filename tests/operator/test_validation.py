@@ -1,0 +1,100 @@
+"""Adapter against base: accepted, or rejected with a reason (never half-served)."""
+
+import json
+
+import pytest
+
+from loraplex.operator.specs import AdapterSpec, BaseModelSpec, SpecError
+from loraplex.operator.validation import local_path, parse_adapter_config, read_adapter_config, validate
+
+BASE = BaseModelSpec(name="llama-3-8b", namespace="ml", source="s3://m/llama", max_lora_rank=64,
+                     target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def adapter(**overrides) -> AdapterSpec:
+    fields = dict(name="a", namespace="ml", base_model="llama-3-8b", source="s3://a/a", rank=16,
+                  target_modules=("q_proj", "v_proj"))
+    fields.update(overrides)
+    return AdapterSpec(**fields)
+
+
+# (adapter, base, phase, reason)
+CASES = {
+    "fits": (adapter(), BASE, "Accepted", "Accepted"),
+    "rank-at-the-limit": (adapter(rank=64), BASE, "Accepted", "Accepted"),
+    "rank-above-max": (adapter(rank=128), BASE, "Rejected", "RankTooLarge"),
+    "module-not-served": (adapter(target_modules=("gate_proj", "q_proj")), BASE, "Rejected", "TargetModulesNotAllowed"),
+    "another-base": (adapter(base_model="mistral-7b"), BASE, "Rejected", "WrongBaseModel"),
+    "same-name-other-namespace": (adapter(namespace="other"), BASE, "Rejected", "WrongBaseModel"),
+    "no-such-base": (adapter(), None, "Pending", "BaseModelNotFound"),
+    "rank-unknown": (adapter(rank=None), BASE, "Pending", "MetadataUnknown"),
+    "modules-unknown": (adapter(target_modules=None), BASE, "Pending", "MetadataUnknown"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_validation_table(case):
+    spec, base, phase, reason = CASES[case]
+    verdict = validate(spec, base)
+    assert (verdict.phase, verdict.reason) == (phase, reason)
+    assert verdict.accepted == (phase == "Accepted")
+    assert verdict.message
+
+
+def test_messages_name_the_numbers():
+    assert "rank 128 > maxLoraRank 64" in validate(adapter(rank=128), BASE).message
+    assert "['gate_proj']" in validate(adapter(target_modules=("gate_proj",)), BASE).message
+
+
+def test_adapter_from_body_applies_schema_defaults():
+    spec = AdapterSpec.from_body({"metadata": {"name": "a", "namespace": "ml", "generation": 3},
+                                  "spec": {"baseModel": "llama-3-8b", "source": "s3://a",
+                                           "targetModules": ["v_proj", "q_proj"]}})
+    assert (spec.tenant, spec.priority, spec.pin_policy, spec.generation) == ("default", 0, "Auto", 3)
+    assert spec.target_modules == ("q_proj", "v_proj")  # sorted: order in YAML does not matter
+
+
+@pytest.mark.parametrize("spec", [
+    {"source": "s3://a"},  # no baseModel
+    {"baseModel": "b", "source": "s3://a", "pinPolicy": "Sometimes"},
+    {"baseModel": "b", "source": "s3://a", "warmup": {"start": "2026-01-02T00:00:00Z", "end": "2026-01-01T00:00:00Z"}},
+    {"baseModel": "b", "source": "s3://a", "warmup": {"start": "tomorrow", "end": "2026-01-01T00:00:00Z"}},
+])
+def test_bad_adapter_bodies_raise_spec_error(spec):
+    with pytest.raises(SpecError):
+        AdapterSpec.from_body({"metadata": {"name": "a"}, "spec": spec})
+
+
+@pytest.mark.parametrize("spec", [
+    {"maxLoraRank": 8},  # no source
+    {"source": "/m", "maxLoraRank": 8, "dtype": "int4"},
+    {"source": "/m", "maxLoraRank": 8, "targetModules": ["lm_head"]},
+    {"source": "/m", "maxLoraRank": 8, "memory": {"gpuMemory": "lots"}},
+])
+def test_bad_base_bodies_raise_spec_error(spec):
+    with pytest.raises(SpecError):
+        BaseModelSpec.from_body({"metadata": {"name": "b"}, "spec": spec})
+
+
+def test_adapter_config_is_read_from_local_sources(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "q_proj"], "peft_type": "LORA"}))
+    assert read_adapter_config(f"file://{tmp_path}") == (8, ("q_proj", "v_proj"))
+    assert read_adapter_config(str(tmp_path)) == (8, ("q_proj", "v_proj"))
+    assert read_adapter_config(f"file://{tmp_path}/missing") == (None, None)
+    assert read_adapter_config("s3://bucket/adapter") == (None, None)
+    spec = adapter(rank=None, target_modules=None, source=f"file://{tmp_path}")
+    assert validate(spec.with_metadata(*read_adapter_config(spec.source)), BASE).accepted
+
+
+def test_peft_target_module_forms():
+    assert parse_adapter_config('{"r": 4, "target_modules": "q_proj"}') == (4, ("q_proj",))
+    assert parse_adapter_config('{"r": 4, "target_modules": ["model.layers.0.self_attn.k_proj"]}') == (4, ("k_proj",))
+    assert parse_adapter_config('{"target_modules": null}') == (None, None)
+    with pytest.raises(ValueError):
+        parse_adapter_config("[1, 2]")
+
+
+def test_local_path_only_for_local_sources():
+    assert str(local_path("file:///data/a%20b")) == "/data/a b"
+    assert local_path("https://host.invalid/a") is None

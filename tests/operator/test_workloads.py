@@ -1,0 +1,63 @@
+"""The objects the operator owns, against the contracts servers and agents build on."""
+
+import copy
+
+from loraplex.operator.specs import BaseModelSpec, Memory, Serving
+from loraplex.operator.workloads import deployment, needs_update, plan_config_map, service
+
+BASE = BaseModelSpec(name="llama-3-8b", namespace="ml", source="s3://models/llama-3-8b", max_lora_rank=64,
+                     dtype="bfloat16", memory=Memory(slots=250),
+                     serving=Serving(replicas=2, image="loraplex/server:test", resources={"limits": {"nvidia.com/gpu": 1}},
+                                     node_selector={"gpu": "h100"},
+                                     tolerations=({"key": "gpu", "operator": "Exists"},)))
+
+
+def test_config_map_contract():
+    cm = plan_config_map(BASE, '{"x": 1}\n')
+    assert cm["metadata"]["name"] == "llama-3-8b-plan" and cm["metadata"]["namespace"] == "ml"
+    assert cm["metadata"]["labels"] == {"app.kubernetes.io/managed-by": "loraplex-operator",
+                                        "loraplex.io/base-model": "llama-3-8b"}
+    assert cm["data"] == {"plan.json": '{"x": 1}\n'}
+
+
+def test_deployment_runs_the_server_with_the_plan_mounted():
+    dep = deployment(BASE, 250)
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["loraplex-server"]
+    assert container["args"] == ["--model", "/models/llama-3-8b", "--port", "8000",
+                                 "--plan-file", "/etc/loraplex/plan/plan.json", "--max-loras", "250",
+                                 "--max-lora-rank", "64", "--dtype", "bfloat16"]
+    assert {"name": "plan", "mountPath": "/etc/loraplex/plan", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "plan", "configMap": {"name": "llama-3-8b-plan"}} in pod["volumes"]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    assert dep["spec"]["replicas"] == 2
+    selector = dep["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_service_port_8000_named_http():
+    svc = service(BASE)
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert svc["spec"]["selector"] == deployment(BASE, 1)["spec"]["selector"]["matchLabels"]
+
+
+def test_local_source_is_the_model_path():
+    local = BaseModelSpec(name="tiny", namespace="ml", source="file:///data/tiny", max_lora_rank=8)
+    assert deployment(local, 4)["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["--model", "/data/tiny"]
+
+
+def test_needs_update_tolerates_server_defaults_only():
+    desired = deployment(BASE, 250)
+    existing = copy.deepcopy(desired)
+    existing["metadata"]["uid"] = "u"
+    existing["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    existing["spec"]["strategy"] = {"type": "RollingUpdate"}
+    existing["status"] = {"readyReplicas": 2}
+    assert not needs_update(existing, desired)
+    assert needs_update(None, desired)
+    assert needs_update(existing, deployment(BASE, 251))  # --max-loras moved
+    relabelled = copy.deepcopy(existing)
+    relabelled["metadata"]["labels"]["loraplex.io/base-model"] = "other"
+    assert needs_update(relabelled, desired)
