@@ -1,0 +1,251 @@
+"""Eviction policies (loraplex.server.cache_policy) and the trace simulator's quick mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loraplex.server.cache_policy import (
+    POLICY_NAMES,
+    AgedLFUPolicy,
+    LRUPolicy,
+    make_policy,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Ops: ("a", name) access, ("i", name) insert, ("p", name) insert as prefetch, ("e", name) evict.
+
+
+def apply(policy, ops):
+    for op, name in ops:
+        if op == "a":
+            policy.record_access(name)
+        elif op == "i":
+            policy.record_insert(name)
+        elif op == "p":
+            policy.record_insert(name, prefetch=True)
+        elif op == "e":
+            policy.record_evict(name)
+        else:
+            raise AssertionError(op)
+
+
+def miss(name):
+    """What the cache does for a request that misses: access, then insert."""
+    return [("a", name), ("i", name)]
+
+
+LRU_CASES = [
+    # (ops, candidates, expected victim)
+    (miss("a") + miss("b") + miss("c"), {"a", "b", "c"}, "a"),
+    (miss("a") + miss("b") + miss("c") + [("a", "a")], {"a", "b", "c"}, "b"),
+    (miss("a") + miss("b") + miss("c") + [("a", "a"), ("a", "b")], {"a", "b", "c"}, "c"),
+    # a is pinned or in use: not a candidate, so the next oldest goes.
+    (miss("a") + miss("b") + miss("c"), {"b", "c"}, "b"),
+    # b was evicted and came back: it is the most recent now.
+    (miss("a") + miss("b") + miss("c") + [("e", "b")] + miss("b"), {"a", "b", "c"}, "a"),
+    (miss("a") + miss("b") + [("e", "a")] + miss("c"), {"b", "c"}, "b"),
+]
+
+
+@pytest.mark.parametrize("ops,candidates,victim", LRU_CASES)
+def test_lru_order(ops, candidates, victim):
+    policy = LRUPolicy()
+    apply(policy, ops)
+    assert policy.select_victim(candidates) == victim
+
+
+LFU_CASES = [
+    # a used 3 times, b twice, c once: c goes, then b.
+    (miss("a") + miss("b") + miss("c") + [("a", "a"), ("a", "a"), ("a", "b")], {"a", "b", "c"}, "c"),
+    (miss("a") + miss("b") + miss("c") + [("a", "a"), ("a", "a"), ("a", "b")], {"a", "b"}, "b"),
+    # The most recent adapter is evicted when it is the least used (LRU would keep it).
+    (miss("a") + [("a", "a")] * 3 + miss("b") + [("a", "b")] * 3 + miss("c"), {"a", "b", "c"}, "c"),
+    # Counts survive eviction: b was used 4 times before it left, so the returning b
+    # outranks c (2 uses).
+    (miss("b") + [("a", "b")] * 3 + [("e", "b")] + miss("c") + [("a", "c")] + miss("b"), {"b", "c"}, "c"),
+    # Equal counts: the older access goes first (aging breaks the tie).
+    (miss("a") + miss("b"), {"a", "b"}, "a"),
+    # A prefetched adapter with no traffic yet is kept over one used once.
+    (miss("a") + [("a", "a")] * 5 + miss("b") + [("p", "c")], {"b", "c"}, "b"),
+    # Without the prefetch mark, an adapter never requested is the first victim.
+    (miss("a") + [("a", "a")] * 5 + miss("b") + [("i", "c")], {"b", "c"}, "c"),
+]
+
+
+@pytest.mark.parametrize("ops,candidates,victim", LFU_CASES)
+def test_lfu_order(ops, candidates, victim):
+    policy = AgedLFUPolicy()
+    apply(policy, ops)
+    assert policy.select_victim(candidates) == victim
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("candidates", [set(), frozenset(), [], {}])
+def test_empty_candidates_give_none(name, candidates):
+    policy = make_policy(name)
+    apply(policy, miss("a") + miss("b"))
+    assert policy.select_victim(candidates) is None
+
+
+@pytest.mark.parametrize("min_tau,victim", [(100.0, "a"), (1e9, "b")])
+def test_aging_lets_recent_traffic_win(min_tau, victim):
+    # a: 10 accesses, then 500 requests for other adapters, then b: 5 accesses. With
+    # tau = 100 requests a's count has decayed to 10 * exp(-5) < 5, so a goes; with counts
+    # that (nearly) never age, a's 10 beat b's 5 and b goes.
+    policy = AgedLFUPolicy(tau_per_slot=1, min_tau=min_tau, detect_margin=2.0)
+    apply(policy, miss("a") + [("a", "a")] * 9)
+    apply(policy, [("a", f"other-{i % 50}") for i in range(500)])
+    apply(policy, miss("b") + [("a", "b")] * 4)
+    assert policy.select_victim({"a", "b"}) == victim
+
+
+def test_cost_weighs_the_score():
+    # Same traffic; b costs 4x as much to load again, so a (cheap) is evicted first.
+    policy = AgedLFUPolicy()
+    policy.record_access("a")
+    policy.record_insert("a", cost=1.0)
+    policy.record_access("b")
+    policy.record_insert("b", cost=4.0)
+    policy.record_access("a")
+    assert policy.select_victim({"a", "b"}) == "a"
+    with pytest.raises(ValueError):
+        policy.record_insert("c", cost=0.0)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("n_candidates", [3, 200])  # both the scan path and the ordered walk
+def test_victim_always_inside_candidates(name, n_candidates):
+    rng = random.Random(7)
+    policy = make_policy(name)
+    names = [f"ad-{i}" for i in range(400)]
+    resident: set[str] = set()
+    for _ in range(3_000):
+        a = rng.choice(names[: rng.choice([20, 400])])
+        policy.record_access(a)
+        if a not in resident:
+            if len(resident) >= 250:
+                cands = set(rng.sample(sorted(resident), min(n_candidates, len(resident))))
+                v = policy.select_victim(cands)
+                assert v in cands
+                resident.remove(v)
+                policy.record_evict(v)
+            resident.add(a)
+            policy.record_insert(a, prefetch=rng.random() < 0.05)
+
+
+def test_lfu_matches_brute_force_scores():
+    """The heap's victim equals argmin over candidates of cost * sum(exp(v_access))."""
+    rng = random.Random(3)
+    tau = 500.0
+    policy = AgedLFUPolicy(tau_per_slot=1, min_tau=tau, detect_margin=2.0)  # no shift jumps
+    hist: dict[str, list[int]] = {}
+    cost: dict[str, float] = {}
+    resident: set[str] = set()
+    names = [f"ad-{i}" for i in range(120)]
+    weights = [1 / (i + 1) for i in range(len(names))]
+    for k in range(1, 6_000):
+        a = rng.choices(names, weights)[0]
+        policy.record_access(a)
+        hist.setdefault(a, []).append(k)
+        if a in resident:
+            continue
+        if len(resident) >= 40:
+            cands = set(rng.sample(sorted(resident), rng.choice([5, 40])))
+            got = policy.select_victim(cands)
+            score = {n: cost[n] * sum(math.exp((t - k) / tau) for t in hist[n]) for n in cands}
+            want = min(cands, key=score.__getitem__)
+            assert score[got] == pytest.approx(score[want], rel=1e-9), (got, want)
+            resident.remove(got)
+            policy.record_evict(got)
+        cost[a] = rng.choice([1.0, 2.0])
+        resident.add(a)
+        policy.record_insert(a, cost=cost[a])
+
+
+def _zipf_requests(rng: random.Random, ranking: list[str], n: int) -> list[str]:
+    weights = [1 / (r + 1) for r in range(len(ranking))]
+    return rng.choices(ranking, weights, k=n)
+
+
+def _replay(policy, requests, slots, resident):
+    hits = 0
+    for a in requests:
+        policy.record_access(a)
+        if a in resident:
+            hits += 1
+            continue
+        if len(resident) >= slots:
+            v = policy.select_victim(resident)
+            resident.remove(v)
+            policy.record_evict(v)
+        resident.add(a)
+        policy.record_insert(a)
+    return hits / len(requests)
+
+
+def test_shift_detection_fires_on_a_shift_only():
+    rng = random.Random(11)
+    ranking = [f"ad-{i}" for i in range(500)]
+    policy = AgedLFUPolicy()
+    resident: set[str] = set()
+    _replay(policy, _zipf_requests(rng, ranking, 30_000), 50, resident)
+    assert policy.shifts_detected == 0  # stationary traffic: no false alarm
+    shifted = ranking[400:450] + ranking[50:400] + ranking[:50] + ranking[450:]
+    _replay(policy, _zipf_requests(rng, shifted, 3_000), 50, resident)
+    assert policy.shifts_detected >= 1
+    # After the shift it has learned the new hot set: it beats LRU on what follows.
+    after = _zipf_requests(rng, shifted, 10_000)
+    lru, lru_resident = LRUPolicy(), set()
+    _replay(lru, _zipf_requests(rng, shifted, 3_000), 50, lru_resident)
+    assert _replay(policy, after, 50, resident) > _replay(lru, after, 50, lru_resident) + 0.05
+
+
+def test_history_is_bounded():
+    policy = AgedLFUPolicy(history_limit=1_000)
+    for i in range(5_000):
+        policy.record_access(f"one-off-{i}")
+    assert len(policy._entries) <= 1_000
+
+
+@pytest.mark.parametrize(
+    "name,options,error",
+    [("lru", {}, None), ("lfu-aged", {}, None), ("lfu-aged", {"tau_per_slot": 50.0}, None),
+     ("lru", {"tau_per_slot": 5.0}, ValueError), ("lfu", {}, ValueError), ("LRU", {}, ValueError),
+     ("lfu-aged", {"min_tau": 0.0}, ValueError)],
+)
+def test_make_policy(name, options, error):
+    if error:
+        with pytest.raises(error):
+            make_policy(name, **options)
+    else:
+        assert make_policy(name, **options).name == name
+
+
+def test_simulator_quick_mode(tmp_path):
+    """bench/cache_sim.py --quick: lfu-aged beats LRU on stationary Zipf, outputs written."""
+    spec = importlib.util.spec_from_file_location("cache_sim", REPO / "bench" / "cache_sim.py")
+    sim = importlib.util.module_from_spec(spec)
+    sys.modules["cache_sim"] = sim
+    spec.loader.exec_module(sim)
+    t0 = time.perf_counter()
+    assert sim.main(["--quick", "--out", str(tmp_path), "--workers", "1"]) == 0
+    assert time.perf_counter() - t0 < 20
+    result = json.loads((tmp_path / "cache_sim.json").read_text())
+    for run in result["stationary"]:
+        hr = run["hit_rate"]
+        assert hr["lfu-aged"] > hr["lru"] + 0.05, run
+        assert hr["belady"] >= hr["lfu-aged"], run
+    # With the campaign prefetched, lfu-aged is at its steady rate within one window.
+    pol = result["shift"]["prefetch"]["policies"]
+    assert pol["lfu-aged"]["recovery_requests"] <= pol["lru"]["recovery_requests"]
+    for f in ("cache_sim_zipf.png", "cache_sim_shift.png", "cache_sim_notes.md"):
+        assert (tmp_path / f).stat().st_size > 0
