@@ -1,0 +1,267 @@
+"""The PEFT LoRA adapter format, read and checked against a base, with the standard library only.
+
+An adapter directory as `peft` saves it::
+
+    adapter_config.json         {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "use_rslora": false,
+                                 "target_modules": ["q_proj", "v_proj"], "rank_pattern": {}, ...}
+    adapter_model.safetensors   base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight [r, in]
+                                base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight [out, r]
+
+`read_adapter(path, base)` parses both (the safetensors *header* only: 8-byte little-endian
+length, then JSON) and returns an `AdapterSpec`, or raises `AdapterError` whose message says
+which part does not fit and why. The node agent and the operator import this module, so it
+must never import torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# Bytes per element of the safetensors dtypes an adapter may use.
+DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+
+_KEY = re.compile(
+    r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>[a-z_]+)"
+    r"\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served on this base; the message says which part and why."""
+
+
+@dataclass(frozen=True)
+class BaseSpec:
+    """What an adapter must fit: the base's projection shapes and the server's limits."""
+
+    num_layers: int
+    module_shapes: dict[str, tuple[int, int]]  # {"q_proj": (in_features, out_features), ...}
+    max_rank: int
+    allowed_modules: tuple[str, ...] = LORA_MODULES
+
+
+@dataclass(frozen=True)
+class ModuleLoRA:
+    """One targeted projection of one layer: lora_A [rank, in], lora_B [out, rank]."""
+
+    layer: int
+    proj: str
+    rank: int
+    alpha: float
+    scaling: float  # alpha / rank, or alpha / sqrt(rank) with use_rslora
+    key_a: str
+    key_b: str
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    path: str
+    rank: int  # the config's r
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]  # projections present in the weights, sorted as LORA_MODULES
+    modules: tuple[ModuleLoRA, ...]
+    max_rank: int  # the largest rank of any module (rank_pattern may raise it above r)
+    nbytes: int  # bytes of the LoRA tensors in the file
+    base_model_name_or_path: str | None = None
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def module(self, layer: int, proj: str) -> ModuleLoRA | None:
+        for m in self.modules:
+            if m.layer == layer and m.proj == proj:
+                return m
+        return None
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, dict]:
+    """{tensor name: {"dtype": "F16", "shape": [..], "data_offsets": [..]}} without the data."""
+    path = Path(path)
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise AdapterError(f"{path.name}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 * 1024 * 1024:
+            raise AdapterError(f"{path.name}: not a safetensors file (header of {n} bytes)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{path.name}: not a safetensors file ({e})") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 hex digest of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _pattern_value(patterns: dict, module_key: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the
+    module's name ("model.layers.3.self_attn.q_proj" matches "q_proj", "layers.3.self_attn.q_proj"
+    or a regex such as "^model.layers.3.*q_proj")."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module_key):
+            return patterns[key]
+    return default
+
+
+def read_config(path: str | Path) -> dict:
+    path = Path(path)
+    cfg_file = path / CONFIG_FILE
+    if not path.is_dir():
+        raise AdapterError(f"{path}: not a directory")
+    if not cfg_file.is_file():
+        raise AdapterError(f"{path}: no {CONFIG_FILE}")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{cfg_file}: invalid JSON ({e})") from None
+
+
+def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
+    """Parse and check an adapter directory against `base`; raise AdapterError if it does not fit."""
+    path = Path(path)
+    cfg = read_config(path)
+    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise AdapterError(f"peft_type {peft_type!r}: only LORA adapters are served")
+    if cfg.get("use_dora"):
+        raise AdapterError("use_dora=true: DoRA adapters are not supported")
+    if cfg.get("bias", "none") != "none":
+        raise AdapterError(f"bias={cfg['bias']!r}: adapters with trained biases are not supported")
+    if cfg.get("modules_to_save"):
+        raise AdapterError(
+            f"modules_to_save={cfg['modules_to_save']!r}: adapters that replace whole base modules are not supported")
+    if cfg.get("fan_in_fan_out"):
+        raise AdapterError("fan_in_fan_out=true: only nn.Linear-style (out, in) weights are supported")
+    r = cfg.get("r")
+    alpha = cfg.get("lora_alpha", r)
+    if not isinstance(r, int) or r < 1:
+        raise AdapterError(f"r={r!r}: expected a positive integer")
+    rslora = bool(cfg.get("use_rslora", False))
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        unknown = sorted(set(targets) - set(LORA_MODULES))
+        if unknown:
+            raise AdapterError(
+                f"target_modules {unknown} are not LoRA-capable projections here; "
+                f"supported: {list(base.allowed_modules)}")
+
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise AdapterError(f"{path}: no {WEIGHTS_FILE}" + (
+            " (adapter_model.bin is not read: re-save with safe_serialization=True)"
+            if (path / "adapter_model.bin").is_file() else ""))
+    header = read_safetensors_header(weights)
+
+    pairs: dict[tuple[int, str], dict[str, tuple[str, dict]]] = {}
+    nbytes = 0
+    for key, info in header.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise AdapterError(f"tensor {key!r} is not a LoRA A/B weight of a decoder layer projection")
+        layer, proj, ab = int(m["layer"]), m["proj"], m["ab"]
+        if proj not in LORA_MODULES:
+            raise AdapterError(f"tensor {key!r} targets {proj!r}, not a LoRA-capable projection")
+        if info.get("dtype") not in DTYPE_BYTES:
+            raise AdapterError(f"tensor {key!r} has dtype {info.get('dtype')!r}; expected F32, F16 or BF16")
+        if len(info.get("shape", [])) != 2:
+            raise AdapterError(f"tensor {key!r} has shape {info.get('shape')}; expected 2 dimensions")
+        pairs.setdefault((layer, proj), {})[ab] = (key, info)
+        nbytes += math.prod(info["shape"]) * DTYPE_BYTES[info["dtype"]]
+    if not pairs:
+        raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA weights")
+
+    present = {proj for _, proj in pairs}
+    not_allowed = sorted(present - set(base.allowed_modules), key=LORA_MODULES.index)
+    if not_allowed:
+        raise AdapterError(
+            f"target modules {not_allowed} are not allowed on this server "
+            f"(allowed: {list(base.allowed_modules)})")
+
+    modules = []
+    for (layer, proj), ab in sorted(pairs.items(), key=lambda kv: (kv[0][0], LORA_MODULES.index(kv[0][1]))):
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"layer {layer} {proj}: lora_{'B' if 'A' in ab else 'A'} is missing")
+        if layer >= base.num_layers:
+            raise AdapterError(f"layer {layer} {proj}: the base has only {base.num_layers} layers")
+        (key_a, info_a), (key_b, info_b) = ab["A"], ab["B"]
+        (ra, in_a), (out_b, rb) = info_a["shape"], info_b["shape"]
+        want_in, want_out = base.module_shapes[proj]
+        if in_a != want_in or out_b != want_out:
+            raise AdapterError(
+                f"layer {layer} {proj}: LoRA shapes A {info_a['shape']}, B {info_b['shape']} do not fit the "
+                f"base's {proj} (in {want_in}, out {want_out}); the adapter was trained for another base"
+                + (f" ({cfg['base_model_name_or_path']})" if cfg.get("base_model_name_or_path") else ""))
+        if ra != rb:
+            raise AdapterError(f"layer {layer} {proj}: lora_A rank {ra} != lora_B rank {rb}")
+        module_key = f"model.layers.{layer}.{'mlp' if proj in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{proj}"
+        want_rank = _pattern_value(rank_pattern, module_key, r)
+        if ra != want_rank:
+            raise AdapterError(
+                f"layer {layer} {proj}: weights have rank {ra} but the config says {want_rank}")
+        if ra > base.max_rank:
+            raise AdapterError(
+                f"layer {layer} {proj}: rank {ra} exceeds this server's max LoRA rank {base.max_rank}")
+        a = float(_pattern_value(alpha_pattern, module_key, alpha))
+        scaling = a / math.sqrt(ra) if rslora else a / ra
+        modules.append(ModuleLoRA(layer, proj, ra, a, scaling, key_a, key_b))
+
+    warnings = []
+    if isinstance(targets, list):
+        missing = sorted(set(targets) - present)
+        if missing:
+            warnings.append(f"target_modules {missing} have no weights in {WEIGHTS_FILE}")
+    return AdapterSpec(
+        path=str(path),
+        rank=r,
+        lora_alpha=float(alpha),
+        use_rslora=rslora,
+        target_modules=tuple(p for p in LORA_MODULES if p in present),
+        modules=tuple(modules),
+        max_rank=max(m.rank for m in modules),
+        nbytes=nbytes,
+        base_model_name_or_path=cfg.get("base_model_name_or_path"),
+        warnings=tuple(warnings),
+    )
+
+
+def write_adapter_config(path: str | Path, *, r: int, lora_alpha: float, target_modules: list[str],
+                         use_rslora: bool = False, rank_pattern: dict | None = None,
+                         alpha_pattern: dict | None = None, base_model_name_or_path: str | None = None) -> None:
+    """Write adapter_config.json with the keys `peft` writes for a LoRA adapter."""
+    cfg = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "auto_mapping": None,
+        "base_model_name_or_path": base_model_name_or_path, "revision": None,
+        "inference_mode": True, "r": r, "lora_alpha": lora_alpha, "lora_dropout": 0.0,
+        "target_modules": list(target_modules), "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": use_rslora, "use_dora": False, "modules_to_save": None,
+        "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
+        "rank_pattern": rank_pattern or {}, "alpha_pattern": alpha_pattern or {},
+    }
+    Path(path).mkdir(parents=True, exist_ok=True)
+    (Path(path) / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
+
+
+def peft_key(layer: int, proj: str, ab: str) -> str:
+    """The key `peft` saves for one LoRA weight, e.g. peft_key(3, "q_proj", "A") ->
+    "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"."""
+    block = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+    return f"base_model.model.model.layers.{layer}.{block}.{proj}.lora_{ab}.weight"

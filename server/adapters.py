@@ -1,0 +1,233 @@
+"""Adapter slots: the device buffers that hold resident adapters, and a minimal slot manager.
+
+Buffers, per layer and per fused group (S slots, R = max LoRA rank)::
+
+    qkv     a [S, 3R, hidden]  b [S, q+2kv, R]   scaling [S, 3]   (slices q, k, v)
+    o       a [S, R, q]        b [S, hidden, R]  scaling [S, 1]
+    gate_up a [S, 2R, hidden]  b [S, 2*inter, R] scaling [S, 2]   (slices gate, up)
+    down    a [S, R, inter]    b [S, hidden, R]  scaling [S, 1]
+    ranks   int32 [S]: the adapter's largest module rank (the kernel skips columns past it)
+
+An adapter of rank r < R, or one that skips a projection, is written zero-padded: padded
+rows/columns and untargeted projections (scaling 0, zero weights) add nothing.
+
+`SlotManager` maps adapter name -> slot: `load` (into a free slot, refused when full),
+`unload`, `acquire`/`release` (a request holds its adapter; an adapter in use is never
+unloaded under it), `list`. The paging work replaces the "refuse when full" rule with a
+cache that evicts idle adapters (through an eviction policy) and loads from host memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .adapter_format import WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, file_digest, read_adapter
+from .config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# group -> the projections it fuses, in slice order
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+          "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
+
+@dataclass
+class LoRAGroup:
+    a: torch.Tensor  # [S, n*R, in]
+    b: torch.Tensor  # [S, sum(slices), R]
+    scaling: torch.Tensor  # float32 [S, n]
+    slices: tuple[int, ...]  # output columns of each fused projection
+
+
+class LoRABuffers:
+    """Preallocated device buffers for `num_slots` adapters of rank <= `max_rank`."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype):
+        self.cfg = cfg
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.device = device
+        self.dtype = dtype
+        shapes = cfg.module_shapes()
+        self.layers: list[dict[str, LoRAGroup]] = []
+        for _ in range(cfg.num_layers):
+            groups = {}
+            for name, projs in GROUPS.items():
+                in_f = shapes[projs[0]][0]
+                slices = tuple(shapes[p][1] for p in projs)
+                groups[name] = LoRAGroup(
+                    a=torch.zeros(num_slots, len(projs) * max_rank, in_f, device=device, dtype=dtype),
+                    b=torch.zeros(num_slots, sum(slices), max_rank, device=device, dtype=dtype),
+                    scaling=torch.zeros(num_slots, len(projs), device=device, dtype=torch.float32),
+                    slices=slices)
+            self.layers.append(groups)
+        self.ranks = torch.zeros(num_slots, device=device, dtype=torch.int32)
+
+    def nbytes(self) -> int:
+        return sum(g.a.numel() * g.a.element_size() + g.b.numel() * g.b.element_size()
+                   for layer in self.layers for g in layer.values())
+
+    @staticmethod
+    def slot_bytes(cfg: ModelConfig, max_rank: int, dtype: torch.dtype) -> int:
+        """Device bytes of one slot (A and B of all seven projections at max rank)."""
+        per_layer = sum(i + o for i, o in cfg.module_shapes().values()) * max_rank
+        return per_layer * cfg.num_layers * torch.empty((), dtype=dtype).element_size()
+
+    def write(self, slot: int, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy an adapter's tensors (keys as in its safetensors) into `slot`, zero-padded."""
+        r_max = self.max_rank
+        for layer, groups in enumerate(self.layers):
+            for name, projs in GROUPS.items():
+                g = groups[name]
+                g.a[slot].zero_()
+                g.b[slot].zero_()
+                g.scaling[slot].zero_()
+                off = 0
+                for i, (proj, width) in enumerate(zip(projs, g.slices)):
+                    m = spec.module(layer, proj)
+                    if m is not None:
+                        a, b = tensors[m.key_a], tensors[m.key_b]  # [r, in], [out, r]
+                        g.a[slot, i * r_max: i * r_max + m.rank].copy_(a, non_blocking=True)
+                        g.b[slot, off: off + width, : m.rank].copy_(b, non_blocking=True)
+                        g.scaling[slot, i] = m.scaling
+                    off += width
+        self.ranks[slot] = spec.max_rank
+
+    def clear(self, slot: int) -> None:
+        for groups in self.layers:
+            for g in groups.values():
+                g.scaling[slot].zero_()
+        self.ranks[slot] = 0
+
+
+@dataclass(frozen=True)
+class AdapterId:
+    """An adapter's identity: its name in the API and a digest of its weights file."""
+
+    name: str
+    digest: str
+    uri: str
+
+
+@dataclass
+class AdapterEntry:
+    id: AdapterId
+    spec: AdapterSpec
+    slot: int
+    refs: int = 0
+    unloading: bool = False  # unload asked while in use: refuse new requests, free at refs == 0
+
+
+def read_adapter_tensors(path: str | Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
+    """The adapter's LoRA tensors, on the CPU, as saved."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / WEIGHTS_FILE), device="cpu")
+
+
+class SlotManager:
+    """name -> slot for the adapters resident in `buffers`; thread-safe."""
+
+    def __init__(self, buffers: LoRABuffers, base: BaseSpec):
+        self.buffers = buffers
+        self.base = base
+        self._entries: dict[str, AdapterEntry] = {}
+        self._free = list(range(buffers.num_slots))
+        self._lock = threading.Lock()
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def prepare(self, name: str, path: str | Path) -> tuple[AdapterId, AdapterSpec, dict[str, torch.Tensor]]:
+        """Read and check an adapter from disk (slow part; any thread). Raises AdapterError."""
+        spec = read_adapter(path, self.base)
+        tensors = read_adapter_tensors(path, spec)
+        digest = file_digest(Path(path) / WEIGHTS_FILE)
+        return AdapterId(name=name, digest=digest, uri=str(path)), spec, tensors
+
+    def install(self, adapter: AdapterId, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> int:
+        """Write a prepared adapter into a free slot; call between steps. Returns the slot."""
+        with self._lock:
+            if adapter.name in self._entries:
+                raise AdapterError(f"adapter {adapter.name!r} is already loaded")
+            if not self._free:
+                raise AdapterError(
+                    f"all {self.buffers.num_slots} adapter slots are in use; unload one first "
+                    f"(or start the server with a larger --max-loras)")
+            slot = self._free.pop(0)
+        try:
+            self.buffers.write(slot, spec, tensors)
+        except Exception:
+            with self._lock:
+                self._free.insert(0, slot)
+            raise
+        with self._lock:
+            self._entries[adapter.name] = AdapterEntry(adapter, spec, slot)
+        log.info("adapter %s loaded into slot %d (rank %d, %s)", adapter.name, slot, spec.max_rank,
+                 ",".join(spec.target_modules))
+        return slot
+
+    def load(self, name: str, path: str | Path) -> int:
+        return self.install(*self.prepare(name, path))
+
+    def unload(self, name: str) -> bool:
+        """Free the adapter's slot now, or when its last request releases it.
+        Returns True if freed now. Raises KeyError for an unknown name."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None or entry.unloading:
+                raise KeyError(name)
+            if entry.refs > 0:
+                entry.unloading = True
+                return False
+            self._drop(entry)
+            return True
+
+    def _drop(self, entry: AdapterEntry) -> None:
+        del self._entries[entry.id.name]
+        self.buffers.clear(entry.slot)
+        self._free.append(entry.slot)
+        self._free.sort()
+        log.info("adapter %s unloaded from slot %d", entry.id.name, entry.slot)
+
+    # -- use by requests ---------------------------------------------------------------------
+
+    def acquire(self, name: str) -> int:
+        """Hold the adapter for one request; returns its slot. KeyError if not loaded."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None or entry.unloading:
+                raise KeyError(name)
+            entry.refs += 1
+            return entry.slot
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            entry = self._entries[name]
+            entry.refs -= 1
+            if entry.refs == 0 and entry.unloading:
+                self._drop(entry)
+
+    # -- inspection --------------------------------------------------------------------------
+
+    def has(self, name: str) -> bool:
+        with self._lock:
+            e = self._entries.get(name)
+            return e is not None and not e.unloading
+
+    def list(self) -> list[AdapterEntry]:
+        with self._lock:
+            return [e for e in self._entries.values() if not e.unloading]
+
+    def slot_of(self, name: str) -> int:
+        with self._lock:
+            return self._entries[name].slot
+
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return len(self._free)

@@ -1,0 +1,46 @@
+"""Adapter admin, as vLLM's: POST /v1/load_lora_adapter {lora_name, lora_path} and
+POST /v1/unload_lora_adapter {lora_name}. A refused adapter gets a 400 whose message says
+which part does not fit and why; the server keeps serving everything else."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import PlainTextResponse
+
+from ..adapter_format import AdapterError
+from ..engine import AsyncEngine
+from .deps import get_engine
+from .errors import APIError
+from .schemas import LoadAdapterRequest, UnloadAdapterRequest
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["adapters"])
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadAdapterRequest, engine: AsyncEngine = Depends(get_engine)) -> PlainTextResponse:
+    if body.lora_name == engine.engine.model_name:
+        raise APIError(400, f"{body.lora_name!r} is the base model's name", param="lora_name")
+    try:
+        slot = await engine.load_adapter(body.lora_name, body.lora_path)
+    except AdapterError as e:
+        log.warning("adapter %s refused: %s", body.lora_name, e)
+        raise APIError(400, f"adapter {body.lora_name!r} refused: {e}", param="lora_path",
+                       code="adapter_refused") from None
+    except OSError as e:
+        raise APIError(400, f"adapter {body.lora_name!r}: cannot read {body.lora_path}: {e}",
+                       param="lora_path") from None
+    log.info("adapter %s from %s in slot %d", body.lora_name, body.lora_path, slot)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadAdapterRequest, engine: AsyncEngine = Depends(get_engine)) -> PlainTextResponse:
+    try:
+        await engine.unload_adapter(body.lora_name)
+    except KeyError:
+        raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
+                       code="model_not_found") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -1,0 +1,61 @@
+"""The FastAPI application: routers per resource, the engine started in `lifespan`.
+
+`create_app(engine)` serves an already built `LLMEngine` (tests, the demo);
+`create_app_from_settings(settings)` builds the engine inside lifespan (the CLI), off the
+event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from ..engine import AsyncEngine, LLMEngine
+from ..settings import ServerSettings
+from . import adapters, chat, completions, health, models
+from .errors import install_error_handlers
+
+log = logging.getLogger(__name__)
+
+
+def _build_app(lifespan) -> FastAPI:
+    app = FastAPI(title="loraplex", summary="OpenAI-compatible multi-LoRA server", lifespan=lifespan)
+    app.state.engine = None
+    install_error_handlers(app)
+    for module in (completions, chat, models, adapters, health):
+        app.include_router(module.router)
+    return app
+
+
+def create_app(engine: LLMEngine) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        app.state.engine = async_engine
+        try:
+            yield
+        finally:
+            async_engine.stop()
+
+    return _build_app(lifespan)
+
+
+def create_app_from_settings(settings: ServerSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine = await asyncio.to_thread(LLMEngine.from_settings, settings)
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        app.state.engine = async_engine
+        log.info("serving %s with adapters %s", engine.model_name,
+                 [e.id.name for e in engine.adapters.list()] or "none")
+        try:
+            yield
+        finally:
+            async_engine.stop()
+
+    return _build_app(lifespan)

@@ -1,0 +1,81 @@
+"""POST /v1/completions: text (or token-id) prompts, one choice per prompt, SSE when streaming."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+
+from ..engine import AsyncEngine
+from .deps import get_engine, merged, open_streams, resolve_adapter, until_disconnected
+from .errors import APIError
+from .schemas import CompletionRequest, new_id, now, usage
+from .sse import sse_response
+
+router = APIRouter(tags=["completions"])
+
+
+def _prompts(engine: AsyncEngine, body: CompletionRequest) -> list[list[int]]:
+    """The request's prompts as token ids: "text", ["a", "b"], [1, 2, 3] or [[1, 2], [3]]."""
+    p = body.prompt
+    if isinstance(p, str):
+        texts = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        return [list(p)]
+    elif p and all(isinstance(x, list) for x in p):
+        return [list(x) for x in p]
+    elif p and all(isinstance(x, str) for x in p):
+        texts = list(p)
+    else:
+        raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
+    tok = engine.engine.tokenizer
+    if tok is None:
+        raise APIError(400, "this server has no tokenizer: send the prompt as token ids", param="prompt")
+    return [tok.encode(t) for t in texts]
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request, engine: AsyncEngine = Depends(get_engine)):
+    why = body.unsupported() or ("echo is not supported" if body.echo else None) or (
+        "suffix is not supported" if body.suffix else None)
+    if why:
+        raise APIError(400, why)
+    adapter = resolve_adapter(engine, body.model)
+    prompts = _prompts(engine, body)
+    params = body.sampling(body.max_tokens or 16)
+    streams = open_streams(engine, prompts, params, adapter, body.model)
+    rid, created = new_id("cmpl"), now()
+
+    def chunk(choices: list[dict], usage_: dict | None = None) -> dict:
+        return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
+                "choices": choices, **({"usage": usage_} if usage_ is not None else {})}
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[dict]:
+            counts = [(len(p), 0) for p in prompts]
+            async for i, out in merged(streams):
+                counts[i] = (out.prompt_tokens, out.completion_tokens)
+                if out.text or out.finished:
+                    yield chunk([{"index": i, "text": out.text, "logprobs": None,
+                                  "finish_reason": out.finish_reason if out.finished else None}])
+            if include_usage:
+                yield chunk([], usage(sum(c[0] for c in counts), sum(c[1] for c in counts)))
+
+        return sse_response(events())
+
+    async def collect() -> dict:
+        texts = [""] * len(prompts)
+        reasons: list[str | None] = [None] * len(prompts)
+        counts = [(len(p), 0) for p in prompts]
+        async for i, out in merged(streams):
+            texts[i] += out.text
+            counts[i] = (out.prompt_tokens, out.completion_tokens)
+            if out.finished:
+                reasons[i] = out.finish_reason
+        choices = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]}
+                   for i in range(len(prompts))]
+        return chunk(choices, usage(sum(c[0] for c in counts), sum(c[1] for c in counts)))
+
+    return await until_disconnected(request, collect())

@@ -1,0 +1,107 @@
+"""Small dependencies the routers share: the engine, the adapter a `model` names, and
+opening engine streams with engine errors turned into API errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from ..engine import AsyncEngine, RequestError, UnknownModelError
+from ..request import RequestOutput
+from ..sampling import SamplingParams
+from .errors import APIError, model_not_found
+
+
+def get_engine(request: Request) -> AsyncEngine:
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None or engine.error is not None:
+        raise APIError(503, "the engine is not running", type="service_unavailable")
+    return engine
+
+
+def resolve_adapter(engine: AsyncEngine, model: str) -> str | None:
+    """The adapter a request's `model` names; None for the base model; 404 otherwise."""
+    if model == engine.engine.model_name:
+        return None
+    if engine.engine.adapters.has(model):
+        return model
+    raise model_not_found(model)
+
+
+def open_streams(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
+                 adapter: str | None, model: str):
+    """Queue one request per prompt; on any error, abort the ones already queued."""
+    streams = []
+    try:
+        for ids in prompts:
+            streams.append(engine.add_request(ids, params, adapter))
+    except BaseException as e:
+        for s in streams:
+            s.close()
+        if isinstance(e, UnknownModelError):
+            raise model_not_found(model) from None
+        if isinstance(e, (RequestError, ValueError)):
+            raise APIError(400, str(e)) from None
+        if isinstance(e, RuntimeError):
+            raise APIError(503, str(e), type="service_unavailable") from None
+        raise
+    return streams
+
+
+async def merged(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from several request streams as they come; closing this closes them all."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+async def until_disconnected(request: Request, work):
+    """Run the coroutine `work`; cancel it (aborting its requests) if the client goes away.
+
+    Waits on the ASGI receive channel, which reports http.disconnect once the body is read:
+    an event, not a poll."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    finally:
+        watcher.cancel()

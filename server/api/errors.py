@@ -1,0 +1,72 @@
+"""Errors in the OpenAI error shape::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": null, "code": null}}
+
+Routers raise `APIError`; FastAPI's validation errors and unexpected exceptions are mapped
+here too, so every error body a client sees has this shape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error",
+          409: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               type: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type or _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(error_body(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type),
+                            status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        # Body that is not JSON at all: 400; JSON with wrong or missing fields: 422.
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return JSONResponse(error_body(400, "The request body is not valid JSON.", code="invalid_json"),
+                                status_code=400)
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                        for e in errors)
+        return JSONResponse(error_body(422, msg, param=".".join(loc) or None, code="invalid_value"),
+                            status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(500, f"internal error: {exc}"), status_code=500)

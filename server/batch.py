@@ -1,0 +1,127 @@
+"""A step's batch: the running requests turned into the model's input tensors.
+
+Decode inputs live in static device buffers of `max_rows` entries (the CUDA graphs read
+them at fixed addresses); each step fills a pinned host copy and sends it in one
+non-blocking copy per tensor. Row r of the decode batch is KV row r; rows with no request
+feed token 0 with slot -1 (base only) at the cache's last position, which no sequence
+uses (a sequence feeds positions up to max_len - 2), and their outputs are ignored.
+
+Running example, max_rows 8, two requests in KV rows 0 and 2, span 3 -> bucket 4::
+
+    tokens      [ 901,   0, 417,   0]     last sampled token of each row
+    positions   [  12, 2047,  40, 2047]   where that token goes (max_len - 1: an empty row)
+    token_slots [   3,  -1,  -1,  -1]     row 0 uses the adapter in slot 3, row 2 the base
+    kv_len      256                       keys read: round_up(max position + 1, kv_block)
+
+`DecodeRunner.run` replays a CUDA graph per (bucket, kv_len, uses LoRA) on CUDA devices,
+captured the first time that key is seen, and calls `model.decode` eagerly elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .model import LlamaModel, PrefillSeq
+from .request import Request
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """Decode batch sizes a graph is captured for: 1, 2, 4, 8, then multiples of 8 up to max_rows."""
+    sizes = [b for b in (1, 2, 4) if b < max_rows] + list(range(8, max_rows, 8)) + [max_rows]
+    return sorted(set(sizes))
+
+
+def bucket(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} rows exceed the largest bucket {buckets[-1]}")
+
+
+def build_prefill(reqs: list[Request], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[PrefillSeq]]:
+    """Pack the prompts of newly admitted requests: tokens int64 [T], token_slots int32 [T]."""
+    tokens: list[int] = []
+    slots: list[int] = []
+    seqs = []
+    for req in reqs:
+        seqs.append(PrefillSeq(row=req.row, start=len(tokens), length=len(req.prompt_ids)))
+        tokens += req.prompt_ids
+        slots += [req.slot] * len(req.prompt_ids)
+    return (torch.tensor(tokens, dtype=torch.int64, device=device),
+            torch.tensor(slots, dtype=torch.int32, device=device), seqs)
+
+
+class DecodeRunner:
+    def __init__(self, model: LlamaModel, max_rows: int, kv_block: int, cuda_graphs: bool):
+        self.model = model
+        self.device = model.device
+        self.max_rows = max_rows
+        self.kv_block = kv_block
+        self.buckets = batch_buckets(max_rows)
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        pin = self.device.type == "cuda"
+        self._host = {
+            "tokens": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
+            "positions": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
+            "token_slots": torch.full((max_rows,), -1, dtype=torch.int32, pin_memory=pin),
+        }
+        self._dev = {k: torch.zeros_like(v, device=self.device) for k, v in self._host.items()}
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def kv_len_for(self, max_position: int) -> int:
+        blocks = (max_position + 1 + self.kv_block - 1) // self.kv_block
+        return min(blocks * self.kv_block, self.model.kv.max_len)
+
+    def run(self, running: dict[int, Request], span: int) -> torch.Tensor:
+        """Logits float32 [span, vocab] for KV rows 0..span-1 (rows without a request: garbage)."""
+        b = bucket(span, self.buckets)
+        tokens, positions, slots = (self._host[k] for k in ("tokens", "positions", "token_slots"))
+        tokens[:b].zero_()
+        positions[:b].fill_(self.model.kv.max_len - 1)
+        slots[:b].fill_(-1)
+        max_pos = 0
+        use_lora = False
+        for row, req in running.items():
+            tokens[row] = req.output_ids[-1]
+            positions[row] = req.position
+            slots[row] = req.slot
+            max_pos = max(max_pos, req.position)
+            use_lora |= req.slot >= 0
+        for k, host in self._host.items():
+            self._dev[k][:b].copy_(host[:b], non_blocking=True)
+        kv_len = self.kv_len_for(max_pos)
+        args = (self._dev["tokens"][:b], self._dev["positions"][:b], self._dev["token_slots"][:b], kv_len, use_lora)
+        if not self.use_graphs:
+            return self.model.decode(*args)[:span]
+        key = (b, kv_len, use_lora)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(args)
+        graph, out = self._graphs[key]
+        graph.replay()
+        return out[:span]
+
+    def _capture(self, args) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture model.decode on the current inputs. The warm-up runs compute exactly what
+        this step's replay computes (same inputs, same KV writes), so they change nothing."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.model.decode(*args)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.model.decode(*args)
+        log.debug("captured decode graph: batch %d, kv_len %d, lora %s", args[0].shape[0], args[3], args[4])
+        return graph, out

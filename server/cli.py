@@ -1,0 +1,96 @@
+"""`loraplex-server`: serve a base model and its adapters over the OpenAI API.
+
+    loraplex-server --model DIR --host 0.0.0.0 --port 8000 --lora-modules sql=/adapters/sql
+    loraplex-server --dummy-weights llama-3-8b --device cuda        # random weights, for benchmarks
+    loraplex-server --demo                                          # tiny random model + adapters, no downloads
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from .settings import ServerSettings
+
+log = logging.getLogger("loraplex.server")
+
+DEMO_PROMPTS = [("base", "The quick brown fox"), ("sql-expert", "SELECT name FROM"),
+                ("poet", "Shall I compare thee"), ("pirate", "Ahoy matey")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = ServerSettings.from_env_and_args(argv)
+    except ValueError as e:
+        sys.stderr.write(f"loraplex-server: {e}\n")
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if settings.demo:
+        _prepare_demo(settings)
+    try:
+        asyncio.run(_serve(settings))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _prepare_demo(settings: ServerSettings) -> None:
+    from pathlib import Path
+
+    from .demo import build_demo, default_demo_dir
+
+    root = Path(settings.demo_dir) if settings.demo_dir else default_demo_dir()
+    base, adapters = build_demo(root)
+    settings.model = str(base)
+    settings.served_model_name = settings.served_model_name or "base"
+    settings.lora_modules = [f"{name}={path}" for name, path in adapters.items()] + settings.lora_modules
+    if settings.device == "auto":
+        settings.device = "cpu"
+
+
+async def _serve(settings: ServerSettings) -> None:
+    import uvicorn
+
+    from .api.app import create_app_from_settings
+
+    app = create_app_from_settings(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    tasks = [asyncio.create_task(server.serve())]
+    if settings.demo:
+        tasks.append(asyncio.create_task(_demo_requests(server, settings)))
+    await tasks[0]
+    for t in tasks[1:]:
+        t.cancel()
+
+
+async def _demo_requests(server, settings: ServerSettings) -> None:
+    """Once the server listens: one request per demo model, all at once (one mixed batch)."""
+    import httpx
+
+    while not server.started:
+        await asyncio.sleep(0.1)
+    port = server.servers[0].sockets[0].getsockname()[1] if server.servers else settings.port
+    url = f"http://{settings.host}:{port}"
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async def one(model: str, prompt: str) -> tuple[str, str, str]:
+            r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
+                                                          "temperature": 0})
+            r.raise_for_status()
+            return model, prompt, r.json()["choices"][0]["text"]
+
+        try:
+            results = await asyncio.gather(*(one(m, p) for m, p in DEMO_PROMPTS))
+        except httpx.HTTPError as e:
+            log.error("demo requests failed: %s", e)
+            return
+    log.info("demo: a random tiny model answered four requests in one batch (gibberish is expected):")
+    for model, prompt, text in results:
+        log.info("  model=%-10s prompt=%r -> %r", model, prompt, text)
+    log.info("try it:  curl %s/v1/completions -H 'Content-Type: application/json' "
+             "-d '{\"model\": \"poet\", \"prompt\": \"Shall I\", \"max_tokens\": 16, \"stream\": true}'", url)
+    log.info("models:  curl %s/v1/models   (Ctrl-C stops the server)", url)

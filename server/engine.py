@@ -1,0 +1,375 @@
+"""The engine: the step loop (`LLMEngine.step`) and its asyncio face (`AsyncEngine`).
+
+One step::
+
+    aborted/finished requests leave the batch     (KV rows and adapter refs freed)
+    scheduler admits waiting requests             (each gets a KV row)
+    prefill the admitted prompts                  -> first token of each
+    decode every running row, one token each      (CUDA graph on the GPU)
+    sample (one host sync: the sampled tokens), detokenize, check stops -> RequestOutputs
+
+`AsyncEngine` runs steps in one background thread; requests, aborts and adapter installs
+reach it through a command queue and are applied between steps, so the model's buffers are
+only touched by that thread. Outputs go back to each request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .adapter_format import AdapterError, BaseSpec
+from .adapters import LoRABuffers, SlotManager
+from .batch import DecodeRunner, build_prefill
+from .config import ModelConfig, named_shape
+from .kv_cache import KVCache
+from .metrics import EngineMetrics
+from .model import LlamaModel
+from .request import Request, RequestOutput, State
+from .sampling import Sampler, SamplingParams
+from .scheduler import Scheduler
+from .settings import ServerSettings
+from .tokenizer import Tokenizer
+from .weights import dummy_weights, load_weights
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (prompt too long, bad parameters)."""
+
+
+class UnknownModelError(KeyError):
+    """The request names an adapter that is not loaded."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+@dataclass
+class EngineParts:
+    """What an engine is built from; `from_settings` makes one from the command line."""
+
+    cfg: ModelConfig
+    model_name: str
+    tokenizer: Tokenizer | None
+    settings: ServerSettings
+
+
+class LLMEngine:
+    def __init__(self, settings: ServerSettings, cfg: ModelConfig, weights, tokenizer: Tokenizer | None,
+                 model_name: str, metrics: EngineMetrics | None = None):
+        self.settings = settings
+        self.cfg = cfg
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        self.max_model_len = min(settings.max_model_len, cfg.max_position_embeddings)
+        self.kv = KVCache(cfg, settings.max_num_seqs, self.max_model_len, self.device, self.dtype)
+        self.lora = LoRABuffers(cfg, settings.max_loras, settings.max_lora_rank, self.device, self.dtype)
+        self.adapters = SlotManager(self.lora, BaseSpec(
+            num_layers=cfg.num_layers, module_shapes=cfg.module_shapes(), max_rank=settings.max_lora_rank,
+            allowed_modules=tuple(settings.lora_target_modules)))
+        self.model = LlamaModel(cfg, weights, self.kv, self.lora, settings.kernel_backend)
+        self.decoder = DecodeRunner(self.model, settings.max_num_seqs, settings.kv_block, settings.cuda_graphs)
+        self.scheduler = Scheduler(self.kv, settings.max_prefill_tokens)
+        self.sampler = Sampler()
+        self.metrics = metrics or EngineMetrics()
+        eos = set(cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_ids = tuple(sorted(eos))
+        self._rng = random.Random(settings.seed)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_settings(cls, settings: ServerSettings, metrics: EngineMetrics | None = None) -> "LLMEngine":
+        device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, device)
+        tokenizer = None
+        if settings.model:
+            path = Path(settings.model)
+            cfg = ModelConfig.from_dir(path)
+            if (path / "tokenizer.json").is_file():
+                tokenizer = Tokenizer(path)
+            else:
+                log.warning("%s has no tokenizer.json: only token-id prompts will work", path)
+            name = settings.served_model_name or path.name
+        else:
+            cfg = named_shape(settings.dummy_weights)
+            name = settings.served_model_name or settings.dummy_weights
+        t0 = time.perf_counter()
+        if settings.dummy_weights or not settings.model:
+            weights = dummy_weights(cfg, device, dtype, seed=settings.seed)
+        else:
+            weights = load_weights(settings.model, cfg, device, dtype)
+        log.info("base %s: %.2f GB of %s weights on %s in %.1fs", name, weights.nbytes() / 1e9,
+                 str(dtype).removeprefix("torch."), device, time.perf_counter() - t0)
+        engine = cls(settings, cfg, weights, tokenizer, name, metrics)
+        for item in settings.lora_modules:
+            lora_name, lora_path = item.split("=", 1)
+            engine.adapters.load(lora_name, lora_path)
+        return engine
+
+    # -- requests --------------------------------------------------------------------------
+
+    def make_request(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                     request_id: str | None = None) -> Request:
+        """Check a request and hold its adapter; raises RequestError or UnknownModelError."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {n} tokens; this model's maximum context length is {self.max_model_len} tokens")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds this model's "
+                f"maximum context length of {self.max_model_len} tokens")
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (size {self.cfg.vocab_size})")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request.new(request_id or f"req-{next(self._ids)}", prompt_ids, params, adapter,
+                          seed % (1 << 63), self.tokenizer)
+        if adapter is not None:
+            try:
+                req.slot = self.adapters.acquire(adapter)
+            except KeyError:
+                raise UnknownModelError(adapter) from None
+        return req
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.scheduler.find(request_id)
+        if req is not None and not req.finished:
+            req.abort()
+        return req
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs = self._reap()
+        admitted = self.scheduler.admit()
+        decoding = {row: r for row, r in self.scheduler.running.items() if r.output_ids}
+        if admitted:
+            tokens, slots, seqs = build_prefill(admitted, self.device)
+            logits = self.model.prefill(tokens, slots, seqs, use_lora=any(r.slot >= 0 for r in admitted))
+            self._sample(admitted, logits)
+            self.metrics.prompt_tokens.inc(tokens.shape[0])
+        if decoding:
+            logits = self.decoder.run(decoding, self.kv.span())
+            rows = list(decoding)
+            self._sample([decoding[r] for r in rows], logits[torch.tensor(rows, device=self.device)])
+        outputs += [r.take_output() for r in itertools.chain(admitted, decoding.values())]
+        outputs += self._reap()
+        m = self.metrics
+        m.step_seconds.observe(time.perf_counter() - t0)
+        m.running.set(len(self.scheduler.running))
+        m.waiting.set(len(self.scheduler.waiting))
+        return outputs
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
+                                     [len(r.output_ids) for r in reqs]).tolist()
+        for req, tok in zip(reqs, tokens):
+            req.append(tok, self.eos_ids, self.max_model_len)
+        self.metrics.generation_tokens.inc(len(reqs))
+
+    def _reap(self) -> list[RequestOutput]:
+        """Remove finished and aborted requests; return the final outputs of aborted ones
+        (finished ones already reported theirs)."""
+        done = [r for r in itertools.chain(self.scheduler.waiting, self.scheduler.running.values()) if r.finished]
+        outputs = []
+        for req in done:
+            self.scheduler.remove(req)
+            if req.adapter is not None:
+                self.adapters.release(req.adapter)
+            if req.finish_reason == "abort":
+                outputs.append(req.take_output())
+                self.metrics.aborted.inc()
+        return outputs
+
+    def lora_state(self) -> tuple[list[str], list[str]]:
+        """(running adapters, waiting adapters) by name, for the inference-extension metric."""
+        running = sorted({r.adapter for r in self.scheduler.running.values() if r.adapter})
+        waiting = sorted({r.adapter for r in self.scheduler.waiting if r.adapter})
+        return running, waiting
+
+
+class AsyncEngine:
+    """Runs `LLMEngine.step` in a background thread and streams outputs to coroutines."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop.is_set():
+                # Block while idle; otherwise apply whatever arrived and take a step.
+                if not eng.has_work():
+                    self._commands.get()()
+                while True:
+                    try:
+                        self._commands.get_nowait()()
+                    except queue.Empty:
+                        break
+                if eng.has_work():
+                    for out in eng.step():
+                        self._deliver(out)
+        except BaseException as e:  # surface the crash to every waiting client and to /healthz
+            log.exception("engine loop crashed")
+            self.error = e
+            for rid in list(self._streams):
+                self._deliver(e, rid)
+
+    def _deliver(self, out, request_id: str | None = None) -> None:
+        stream = self._streams.get(request_id or out.request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _submit(self, fn: Callable[[], None]) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the engine has stopped: {self.error!r}")
+        self._commands.put(fn)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                    request_id: str | None = None) -> "RequestStream":
+        """Check the request now (RequestError, UnknownModelError), queue it, and return the
+        stream of its outputs. Call from the event loop's thread."""
+        req = self.engine.make_request(prompt_ids, params, adapter, request_id)
+        stream = RequestStream(self, req.request_id)
+        self._streams[req.request_id] = stream
+        try:
+            self._submit(lambda: self.engine.add_request(req))
+        except RuntimeError:
+            self._streams.pop(req.request_id, None)
+            if adapter is not None:
+                self.engine.adapters.release(adapter)
+            raise
+        return stream
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come; leaving early (client gone) aborts it."""
+        async for out in self.add_request(prompt_ids, params, adapter, request_id):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        if self.error is None:
+            self._commands.put(lambda: self.engine.abort(request_id))
+
+    async def call(self, fn: Callable[[], object]):
+        """Run `fn` in the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as e:
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._submit(run)
+        return await fut
+
+    async def load_adapter(self, name: str, path: str) -> int:
+        """Read and check the adapter off the engine thread, then write it into a slot between steps."""
+        if self.engine.adapters.has(name):
+            raise AdapterError(f"adapter {name!r} is already loaded")
+        prepared = await asyncio.to_thread(self.engine.adapters.prepare, name, path)
+        return await self.call(lambda: self.engine.adapters.install(*prepared))
+
+    async def unload_adapter(self, name: str) -> bool:
+        return await self.call(lambda: self.engine.adapters.unload(name))
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator. Leaving the iteration before the
+    final output (an exception, a cancelled task when the client disconnects, or `close`)
+    aborts the request: the engine frees its batch row at its next step."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str):
+        self.owner = owner
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                out = await self.queue.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError(f"the engine has stopped: {out!r}")
+                self.finished = out.finished
+                yield out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.owner.abort(self.request_id)
+        self.owner._streams.pop(self.request_id, None)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,189 @@
+"""The Llama-family forward pass, with every LoRA-capable projection as `y = x @ W.T; add_lora(y, ...)`.
+
+Two entry points, as in gpt-fast, so decode can be captured as a CUDA graph:
+
+- `prefill(...)`: new sequences' prompts packed into one [T] token vector; writes their K/V
+  into their cache rows from position 0 and returns the logits of each prompt's last token.
+- `decode(...)`: one token per KV row for rows 0..B-1 (a row's batch index is its KV row);
+  static shapes for a given (B, kv_len, use_lora), no host synchronisation.
+
+Both take `token_slots` (int32 [T], -1 = base only); the LoRABatch is built from it once per
+call and shared by every layer. q/k/v and gate/up are one fused base GEMM and one fused
+`add_lora` call each (output_slices), o and down one each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels import LoRABatch, add_lora
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .weights import BaseWeights
+
+
+@dataclass
+class PrefillSeq:
+    """One prompt inside a packed prefill: tokens[start:start+length] go to KV row `row`."""
+
+    row: int
+    start: int
+    length: int
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], float32, computed as transformers does (llama3 scaling incl.)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = cfg.rope_scaling
+    if not s:
+        return inv
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: BaseWeights, kv: KVCache, lora=None,
+                 kernel_backend: str = "auto"):
+        """`lora` is an adapters.LoRABuffers (or None for a base-only engine)."""
+        self.cfg = cfg
+        self.w = weights
+        self.kv = kv
+        self.lora = lora
+        self.backend = kernel_backend
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        self.scale = cfg.head_dim ** -0.5
+        # RoPE tables [max_len, head_dim], float32 like transformers, cast at use.
+        pos = torch.arange(kv.max_len, dtype=torch.float32)
+        freqs = pos[:, None] * rope_inv_freq(cfg)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(self.device)
+        self.sin = emb.sin().to(self.device)
+        self.qkv_slices = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        self.gate_up_slices = (cfg.intermediate_size, cfg.intermediate_size)
+
+    # -- building blocks -------------------------------------------------------------------
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return weight * h.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, d]; cos/sin [T, 1, d] in x's dtype."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                layer: int, group: str, batch: LoRABatch | None) -> torch.Tensor:
+        """y = x @ W.T (+ bias) for all rows, then each row's adapter term in place."""
+        y = F.linear(x, weight, bias)
+        if batch is not None:
+            g = self.lora.layers[layer][group]
+            add_lora(y, x, g.a, g.b, g.scaling, batch, ranks=self.lora.ranks, backend=self.backend,
+                     output_slices=g.slices if len(g.slices) > 1 else None)
+        return y
+
+    def _mlp(self, x: torch.Tensor, i: int, batch: LoRABatch | None) -> torch.Tensor:
+        lw = self.w.layers[i]
+        gate_up = self._linear(x, lw.gate_up, None, i, "gate_up", batch)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self._linear(F.silu(gate) * up, lw.down, None, i, "down", batch)
+
+    def _qkv(self, h: torch.Tensor, i: int, positions: torch.Tensor, batch: LoRABatch | None):
+        """q [T, heads, d], k and v [T, kv_heads, d], RoPE applied to q and k."""
+        cfg, lw = self.cfg, self.w.layers[i]
+        qkv = self._linear(h, lw.qkv, lw.qkv_bias, i, "qkv", batch)
+        q, k, v = qkv.split(self.qkv_slices, dim=-1)
+        t = h.shape[0]
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        cos = self.cos[positions].to(h.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(h.dtype).unsqueeze(1)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def _lora_batch(self, token_slots: torch.Tensor, use_lora: bool) -> LoRABatch | None:
+        if not use_lora or self.lora is None:
+            return None
+        return LoRABatch.build(token_slots, self.lora.num_slots)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._rms_norm(h, self.w.norm), self.w.lm_head).float()
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, token_slots: torch.Tensor, seqs: list[PrefillSeq],
+                use_lora: bool = True) -> torch.Tensor:
+        """tokens int64 [T] (prompts packed back to back), token_slots int32 [T].
+        Returns float32 logits [len(seqs), vocab] of each prompt's last token."""
+        cfg = self.cfg
+        positions = torch.cat([torch.arange(s.length, device=self.device) for s in seqs])
+        batch = self._lora_batch(token_slots, use_lora)
+        x = self.w.embed[tokens]
+        for i, lw in enumerate(self.w.layers):
+            h = self._rms_norm(x, lw.input_norm)
+            q, k, v = self._qkv(h, i, positions, batch)
+            attn = torch.empty_like(q)
+            kc, vc = self.kv.k[i], self.kv.v[i]
+            for s in seqs:
+                sl = slice(s.start, s.start + s.length)
+                ks, vs = k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # [kv_heads, n, d]
+                kc[s.row, :, : s.length] = ks
+                vc[s.row, :, : s.length] = vs
+                out = F.scaled_dot_product_attention(
+                    q[sl].transpose(0, 1).unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
+                    is_causal=True, scale=self.scale, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+                attn[sl] = out[0].transpose(0, 1)
+            x = x + self._linear(attn.reshape(x.shape[0], cfg.q_size), lw.o, None, i, "o", batch)
+            x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, batch)
+        last = torch.tensor([s.start + s.length - 1 for s in seqs], device=self.device)
+        return self._logits(x[last])
+
+    # -- decode ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
+               kv_len: int, use_lora: bool = True) -> torch.Tensor:
+        """One token for each KV row 0..B-1: tokens int64 [B], positions int64 [B] (where the
+        token goes; it attends to positions 0..p of its row), token_slots int32 [B].
+        kv_len (> max position) bounds the keys read. Returns float32 logits [B, vocab]."""
+        cfg = self.cfg
+        b = tokens.shape[0]
+        groups = cfg.num_heads // cfg.num_kv_heads
+        rows = torch.arange(b, device=self.device)
+        # [B, 1, 1, kv_len]: 0 where key position <= the row's position, -inf past it.
+        keys = torch.arange(kv_len, device=self.device)
+        bias = torch.zeros((b, 1, 1, kv_len), device=self.device, dtype=torch.float32)
+        bias.masked_fill_((keys[None, :] > positions[:, None]).view(b, 1, 1, kv_len), float("-inf"))
+        batch = self._lora_batch(token_slots, use_lora)
+        x = self.w.embed[tokens]
+        for i, lw in enumerate(self.w.layers):
+            h = self._rms_norm(x, lw.input_norm)
+            q, k, v = self._qkv(h, i, positions, batch)
+            kc, vc = self.kv.k[i], self.kv.v[i]
+            kc[rows, :, positions] = k
+            vc[rows, :, positions] = v
+            # Grouped-query attention as two batched GEMVs over strided cache views:
+            # q [B, kv_heads, groups, d] x K^T [B, kv_heads, d, kv_len] -> [B, kv_heads, groups, kv_len]
+            qg = q.view(b, cfg.num_kv_heads, groups, cfg.head_dim)
+            scores = torch.matmul(qg, kc[:b, :, :kv_len].transpose(-1, -2)).float() * self.scale + bias
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            attn = torch.matmul(probs, vc[:b, :, :kv_len])  # [B, kv_heads, groups, d]
+            x = x + self._linear(attn.reshape(b, cfg.q_size), lw.o, None, i, "o", batch)
+            x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, batch)
+        return self._logits(x)

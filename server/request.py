@@ -1,0 +1,134 @@
+"""A request's life inside the engine: prompt, sampling params, adapter, output so far.
+
+State: WAITING (in the scheduler's queue) -> RUNNING (holds a KV row) -> FINISHED. Text
+handling lives here too: incremental detokenization, stop strings (the text stops before
+the stop string; while streaming, text that could be the start of a stop string is held
+back until it cannot be), and the finish reasons of the OpenAI API ("stop", "length",
+"abort").
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (the deltas since the last output)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None  # adapter name, None = base only
+    seed: int  # the request's seed, or one the engine drew for it
+    slot: int = -1  # adapter slot, -1 = base only
+    arrival: float = field(default_factory=time.monotonic)
+    state: State = State.WAITING
+    row: int = -1  # KV row while RUNNING
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    detok: IncrementalDetokenizer | None = None
+    _emitted_ids: int = 0
+    _emitted_chars: int = 0
+    _text_end: int | None = None  # where a stop string cut the text
+
+    @classmethod
+    def new(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
+            seed: int, tokenizer: Tokenizer | None) -> "Request":
+        req = cls(request_id, list(prompt_ids), params, adapter, seed)
+        if tokenizer is not None:
+            req.detok = IncrementalDetokenizer(tokenizer)
+        return req
+
+    @property
+    def position(self) -> int:
+        """Position of the next token fed to the model (the last sampled one)."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.state is State.FINISHED
+
+    def append(self, token: int, eos_ids: tuple[int, ...], max_len: int) -> None:
+        """Record a sampled token and decide whether the request is done."""
+        self.output_ids.append(token)
+        p = self.params
+        if self.detok is not None:
+            self.detok.add(token)
+            if p.stop and self._find_stop():
+                return self._finish("stop")
+        if not p.ignore_eos and token in eos_ids:
+            return self._finish("stop")
+        if token in p.stop_token_ids:
+            return self._finish("stop")
+        if len(self.output_ids) >= p.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= max_len:
+            return self._finish("length")
+
+    def abort(self) -> None:
+        self._finish("abort")
+
+    def _finish(self, reason: str) -> None:
+        self.state = State.FINISHED
+        self.finish_reason = reason
+
+    def _find_stop(self) -> bool:
+        text = self.detok.text
+        longest = max(len(s) for s in self.params.stop)
+        # Only the tail can hold a new match: the last delta plus a stop string's length.
+        start = max(0, self._emitted_chars - longest)
+        hits = [i for i in (text.find(s, start) for s in self.params.stop) if i >= 0]
+        if hits:
+            self._text_end = min(hits)
+            return True
+        return False
+
+    def _holdback(self, text: str) -> int:
+        """Characters at the end of `text` that could begin a stop string."""
+        best = 0
+        for s in self.params.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def take_output(self) -> RequestOutput:
+        """The new tokens and text since the last call."""
+        new_ids = self.output_ids[self._emitted_ids:]
+        self._emitted_ids = len(self.output_ids)
+        text = ""
+        if self.detok is not None:
+            full = self.detok.text
+            if self._text_end is not None:
+                end = self._text_end
+            elif self.finished:
+                end = len(full)
+            else:
+                end = len(full) - (self._holdback(full) if self.params.stop else 0)
+            if end > self._emitted_chars:
+                text = full[self._emitted_chars:end]
+                self._emitted_chars = end
+        return RequestOutput(self.request_id, new_ids, text, self.finished, self.finish_reason,
+                             len(self.prompt_ids), len(self.output_ids))

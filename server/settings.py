@@ -1,0 +1,194 @@
+"""The server's settings: one dataclass, one command-line flag per field.
+
+Each field's docstring (the string literal under it) is its help text and gives the unit
+and the default; `build_parser` reads those docstrings from this file's source, so the
+flags, their help and the dataclass cannot drift apart. The environment is read only in
+`ServerSettings.from_env_and_args` (``LORAPLEX_<FIELD>`` overrides a default).
+
+Example::
+
+    loraplex-server --model /models/llama-3-8b --max-loras 32 --max-lora-rank 16
+    # -> ServerSettings(model="/models/llama-3-8b", max_loras=32, max_lora_rank=16, ...)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import os
+import textwrap
+import typing
+from dataclasses import dataclass, field
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class ServerSettings:
+    model: str | None = None
+    """HF model directory (config.json, *.safetensors, tokenizer.json). Default: none."""
+
+    dummy_weights: str | None = None
+    """Named shape (e.g. llama-3-8b, tiny) to build with random weights instead of
+    --model's weights; with --model, the shape is read from its config.json. Default: none."""
+
+    demo: bool = False
+    """Build a tiny random model, tokenizer and adapters in --demo-dir and serve them."""
+
+    demo_dir: str | None = None
+    """Folder for --demo's files. Default: $XDG_CACHE_HOME/loraplex/demo."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on. Default: 127.0.0.1."""
+
+    port: int = 8000
+    """TCP port to listen on. Default: 8000."""
+
+    served_model_name: str | None = None
+    """Name of the base model in the API. Default: the --model folder's name."""
+
+    lora_modules: list[str] = field(default_factory=list)
+    """Adapters to load at start, as NAME=PATH (repeatable). Default: none."""
+
+    device: str = "auto"
+    """Torch device: cpu, cuda, cuda:N or auto (cuda when present). Default: auto."""
+
+    dtype: str = "auto"
+    """Weights and activations dtype: float32, float16, bfloat16 or auto (bfloat16 on
+    CUDA, float32 on the CPU). Default: auto."""
+
+    seed: int = 0
+    """Seed for random dummy weights and for requests without a seed. Default: 0."""
+
+    max_num_seqs: int = 16
+    """Rows of the running batch (requests decoded together), in sequences. Default: 16."""
+
+    max_model_len: int = 2048
+    """Longest sequence (prompt + output) in tokens; capped by the model's
+    max_position_embeddings. Default: 2048."""
+
+    max_prefill_tokens: int = 4096
+    """Prompt tokens prefilled in one step, at most (one prompt may exceed it alone).
+    Default: 4096."""
+
+    max_loras: int = 8
+    """Adapter slots in the device buffers: adapters resident at once. Default: 8."""
+
+    max_lora_rank: int = 16
+    """Largest adapter rank the slot buffers hold; larger adapters are refused. Default: 16."""
+
+    lora_target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
+    """Projections that may carry LoRA (subset of q/k/v/o/gate/up/down_proj); adapters
+    targeting others are refused. Default: all seven."""
+
+    kernel_backend: str = "auto"
+    """add_lora backend: auto, triton or torch. Default: auto."""
+
+    cuda_graphs: bool = True
+    """Replay decode steps as CUDA graphs (CUDA devices only; --no-cuda-graphs turns
+    them off). Default: on."""
+
+    kv_block: int = 256
+    """Granularity, in tokens, of the KV length that a decode step reads (and of its
+    CUDA-graph buckets). Default: 256."""
+
+    log_level: str = "info"
+    """Logging level: debug, info, warning, error. Default: info."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not (self.model or self.dummy_weights or self.demo):
+            raise ValueError("one of --model, --dummy-weights or --demo is required")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"--dtype {self.dtype!r}: use auto, float32, float16 or bfloat16")
+        if self.kernel_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"--kernel-backend {self.kernel_backend!r}: use auto, triton or torch")
+        for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("max_prefill_tokens", 1),
+                          ("max_loras", 1), ("max_lora_rank", 1), ("kv_block", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least {low}")
+        if not 0 < self.port < 65536 and self.port != 0:
+            raise ValueError(f"--port {self.port} is not a TCP port")
+        bad = sorted(set(self.lora_target_modules) - set(TARGET_MODULES))
+        if bad:
+            raise ValueError(f"--lora-target-modules: unknown {bad}; allowed {list(TARGET_MODULES)}")
+        for item in self.lora_modules:
+            if "=" not in item:
+                raise ValueError(f"--lora-modules {item!r}: expected NAME=PATH")
+
+    @classmethod
+    def from_env_and_args(cls, argv: list[str] | None = None) -> "ServerSettings":
+        parser = build_parser()
+        ns = parser.parse_args(argv)
+        values = {}
+        for f in dataclasses.fields(cls):
+            arg = getattr(ns, f.name)
+            env = os.environ.get(f"LORAPLEX_{f.name.upper()}")
+            if arg is not None:
+                values[f.name] = arg
+            elif env is not None:
+                values[f.name] = _parse_env(f, env)
+        return cls(**values)
+
+
+def field_docs(cls: type = ServerSettings) -> dict[str, str]:
+    """{field name: its docstring}, read from the class source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _kind(f: dataclasses.Field) -> str:
+    hint = typing.get_type_hints(ServerSettings)[f.name]
+    if hint is bool:
+        return "bool"
+    if hint is int:
+        return "int"
+    if typing.get_origin(hint) is list:
+        return "list"
+    return "str"
+
+
+def _parse_env(f: dataclasses.Field, raw: str):
+    kind = _kind(f)
+    if kind == "bool":
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if kind == "int":
+        return int(raw)
+    if kind == "list":
+        return [x for x in raw.replace(",", " ").split() if x]
+    return raw
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per ServerSettings field; every default is None so that the dataclass
+    (or the environment) supplies it."""
+    parser = argparse.ArgumentParser(
+        prog="loraplex-server",
+        description="OpenAI-compatible multi-LoRA server: one base model, many adapters.",
+    )
+    docs = field_docs()
+    for f in dataclasses.fields(ServerSettings):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _kind(f)
+        help_text = docs.get(f.name, "")
+        if kind == "bool":
+            parser.add_argument(flag, dest=f.name, default=None,
+                                action=argparse.BooleanOptionalAction, help=help_text)
+        elif kind == "int":
+            parser.add_argument(flag, dest=f.name, default=None, type=int, help=help_text)
+        elif kind == "list":
+            parser.add_argument(flag, dest=f.name, default=None, nargs="+", help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, help=help_text)
+    return parser

@@ -1,0 +1,107 @@
+"""Text <-> token ids: an HF `tokenizer.json` through the `tokenizers` library, the chat
+template from `tokenizer_config.json` (Jinja), and incremental detokenization for streaming.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json stores special tokens as "<s>" or {"content": "<s>", ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        path = Path(path)
+        self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self.chat_template: str | None = cfg.get("chat_template")
+        if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in self.chat_template}
+            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = path / "chat_template.jinja"
+        if self.chat_template is None and jinja_file.is_file():
+            self.chat_template = jinja_file.read_text()
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.add_bos = bool(cfg.get("add_bos_token", False))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # Llama-2 style configs ask for BOS here; Llama-3 tokenizer.json adds it itself.
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of the conversation plus the assistant turn's opening."""
+        if self.chat_template is None:
+            return self.encode(plain_chat_prompt(messages))
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+        text = self._template.render(messages=messages, add_generation_prompt=True,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        # The template writes BOS itself when the model wants one.
+        return self.encode(text, add_special_tokens=False)
+
+
+def _raise_template_error(message: str):
+    raise ValueError(f"chat template: {message}")
+
+
+def plain_chat_prompt(messages: list[dict]) -> str:
+    """The prompt for a tokenizer without a chat template, e.g.
+    [{"role": "user", "content": "hi"}] -> "user: hi\\nassistant:"."""
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join(lines + ["assistant:"])
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token list, emitted as deltas.
+
+    Decodes a short window (`prefix` .. end) rather than all tokens each step; holds text
+    back while it ends in an incomplete UTF-8 sequence ("\\ufffd").
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # window start
+        self._read = 0  # tokens whose text is already in self.text
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tok.decode(self.ids[self._prefix:self._read])
+        after = self.tok.decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            delta = after[len(before):]
+            self.text += delta
+            self._prefix, self._read = self._read, len(self.ids)
+            return delta
+        return ""
