@@ -90,6 +90,8 @@ class Request:
         self._finish("abort")
 
     def _finish(self, reason: str) -> None:
+        if self.detok is not None and self._text_end is None:
+            self.detok.flush()
         self.state = State.FINISHED
         self.finish_reason = reason
 

@@ -105,3 +105,12 @@ class IncrementalDetokenizer:
             self._prefix, self._read = self._read, len(self.ids)
             return delta
         return ""
+
+    def flush(self) -> str:
+        """At the end: whatever `add` held back (an incomplete UTF-8 tail decodes as "\ufffd")."""
+        before = self.tok.decode(self.ids[self._prefix:self._read])
+        after = self.tok.decode(self.ids[self._prefix:])
+        delta = after[len(before):] if len(after) > len(before) else ""
+        self.text += delta
+        self._prefix, self._read = self._read, len(self.ids)
+        return delta
