@@ -1,0 +1,186 @@
+"""The node agent's HTTP API (aiohttp) and the object that owns its parts.
+
+    POST /v1/stage     {"name", "source", "sha256"}  -> 200 {"adapter": {...}} once on disk
+    POST /v1/sessions  {"model": name}               -> 200 {"adapter": {...}, "servers": [...]}
+                        stages a plan adapter and prefetches it into this node's servers
+    GET  /v1/adapters  -> {"adapters": [{name, sha256, source, path, bytes, pinned, lastUsed}],
+                           "usedBytes", "budgetBytes", "errors": {name: "Reason: message"}}
+    GET  /healthz      -> 200 while every background loop runs, 500 once one crashed
+    GET  /metrics      -> Prometheus text
+
+Errors: {"error": {"reason": "DigestMismatch", "message": "..."}} with 400 (bad request,
+unsupported source), 404 (source or plan adapter not found), 422 (digest or adapter
+files wrong), 502 (source cut the download or failed), 507 (disk budget).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from loraplex.node_agent.metrics import Metrics
+from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
+from loraplex.node_agent.tasks import TaskGuard
+from loraplex.node_agent.warmer import KubePods, ServerDiscovery, StaticServers, Warmer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AgentConfig:
+    """What `create_app` needs; cli.Settings maps onto it (tests build it directly)."""
+
+    cache_dir: Path
+    budget_bytes: int
+    max_concurrent_downloads: int = 4
+    plan_file: Path | None = None
+    server_urls: tuple[str, ...] = ()
+    node_name: str | None = None
+    kube_api_url: str | None = None
+    kube_token_file: Path | None = None
+    kube_ca_file: Path | None = None
+    poll_seconds: float = 1.0
+    server_poll_seconds: float = 2.0
+
+
+class Agent:
+    """The store, the warmer and their background loops, started and stopped together."""
+
+    def __init__(self, config: AgentConfig, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.tasks = TaskGuard(self.metrics)
+        self.session: aiohttp.ClientSession | None = None
+        self.store: AdapterStore | None = None
+        self.warmer: Warmer | None = None
+
+    async def start(self) -> None:
+        c = self.config
+        # Downloads may take minutes: no total timeout, but a stalled socket fails.
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=15, sock_read=60))
+        self.store = AdapterStore(c.cache_dir, c.budget_bytes, c.max_concurrent_downloads,
+                                  session=self.session, metrics=self.metrics)
+        self.warmer = Warmer(self.store, c.plan_file, self.session, discovery=self._discovery(),
+                             metrics=self.metrics, poll_seconds=c.poll_seconds,
+                             server_poll_seconds=c.server_poll_seconds)
+        if c.plan_file is not None:
+            self.tasks.spawn(self.warmer.run(), "plan-watch")
+        if self.warmer.discovery is not None:
+            self.tasks.spawn(self.warmer.run_servers(), "server-watch")
+
+    def _discovery(self) -> ServerDiscovery | None:
+        c = self.config
+        if c.server_urls:
+            return StaticServers(list(c.server_urls), self.session)
+        if c.node_name and c.kube_api_url:
+            return KubePods(c.kube_api_url, c.node_name, self.session,
+                            token_file=c.kube_token_file, ca_file=c.kube_ca_file)
+        return None
+
+    async def stop(self) -> None:
+        await self.tasks.close()
+        if self.session is not None:
+            await self.session.close()
+
+
+def create_app(config: AgentConfig, metrics: Metrics | None = None) -> web.Application:
+    agent = Agent(config, metrics)
+    app = web.Application()
+    app[AGENT] = agent
+
+    async def lifespan(app: web.Application):
+        await agent.start()
+        yield
+        await agent.stop()
+
+    app.cleanup_ctx.append(lifespan)
+    app.add_routes([
+        web.post("/v1/stage", stage),
+        web.post("/v1/sessions", start_session),
+        web.get("/v1/adapters", list_adapters),
+        web.get("/healthz", healthz),
+        web.get("/metrics", metrics_endpoint),
+    ])
+    return app
+
+
+AGENT = web.AppKey("agent", Agent)
+
+
+def _agent(request: web.Request) -> Agent:
+    return request.app[AGENT]
+
+
+def error(reason: str, message: str, status: int) -> web.Response:
+    return web.json_response({"error": {"reason": reason, "message": message}}, status=status)
+
+
+def _store_error(e: StoreError) -> web.Response:
+    return error(e.reason, str(e), e.status)
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise web.HTTPBadRequest(
+            text='{"error": {"reason": "InvalidRequest", "message": "body is not JSON"}}',
+            content_type="application/json") from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(
+            text='{"error": {"reason": "InvalidRequest", "message": "body is not a JSON object"}}',
+            content_type="application/json")
+    return body
+
+
+async def stage(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    missing = [k for k in ("name", "source", "sha256") if k not in body]
+    if missing:
+        return error("InvalidRequest", f"missing fields: {', '.join(missing)}", 400)
+    try:
+        staged = await _agent(request).store.stage(AdapterRef(body["name"], body["source"], body["sha256"]))
+    except StoreError as e:
+        return _store_error(e)
+    return web.json_response({"adapter": staged.as_json()})
+
+
+async def start_session(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        return error("InvalidRequest", "field 'model' (the adapter name) is required", 400)
+    try:
+        staged, results = await _agent(request).warmer.start_session(name)
+    except StoreError as e:
+        return _store_error(e)
+    return web.json_response({"adapter": staged.as_json(), "servers": [r.as_json() for r in results]})
+
+
+async def list_adapters(request: web.Request) -> web.Response:
+    agent = _agent(request)
+    store = agent.store
+    return web.json_response({
+        "adapters": [a.as_json() for a in store.list()],
+        "usedBytes": store.used_bytes,
+        "budgetBytes": store.budget_bytes,
+        "errors": agent.warmer.errors,
+    })
+
+
+async def healthz(request: web.Request) -> web.Response:
+    tasks = _agent(request).tasks
+    if tasks.crashed:
+        return web.json_response({"status": "crashed", "crashed": tasks.crashed}, status=500)
+    return web.json_response({"status": "ok", "tasks": tasks.running})
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    body = generate_latest(_agent(request).metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

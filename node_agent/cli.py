@@ -1,0 +1,166 @@
+"""`loraplex-node-agent`: settings, flags and the process.
+
+One dataclass holds every setting; each field's docstring (the string under it) gives its
+unit and default and is the flag's help, so flags and fields map one to one
+(`cache_dir` <-> `--cache-dir`). The environment is read only in `Settings.from_env_and_args`:
+NODE_NAME for --node-name, and the in-cluster API address (KUBERNETES_SERVICE_HOST/PORT)
+for finding the server pods on this node.
+
+    loraplex-node-agent --cache-dir /var/lib/loraplex/adapters --budget-bytes 200000000000 \\
+        --plan-file /etc/loraplex/plan/plan.json --port 8081
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import logging
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from loraplex.node_agent.app import AgentConfig, create_app
+
+log = logging.getLogger("loraplex.node_agent")
+
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+@dataclass
+class Settings:
+    cache_dir: Path = Path("/var/lib/loraplex/adapters")
+    """Local adapter cache (the host path the server pods mount). Default: /var/lib/loraplex/adapters."""
+
+    budget_bytes: int = 50 * 1024**3
+    """Most bytes of staged adapters kept on local disk. Default: 53687091200 (50 GiB)."""
+
+    max_concurrent_downloads: int = 4
+    """Adapter downloads running at once, at most. Default: 4."""
+
+    plan_file: Path | None = None
+    """The operator's plan (the ConfigMap <base>-plan, key plan.json, mounted), e.g.
+    /etc/loraplex/plan/plan.json. Default: none (stage on request only)."""
+
+    port: int = 8081
+    """TCP port of the agent's HTTP API. Default: 8081."""
+
+    host: str = "0.0.0.0"
+    """Address to listen on. Default: 0.0.0.0."""
+
+    node_name: str | None = None
+    """This node's name, to find the server pods on it. Default: $NODE_NAME."""
+
+    server_url: list[str] = field(default_factory=list)
+    """Server base URLs to warm instead of finding pods through the API, e.g.
+    http://127.0.0.1:8000 (repeatable). Default: none."""
+
+    kube_api_url: str | None = None
+    """Kubernetes API base URL. Default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
+    when running in a pod."""
+
+    poll_seconds: float = 1.0
+    """How often the plan file is checked for a change, in seconds. Default: 1.0."""
+
+    server_poll_seconds: float = 2.0
+    """How often the node's server pods are listed, in seconds. Default: 2.0."""
+
+    log_level: str = "INFO"
+    """Logging level: DEBUG, INFO, WARNING or ERROR. Default: INFO."""
+
+    def validate(self) -> None:
+        if self.budget_bytes <= 0:
+            raise ValueError(f"--budget-bytes must be positive, got {self.budget_bytes}")
+        if self.max_concurrent_downloads <= 0:
+            raise ValueError(f"--max-concurrent-downloads must be positive, got {self.max_concurrent_downloads}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be 1..65535, got {self.port}")
+        if self.poll_seconds <= 0 or self.server_poll_seconds <= 0:
+            raise ValueError("--poll-seconds and --server-poll-seconds must be positive")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"--log-level {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
+
+    @classmethod
+    def from_env_and_args(cls, argv: list[str] | None = None, env: typing.Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        args = vars(build_parser().parse_args(argv))
+        settings = cls(**{k: v for k, v in args.items() if v is not None})
+        if settings.node_name is None:
+            settings.node_name = env.get("NODE_NAME") or None
+        if settings.kube_api_url is None and env.get("KUBERNETES_SERVICE_HOST"):
+            host = env["KUBERNETES_SERVICE_HOST"]
+            host = f"[{host}]" if ":" in host else host
+            settings.kube_api_url = f"https://{host}:{env.get('KUBERNETES_SERVICE_PORT', '443')}"
+        settings.validate()
+        return settings
+
+    def agent_config(self) -> AgentConfig:
+        in_cluster = self.kube_api_url is not None and (SERVICE_ACCOUNT / "token").exists()
+        return AgentConfig(
+            cache_dir=self.cache_dir,
+            budget_bytes=self.budget_bytes,
+            max_concurrent_downloads=self.max_concurrent_downloads,
+            plan_file=self.plan_file,
+            server_urls=tuple(self.server_url),
+            node_name=self.node_name,
+            kube_api_url=self.kube_api_url,
+            kube_token_file=SERVICE_ACCOUNT / "token" if in_cluster else None,
+            kube_ca_file=SERVICE_ACCOUNT / "ca.crt" if in_cluster else None,
+            poll_seconds=self.poll_seconds,
+            server_poll_seconds=self.server_poll_seconds,
+        )
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field: the docstring under it}, read from the class's source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per Settings field; every default is None so unset flags keep the field's."""
+    parser = argparse.ArgumentParser(
+        prog="loraplex-node-agent",
+        description="Stages LoRA adapters on this node's disk and warms this node's servers.")
+    docs = field_docs(Settings)
+    hints = typing.get_type_hints(Settings)
+    for f in dataclasses.fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        if typing.get_origin(hint) is list:
+            parser.add_argument(flag, dest=f.name, action="append", type=str, help=docs[f.name])
+        else:
+            parser.add_argument(flag, dest=f.name, type=base, help=docs[f.name])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = Settings.from_env_and_args(argv)
+    except ValueError as e:
+        print(f"loraplex-node-agent: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("node agent on %s:%d, cache %s, budget %d bytes, node %s", settings.host, settings.port,
+             settings.cache_dir, settings.budget_bytes, settings.node_name or "(unset)")
+    web.run_app(create_app(settings.agent_config()), host=settings.host, port=settings.port,
+                print=None, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

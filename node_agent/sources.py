@@ -1,0 +1,169 @@
+"""Where adapter bytes come from, by URI scheme.
+
+An adapter source names a PEFT adapter *directory*; the agent fetches two files from it,
+`adapter_config.json` and `adapter_model.safetensors`:
+
+    /mnt/models/adapters/sql-v2                  a plain path on a mounted volume
+    file:///mnt/models/adapters/sql-v2           the same, as a URI
+    https://bucket.example/adapters/sql-v2/      public object-store prefix -> GET <prefix>/<file>
+    https://host/adapters/sql-v2?token=abc       a query string is kept on every file's URL
+                                                 (a token scoped to the prefix, e.g. a SAS)
+
+A presigned URL that signs a single object cannot name a directory; such a store needs
+one source per file, which the CRD does not have yet (see the node agent notes).
+
+Every fetch is a stream of chunks with the size when the source knows it up front; errors
+are `SourceError` with a short machine reason (`NotFound`, `Truncated`, `Unreachable`,
+`HTTPError`, `Unsupported`) that the metrics and the HTTP API report as is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import urllib.parse
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20
+
+
+class SourceError(Exception):
+    """A fetch that failed; `reason` is one word for metrics and API errors."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class Fetch:
+    """One file being fetched: its size if known up front, and its bytes as chunks."""
+
+    size: int | None
+    chunks: AsyncIterator[bytes]
+
+
+class Source(Protocol):
+    uri: str
+
+    def open(self, filename: str) -> contextlib.AbstractAsyncContextManager[Fetch]:
+        """Open `filename` inside the adapter directory; raises SourceError."""
+
+
+class LocalSource:
+    """A directory on a local or mounted filesystem (plain path or file:// URI)."""
+
+    def __init__(self, uri: str, root: Path) -> None:
+        self.uri = uri
+        self.root = root
+
+    @contextlib.asynccontextmanager
+    async def open(self, filename: str) -> AsyncIterator[Fetch]:
+        path = self.root / filename
+        try:
+            f = await asyncio.to_thread(path.open, "rb")
+        except FileNotFoundError:
+            raise SourceError("NotFound", f"{path}: no such file") from None
+        except OSError as e:
+            raise SourceError("Unreachable", f"{path}: {e.strerror or e}") from None
+        try:
+            size = await asyncio.to_thread(lambda: _fstat_size(f))
+            yield Fetch(size, self._chunks(f, path, size))
+        finally:
+            f.close()
+
+    @staticmethod
+    async def _chunks(f, path: Path, size: int) -> AsyncIterator[bytes]:
+        seen = 0
+        while True:
+            try:
+                chunk = await asyncio.to_thread(f.read, CHUNK_BYTES)
+            except OSError as e:
+                raise SourceError("Unreachable", f"{path}: {e.strerror or e}") from None
+            if not chunk:
+                break
+            seen += len(chunk)
+            yield chunk
+        if seen != size:  # the file changed while we read it
+            raise SourceError("Truncated", f"{path}: read {seen} bytes, expected {size}")
+
+
+def _fstat_size(f) -> int:
+    return os.fstat(f.fileno()).st_size
+
+
+class HTTPSource:
+    """An object-store prefix over HTTP(S): GET <prefix>/<filename>, streamed."""
+
+    def __init__(self, uri: str, session: aiohttp.ClientSession) -> None:
+        self.uri = uri
+        self._session = session
+        self._parts = urllib.parse.urlsplit(uri)
+
+    def url(self, filename: str) -> str:
+        p = self._parts
+        path = p.path.rstrip("/") + "/" + urllib.parse.quote(filename)
+        return urllib.parse.urlunsplit((p.scheme, p.netloc, path, p.query, ""))
+
+    @contextlib.asynccontextmanager
+    async def open(self, filename: str) -> AsyncIterator[Fetch]:
+        url = self.url(filename)
+        shown = _redact(url)
+        try:
+            resp = await self._session.get(url)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise SourceError("Unreachable", f"GET {shown}: {e or type(e).__name__}") from None
+        try:
+            if resp.status == 404:
+                raise SourceError("NotFound", f"GET {shown}: 404 Not Found")
+            if resp.status != 200:
+                raise SourceError("HTTPError", f"GET {shown}: {resp.status} {resp.reason}")
+            yield Fetch(resp.content_length, self._chunks(resp, shown))
+        finally:
+            resp.release()
+
+    @staticmethod
+    async def _chunks(resp: aiohttp.ClientResponse, shown: str) -> AsyncIterator[bytes]:
+        seen = 0
+        try:
+            async for chunk in resp.content.iter_chunked(CHUNK_BYTES):
+                seen += len(chunk)
+                yield chunk
+        except aiohttp.ClientPayloadError as e:
+            raise SourceError("Truncated", f"GET {shown}: body cut after {seen} bytes ({e})") from None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise SourceError("Unreachable", f"GET {shown}: {e or type(e).__name__} after {seen} bytes") from None
+        if resp.content_length is not None and seen != resp.content_length:
+            raise SourceError("Truncated", f"GET {shown}: {seen} of {resp.content_length} bytes")
+
+
+def _redact(url: str) -> str:
+    """The URL without its query string: presigned signatures never reach logs."""
+    p = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit((p.scheme, p.netloc, p.path, "…" if p.query else "", ""))
+
+
+def open_source(uri: str, session: aiohttp.ClientSession | None) -> Source:
+    """The source for `uri`: a plain absolute path, file://, http:// or https://."""
+    if uri.startswith("/"):
+        return LocalSource(uri, Path(uri))
+    scheme = urllib.parse.urlsplit(uri).scheme
+    if scheme == "file":
+        return LocalSource(uri, Path(urllib.parse.unquote(urllib.parse.urlsplit(uri).path)))
+    if scheme in ("http", "https"):
+        if session is None:
+            raise SourceError("Unsupported", f"{_redact(uri)}: no HTTP session to fetch it")
+        return HTTPSource(uri, session)
+    raise SourceError(
+        "Unsupported", f"source {_redact(uri)!r}: scheme {scheme or '(none)'!r} is not one of file, http, https,"
+        " or an absolute path"
+    )

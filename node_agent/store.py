@@ -1,0 +1,420 @@
+"""The node's local disk cache of PEFT adapter directories.
+
+Layout under the cache directory (the host path the server pods mount read-only):
+
+    <root>/sql-v2 -> .store/3f9a…-5c1e      a symlink per adapter name: the stable path
+    <root>/.store/3f9a…-5c1e/               one verified version of one adapter
+        adapter_config.json
+        adapter_model.safetensors
+        .loraplex.json                      {"name", "sha256", "source"}: read back at start
+    <root>/.tmp/…                           downloads in progress (removed at start)
+
+Staging an adapter: stream both files into a fresh directory under .tmp (same filesystem),
+hashing the weights on the way; check the sha256 (digest of adapter_model.safetensors) and
+that the files are whole; fsync the files and the directory; rename it into .store; then
+point the name's symlink at it by renaming a new symlink over the old one. Each step is
+atomic, so a crash leaves either the old version or the new one behind the name, never a
+part. A new version of a name replaces the old one the same way.
+
+Budget: staged bytes plus bytes reserved by downloads in flight stay within `budget_bytes`.
+To make room the store evicts least recently used adapters, unpinned first, pinned last
+and only for another pinned adapter; if even that cannot make room, the staging fails with
+`BudgetExceeded` and nothing is evicted. At most `max_concurrent_downloads` downloads run at
+once; concurrent requests for the same adapter version share one download.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from loraplex.node_agent.adapter_files import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, InvalidAdapter, check_adapter_dir
+from loraplex.node_agent.metrics import Metrics
+from loraplex.node_agent.sources import Fetch, SourceError, open_source
+
+log = logging.getLogger(__name__)
+
+META_FILE = ".loraplex.json"
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a Kubernetes object name
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+# HTTP status the API answers for each failure reason.
+REASON_STATUS = {
+    "InvalidRequest": 400,
+    "Unsupported": 400,
+    "NotFound": 404,
+    "UnknownAdapter": 404,
+    "DigestMismatch": 422,
+    "InvalidAdapter": 422,
+    "Truncated": 502,
+    "HTTPError": 502,
+    "Unreachable": 502,
+    "BudgetExceeded": 507,
+    "DiskError": 500,
+}
+
+
+class StoreError(Exception):
+    """A staging that failed. `reason`: one word (metrics label, API error); message: why."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    @property
+    def status(self) -> int:
+        return REASON_STATUS.get(self.reason, 500)
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """An adapter's identity as the plan or a client gives it: name, source URI, digest."""
+
+    name: str
+    source: str
+    sha256: str
+
+    def validate(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise StoreError("InvalidRequest", f"adapter name {self.name!r} is not a Kubernetes object name")
+        if not isinstance(self.sha256, str) or not _SHA256.match(self.sha256):
+            raise StoreError("InvalidRequest", f"sha256 {self.sha256!r} is not 64 lowercase hex digits")
+        if not isinstance(self.source, str) or not self.source:
+            raise StoreError("InvalidRequest", "source must be a non-empty string")
+
+
+@dataclass
+class _Entry:
+    name: str
+    sha256: str
+    source: str
+    blob: str  # directory name under .store
+    nbytes: int
+    last_used: float
+
+
+@dataclass(frozen=True)
+class StagedAdapter:
+    """What GET /v1/adapters shows for one adapter."""
+
+    name: str
+    sha256: str
+    source: str
+    path: str  # <root>/<name>: what a server on this node loads
+    bytes: int
+    pinned: bool
+    last_used: float  # seconds since the epoch (the store's clock)
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "sha256": self.sha256, "source": self.source, "path": self.path,
+                "bytes": self.bytes, "pinned": self.pinned, "lastUsed": self.last_used}
+
+
+class AdapterStore:
+    def __init__(
+        self,
+        root: Path,
+        budget_bytes: int,
+        max_concurrent_downloads: int = 4,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if budget_bytes <= 0 or max_concurrent_downloads <= 0:
+            raise ValueError("budget_bytes and max_concurrent_downloads must be positive")
+        self.root = Path(root)
+        self.budget_bytes = budget_bytes
+        self.max_concurrent_downloads = max_concurrent_downloads
+        self._session = session
+        self.metrics = metrics or Metrics()
+        self._clock = clock
+        self._store_dir = self.root / ".store"
+        self._tmp_dir = self.root / ".tmp"
+        self._entries: dict[str, _Entry] = {}
+        self._pinned: frozenset[str] = frozenset()
+        self._reserved = 0  # bytes promised to downloads in flight
+        self._semaphore = asyncio.Semaphore(max_concurrent_downloads)
+        self._inflight: dict[tuple[str, str], asyncio.Future] = {}
+        self.downloads_started = 0
+        self.metrics.budget_bytes.set(budget_bytes)
+        self._open()
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def get(self, name: str) -> StagedAdapter | None:
+        e = self._entries.get(name)
+        return None if e is None else self._info(e)
+
+    def list(self) -> list[StagedAdapter]:
+        return [self._info(e) for e in sorted(self._entries.values(), key=lambda e: e.name)]
+
+    def set_pinned(self, names: set[str] | frozenset[str]) -> None:
+        """The plan's pinned set: evicted last, and only to make room for another pinned one."""
+        self._pinned = frozenset(names)
+        self._update_gauges()
+
+    def touch(self, name: str) -> None:
+        """A server (or a session) used `name`: it moves to the back of the eviction order."""
+        e = self._entries.get(name)
+        if e is not None:
+            e.last_used = self._clock()
+            with contextlib.suppress(OSError):
+                os.utime(self._store_dir / e.blob, (e.last_used, e.last_used))
+
+    # -- staging ------------------------------------------------------------------------------
+
+    async def stage(self, ref: AdapterRef) -> StagedAdapter:
+        """Make `ref` present and verified on local disk; return it. Raises StoreError."""
+        ref.validate()
+        e = self._entries.get(ref.name)
+        if e is not None and e.sha256 == ref.sha256:
+            self.touch(ref.name)
+            return self._info(e)
+        key = (ref.name, ref.sha256)
+        fut = self._inflight.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(self._download(ref))
+            self._inflight[key] = fut
+            fut.add_done_callback(lambda f, key=key: self._download_done(key, f))
+        # shield: a client that gives up does not cancel a download others wait for.
+        return await asyncio.shield(fut)
+
+    def _download_done(self, key: tuple[str, str], fut: asyncio.Future) -> None:
+        self._inflight.pop(key, None)
+        if not fut.cancelled():
+            fut.exception()  # retrieved here: waiters that left early must not leave it unseen
+
+    async def remove(self, name: str) -> bool:
+        """Remove `name` from disk (an adapter deleted from the plan). True if it was there."""
+        e = self._entries.pop(name, None)
+        if e is None:
+            return False
+        await asyncio.to_thread(self._unlink_entry, e)
+        self._update_gauges()
+        return True
+
+    async def _download(self, ref: AdapterRef) -> StagedAdapter:
+        self.metrics.downloads_waiting.inc()
+        try:
+            await self._semaphore.acquire()
+        finally:
+            self.metrics.downloads_waiting.dec()
+        self.downloads_started += 1
+        self.metrics.downloads_in_flight.inc()
+        t0 = time.monotonic()
+        try:
+            staged = await self._fetch_verify_place(ref)
+        except StoreError as err:
+            self.metrics.failures.labels(err.reason).inc()
+            log.warning("staging %s failed: %s: %s", ref.name, err.reason, err)
+            raise
+        except Exception as err:  # a disk fault (or a bug): still a clean, reported failure
+            self.metrics.failures.labels("DiskError").inc()
+            log.exception("staging %s failed", ref.name)
+            raise StoreError("DiskError", f"{type(err).__name__}: {err}") from err
+        finally:
+            self.metrics.downloads_in_flight.dec()
+            self._semaphore.release()
+        seconds = time.monotonic() - t0
+        self.metrics.download_seconds.observe(seconds)
+        log.info("staged %s (%d bytes) in %.2f s", ref.name, staged.bytes, seconds)
+        return staged
+
+    async def _fetch_verify_place(self, ref: AdapterRef) -> StagedAdapter:
+        try:
+            source = open_source(ref.source, self._session)
+        except SourceError as e:
+            raise StoreError(e.reason, str(e)) from None
+        tmp = Path(await asyncio.to_thread(_mkdtemp, self._tmp_dir, ref.name))
+        reserved = 0
+        try:
+            try:
+                async with source.open(CONFIG_FILE) as fetch:
+                    config_bytes, _ = await self._write(
+                        fetch, tmp / CONFIG_FILE, limit=MAX_CONFIG_BYTES, too_big="InvalidAdapter")
+                async with source.open(WEIGHTS_FILE) as fetch:
+                    if fetch.size is not None:
+                        reserved = self._reserve(ref, fetch.size + config_bytes)
+                    nbytes, digest = await self._write(
+                        fetch, tmp / WEIGHTS_FILE, limit=self.budget_bytes, too_big="BudgetExceeded")
+            except SourceError as e:
+                raise StoreError(e.reason, str(e)) from None
+            total = nbytes + config_bytes
+            if total > reserved:  # the size was not known up front
+                reserved += self._reserve(ref, total - reserved)
+            if digest != ref.sha256:
+                raise StoreError(
+                    "DigestMismatch",
+                    f"{ref.name}: sha256 of {WEIGHTS_FILE} is {digest}, the adapter declares {ref.sha256}",
+                )
+            try:
+                await asyncio.to_thread(check_adapter_dir, tmp)
+            except InvalidAdapter as e:
+                raise StoreError("InvalidAdapter", f"{ref.name}: {e}") from None
+            meta = {"name": ref.name, "sha256": ref.sha256, "source": ref.source}
+            (tmp / META_FILE).write_text(json.dumps(meta))
+            blob = f"{ref.sha256[:16]}-{uuid.uuid4().hex[:8]}"
+            await asyncio.to_thread(self._place, tmp, blob, ref.name)
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+            self._reserved -= reserved
+            raise
+        self._reserved -= reserved
+        old = self._entries.get(ref.name)
+        entry = _Entry(ref.name, ref.sha256, ref.source, blob, total, self._clock())
+        self._entries[ref.name] = entry
+        if old is not None:  # the previous version: its symlink is gone already
+            await asyncio.to_thread(shutil.rmtree, self._store_dir / old.blob, True)
+        self._update_gauges()
+        return self._info(entry)
+
+    async def _write(self, fetch: Fetch, path: Path, limit: int, too_big: str) -> tuple[int, str]:
+        """Stream `fetch` into `path`; return (bytes, sha256 hex). Refuse more than `limit`."""
+        h = hashlib.sha256()
+        n = 0
+        with path.open("wb") as f:
+            async for chunk in fetch.chunks:
+                n += len(chunk)
+                if n > limit:
+                    raise StoreError(too_big, f"{path.name}: more than {limit} bytes")
+                h.update(chunk)
+                f.write(chunk)
+            f.flush()
+            await asyncio.to_thread(os.fsync, f.fileno())
+        if fetch.size is not None and n != fetch.size:
+            raise StoreError("Truncated", f"{path.name}: got {n} bytes, the source announced {fetch.size}")
+        self.metrics.download_bytes.inc(n)
+        return n, h.hexdigest()
+
+    def _reserve(self, ref: AdapterRef, nbytes: int) -> int:
+        """Promise `nbytes` of the budget to a download, evicting to make room."""
+        need = self.used_bytes + self._reserved + nbytes - self.budget_bytes
+        if need > 0:
+            pinned = ref.name in self._pinned
+            # The name's current version stays until the new one replaces it.
+            order = sorted(
+                (e for e in self._entries.values()
+                 if e.name != ref.name and (pinned or e.name not in self._pinned)),
+                key=lambda e: (e.name in self._pinned, e.last_used),
+            )
+            victims, freed = [], 0
+            for e in order:
+                if freed >= need:
+                    break
+                victims.append(e)
+                freed += e.nbytes
+            if freed < need:
+                raise StoreError(
+                    "BudgetExceeded",
+                    f"{ref.name}: {nbytes} bytes do not fit the {self.budget_bytes}-byte budget"
+                    f" ({self.used_bytes} staged, {self._reserved} reserved by downloads in flight,"
+                    f" {freed} evictable{'' if pinned else ' without evicting pinned adapters'})",
+                )
+            for e in victims:
+                self._evict(e)
+        self._reserved += nbytes
+        return nbytes
+
+    def _evict(self, e: _Entry) -> None:
+        log.info("evicting %s (%d bytes, last used %.0f) to make room", e.name, e.nbytes, e.last_used)
+        del self._entries[e.name]
+        self._unlink_entry(e)
+        self.metrics.evictions.inc()
+        self._update_gauges()
+
+    # -- disk ---------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        """Create the layout; clear leftovers of a crash; read back what is staged."""
+        for d in (self.root, self._store_dir, self._tmp_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        for leftover in self._tmp_dir.iterdir():
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+        used_blobs = set()
+        for link in self.root.iterdir():
+            if link.name.startswith("."):
+                if link.is_symlink():  # a symlink swap cut short
+                    link.unlink()
+                continue
+            if not link.is_symlink():
+                log.warning("ignoring %s: not a symlink the agent made", link)
+                continue
+            target = Path(os.readlink(link))
+            blob_dir = self._store_dir / target.name
+            try:
+                meta = json.loads((blob_dir / META_FILE).read_text())
+                nbytes = sum((blob_dir / f).stat().st_size for f in (CONFIG_FILE, WEIGHTS_FILE))
+                mtime = blob_dir.stat().st_mtime
+            except (OSError, ValueError):
+                log.warning("removing %s: its version directory is missing or incomplete", link)
+                link.unlink()
+                continue
+            if meta.get("name") != link.name:
+                link.unlink()
+                continue
+            used_blobs.add(target.name)
+            self._entries[link.name] = _Entry(link.name, meta["sha256"], meta["source"], target.name, nbytes, mtime)
+        for blob in self._store_dir.iterdir():
+            if blob.name not in used_blobs:
+                shutil.rmtree(blob, ignore_errors=True)
+        if self._entries:
+            log.info("found %d staged adapters (%d bytes) in %s", len(self._entries), self.used_bytes, self.root)
+        self._update_gauges()
+
+    def _place(self, tmp: Path, blob: str, name: str) -> None:
+        _fsync_dir(tmp)
+        os.rename(tmp, self._store_dir / blob)
+        _fsync_dir(self._store_dir)
+        link_tmp = self.root / f".{name}.{uuid.uuid4().hex[:8]}.link"
+        os.symlink(os.path.join(".store", blob), link_tmp)
+        os.replace(link_tmp, self.root / name)
+        _fsync_dir(self.root)
+
+    def _unlink_entry(self, e: _Entry) -> None:
+        link = self.root / e.name
+        with contextlib.suppress(OSError):
+            if link.is_symlink() and Path(os.readlink(link)).name == e.blob:
+                link.unlink()
+                _fsync_dir(self.root)
+        shutil.rmtree(self._store_dir / e.blob, ignore_errors=True)
+
+    def _info(self, e: _Entry) -> StagedAdapter:
+        return StagedAdapter(e.name, e.sha256, e.source, str(self.root / e.name), e.nbytes,
+                             e.name in self._pinned, e.last_used)
+
+    def _update_gauges(self) -> None:
+        self.metrics.disk_bytes.set(self.used_bytes)
+        self.metrics.staged_adapters.set(len(self._entries))
+        self.metrics.pinned_adapters.set(sum(1 for n in self._entries if n in self._pinned))
+
+
+def _mkdtemp(parent: Path, name: str) -> str:
+    parent.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{name}.", dir=parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,410 @@
+"""Follow the operator's plan: stage its adapters on this node and warm this node's servers.
+
+The plan file is the `plan.json` key of the ConfigMap `<base>-plan`, mounted read-only:
+
+    {"baseModel": "llama-3-8b", "maxLoraRank": 64, "slots": 250, "pinned": ["a", "b"],
+     "adapters": [{"name": "a", "source": "https://…/a/", "sha256": "…", "tenant": "t",
+                   "priority": 100, "pinned": true}, …],
+     "prefetch": [{"name": "c", "start": "2026-05-01T08:00:00Z", "end": "2026-05-02T08:00:00Z"}]}
+
+A mounted ConfigMap changes by a symlink swap, so the warmer polls the file's identity
+(inode, size, mtime) every `poll_seconds` and re-reads it when that changes. On each plan
+(and when a warm-up window opens) it reconciles: the store's pinned set; pinned adapters
+staged first, then prefetch entries whose window is open; adapters that left the plan
+removed from disk. A bad plan file is logged and the previous plan kept.
+
+Servers: when a server pod of the plan's base on this node turns ready, the warmer asks it
+to load the pinned set and the open prefetch entries from local disk:
+
+    POST http://<pod>:8000/v1/adapters/{name}/prefetch?wait=false
+    POST http://<pod>:8000/v1/adapters/{name}/pin              (pinned adapters only)
+
+The server finds `{name}` in its adapter directory, which is this agent's cache directory
+mounted read-only (the operator's Deployment mounts the same host path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import os
+import ssl
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import aiohttp
+
+from loraplex.node_agent.metrics import Metrics
+from loraplex.node_agent.store import AdapterRef, AdapterStore, StagedAdapter, StoreError
+
+log = logging.getLogger(__name__)
+
+SERVER_PORT = 8000
+SERVER_LABELS = "app.kubernetes.io/name=loraplex-server"
+BASE_LABEL = "loraplex.io/base-model"
+
+
+class PlanError(ValueError):
+    """The plan file cannot be used; the message says which part."""
+
+
+@dataclass(frozen=True)
+class PlanAdapter:
+    ref: AdapterRef
+    tenant: str | None
+    priority: int
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class PrefetchWindow:
+    name: str
+    start: datetime.datetime
+    end: datetime.datetime
+
+    def is_open(self, now: datetime.datetime) -> bool:
+        return self.start <= now < self.end
+
+
+@dataclass(frozen=True)
+class Plan:
+    base_model: str
+    slots: int
+    pinned: tuple[str, ...]
+    adapters: dict[str, PlanAdapter]
+    prefetch: tuple[PrefetchWindow, ...] = ()
+
+    def open_prefetch(self, now: datetime.datetime) -> list[str]:
+        return [w.name for w in self.prefetch if w.is_open(now) and w.name in self.adapters]
+
+    def next_window_start(self, now: datetime.datetime) -> datetime.datetime | None:
+        return min((w.start for w in self.prefetch if w.start > now), default=None)
+
+
+def parse_plan(data: object) -> Plan:
+    """A Plan from the decoded plan.json; PlanError says what does not fit."""
+    if not isinstance(data, dict):
+        raise PlanError("plan is not a JSON object")
+    try:
+        adapters = {}
+        for a in data.get("adapters") or []:
+            ref = AdapterRef(a["name"], a["source"], a["sha256"])
+            adapters[ref.name] = PlanAdapter(ref, a.get("tenant"), int(a.get("priority", 0)), bool(a.get("pinned")))
+        pinned = tuple(data.get("pinned") or [n for n, a in adapters.items() if a.pinned])
+        unknown = [n for n in pinned if n not in adapters]
+        if unknown:
+            raise PlanError(f"pinned adapters {unknown} are not in the plan's adapters")
+        windows = tuple(
+            PrefetchWindow(w["name"], _parse_time(w["start"]), _parse_time(w["end"]))
+            for w in data.get("prefetch") or []
+        )
+        return Plan(str(data["baseModel"]), int(data.get("slots", 0)), pinned, adapters, windows)
+    except PlanError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
+
+
+def read_plan(path: Path) -> Plan:
+    try:
+        return parse_plan(json.loads(path.read_text()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PlanError(f"{path}: {e}") from None
+
+
+def _parse_time(s: str) -> datetime.datetime:
+    t = datetime.datetime.fromisoformat(s.replace("Z", "+00:00"))
+    if t.tzinfo is None:
+        raise ValueError(f"time {s!r} has no UTC offset")
+    return t
+
+
+def utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+# -- servers on this node ---------------------------------------------------------------------
+
+
+class ServerDiscovery(Protocol):
+    async def servers(self, base_model: str) -> dict[str, tuple[str, bool]]:
+        """{server id: (base URL, ready)} for the base's servers on this node."""
+
+
+class StaticServers:
+    """Fixed server URLs (a server on the host network, a test); ready = GET /readyz is 200."""
+
+    def __init__(self, urls: list[str], session: aiohttp.ClientSession) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
+        self._session = session
+
+    async def servers(self, base_model: str) -> dict[str, tuple[str, bool]]:
+        out = {}
+        for url in self.urls:
+            try:
+                async with self._session.get(f"{url}/readyz", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    out[url] = (url, r.status == 200)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                out[url] = (url, False)
+        return out
+
+
+class KubePods:
+    """Server pods on this node from the Kubernetes API: one GET, filtered by node and labels.
+
+    GET /api/v1/pods?fieldSelector=spec.nodeName=<node>&labelSelector=<server labels>,<base>
+    (needs RBAC: list pods, cluster-wide). Ready = the pod's Ready condition is True.
+    """
+
+    def __init__(self, api_url: str, node_name: str, session: aiohttp.ClientSession, *,
+                 token_file: Path | None = None, ca_file: Path | None = None,
+                 port: int = SERVER_PORT) -> None:
+        self.api_url = api_url.rstrip("/")
+        self.node_name = node_name
+        self._session = session
+        self._token_file = token_file
+        self._ssl = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
+        self.port = port
+
+    async def servers(self, base_model: str) -> dict[str, tuple[str, bool]]:
+        query = urllib.parse.urlencode({
+            "fieldSelector": f"spec.nodeName={self.node_name}",
+            "labelSelector": f"{SERVER_LABELS},{BASE_LABEL}={base_model}",
+        })
+        headers = {}
+        if self._token_file is not None:  # re-read each time: projected tokens rotate
+            headers["Authorization"] = "Bearer " + self._token_file.read_text().strip()
+        async with self._session.get(f"{self.api_url}/api/v1/pods?{query}", headers=headers,
+                                     ssl=self._ssl if self._ssl is not None else True,
+                                     timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status != 200:
+                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=await r.text())
+            body = await r.json()
+        out = {}
+        for pod in body.get("items", []):
+            meta, status = pod.get("metadata", {}), pod.get("status", {})
+            ip = status.get("podIP")
+            if not ip or meta.get("deletionTimestamp"):
+                continue
+            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+            host = f"[{ip}]" if ":" in ip else ip
+            out[meta.get("uid") or meta.get("name")] = (f"http://{host}:{self.port}", ready)
+        return out
+
+
+# -- the warmer -------------------------------------------------------------------------------
+
+
+@dataclass
+class WarmResult:
+    name: str
+    action: str
+    ok: bool
+    detail: str = ""
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "action": self.action, "ok": self.ok, "detail": self.detail}
+
+
+@dataclass
+class _Watch:
+    identity: tuple | None = None
+    plan: Plan | None = None
+    errors: dict[str, str] = field(default_factory=dict)  # adapter -> last staging error
+
+
+class Warmer:
+    def __init__(
+        self,
+        store: AdapterStore,
+        plan_file: Path | None,
+        session: aiohttp.ClientSession,
+        *,
+        discovery: ServerDiscovery | None = None,
+        metrics: Metrics | None = None,
+        now: Callable[[], datetime.datetime] = utcnow,
+        poll_seconds: float = 1.0,
+        server_poll_seconds: float = 2.0,
+    ) -> None:
+        self.store = store
+        self.plan_file = plan_file
+        self._session = session
+        self.discovery = discovery
+        self.metrics = metrics or store.metrics
+        self._now = now
+        self.poll_seconds = poll_seconds
+        self.server_poll_seconds = server_poll_seconds
+        self._watch = _Watch()
+        self._ready: dict[str, str] = {}  # server id -> URL, servers already warmed
+        self._wake = asyncio.Event()
+        self.reconciles = 0
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._watch.plan
+
+    @property
+    def errors(self) -> dict[str, str]:
+        return dict(self._watch.errors)
+
+    def wake(self) -> None:
+        """Check the plan now instead of at the next poll."""
+        self._wake.set()
+
+    # -- plan ---------------------------------------------------------------------------------
+
+    def check_plan(self) -> bool:
+        """Re-read the plan file if it changed; True if a new plan was taken."""
+        if self.plan_file is None:
+            return False
+        try:
+            st = os.stat(self.plan_file)  # follows the ConfigMap's symlinks
+            identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            identity = None
+        if identity == self._watch.identity:
+            return False
+        self._watch.identity = identity
+        if identity is None:
+            log.warning("plan file %s is missing; keeping the last plan", self.plan_file)
+            return False
+        try:
+            plan = read_plan(self.plan_file)
+        except PlanError as e:
+            log.error("ignoring plan file: %s", e)
+            return False
+        if plan == self._watch.plan:
+            return False
+        log.info("plan for %s: %d adapters, %d pinned, %d prefetch windows", plan.base_model,
+                 len(plan.adapters), len(plan.pinned), len(plan.prefetch))
+        self._watch.plan = plan
+        return True
+
+    async def reconcile(self, previous: Plan | None = None) -> None:
+        """Bring the local disk in line with the plan: pins, staging, removals."""
+        plan = self._watch.plan
+        if plan is None:
+            return
+        self.reconciles += 1
+        self.store.set_pinned(set(plan.pinned))
+        if previous is not None:
+            for name in sorted(set(previous.adapters) - set(plan.adapters)):
+                if await self.store.remove(name):
+                    log.info("removed %s from local disk: it left the plan", name)
+                self._watch.errors.pop(name, None)
+        await self._stage_all([plan.adapters[n].ref for n in plan.pinned])
+        now = self._now()
+        await self._stage_all([plan.adapters[n].ref for n in plan.open_prefetch(now)])
+        # Servers already warm get the new pins and open windows too (idempotent calls).
+        for url in list(self._ready.values()):
+            await self.warm_server(url)
+
+    async def _stage_all(self, refs: list[AdapterRef]) -> None:
+        results = await asyncio.gather(*(self.store.stage(r) for r in refs), return_exceptions=True)
+        for ref, res in zip(refs, results):
+            if isinstance(res, StoreError):
+                self._watch.errors[ref.name] = f"{res.reason}: {res}"
+            elif isinstance(res, BaseException):
+                raise res
+            else:
+                self._watch.errors.pop(ref.name, None)
+
+    async def run(self) -> None:
+        """The plan loop: poll the file, reconcile on change and when a window opens."""
+        window_open: frozenset[str] = frozenset()
+        while True:
+            previous = self._watch.plan
+            changed = self.check_plan()
+            plan = self._watch.plan
+            now = self._now()
+            opened = frozenset(plan.open_prefetch(now)) if plan else frozenset()
+            if changed or opened - window_open:
+                await self.reconcile(previous if changed else None)
+            window_open = opened
+            timeout = self.poll_seconds
+            if plan is not None and (start := plan.next_window_start(now)) is not None:
+                timeout = min(timeout, max((start - now).total_seconds(), 0.0))
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+
+    # -- servers ------------------------------------------------------------------------------
+
+    async def run_servers(self) -> None:
+        """The server loop: warm each server of the plan's base once it turns ready."""
+        while True:
+            await self.check_servers()
+            await asyncio.sleep(self.server_poll_seconds)
+
+    async def check_servers(self) -> list[str]:
+        """Warm servers that turned ready since the last check; return their URLs."""
+        plan = self._watch.plan
+        if plan is None or self.discovery is None:
+            return []
+        try:
+            seen = await self.discovery.servers(plan.base_model)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            log.warning("cannot list the servers on this node: %s", e)
+            return []
+        warmed = []
+        for sid, (url, ready) in seen.items():
+            if ready and sid not in self._ready:
+                log.info("server %s is ready: loading its pinned set", url)
+                await self.warm_server(url)
+                self._ready[sid] = url
+                warmed.append(url)
+            elif not ready:
+                self._ready.pop(sid, None)  # warm it again when it comes back
+        for sid in set(self._ready) - set(seen):
+            del self._ready[sid]
+        return warmed
+
+    async def warm_server(self, url: str) -> list[WarmResult]:
+        plan = self._watch.plan
+        if plan is None:
+            return []
+        results = []
+        for name in plan.pinned:
+            if self.store.get(name) is None:
+                results.append(WarmResult(name, "prefetch", False, "not staged on this node"))
+                continue
+            results.append(await self.call_server(url, name, "prefetch"))
+            results.append(await self.call_server(url, name, "pin"))
+        for name in plan.open_prefetch(self._now()):
+            if name not in plan.pinned and self.store.get(name) is not None:
+                results.append(await self.call_server(url, name, "prefetch"))
+        return results
+
+    async def call_server(self, url: str, name: str, action: str) -> WarmResult:
+        """POST <url>/v1/adapters/<name>/<action> (prefetch without waiting for the load)."""
+        path = f"/v1/adapters/{urllib.parse.quote(name)}/{action}"
+        if action == "prefetch":
+            path += "?wait=false"
+        try:
+            async with self._session.post(url.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
+                ok = 200 <= r.status < 300
+                detail = "" if ok else f"{r.status}: {(await r.text())[:200]}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        self.metrics.server_calls.labels(action, "ok" if ok else "error").inc()
+        if not ok:
+            log.warning("%s %s on %s failed: %s", action, name, url, detail)
+        return WarmResult(name, action, ok, detail)
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    async def start_session(self, name: str) -> tuple[StagedAdapter, list[WarmResult]]:
+        """Stage `name` (from the plan) and prefetch it into this node's ready servers."""
+        plan = self._watch.plan
+        if plan is None or name not in plan.adapters:
+            raise StoreError("UnknownAdapter", f"adapter {name!r} is not in this node's plan")
+        staged = await self.store.stage(plan.adapters[name].ref)
+        results = [await self.call_server(url, name, "prefetch") for url in list(self._ready.values())]
+        return staged, results

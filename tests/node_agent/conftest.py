@@ -1,0 +1,116 @@
+"""Fixtures for the node agent: real adapter files and a real HTTP object store on 127.0.0.1.
+
+`make_adapter(dir)` writes a tiny PEFT adapter with safetensors' numpy API and returns the
+sha256 of its weights. `object_store` serves adapters from memory over HTTP, and can
+misbehave per adapter: cut the body half way, send no Content-Length, or hold every
+weights request until a gate opens (to count concurrent downloads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from loraplex.node_agent.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+
+from .helpers import make_adapter
+
+
+@dataclass
+class ServedAdapter:
+    files: dict[str, bytes]
+    sha256: str  # of the weights as served
+    mode: str = "ok"  # ok | cut | chunked
+
+
+@dataclass
+class ObjectStore:
+    """An HTTP object store: GET /adapters/<name>/<file>."""
+
+    url: str = ""
+    adapters: dict[str, ServedAdapter] = field(default_factory=dict)
+    gets: Counter = field(default_factory=Counter)  # path -> GETs
+    order: list[str] = field(default_factory=list)  # adapter names, in the order weights were asked
+    active: int = 0
+    max_active: int = 0
+    gate: asyncio.Event | None = None  # when set up, weights wait for it
+
+    def add(self, name: str, tmp: Path, *, seed: int = 0, mode: str = "ok", rank: int = 4) -> str:
+        """Serve a fresh adapter `name`; returns its source URL."""
+        sha = make_adapter(tmp / "src" / name, seed=seed, rank=rank)
+        files = {f: (tmp / "src" / name / f).read_bytes() for f in (CONFIG_FILE, WEIGHTS_FILE)}
+        self.adapters[name] = ServedAdapter(files, sha, mode)
+        return self.source(name)
+
+    def source(self, name: str) -> str:
+        return f"{self.url}/adapters/{name}/"
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        name, filename = request.match_info["name"], request.match_info["file"]
+        self.gets[f"{name}/{filename}"] += 1
+        served = self.adapters.get(name)
+        if served is None or filename not in served.files:
+            raise web.HTTPNotFound()
+        body = served.files[filename]
+        if filename != WEIGHTS_FILE:
+            return web.Response(body=body)
+        self.order.append(name)
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            resp = web.StreamResponse()
+            if served.mode == "chunked":
+                resp.enable_chunked_encoding()
+            else:
+                resp.content_length = len(body)
+            await resp.prepare(request)
+            if served.mode == "cut":
+                await resp.write(body[: len(body) // 2])
+                await asyncio.sleep(0.01)
+                request.transport.close()  # the connection drops mid-body
+                return resp
+            for i in range(0, len(body), 4096):
+                await resp.write(body[i : i + 4096])
+            await resp.write_eof()
+            return resp
+        finally:
+            self.active -= 1
+
+
+@pytest.fixture
+async def object_store():
+    store = ObjectStore()
+    app = web.Application()
+    app.router.add_get("/adapters/{name}/{file}", store.handle)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    store.url = str(server.make_url("")).rstrip("/")
+    yield store
+    if store.gate is not None:
+        store.gate.set()
+    await server.close()
+
+
+@dataclass
+class FakeClock:
+    t: float = 1_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float = 1.0) -> float:
+        self.t += dt
+        return self.t
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()

@@ -1,0 +1,264 @@
+"""The local adapter store: real files, real HTTP on 127.0.0.1, fake clock for LRU."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from loraplex.node_agent.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
+
+from .helpers import make_adapter
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+def open_store(root: Path, session, clock=None, budget: int = 10**9, downloads: int = 4) -> AdapterStore:
+    kw = {"clock": clock} if clock is not None else {}
+    return AdapterStore(root, budget, downloads, session=session, **kw)
+
+
+def assert_clean(root: Path, absent: list[str]) -> None:
+    """Nothing half-done is left: no temp files, no final path for failed adapters."""
+    assert list((root / ".tmp").iterdir()) == []
+    for name in absent:
+        assert not os.path.lexists(root / name)
+    linked = {Path(os.readlink(p)).name for p in root.iterdir() if p.is_symlink()}
+    assert {p.name for p in (root / ".store").iterdir()} == linked  # no orphan versions
+
+
+async def test_stage_over_http(tmp_path, object_store, session):
+    src = object_store.add("sql-v2", tmp_path)
+    store = open_store(tmp_path / "cache", session)
+    staged = await store.stage(AdapterRef("sql-v2", src, object_store.adapters["sql-v2"].sha256))
+    final = tmp_path / "cache" / "sql-v2"
+    assert staged.path == str(final)
+    assert (final / WEIGHTS_FILE).read_bytes() == object_store.adapters["sql-v2"].files[WEIGHTS_FILE]
+    assert (final / CONFIG_FILE).read_bytes() == object_store.adapters["sql-v2"].files[CONFIG_FILE]
+    assert staged.bytes == sum(len(b) for b in object_store.adapters["sql-v2"].files.values())
+    assert store.used_bytes == staged.bytes
+    assert_clean(tmp_path / "cache", [])
+    # Staged already: no second download.
+    await store.stage(AdapterRef("sql-v2", src, object_store.adapters["sql-v2"].sha256))
+    assert object_store.gets["sql-v2/" + WEIGHTS_FILE] == 1
+
+
+@pytest.mark.parametrize("form", ["path", "file-uri"])
+async def test_stage_from_local_paths(tmp_path, session, form):
+    sha = make_adapter(tmp_path / "volume" / "chat", seed=3)
+    src = str(tmp_path / "volume" / "chat")
+    if form == "file-uri":
+        src = (tmp_path / "volume" / "chat").as_uri()
+    store = open_store(tmp_path / "cache", session)
+    staged = await store.stage(AdapterRef("chat", src, sha))
+    assert Path(staged.path, WEIGHTS_FILE).read_bytes() == (tmp_path / "volume" / "chat" / WEIGHTS_FILE).read_bytes()
+
+
+async def test_chunked_download_without_length(tmp_path, object_store, session):
+    src = object_store.add("chunky", tmp_path, mode="chunked")
+    store = open_store(tmp_path / "cache", session)
+    staged = await store.stage(AdapterRef("chunky", src, object_store.adapters["chunky"].sha256))
+    assert Path(staged.path, WEIGHTS_FILE).stat().st_size == len(object_store.adapters["chunky"].files[WEIGHTS_FILE])
+
+
+FAILURES = [
+    # (what the store serves, how the ref is wrong, expected reason)
+    ("ok", "wrong-digest", "DigestMismatch"),
+    ("ok", "missing", "NotFound"),
+    ("cut", "", "Truncated"),
+    ("ok", "bad-scheme", "Unsupported"),
+    ("ok", "bad-name", "InvalidRequest"),
+    ("ok", "bad-sha", "InvalidRequest"),
+]
+
+
+@pytest.mark.parametrize("mode,wrong,reason", FAILURES)
+async def test_failures_leave_nothing_that_looks_whole(tmp_path, object_store, session, mode, wrong, reason):
+    good = object_store.add("good", tmp_path, seed=1)
+    src = object_store.add("bad", tmp_path, seed=2, mode=mode)
+    sha = object_store.adapters["bad"].sha256
+    name = "bad"
+    if wrong == "wrong-digest":
+        sha = object_store.adapters["good"].sha256
+    elif wrong == "missing":
+        src = object_store.source("nowhere")
+    elif wrong == "bad-scheme":
+        src = "s3://bucket/bad/"
+    elif wrong == "bad-name":
+        name = "../escape"
+    elif wrong == "bad-sha":
+        sha = "abc"
+    store = open_store(tmp_path / "cache", session)
+    await store.stage(AdapterRef("good", good, object_store.adapters["good"].sha256))
+    with pytest.raises(StoreError) as err:
+        await store.stage(AdapterRef(name, src, sha))
+    assert err.value.reason == reason
+    assert assert_clean(tmp_path / "cache", ["bad"]) is None
+    assert not (tmp_path / "escape").exists()
+    # The other adapter is untouched.
+    assert [a.name for a in store.list()] == ["good"]
+    assert Path(store.get("good").path, WEIGHTS_FILE).is_file()
+    if reason not in ("InvalidRequest", "Unsupported"):
+        assert store.metrics.failures.labels(reason)._value.get() == 1
+
+
+async def test_truncated_source_with_matching_digest_is_refused(tmp_path, session):
+    """A source that itself holds a cut file (digest declared for the cut bytes): the
+    safetensors header check catches it."""
+    make_adapter(tmp_path / "volume" / "cut")
+    w = tmp_path / "volume" / "cut" / WEIGHTS_FILE
+    w.write_bytes(w.read_bytes()[:-100])
+    sha = hashlib.sha256(w.read_bytes()).hexdigest()
+    store = open_store(tmp_path / "cache", session)
+    with pytest.raises(StoreError) as err:
+        await store.stage(AdapterRef("cut", str(tmp_path / "volume" / "cut"), sha))
+    assert err.value.reason == "InvalidAdapter"
+    assert "cut short" in str(err.value)
+    assert_clean(tmp_path / "cache", ["cut"])
+
+
+def _size(tmp_path: Path) -> int:
+    make_adapter(tmp_path / "probe")
+    return sum((tmp_path / "probe" / f).stat().st_size for f in (CONFIG_FILE, WEIGHTS_FILE))
+
+
+async def _stage_local(store: AdapterStore, tmp_path: Path, name: str, seed: int):
+    sha = make_adapter(tmp_path / "volume" / name, seed=seed)
+    return await store.stage(AdapterRef(name, str(tmp_path / "volume" / name), sha))
+
+
+async def test_budget_evicts_lru_with_pinned_last(tmp_path, session, clock):
+    size = _size(tmp_path)
+    store = open_store(tmp_path / "cache", session, clock, budget=3 * size)
+    for i, name in enumerate(["a", "b", "c"]):
+        clock.advance()
+        await _stage_local(store, tmp_path, name, i)
+    clock.advance()
+    store.touch("a")  # order by last use: b, c, a
+    store.set_pinned({"b"})
+    clock.advance()
+    await _stage_local(store, tmp_path, "d", 10)  # evicts c: least recently used, unpinned
+    assert sorted(a.name for a in store.list()) == ["a", "b", "d"]
+    clock.advance()
+    await _stage_local(store, tmp_path, "e", 11)  # evicts a (unpinned, older than d)
+    clock.advance()
+    await _stage_local(store, tmp_path, "f", 12)  # evicts d; b stays although it is oldest
+    assert sorted(a.name for a in store.list()) == ["b", "e", "f"]
+    assert store.metrics.evictions._value.get() == 3
+    for gone in "acd":
+        assert not os.path.lexists(tmp_path / "cache" / gone)
+    assert_clean(tmp_path / "cache", [])
+
+
+async def test_unpinned_never_evicts_pinned(tmp_path, session, clock):
+    size = _size(tmp_path)
+    store = open_store(tmp_path / "cache", session, clock, budget=2 * size)
+    await _stage_local(store, tmp_path, "p1", 1)
+    clock.advance()
+    await _stage_local(store, tmp_path, "p2", 2)
+    store.set_pinned({"p1", "p2", "p3"})
+    with pytest.raises(StoreError) as err:
+        await _stage_local(store, tmp_path, "x", 3)
+    assert err.value.reason == "BudgetExceeded" and err.value.status == 507
+    assert sorted(a.name for a in store.list()) == ["p1", "p2"]  # nothing evicted for it
+    assert_clean(tmp_path / "cache", ["x"])
+    # Another pinned adapter may evict the least recently used pinned one.
+    clock.advance()
+    await _stage_local(store, tmp_path, "p3", 4)
+    assert sorted(a.name for a in store.list()) == ["p2", "p3"]
+
+
+async def test_adapter_larger_than_budget(tmp_path, session):
+    size = _size(tmp_path)
+    store = open_store(tmp_path / "cache", session, budget=int(1.5 * size))
+    await _stage_local(store, tmp_path, "small", 1)
+    sha = make_adapter(tmp_path / "volume" / "big", rank=16)
+    with pytest.raises(StoreError) as err:
+        await store.stage(AdapterRef("big", str(tmp_path / "volume" / "big"), sha))
+    assert err.value.reason == "BudgetExceeded"
+    assert [a.name for a in store.list()] == ["small"]  # the overflow evicted nothing
+    assert_clean(tmp_path / "cache", ["big"])
+
+
+async def test_concurrency_cap_holds_under_a_storm(tmp_path, object_store, session):
+    refs = [AdapterRef(f"ad-{i}", object_store.add(f"ad-{i}", tmp_path, seed=i), "")
+            for i in range(12)]
+    refs = [AdapterRef(r.name, r.source, object_store.adapters[r.name].sha256) for r in refs]
+    object_store.gate = asyncio.Event()
+    store = open_store(tmp_path / "cache", session, downloads=3)
+    storm = asyncio.gather(*(store.stage(r) for r in refs))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if object_store.active == 3:
+            break
+    await asyncio.sleep(0.05)  # give any fourth download the chance to show up
+    assert object_store.active == 3
+    assert store.metrics.downloads_in_flight._value.get() == 3
+    assert store.metrics.downloads_waiting._value.get() == 9
+    object_store.gate.set()
+    staged = await storm
+    assert len(staged) == 12 and object_store.max_active == 3
+    assert store.metrics.downloads_in_flight._value.get() == 0
+
+
+async def test_concurrent_requests_share_one_download(tmp_path, object_store, session):
+    src = object_store.add("hot", tmp_path)
+    ref = AdapterRef("hot", src, object_store.adapters["hot"].sha256)
+    object_store.gate = asyncio.Event()
+    store = open_store(tmp_path / "cache", session)
+    waiters = [asyncio.ensure_future(store.stage(ref)) for _ in range(10)]
+    await asyncio.sleep(0.05)
+    waiters[0].cancel()  # one client gives up: the shared download goes on
+    object_store.gate.set()
+    results = await asyncio.gather(*waiters[1:])
+    assert object_store.gets["hot/" + WEIGHTS_FILE] == 1
+    assert store.downloads_started == 1
+    assert {r.path for r in results} == {str(tmp_path / "cache" / "hot")}
+
+
+async def test_new_version_replaces_old_and_failed_one_keeps_it(tmp_path, session, object_store):
+    store = open_store(tmp_path / "cache", session)
+    v1 = await _stage_local(store, tmp_path, "a", 1)
+    sha2 = make_adapter(tmp_path / "v2" / "a", seed=2)
+    v2 = await store.stage(AdapterRef("a", str(tmp_path / "v2" / "a"), sha2))
+    assert v2.sha256 == sha2 != v1.sha256 and v2.path == v1.path
+    assert Path(v2.path, WEIGHTS_FILE).read_bytes() == (tmp_path / "v2" / "a" / WEIGHTS_FILE).read_bytes()
+    assert_clean(tmp_path / "cache", [])  # the old version's directory is gone
+    # A third version whose download is cut: the name still serves version 2.
+    src3 = object_store.add("a", tmp_path, seed=3, mode="cut")
+    with pytest.raises(StoreError):
+        await store.stage(AdapterRef("a", src3, object_store.adapters["a"].sha256))
+    assert store.get("a").sha256 == sha2
+    assert Path(v2.path, WEIGHTS_FILE).read_bytes() == (tmp_path / "v2" / "a" / WEIGHTS_FILE).read_bytes()
+    assert_clean(tmp_path / "cache", [])
+
+
+async def test_restart_reads_back_and_clears_crash_leftovers(tmp_path, session, clock):
+    root = tmp_path / "cache"
+    store = open_store(root, session, clock)
+    await _stage_local(store, tmp_path, "keep", 1)
+    await _stage_local(store, tmp_path, "lost", 2)
+    # What a crash can leave: a half download, an orphan version, a link whose version
+    # directory went away, and a symlink swap cut short.
+    (root / ".tmp" / "keep.x1").mkdir()
+    (root / ".tmp" / "keep.x1" / WEIGHTS_FILE).write_bytes(b"half")
+    (root / ".store" / "orphan-1234").mkdir()
+    lost_blob = Path(os.readlink(root / "lost")).name
+    shutil.rmtree(root / ".store" / lost_blob)
+    os.symlink(".store/nowhere", root / ".keep.abcd.link")
+    again = open_store(root, session, clock)
+    assert [a.name for a in again.list()] == ["keep"]
+    assert again.get("keep").sha256 == store.get("keep").sha256
+    assert again.used_bytes == store.get("keep").bytes
+    assert_clean(root, ["lost"])
+    assert not os.path.lexists(root / ".keep.abcd.link")
