@@ -231,3 +231,29 @@ class SlotManager:
     def num_free(self) -> int:
         with self._lock:
             return len(self._free)
+
+
+def random_adapter(cfg: ModelConfig, rank: int, targets: tuple[str, ...] = GROUPS["qkv"] + GROUPS["o"]
+                   + GROUPS["gate_up"] + GROUPS["down"], alpha: float | None = None, seed: int = 0,
+                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                   ) -> tuple[AdapterSpec, dict[str, torch.Tensor]]:
+    """A random adapter (spec + tensors under PEFT's keys) made in memory, for benchmarks:
+    A ~ U(-1/sqrt(in), 1/sqrt(in)), B ~ U(-1/sqrt(r), 1/sqrt(r)), like nn.Linear's init."""
+    from .adapter_format import ModuleLoRA, peft_key
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    alpha = float(alpha if alpha is not None else rank)
+    shapes = cfg.module_shapes()
+    tensors, modules, nbytes = {}, [], 0
+    for layer in range(cfg.num_layers):
+        for proj in targets:
+            in_f, out_f = shapes[proj]
+            ka, kb = peft_key(layer, proj, "A"), peft_key(layer, proj, "B")
+            a = torch.rand(rank, in_f, generator=gen, device=device, dtype=dtype).sub_(0.5).mul_(2 / in_f ** 0.5)
+            b = torch.rand(out_f, rank, generator=gen, device=device, dtype=dtype).sub_(0.5).mul_(2 / rank ** 0.5)
+            tensors[ka], tensors[kb] = a, b
+            nbytes += (a.numel() + b.numel()) * a.element_size()
+            modules.append(ModuleLoRA(layer, proj, rank, alpha, alpha / rank, ka, kb))
+    spec = AdapterSpec(path="<memory>", rank=rank, lora_alpha=alpha, use_rslora=False,
+                       target_modules=tuple(targets), modules=tuple(modules), max_rank=rank, nbytes=nbytes)
+    return spec, tensors

@@ -1,0 +1,279 @@
+"""Engine benchmark: decode throughput with many adapters in one batch, against HF PEFT and
+against the memory-bandwidth floor.
+
+    python3 bench/engine_bench.py --out $OUT/engine.json                  # one GPU: Llama-3-8B shape, bf16
+    python3 bench/engine_bench.py --shape tiny --quick --out /tmp/e.json   # CPU smoke test
+
+On the same requests (`--batch` prompts of `--prompt-len` random tokens, greedy, EOS
+ignored), for 0 (base only), 1, 8, 32 and 64 distinct rank-16 adapters on all seven
+projections assigned round-robin to the rows:
+
+- loraplex: decode tokens/s over `--decode-steps` steady-state steps (CUDA graphs on; every
+  graph is captured in an untimed first pass over the same workload);
+- HF transformers + peft, mixed-adapter batch (`generate(..., adapter_names=[...])`), the
+  naive baseline: decode tokens/s from two generate lengths (the difference cancels prefill);
+- the base-only decode step against its floor: bytes one step must read (every linear
+  weight and lm_head once, plus each row's K/V so far) over the measured device copy
+  bandwidth ((read + write bytes) / time of a large device-to-device copy).
+
+Writes one JSON document (and prints a short table on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from loraplex.server.adapters import AdapterId, random_adapter
+from loraplex.server.config import named_shape
+from loraplex.server.engine import LLMEngine
+from loraplex.server.kv_cache import KVCache
+from loraplex.server.sampling import SamplingParams
+from loraplex.server.settings import ServerSettings
+
+log = logging.getLogger("engine_bench")
+
+TARGETS = {"adapters32_vs_base": 0.9, "speedup_vs_hf_peft": 100.0, "base_step_vs_floor": 1.5}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--shape", default="llama-3-8b", help="dummy-weights shape (default llama-3-8b)")
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default auto)")
+    p.add_argument("--dtype", default="auto", help="bfloat16 on CUDA, float32 on CPU by default")
+    p.add_argument("--batch", type=int, default=64, help="concurrent requests (default 64)")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (default 512)")
+    p.add_argument("--decode-steps", type=int, default=64, help="timed decode steps (default 64)")
+    p.add_argument("--adapters", default="0,1,8,32,64", help="distinct adapter counts (default 0,1,8,32,64)")
+    p.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
+    p.add_argument("--hf-steps", type=int, default=8, help="decode steps timed for HF PEFT (default 8)")
+    p.add_argument("--kv-block", type=int, default=64, help="KV length granularity of decode (default 64)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF PEFT baseline")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="eager decode (for comparison)")
+    p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.batch, a.prompt_len, a.decode_steps, a.hf_steps = min(a.batch, 8), min(a.prompt_len, 16), 6, 3
+        a.adapters = ",".join(str(min(int(n), a.batch)) for n in a.adapters.split(","))
+    a.adapter_counts = sorted({int(n) for n in a.adapters.split(",")})
+    return a
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """(read + write) bytes per second of a large device-to-device copy."""
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / min(times)
+
+
+def make_requests(args, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randint(3, vocab, (args.batch, args.prompt_len), generator=gen).tolist()
+
+
+def assignment(batch: int, n_adapters: int) -> list[str | None]:
+    """Row i uses adapter i mod n (None: the base)."""
+    return [None if n_adapters == 0 else f"a{i % n_adapters}" for i in range(batch)]
+
+
+def run_loraplex(args, engine: LLMEngine, prompts, names) -> dict:
+    """One untimed pass (captures the CUDA graphs), then a timed pass on the same requests."""
+    max_tokens = args.decode_steps + 2
+    result = {}
+    for timed in (False, True):
+        for prompt, name in zip(prompts, names):
+            engine.add_request(engine.make_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                          ignore_eos=True), name))
+        engine.step()  # admits and prefills everyone (and their first decode is next)
+        assert len(engine.scheduler.running) == len(prompts), "all requests must run in one batch"
+        times = []
+        positions = []
+        while engine.has_work():
+            positions.append(sum(r.position + 1 for r in engine.scheduler.running.values()))
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        # Only full-batch steps count (the last one may be partial).
+        times, positions = times[: args.decode_steps], positions[: args.decode_steps]
+        if timed:
+            total = sum(times)
+            result = {"decode_tok_s": len(prompts) * len(times) / total,
+                      "step_ms_median": 1e3 * statistics.median(times),
+                      "step_ms_mean": 1e3 * total / len(times),
+                      "steps": len(times),
+                      "kv_tokens_per_step_mean": sum(positions) / len(positions),
+                      "cuda_graphs": engine.decoder.num_graphs}
+    return result
+
+
+def hf_decode_rate(args, cfg, device, dtype, prompts, counts) -> list[dict]:
+    """HF transformers + peft: decode tokens/s of a mixed-adapter batch, per adapter count."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "torch_dtype")})
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+    model.eval()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    n_max = max(counts)
+    peft_model = None
+    if n_max:
+        lcfg = LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=targets, init_lora_weights=False)
+        peft_model = get_peft_model(model, lcfg, adapter_name="a0")
+        for i in range(1, n_max):
+            peft_model.add_adapter(f"a{i}", lcfg)
+        peft_model.to(device=device, dtype=dtype)
+        peft_model.eval()
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+    out = []
+    for n in counts:
+        names = [a if a is not None else "__base__" for a in assignment(len(prompts), n)]
+        runner = peft_model if peft_model is not None else model
+        kwargs = {"adapter_names": names} if peft_model is not None else {}
+
+        def generate(k: int) -> float:
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                runner.generate(input_ids=ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k,
+                                do_sample=False, pad_token_id=0, **kwargs)
+            sync(device)
+            return time.perf_counter() - t0
+
+        generate(2)  # warm-up
+        # Best of three of each length: the difference is the decode steps alone.
+        t_short = min(generate(1) for _ in range(3))
+        t_long = min(generate(1 + args.hf_steps) for _ in range(3 if args.quick else 1))
+        rate = len(prompts) * args.hf_steps / max(t_long - t_short, 1e-9)
+        out.append({"adapters": n, "decode_tok_s": rate, "step_ms": 1e3 * (t_long - t_short) / args.hf_steps})
+        log.info("hf peft  adapters=%3d  %9.1f tok/s", n, rate)
+    del model, peft_model
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("loraplex.server.adapters").setLevel(logging.WARNING)
+    cfg = named_shape(args.shape)
+    n_max = max(args.adapter_counts)
+    settings = ServerSettings(
+        dummy_weights=args.shape, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
+        max_model_len=args.prompt_len + args.decode_steps + 8, max_prefill_tokens=args.batch * args.prompt_len,
+        max_loras=max(n_max, 1), max_lora_rank=args.rank, cuda_graphs=not args.no_cuda_graphs,
+        kv_block=args.kv_block)
+    engine = LLMEngine.from_settings(settings)
+    device, dtype = engine.device, engine.dtype
+    bw = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 256 << 20)
+    log.info("device %s, %s, copy bandwidth %.0f GB/s", device, dtype, bw / 1e9)
+    for i in range(n_max):
+        spec, tensors = random_adapter(cfg, args.rank, seed=100 + i, device=device, dtype=dtype)
+        engine.adapters.install(AdapterId(f"a{i}", f"random-{i}", "memory"), spec, tensors)
+    prompts = make_requests(args, cfg.vocab_size)
+
+    results = []
+    for n in args.adapter_counts:
+        r = run_loraplex(args, engine, prompts, assignment(args.batch, n)) | {"adapters": n}
+        results.append(r)
+        log.info("loraplex adapters=%3d  %9.1f tok/s  step %.2f ms", n, r["decode_tok_s"], r["step_ms_median"])
+    base = next((r for r in results if r["adapters"] == 0), None)
+    if base:
+        for r in results:
+            r["vs_base"] = r["decode_tok_s"] / base["decode_tok_s"]
+
+    # The floor of a base-only decode step: every linear weight and lm_head once (embedding
+    # rows are a gather of `batch` rows: negligible), plus the K/V of every row so far.
+    w = engine.model.w
+    elt = torch.empty((), dtype=dtype).element_size()
+    weight_bytes = w.nbytes() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * elt)
+    floor = None
+    if base:
+        kv_bytes = base["kv_tokens_per_step_mean"] * KVCache.bytes_per_token(cfg, dtype)
+        floor_s = (weight_bytes + kv_bytes) / bw
+        floor = {"weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes, "floor_ms": 1e3 * floor_s,
+                 "base_step_ms": base["step_ms_median"], "ratio": base["step_ms_median"] / 1e3 / floor_s}
+        log.info("base step %.2f ms vs floor %.2f ms: %.2fx", base["step_ms_median"], 1e3 * floor_s, floor["ratio"])
+
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    hf = [] if args.no_hf else hf_decode_rate(args, cfg, device, dtype, prompts, args.adapter_counts)
+    speedup = {}
+    for r in results:
+        h = next((x for x in hf if x["adapters"] == r["adapters"]), None)
+        if h:
+            r["vs_hf_peft"] = speedup[r["adapters"]] = r["decode_tok_s"] / h["decode_tok_s"]
+
+    def at(n):
+        return next((r for r in results if r["adapters"] == n), None)
+
+    checks = {}
+    if at(32) and base:
+        checks["adapters32_vs_base"] = {"value": at(32)["vs_base"], "target": ">= 0.9"}
+    if speedup:
+        n_ref = 32 if 32 in speedup else max(speedup)
+        checks["speedup_vs_hf_peft"] = {"value": speedup[n_ref], "adapters": n_ref, "target": ">= 100"}
+    if floor:
+        checks["base_step_vs_floor"] = {"value": floor["ratio"], "target": "<= 1.5"}
+    for name, c in checks.items():
+        c["met"] = c["value"] >= TARGETS[name] if name != "base_step_vs_floor" else c["value"] <= TARGETS[name]
+
+    doc = {
+        "benchmark": "engine decode, many adapters in one batch",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "versions": {"torch": torch.__version__, **_versions()},
+        "config": {"shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
+                   "prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "rank": args.rank,
+                   "targets": "q,k,v,o,gate,up,down", "cuda_graphs": not args.no_cuda_graphs,
+                   "hf_steps": args.hf_steps, "quick": args.quick},
+        "copy_bandwidth_GBps": bw / 1e9,
+        "loraplex": results,
+        "hf_peft": hf,
+        "floor": floor,
+        "checks": checks,
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    log.info("wrote %s", args.out)
+    return 0
+
+
+def _versions() -> dict:
+    out = {}
+    for mod in ("transformers", "peft", "triton"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

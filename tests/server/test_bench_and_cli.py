@@ -1,0 +1,60 @@
+"""The README's commands: the engine benchmark's CPU smoke run, and `loraplex-server --demo`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_engine_bench_quick_on_cpu(tmp_path):
+    out = tmp_path / "engine.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "engine_bench.py"), "--shape", "tiny", "--quick",
+                        "--device", "cpu", "--adapters", "0,1,4", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [x["adapters"] for x in doc["loraplex"]] == [0, 1, 4]
+    assert [x["adapters"] for x in doc["hf_peft"]] == [0, 1, 4]
+    assert all(x["decode_tok_s"] > 0 and x["steps"] == 6 for x in doc["loraplex"])
+    assert doc["floor"]["floor_ms"] > 0 and doc["copy_bandwidth_GBps"] > 0
+    assert {"speedup_vs_hf_peft", "base_step_vs_floor"} <= set(doc["checks"])
+
+
+def test_demo_command_serves_and_answers(tmp_path):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "loraplex-server"), "--demo", "--port", "0"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 120
+        url = None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "try it:" in line:
+                url = line.split("curl ", 1)[1].split("/v1/", 1)[0]
+                break
+        assert url, "".join(lines)
+        log = "".join(lines)
+        for model in ("base", "sql-expert", "poet", "pirate"):
+            assert f"model={model}" in log
+        models = httpx.get(url + "/v1/models").json()["data"]
+        assert {m["id"] for m in models} == {"base", "sql-expert", "poet", "pirate"}
+        assert (tmp_path / "loraplex" / "demo" / "adapters" / "poet" / "adapter_config.json").is_file()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

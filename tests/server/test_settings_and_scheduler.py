@@ -1,0 +1,92 @@
+"""Settings <-> flags, config parsing, the admission policy and the KV row allocator."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import pytest
+import torch
+
+from loraplex.server.config import ModelConfig, ModelConfigError, named_shape
+from loraplex.server.kv_cache import KVCache
+from loraplex.server.request import Request
+from loraplex.server.sampling import SamplingParams
+from loraplex.server.scheduler import FcfsPolicy, Scheduler
+from loraplex.server.settings import ServerSettings, build_parser, field_docs
+
+
+def test_every_field_has_a_flag_and_a_docstring():
+    parser = build_parser()
+    flags = {a.dest for a in parser._actions if a.dest != "help"}
+    fields = {f.name for f in dataclasses.fields(ServerSettings)}
+    assert flags == fields
+    docs = field_docs()
+    assert set(docs) == fields and all("Default" in d or "default" in d or f == "demo" for f, d in docs.items())
+
+
+def test_flags_env_and_validation(monkeypatch):
+    s = ServerSettings.from_env_and_args(["--dummy-weights", "tiny", "--max-loras", "3", "--no-cuda-graphs",
+                                          "--lora-modules", "a=/x", "b=/y"])
+    assert (s.max_loras, s.cuda_graphs, s.lora_modules) == (3, False, ["a=/x", "b=/y"])
+    monkeypatch.setenv("LORAPLEX_MAX_NUM_SEQS", "5")
+    assert ServerSettings.from_env_and_args(["--demo"]).max_num_seqs == 5
+    for bad in (["--dummy-weights", "tiny", "--dtype", "int8"], [], ["--demo", "--max-loras", "0"],
+                ["--demo", "--lora-target-modules", "lm_head"], ["--demo", "--lora-modules", "nopath"]):
+        with pytest.raises(ValueError):
+            ServerSettings.from_env_and_args(bad)
+
+
+def test_hf_config_variants():
+    llama31 = ModelConfig.from_hf({
+        "model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}, "eos_token_id": [5, 6]})
+    assert llama31.rope_scaling["factor"] == 8.0 and llama31.eos_token_ids == (5, 6) and llama31.head_dim == 16
+    qwen = ModelConfig.from_hf({"model_type": "qwen2", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "tie_word_embeddings": True})
+    assert qwen.qkv_bias and qwen.tie_word_embeddings and qwen.num_kv_heads == 4
+    mistral = ModelConfig.from_hf({"model_type": "mistral", "vocab_size": 10, "hidden_size": 64,
+                                   "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                   "max_position_embeddings": 32768, "sliding_window": 4096})
+    assert mistral.max_position_embeddings == 4096
+    with pytest.raises(ModelConfigError, match="gpt2"):
+        ModelConfig.from_hf({"model_type": "gpt2"})
+    with pytest.raises(ModelConfigError, match="yarn"):
+        ModelConfig.from_hf(dict(qwen.to_hf(), rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    assert ModelConfig.from_hf(named_shape("llama-3-8b").to_hf()) == named_shape("llama-3-8b")
+    assert named_shape("llama-3-8b").num_params() == pytest.approx(8.03e9, rel=0.01)
+
+
+def req(n_prompt: int, i: int = 0) -> Request:
+    return Request(f"r{i}", [1] * n_prompt, SamplingParams(), None, 0)
+
+
+@pytest.mark.parametrize("prompts, free, budget, admitted", [
+    ([10, 10, 10], 8, 100, 3),
+    ([10, 10, 10], 2, 100, 2),  # rows run out
+    ([60, 60, 10], 8, 100, 1),  # budget: the second would exceed it, and FCFS does not skip ahead
+    ([500], 8, 100, 1),  # the head is admitted alone however long
+    ([], 8, 100, 0),
+])
+def test_fcfs_policy(prompts, free, budget, admitted):
+    waiting = deque(req(n, i) for i, n in enumerate(prompts))
+    assert len(FcfsPolicy().select(waiting, free, budget)) == admitted
+
+
+def test_scheduler_rows_are_reused_lowest_first():
+    kv = KVCache(named_shape("tiny"), rows=3, max_len=16, device=torch.device("cpu"), dtype=torch.float32)
+    sched = Scheduler(kv, max_prefill_tokens=100)
+    reqs = [req(2, i) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    assert [r.row for r in sched.admit()] == [0, 1, 2] and len(sched.waiting) == 1
+    assert kv.span() == 3
+    reqs[0].abort()
+    sched.remove(reqs[0])
+    reqs[2].abort()
+    sched.remove(reqs[2])
+    assert kv.span() == 2
+    assert [r.row for r in sched.admit()] == [0]
+    assert sched.find("r3") is reqs[3] and sched.has_work()
