@@ -47,6 +47,12 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         memo.planner = Planner(kube.KubeClient(kube.login(settings)))
 
 
+@kopf.on.login()
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    """The operator's image has no Kubernetes client library: service account, else kubeconfig."""
+    return kube.login(settings)
+
+
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
     if "planner" in memo:
@@ -150,7 +156,7 @@ async def basemodel_gone(event: kopf.RawEvent, namespace: str, name: str, memo: 
         await memo.planner.reconcile((namespace, name), basemodels, adapters_by_base)
 
 
-@kopf.daemon(*BASEMODELS, cancellation_timeout=1.0)
+@kopf.daemon(*BASEMODELS, cancellation_timeout=5.0)
 async def follow_warmup_windows(namespace: str, name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped,
                                 basemodels: kopf.Index, adapters_by_base: kopf.Index, **_: Any) -> None:
     """Re-plan when a warm-up window opens (minus its lead) or ends, and every RESYNC_SECONDS."""
@@ -162,14 +168,25 @@ async def follow_warmup_windows(namespace: str, name: str, memo: kopf.Memo, stop
         if state.wakeup is not None:
             delay = min(delay, max(0.0, (state.wakeup - planner.clock()).total_seconds()))
         state.wake.clear()
-        try:
-            await asyncio.wait_for(state.wake.wait(), timeout=delay)
-            continue  # the wake-up time moved: sleep again until the new one
-        except asyncio.TimeoutError:
-            pass
+        if await _sleep(delay, state.wake, stopped):
+            continue  # woken: stopping, or the wake-up time moved and we sleep until the new one
         if state.wakeup is None or state.wakeup <= planner.clock():
             planner.forget_written(key)
         await planner.reconcile(key, basemodels, adapters_by_base)
+
+
+async def _sleep(delay: float, wake: asyncio.Event, stopped: kopf.DaemonStopped) -> bool:
+    """Sleep `delay` seconds; True if `wake` or `stopped` ended it early."""
+    async def stopping() -> None:
+        await stopped.wait()
+
+    waiters = {asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stopping())}
+    try:
+        done, _ = await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+    return bool(done)
 
 
 # Serving Deployments

@@ -38,9 +38,11 @@ class Resource:
     version: str
     plural: str
 
-    def path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    def path(self, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
+        """The URL path; namespace None for cluster-scoped kinds."""
         prefix = f"/api/{self.version}" if not self.group else f"/apis/{self.group}/{self.version}"
-        path = f"{prefix}/namespaces/{namespace}/{self.plural}"
+        scope = f"/namespaces/{namespace}" if namespace is not None else ""
+        path = f"{prefix}{scope}/{self.plural}"
         if name is not None:
             path += f"/{name}"
         if subresource is not None:

@@ -66,6 +66,7 @@ class BaseRecord:
 class AdapterRecord:
     namespace: str
     name: str
+    uid: str
     base_model: str
     spec: AdapterSpec | None
     error: str | None
@@ -82,7 +83,7 @@ class AdapterRecord:
                 spec = spec.with_metadata(*read_adapter_config(spec.source))
         except SpecError as exc:
             spec, error = None, str(exc)
-        return cls(str(meta.get("namespace") or "default"), str(meta.get("name")),
+        return cls(str(meta.get("namespace") or "default"), str(meta.get("name")), str(meta.get("uid") or ""),
                    str((body.get("spec") or {}).get("baseModel") or ""), spec, error,
                    dict(body.get("status") or {}))
 
@@ -96,6 +97,8 @@ class _BaseState:
     done: int = 0
     plan: Plan | None = None
     written_json: str | None = None  # the plan JSON known to be in the ConfigMap
+    # Statuses this process wrote, by object uid: the index may not have seen them yet.
+    written_status: dict[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     ready_replicas: int = 0
     wakeup: datetime.datetime | None = None
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -133,8 +136,10 @@ class Planner:
         return changed
 
     def forget_written(self, key: BaseKey) -> None:
-        """Drop the cached plan JSON, so the next run compares with the ConfigMap again."""
-        self.state(key).written_json = None
+        """Drop what we know we wrote, so the next run compares with the API's state again."""
+        state = self.state(key)
+        state.written_json = None
+        state.written_status.clear()
 
     async def reconcile(self, key: BaseKey, basemodels: Indices, adapters: Indices) -> Plan | None:
         """Bring the plan of `key` and every status it decides up to date with the indices."""
@@ -166,7 +171,7 @@ class Planner:
                 if record.spec.deleting:
                     continue
                 desired = statuses.orphan_status(record.spec, record.status, now)
-                await self._patch_adapter(record, desired)
+                await self._patch_adapter(state, record, desired)
             return
 
         started = now
@@ -182,12 +187,13 @@ class Planner:
             verdict = plan.verdicts[record.spec.name]
             desired = statuses.adapter_status(record.spec, verdict, plan, record.status,
                                               state.ready_replicas > 0, now)
-            await self._patch_adapter(record, desired)
+            await self._patch_adapter(state, record, desired)
 
         cm_name = workloads.plan_config_map_name(name)
         desired_base = statuses.base_status(plan, base.status, state.ready_replicas, cm_name, now)
-        if statuses.differs(base.status, desired_base):
+        if statuses.differs(base.status, desired_base) and state.written_status.get(base.uid) != desired_base:
             await self.client.patch_status(kube.BASE_MODELS, namespace, name, desired_base)
+            state.written_status[base.uid] = desired_base
 
         state.plan = plan
         wakeup = next_wakeup(plan, now)
@@ -209,6 +215,7 @@ class Planner:
                         len(plan.pinning.pinned), plan.slots)
         state.written_json = text
 
-    async def _patch_adapter(self, record: AdapterRecord, desired: Mapping[str, Any]) -> None:
-        if statuses.differs(record.status, desired):
+    async def _patch_adapter(self, state: _BaseState, record: AdapterRecord, desired: Mapping[str, Any]) -> None:
+        if statuses.differs(record.status, desired) and state.written_status.get(record.uid) != desired:
             await self.client.patch_status(kube.ADAPTERS, record.namespace, record.name, desired)
+            state.written_status[record.uid] = desired
