@@ -85,6 +85,40 @@ class ObjectStore:
             self.active -= 1
 
 
+@dataclass
+class FakeServer:
+    """A loraplex server as the warmer sees it: /readyz and the adapter admin endpoints."""
+
+    url: str = ""
+    ready: bool = False
+    calls: list[tuple[str, str, str]] = field(default_factory=list)  # (action, name, query)
+    fail: set[tuple[str, str]] = field(default_factory=set)
+
+    async def readyz(self, request):
+        return web.json_response({"ready": self.ready}, status=200 if self.ready else 503)
+
+    async def admin(self, request):
+        name, action = request.match_info["name"], request.match_info["action"]
+        self.calls.append((action, name, request.query_string))
+        if (action, name) in self.fail:
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        return web.json_response({"name": name, "status": "loading" if action == "prefetch" else "pinned"},
+                                 status=202 if action == "prefetch" else 200)
+
+
+@pytest.fixture
+async def fake_server():
+    srv = FakeServer()
+    app = web.Application()
+    app.router.add_get("/readyz", srv.readyz)
+    app.router.add_post("/v1/adapters/{name}/{action}", srv.admin)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    srv.url = str(server.make_url("")).rstrip("/")
+    yield srv
+    await server.close()
+
+
 @pytest.fixture
 async def object_store():
     store = ObjectStore()

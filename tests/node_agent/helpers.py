@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -27,3 +29,44 @@ def make_adapter(directory: Path, *, rank: int = 4, hidden: int = 32, layers: in
               "base_model_name_or_path": "tiny"}
     (directory / CONFIG_FILE).write_text(json.dumps(config))
     return hashlib.sha256((directory / WEIGHTS_FILE).read_bytes()).hexdigest()
+
+
+T0 = datetime.datetime(2026, 5, 1, 8, 0, tzinfo=datetime.timezone.utc)
+
+
+def iso(t: datetime.datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def plan_json(object_store, pinned=(), others=(), prefetch=(), base="tiny-llama") -> dict:
+    adapters = [
+        {"name": n, "source": object_store.source(n), "sha256": object_store.adapters[n].sha256,
+         "tenant": "t", "priority": 100 if n in pinned else 10, "pinned": n in pinned}
+        for n in [*pinned, *others]
+    ]
+    return {"baseModel": base, "maxLoraRank": 16, "slots": 8, "pinned": list(pinned),
+            "adapters": adapters,
+            "prefetch": [{"name": n, "start": iso(s), "end": iso(e)} for n, s, e in prefetch]}
+
+
+class ConfigMapDir:
+    """A mounted ConfigMap as the kubelet writes it: plan.json -> ..data/plan.json, and
+    ..data -> a timestamped directory, swapped by renaming a new symlink over ..data."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True)
+        self.n = 0
+        os.symlink("..data/plan.json", root / "plan.json")
+
+    @property
+    def path(self) -> Path:
+        return self.root / "plan.json"
+
+    def write(self, data: dict | str) -> None:
+        self.n += 1
+        d = self.root / f"..2026_05_01_{self.n}"
+        d.mkdir()
+        (d / "plan.json").write_text(data if isinstance(data, str) else json.dumps(data))
+        os.symlink(d.name, self.root / "..data_tmp")
+        os.replace(self.root / "..data_tmp", self.root / "..data")

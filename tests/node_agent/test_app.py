@@ -1,0 +1,184 @@
+"""The node agent's HTTP API over real HTTP on 127.0.0.1, and its settings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from loraplex.node_agent.adapter_files import WEIGHTS_FILE
+from loraplex.node_agent.app import AGENT, AgentConfig, create_app
+from loraplex.node_agent.cli import Settings, build_parser, field_docs, main
+
+from .helpers import ConfigMapDir, plan_json
+
+
+@pytest.fixture
+async def client_factory():
+    clients = []
+
+    async def make(config: AgentConfig) -> TestClient:
+        client = TestClient(TestServer(create_app(config), host="127.0.0.1"))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield make
+    for c in clients:
+        await c.close()
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in metrics")
+
+
+async def test_stage_list_and_metrics(tmp_path, object_store, client_factory):
+    src = object_store.add("sql", tmp_path)
+    client = await client_factory(AgentConfig(tmp_path / "cache", 10**9))
+    body = {"name": "sql", "source": src, "sha256": object_store.adapters["sql"].sha256}
+    r = await client.post("/v1/stage", json=body)
+    assert r.status == 200, await r.text()
+    adapter = (await r.json())["adapter"]
+    assert Path(adapter["path"], WEIGHTS_FILE).is_file()
+    listing = await (await client.get("/v1/adapters")).json()
+    assert [a["name"] for a in listing["adapters"]] == ["sql"]
+    assert listing["usedBytes"] == adapter["bytes"] > 0 and listing["adapters"][0]["pinned"] is False
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "loraplex_node_agent_staged_adapters") == 1
+    assert metric(text, "loraplex_node_agent_disk_bytes") == adapter["bytes"]
+    assert metric(text, "loraplex_node_agent_download_seconds_count") == 1
+    assert metric(text, "loraplex_node_agent_downloads_in_flight") == 0
+
+
+ERRORS = [
+    # (request body or raw text, status, reason)
+    ("{not json", 400, "InvalidRequest"),
+    ([1], 400, "InvalidRequest"),
+    ({"name": "x"}, 400, "InvalidRequest"),
+    ({"name": "x", "source": "gs://b/x", "sha256": "0" * 64}, 400, "Unsupported"),
+    ({"name": "x", "source": "MISSING", "sha256": "0" * 64}, 404, "NotFound"),
+    ({"name": "x", "source": "GOOD", "sha256": "0" * 64}, 422, "DigestMismatch"),
+    ({"name": "x", "source": "CUT", "sha256": "CUT"}, 502, "Truncated"),
+    ({"name": "x", "source": "GOOD", "sha256": "GOOD", "budget": 100}, 507, "BudgetExceeded"),
+]
+
+
+@pytest.mark.parametrize("body,status,reason", ERRORS)
+async def test_stage_errors(tmp_path, object_store, client_factory, body, status, reason):
+    good = object_store.add("good", tmp_path)
+    cut = object_store.add("cut", tmp_path, seed=1, mode="cut")
+    budget = body.pop("budget", 10**9) if isinstance(body, dict) else 10**9
+    client = await client_factory(AgentConfig(tmp_path / "cache", budget))
+    if isinstance(body, dict):
+        subst = {"GOOD": (good, object_store.adapters["good"].sha256),
+                 "CUT": (cut, object_store.adapters["cut"].sha256),
+                 "MISSING": (object_store.source("missing"), None)}
+        if body.get("source") in subst:
+            src, sha = subst[body["source"]]
+            body["source"] = src
+            if body.get("sha256") in subst:
+                body["sha256"] = sha
+    if isinstance(body, str):
+        r = await client.post("/v1/stage", data=body, headers={"Content-Type": "application/json"})
+    else:
+        r = await client.post("/v1/stage", json=body)
+    assert r.status == status
+    err = (await r.json())["error"]
+    assert err["reason"] == reason and err["message"]
+    assert not (tmp_path / "cache" / "x").exists()
+
+
+async def test_session_endpoint(tmp_path, object_store, client_factory, fake_server):
+    object_store.add("chat", tmp_path)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, others=["chat"]))
+    fake_server.ready = True
+    client = await client_factory(AgentConfig(tmp_path / "cache", 10**9, plan_file=cm.path,
+                                              server_urls=(fake_server.url,), poll_seconds=0.05,
+                                              server_poll_seconds=0.05))
+    warmer = client.server.app[AGENT].warmer
+    for _ in range(200):  # the background loops find the plan and the ready server
+        if warmer.plan is not None and warmer._ready:
+            break
+        await asyncio.sleep(0.02)
+    r = await client.post("/v1/sessions", json={"model": "chat"})
+    assert r.status == 200, await r.text()
+    body = await r.json()
+    assert body["adapter"]["name"] == "chat" and body["servers"] == [
+        {"name": "chat", "action": "prefetch", "ok": True, "detail": ""}]
+    assert ("prefetch", "chat", "wait=false") in fake_server.calls
+    r = await client.post("/v1/sessions", json={"model": "nope"})
+    assert r.status == 404 and (await r.json())["error"]["reason"] == "UnknownAdapter"
+    r = await client.post("/v1/sessions", json={})
+    assert r.status == 400
+
+
+async def test_healthz_reports_a_crashed_loop(tmp_path, client_factory):
+    client = await client_factory(AgentConfig(tmp_path / "cache", 10**9))
+    r = await client.get("/healthz")
+    assert r.status == 200 and (await r.json())["status"] == "ok"
+
+    async def broken():
+        raise RuntimeError("plan loop bug")
+
+    agent = client.server.app[AGENT]
+    task = agent.tasks.spawn(broken(), "plan-watch")
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0)
+    r = await client.get("/healthz")
+    assert r.status == 500
+    assert (await r.json())["crashed"] == {"plan-watch": "RuntimeError: plan loop bug"}
+    text = await (await client.get("/metrics")).text()
+    assert 'loraplex_node_agent_task_crashes_total{task="plan-watch"} 1.0' in text
+
+
+def test_every_setting_has_a_flag_and_a_docstring():
+    docs = field_docs(Settings)
+    flags = {a.dest: a.option_strings for a in build_parser()._actions if a.dest != "help"}
+    fields = set(Settings.__dataclass_fields__)
+    assert set(flags) == fields == set(docs)
+    for name, opts in flags.items():
+        assert opts == ["--" + name.replace("_", "-")]
+        assert "Default" in docs[name], name
+
+
+SETTINGS = [
+    ([], {}, {"node_name": None, "kube_api_url": None, "port": 8081}),
+    (["--cache-dir", "/c", "--budget-bytes", "1000", "--max-concurrent-downloads", "2",
+      "--plan-file", "/p/plan.json", "--port", "9000"], {"NODE_NAME": "n1"},
+     {"cache_dir": Path("/c"), "budget_bytes": 1000, "max_concurrent_downloads": 2,
+      "plan_file": Path("/p/plan.json"), "port": 9000, "node_name": "n1"}),
+    (["--node-name", "flag-wins"], {"NODE_NAME": "env"}, {"node_name": "flag-wins"}),
+    (["--server-url", "http://a:8000", "--server-url", "http://b:8000"], {},
+     {"server_url": ["http://a:8000", "http://b:8000"]}),
+    ([], {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"},
+     {"kube_api_url": "https://10.96.0.1:443"}),
+]
+
+
+@pytest.mark.parametrize("argv,env,want", SETTINGS)
+def test_settings_from_flags_and_env(argv, env, want):
+    s = Settings.from_env_and_args(argv, env)
+    for k, v in want.items():
+        assert getattr(s, k) == v, k
+
+
+@pytest.mark.parametrize("argv", [["--budget-bytes", "0"], ["--max-concurrent-downloads", "-1"],
+                                  ["--port", "70000"], ["--log-level", "LOUD"]])
+def test_bad_settings_exit_2(argv, capsys):
+    assert main(argv) == 2
+    assert "loraplex-node-agent:" in capsys.readouterr().err
+
+
+def test_agent_config_maps_settings(tmp_path):
+    s = Settings.from_env_and_args(["--cache-dir", str(tmp_path), "--server-url", "http://x:8000"], {})
+    c = s.agent_config()
+    assert c.cache_dir == tmp_path and c.server_urls == ("http://x:8000",)
+    assert c.kube_token_file is None  # not in a pod
+    json.dumps({"budget": c.budget_bytes})

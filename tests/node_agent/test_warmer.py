@@ -1,0 +1,235 @@
+"""The warmer: plan parsing and reload, staging order, server warm-up, pod discovery."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from loraplex.node_agent.store import AdapterStore, StoreError
+from loraplex.node_agent.tasks import TaskGuard
+from loraplex.node_agent.warmer import KubePods, PlanError, StaticServers, Warmer, parse_plan
+
+from .helpers import T0, ConfigMapDir, plan_json
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+class FakeNow:
+    def __init__(self, t: datetime.datetime = T0) -> None:
+        self.t = t
+
+    def __call__(self) -> datetime.datetime:
+        return self.t
+
+
+PLANS = [
+    ({"baseModel": "b", "adapters": [], "pinned": []}, None),
+    ({"baseModel": "b", "slots": 4, "pinned": ["a"],
+      "adapters": [{"name": "a", "source": "/x", "sha256": "0" * 64, "pinned": True}],
+      "prefetch": [{"name": "a", "start": "2026-05-01T08:00:00Z", "end": "2026-05-02T08:00:00+00:00"}]}, None),
+    ({"adapters": []}, "baseModel"),
+    ({"baseModel": "b", "pinned": ["zz"], "adapters": []}, "not in the plan"),
+    ({"baseModel": "b", "adapters": [{"name": "a", "sha256": "0" * 64}]}, "source"),
+    ({"baseModel": "b", "prefetch": [{"name": "a", "start": "soon", "end": "later"}]}, "malformed"),
+    ({"baseModel": "b", "prefetch": [{"name": "a", "start": "2026-05-01T08:00:00", "end": "2026-05-01T09:00:00"}]},
+     "UTC offset"),
+    ([1, 2], "not a JSON object"),
+]
+
+
+@pytest.mark.parametrize("data,problem", PLANS)
+def test_parse_plan(data, problem):
+    if problem is None:
+        plan = parse_plan(data)
+        assert plan.base_model == "b"
+        assert set(plan.pinned) <= set(plan.adapters)
+    else:
+        with pytest.raises(PlanError, match=problem):
+            parse_plan(data)
+
+
+async def test_plan_reload_follows_configmap_swap(tmp_path, object_store, session):
+    object_store.add("a", tmp_path)
+    object_store.add("b", tmp_path, seed=1)
+    cm = ConfigMapDir(tmp_path / "plan")
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    warmer = Warmer(store, cm.path, session)
+    assert warmer.check_plan() is False and warmer.plan is None  # no file yet
+    cm.write(plan_json(object_store, pinned=["a"]))
+    assert warmer.check_plan() is True and warmer.plan.pinned == ("a",)
+    assert warmer.check_plan() is False  # unchanged
+    cm.write(plan_json(object_store, pinned=["a"]))  # same content, new file: no new plan
+    assert warmer.check_plan() is False
+    cm.write("{not json")
+    assert warmer.check_plan() is False and warmer.plan.pinned == ("a",)  # bad file: keep the last
+    cm.write(plan_json(object_store, pinned=["b"], others=["a"]))
+    assert warmer.check_plan() is True and warmer.plan.pinned == ("b",)
+
+
+async def _until(cond, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def test_run_loop_stages_changes_and_removes_dropped(tmp_path, object_store, session):
+    for i, n in enumerate("abc"):
+        object_store.add(n, tmp_path, seed=i)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, pinned=["a"], others=["c"]))
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    warmer = Warmer(store, cm.path, session, poll_seconds=0.05)
+    tasks = TaskGuard()
+    tasks.spawn(warmer.run(), "plan-watch")
+    try:
+        await _until(lambda: store.get("a") is not None)
+        assert store.get("a").pinned and store.get("c") is None  # c: neither pinned nor prefetched
+        cm.write(plan_json(object_store, pinned=["b"]))  # a deleted, b pinned
+        await _until(lambda: store.get("b") is not None and store.get("a") is None)
+        assert store.get("b").pinned
+        assert not os.path.lexists(tmp_path / "cache" / "a")
+        assert tasks.crashed == {}
+    finally:
+        await tasks.close()
+
+
+async def test_pinned_first_then_open_windows(tmp_path, object_store, session):
+    names = ["p1", "p2", "open", "later", "closed"]
+    for i, n in enumerate(names):
+        object_store.add(n, tmp_path, seed=i)
+    now = FakeNow()
+    hour = datetime.timedelta(hours=1)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, pinned=["p1", "p2"], others=["open", "later", "closed"], prefetch=[
+        ("open", T0 - hour, T0 + hour), ("later", T0 + 2 * hour, T0 + 3 * hour),
+        ("closed", T0 - 3 * hour, T0 - 2 * hour)]))
+    store = AdapterStore(tmp_path / "cache", 10**9, 1, session=session)  # one download at a time
+    warmer = Warmer(store, cm.path, session, now=now, poll_seconds=0.05)
+    tasks = TaskGuard()
+    tasks.spawn(warmer.run(), "plan-watch")
+    try:
+        await _until(lambda: store.get("open") is not None)
+        assert object_store.order == ["p1", "p2", "open"]
+        now.t = T0 + 2 * hour + datetime.timedelta(seconds=1)  # the "later" window opens
+        warmer.wake()
+        await _until(lambda: store.get("later") is not None)
+        assert store.get("closed") is None
+        assert object_store.order == ["p1", "p2", "open", "later"]
+    finally:
+        await tasks.close()
+
+
+async def _staged_warmer(tmp_path, object_store, session, fake_server, now=None):
+    for i, n in enumerate(["p1", "p2", "camp", "plain"]):
+        object_store.add(n, tmp_path, seed=i)
+    cm = ConfigMapDir(tmp_path / "plan")
+    hour = datetime.timedelta(hours=1)
+    cm.write(plan_json(object_store, pinned=["p1", "p2"], others=["camp", "plain"],
+                       prefetch=[("camp", T0 - hour, T0 + hour)]))
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    warmer = Warmer(store, cm.path, session, now=now or FakeNow(),
+                    discovery=StaticServers([fake_server.url], session))
+    assert warmer.check_plan()
+    await warmer.reconcile()
+    return warmer
+
+
+async def test_warms_a_server_when_it_turns_ready(tmp_path, object_store, session, fake_server):
+    warmer = await _staged_warmer(tmp_path, object_store, session, fake_server)
+    assert await warmer.check_servers() == [] and fake_server.calls == []  # not ready yet
+    fake_server.ready = True
+    assert await warmer.check_servers() == [fake_server.url]
+    assert fake_server.calls == [
+        ("prefetch", "p1", "wait=false"), ("pin", "p1", ""),
+        ("prefetch", "p2", "wait=false"), ("pin", "p2", ""),
+        ("prefetch", "camp", "wait=false"),
+    ]
+    assert await warmer.check_servers() == []  # warmed once per readiness
+    fake_server.ready = False  # a restart: warm it again once it is back
+    await warmer.check_servers()
+    fake_server.ready = True
+    assert await warmer.check_servers() == [fake_server.url]
+    assert len(fake_server.calls) == 10
+    assert warmer.metrics.server_calls.labels("pin", "ok")._value.get() == 4
+
+
+async def test_server_errors_are_reported_not_raised(tmp_path, object_store, session, fake_server):
+    warmer = await _staged_warmer(tmp_path, object_store, session, fake_server)
+    fake_server.fail = {("pin", "p2")}
+    results = await warmer.warm_server(fake_server.url)
+    bad = [r for r in results if not r.ok]
+    assert [(r.name, r.action) for r in bad] == [("p2", "pin")] and bad[0].detail.startswith("500")
+    assert warmer.metrics.server_calls.labels("pin", "error")._value.get() == 1
+    down = await warmer.call_server("http://127.0.0.1:9", "p1", "prefetch")  # nothing listens
+    assert not down.ok
+
+
+async def test_session_stages_and_prefetches(tmp_path, object_store, session, fake_server):
+    warmer = await _staged_warmer(tmp_path, object_store, session, fake_server)
+    fake_server.ready = True
+    await warmer.check_servers()
+    fake_server.calls.clear()
+    assert warmer.store.get("plain") is None
+    staged, results = await warmer.start_session("plain")
+    assert Path(staged.path).is_symlink() and warmer.store.get("plain") is not None
+    assert fake_server.calls == [("prefetch", "plain", "wait=false")] and results[0].ok
+    with pytest.raises(StoreError) as err:
+        await warmer.start_session("not-in-plan")
+    assert err.value.reason == "UnknownAdapter" and err.value.status == 404
+
+
+@dataclass
+class FakeKubeAPI:
+    url: str = ""
+    requests: list = field(default_factory=list)
+    pods: list = field(default_factory=list)
+
+    async def pods_handler(self, request):
+        self.requests.append((dict(request.query), request.headers.get("Authorization")))
+        return web.json_response({"kind": "PodList", "items": self.pods})
+
+
+def pod(uid, ip, ready, deleting=False):
+    meta = {"name": f"server-{uid}", "uid": uid}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-05-01T08:00:00Z"
+    return {"metadata": meta, "status": {"podIP": ip, "conditions": [
+        {"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+async def test_kube_pods_lists_this_nodes_servers(tmp_path, session):
+    api = FakeKubeAPI(pods=[pod("u1", "10.0.0.5", True), pod("u2", "10.0.0.6", False),
+                            pod("u3", "10.0.0.7", True, deleting=True), pod("u4", None, False)])
+    app = web.Application()
+    app.router.add_get("/api/v1/pods", api.pods_handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        token = tmp_path / "token"
+        token.write_text("tok-1\n")
+        pods = KubePods(str(server.make_url("")), "node-7", session, token_file=token)
+        got = await pods.servers("llama-3-8b")
+        assert got == {"u1": ("http://10.0.0.5:8000", True), "u2": ("http://10.0.0.6:8000", False)}
+        query, auth = api.requests[0]
+        assert query["fieldSelector"] == "spec.nodeName=node-7"
+        assert query["labelSelector"] == "app.kubernetes.io/name=loraplex-server,loraplex.io/base-model=llama-3-8b"
+        assert auth == "Bearer tok-1"
+        token.write_text("tok-2")  # a rotated token is picked up
+        await pods.servers("llama-3-8b")
+        assert api.requests[1][1] == "Bearer tok-2"
+    finally:
+        await server.close()
