@@ -262,3 +262,17 @@ async def test_restart_reads_back_and_clears_crash_leftovers(tmp_path, session, 
     assert again.used_bytes == store.get("keep").bytes
     assert_clean(root, ["lost"])
     assert not os.path.lexists(root / ".keep.abcd.link")
+
+
+async def test_pinned_adapter_evicts_unpinned_before_older_pinned(tmp_path, session, clock):
+    size = _size(tmp_path)
+    store = open_store(tmp_path / "cache", session, clock, budget=3 * size)
+    store.set_pinned({"p1", "p2", "p3", "p4"})
+    for i, name in enumerate(["p1", "u1", "u2"]):  # p1 is the least recently used
+        clock.advance()
+        await _stage_local(store, tmp_path, name, i)
+    for i, (name, left) in enumerate([("p2", ["p1", "p2", "u2"]), ("p3", ["p1", "p2", "p3"]),
+                                      ("p4", ["p2", "p3", "p4"])]):
+        clock.advance()
+        await _stage_local(store, tmp_path, name, 10 + i)
+        assert sorted(a.name for a in store.list()) == left, name
