@@ -149,6 +149,32 @@ class Emulator(kmock.KubernetesEmulator):
             warnings.simplefilter("ignore", DeprecationWarning)
             self.resources.load_bundled()  # the built-in kinds: configmaps, deployments, events, ...
 
+    # Discovery: kmock writes the core group as "/v1" and gives subresources the short names
+    # of their resource (kubectl then warns "short name could also match ...").
+
+    async def _serve_version(self, request: rendering.Request) -> dict[str, Any]:
+        assert request.resource is not None
+        group, version = request.resource.group, request.resource.version
+        entries = []
+        for resource in sorted(self.resources, key=lambda r: str(r.plural)):
+            if resource.group != group or resource.version != version:
+                continue
+            info = self.resources[resource]
+            entry = {"name": resource.plural, "singularName": info.singular or "", "kind": info.kind,
+                     "namespaced": bool(info.namespaced), "verbs": sorted(info.verbs)}
+            if info.shortnames:
+                entry["shortNames"] = sorted(info.shortnames)
+            if info.categories:
+                entry["categories"] = sorted(info.categories)
+            entries.append(entry)
+            entries += [{"name": f"{resource.plural}/{sub}", "singularName": "", "kind": info.kind,
+                         "namespaced": bool(info.namespaced), "verbs": ["get", "patch", "update"]}
+                        for sub in sorted(info.subresources)]
+        if not entries and group != "":
+            raise ApiError(404, "NotFound", f"the server could not find the requested resource ({group}/{version})")
+        return {"apiVersion": "v1", "kind": "APIResourceList",
+                "groupVersion": f"{group}/{version}" if group else str(version), "resources": entries}
+
     # Parsing: kmock takes `/api/v1/namespaces` for "namespace <missing>".
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
@@ -159,6 +185,8 @@ class Emulator(kmock.KubernetesEmulator):
             return await self._handle(request)
         except ApiError as exc:
             return self._status(exc.code, exc.reason, exc.message)
+        except kmock.KubernetesError as exc:  # kmock's own, e.g. an unknown endpoint
+            return self._status(exc.status, "NotFound" if exc.status == 404 else str(exc.reason), str(exc.message))
         except Exception as exc:  # answered as 500 with the traceback, and kept for assertions
             if self._errors:
                 self._errors[-1].append(exc)
@@ -512,20 +540,30 @@ class Emulator(kmock.KubernetesEmulator):
                 "columnDefinitions": definitions, "rows": rows}
 
     def _openapi(self, path: str) -> dict[str, Any]:
+        """OpenAPI v3: per group-version, each kind's PATCH path with the `fieldValidation`
+        parameter (so kubectl leaves validation to the server, which here does none) and
+        the CRDs' schemas as components."""
         by_gv: dict[str, dict[str, Any]] = {}
-        for resource, (kind, schema) in self._crd_schemas.items():
-            gv = f"apis/{resource.group}/{resource.version}"
-            name = ".".join(reversed(str(resource.group).split("."))) + f".{resource.version}.{kind}"
+        for resource in list(self.resources):
+            info = self.resources[resource]
+            if not info.kind or "patch" not in info.verbs:
+                continue
+            gv = f"apis/{resource.group}/{resource.version}" if resource.group else f"api/{resource.version}"
             doc = by_gv.setdefault(gv, {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.32.0"},
                                         "paths": {}, "components": {"schemas": {}}})
-            doc["components"]["schemas"][name] = {
-                **schema,
-                "x-kubernetes-group-version-kind": [{"group": resource.group, "version": resource.version,
-                                                     "kind": kind}],
-            }
+            gvk = {"group": resource.group, "version": resource.version, "kind": info.kind}
+            scope = "/namespaces/{namespace}" if info.namespaced else ""
+            doc["paths"][f"/{gv}{scope}/{resource.plural}/{{name}}"] = {"patch": {
+                "x-kubernetes-group-version-kind": gvk,
+                "parameters": [{"name": "fieldValidation", "in": "query", "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "OK"}},
+            }}
+            if resource in self._crd_schemas:
+                kind, schema = self._crd_schemas[resource]
+                name = ".".join(reversed(str(resource.group).split("."))) + f".{resource.version}.{kind}"
+                doc["components"]["schemas"][name] = {**schema, "x-kubernetes-group-version-kind": [gvk]}
         if path.rstrip("/") == "/openapi/v3":
-            return {"paths": {gv: {"serverRelativeURL": f"/openapi/v3/{gv}?hash={len(doc['components']['schemas'])}"}
-                              for gv, doc in by_gv.items()}}
+            return {"paths": {gv: {"serverRelativeURL": f"/openapi/v3/{gv}?hash={self._rv}"} for gv in by_gv}}
         gv = path[len("/openapi/v3/"):].strip("/")
         if gv not in by_gv:
             raise ApiError(404, "NotFound", f"no OpenAPI document for {gv}")
