@@ -1,0 +1,258 @@
+"""The Helm chart, tested without a helm binary.
+
+A small renderer below covers the subset of Go templates the chart uses (include/define,
+if/with/range, and the pipes quote, nindent, toYaml, trunc, trimSuffix, default, printf), so
+the rendered manifests can be parsed and checked: RBAC covers what the operator and the
+node agent call, the node agent runs with its cache dir, the CRDs are the repository's.
+Helm itself (and its Sprig functions beyond these) is not exercised here.
+"""
+
+from __future__ import annotations
+
+import copy
+import filecmp
+import pathlib
+import re
+import shlex
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "loraplex"
+ACTION = re.compile(r"{{(-?)\s*(.*?)\s*(-?)}}", re.S)
+
+
+def _tokens(text: str) -> list[tuple[str, str]]:
+    """[("text", ...), ("action", ...)] with {{- / -}} whitespace trimming applied."""
+    out: list[tuple[str, str]] = []
+    pos = 0
+    trim_next = False
+    for match in ACTION.finditer(text):
+        chunk = text[pos:match.start()]
+        if trim_next:
+            chunk = chunk.lstrip()
+        if match.group(1):
+            chunk = chunk.rstrip()
+        out.append(("text", chunk))
+        out.append(("action", match.group(2)))
+        trim_next = bool(match.group(3))
+        pos = match.end()
+    tail = text[pos:]
+    out.append(("text", tail.lstrip() if trim_next else tail))
+    return out
+
+
+def _parse(tokens: list[tuple[str, str]], i: int = 0) -> tuple[list[Any], int]:
+    nodes: list[Any] = []
+    while i < len(tokens):
+        kind, value = tokens[i]
+        head = value.split(" ", 1)[0]
+        if kind == "action" and head in ("if", "with", "range", "define"):
+            body, i = _parse(tokens, i + 1)
+            nodes.append((head, value[len(head):].strip(), body))
+        elif kind == "action" and head == "end":
+            return nodes, i + 1
+        else:
+            nodes.append((kind, value))
+            i += 1
+    return nodes, i
+
+
+class Renderer:
+    def __init__(self, values: dict[str, Any]) -> None:
+        chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+        self.root = {"Values": values, "Release": {"Name": "lp", "Namespace": "loraplex-system", "Service": "Helm"},
+                     "Chart": {"Name": chart["name"], "Version": chart["version"], "AppVersion": chart["appVersion"]}}
+        self.defines: dict[str, list[Any]] = {}
+        helpers, _ = _parse(_tokens((CHART / "templates" / "_helpers.tpl").read_text()))
+        self._run(helpers, self.root)
+
+    def render(self, name: str) -> list[dict[str, Any]]:
+        nodes, _ = _parse(_tokens((CHART / "templates" / name).read_text()))
+        return [doc for doc in yaml.safe_load_all(self._run(nodes, self.root)) if doc]
+
+    def _run(self, nodes: list[Any], dot: Any) -> str:
+        out = []
+        for node in nodes:
+            if node[0] == "text":
+                out.append(node[1])
+            elif node[0] == "action":
+                if not node[1].startswith("/*"):
+                    out.append(self._str(self._pipeline(node[1], dot)))
+            elif node[0] == "define":
+                self.defines[shlex.split(node[1])[0]] = node[2]
+            elif node[0] == "if":
+                if self._pipeline(node[1], dot):
+                    out.append(self._run(node[2], dot))
+            elif node[0] == "with":
+                value = self._pipeline(node[1], dot)
+                if value:
+                    out.append(self._run(node[2], value))
+            elif node[0] == "range":
+                for item in self._pipeline(node[1], dot) or []:
+                    out.append(self._run(node[2], item))
+        return "".join(out)
+
+    def _pipeline(self, text: str, dot: Any) -> Any:
+        value: Any = None
+        for n, command in enumerate(part.strip() for part in text.split("|")):
+            fn, *args = shlex.split(command, posix=False)
+            args = [self._arg(a, dot) for a in args]
+            if n > 0:
+                args.append(value)
+            value = self._call(fn, args, dot) if not fn.startswith(".") and fn != "$" else self._arg(fn, dot)
+        return value
+
+    def _arg(self, token: str, dot: Any) -> Any:
+        if token.startswith('"'):
+            return token[1:-1]
+        if token.isdigit():
+            return int(token)
+        if token == ".":
+            return dot
+        base, path = (self.root, token[1:]) if token.startswith("$") else (dot, token)
+        for part in filter(None, path.split(".")):
+            base = base.get(part) if isinstance(base, dict) else None
+        return base
+
+    def _call(self, fn: str, args: list[Any], dot: Any) -> Any:
+        if fn == "include":
+            return self._run(self.defines[args[0]], args[1]).strip()
+        if fn == "quote":
+            return f'"{args[0]}"'
+        if fn == "nindent":
+            return "\n" + "\n".join(" " * args[0] + line for line in self._str(args[1]).splitlines())
+        if fn == "toYaml":
+            return yaml.safe_dump(args[0], default_flow_style=False, sort_keys=False).rstrip("\n")
+        if fn == "trunc":
+            return self._str(args[1])[:args[0]]
+        if fn == "trimSuffix":
+            text = self._str(args[1])
+            return text[:-len(args[0])] if text.endswith(args[0]) else text
+        if fn == "default":
+            return args[1] if args[1] else args[0]
+        if fn == "printf":
+            return args[0] % tuple(args[1:])
+        raise NotImplementedError(f"template function {fn!r} is not in the test renderer")
+
+    @staticmethod
+    def _str(value: Any) -> str:
+        return "" if value is None else str(value)
+
+
+VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def render_all(values: dict[str, Any] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+    renderer = Renderer(values if values is not None else copy.deepcopy(VALUES))
+    docs = {}
+    for path in sorted((CHART / "templates").glob("*.yaml")):
+        for doc in renderer.render(path.name):
+            docs[(doc["kind"], doc["metadata"]["name"])] = doc
+    return docs
+
+
+def test_chart_crds_are_the_repository_crds():
+    chart_crds = CHART / "crds"
+    names = sorted(p.name for p in chart_crds.glob("*.yaml"))
+    assert names == sorted(p.name for p in (ROOT / "crds").glob("*.yaml")) and names
+    for name in names:
+        assert filecmp.cmp(chart_crds / name, ROOT / "crds" / name, shallow=False)
+
+
+def test_chart_metadata_and_values_parse():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2" and chart["name"] == "loraplex"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
+    assert VALUES["nodeAgent"]["cacheDir"] == "/var/lib/loraplex/adapters"
+
+
+def test_every_values_key_has_a_comment():
+    """A comment right above every key, except inside free-form blocks (resources, tolerations)."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    free_form_indent: int | None = None
+    for i, line in enumerate(lines):
+        match = re.match(r"^(\s*)([A-Za-z]\w*):", line)
+        if not match:
+            continue
+        indent = len(match.group(1))
+        if free_form_indent is not None and indent > free_form_indent:
+            continue
+        free_form_indent = indent if match.group(2) in ("resources", "tolerations") else None
+        assert lines[i - 1].strip().startswith("#"), f"values.yaml:{i + 1} {line.strip()} has no comment"
+
+
+def test_every_template_renders_to_kubernetes_objects():
+    docs = render_all()
+    assert set(docs) == {
+        ("ServiceAccount", "lp-loraplex-operator"), ("ClusterRole", "lp-loraplex-operator"),
+        ("ClusterRoleBinding", "lp-loraplex-operator"), ("Deployment", "lp-loraplex-operator"),
+        ("ServiceAccount", "lp-loraplex-node-agent"), ("ClusterRole", "lp-loraplex-node-agent"),
+        ("ClusterRoleBinding", "lp-loraplex-node-agent"), ("DaemonSet", "lp-loraplex-node-agent"),
+    }
+    for doc in docs.values():
+        assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == "lp"
+
+
+def _allows(role: dict[str, Any], group: str, resource: str, verb: str) -> bool:
+    return any(group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
+               for rule in role["rules"])
+
+
+@pytest.mark.parametrize(("group", "resource", "verbs"), [
+    ("loraplex.io", "basemodels", ["get", "list", "watch", "patch"]),
+    ("loraplex.io", "loraadapters", ["get", "list", "watch", "patch"]),  # finalizers, kopf annotations
+    ("loraplex.io", "loraadapters/status", ["patch"]),
+    ("loraplex.io", "basemodels/status", ["patch"]),
+    ("", "configmaps", ["get", "create", "patch", "watch"]),
+    ("", "services", ["get", "create", "patch"]),
+    ("apps", "deployments", ["get", "create", "patch", "list", "watch"]),
+    ("", "events", ["create"]),
+    ("apiextensions.k8s.io", "customresourcedefinitions", ["list", "watch"]),
+])
+def test_operator_rbac_covers_its_calls(group, resource, verbs):
+    role = render_all()[("ClusterRole", "lp-loraplex-operator")]
+    for verb in verbs:
+        assert _allows(role, group, resource, verb), (group, resource, verb)
+
+
+def test_node_agent_may_patch_only_adapter_status():
+    role = render_all()[("ClusterRole", "lp-loraplex-node-agent")]
+    assert _allows(role, "loraplex.io", "loraadapters/status", "patch")
+    assert not _allows(role, "loraplex.io", "loraadapters", "patch")
+    assert not _allows(role, "", "configmaps", "patch")
+
+
+def test_node_agent_daemonset_contract():
+    ds = render_all()[("DaemonSet", "lp-loraplex-node-agent")]
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["loraplex-node-agent"]
+    assert container["args"][:2] == ["--cache-dir", "/var/lib/loraplex/adapters"]
+    assert {"name": "adapters", "mountPath": "/var/lib/loraplex/adapters"} in container["volumeMounts"]
+    assert pod["volumes"][0]["hostPath"]["path"] == "/var/lib/loraplex/adapters"
+    assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert container["image"] == "loraplex/node-agent:0.1.0"
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_operator_deployment_follows_values():
+    values = copy.deepcopy(VALUES)
+    values["operator"].update(watchNamespaces=["ml", "research"], verbose=True)
+    values["operator"]["image"]["tag"] = "dev"
+    values["nodeAgent"]["enabled"] = False
+    docs = render_all(values)
+    assert ("DaemonSet", "lp-loraplex-node-agent") not in docs
+    dep = docs[("Deployment", "lp-loraplex-operator")]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["loraplex-operator"]
+    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--namespace=ml", "--namespace=research",
+                                 "--verbose"]
+    assert container["image"] == "loraplex/operator:dev"
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "lp-loraplex-operator"
+    binding = docs[("ClusterRoleBinding", "lp-loraplex-operator")]
+    assert binding["subjects"][0]["name"] == "lp-loraplex-operator"

@@ -1,0 +1,155 @@
+"""CRDs and examples: the schemas are real, every example validates, and the examples plan
+the way their comments say. jsonschema stands in for the API server's validation here; it
+shares the OpenAPI subset the CRDs use (types, enums, patterns, minimums, required) but not
+Kubernetes' structural-schema rules, pruning or defaulting."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import pathlib
+
+import jsonschema
+import pytest
+import yaml
+
+from loraplex.operator.plan import build_plan
+from loraplex.operator.specs import ALL_TARGET_MODULES, AdapterSpec, BaseModelSpec
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CRDS = {doc["spec"]["names"]["kind"]: doc for doc in
+        (yaml.safe_load(p.read_text()) for p in sorted((ROOT / "crds").glob("*.yaml")))}
+EXAMPLES = [doc for p in sorted((ROOT / "examples").glob("*.yaml")) if p.name != "kustomization.yaml"
+            for doc in yaml.safe_load_all(p.read_text()) if doc]
+
+
+def schema(kind: str) -> dict:
+    (version,) = CRDS[kind]["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def validator(kind: str) -> jsonschema.Validator:
+    return jsonschema.Draft7Validator(schema(kind), format_checker=jsonschema.FormatChecker())
+
+
+def test_both_crds_are_namespaced_v1alpha1_with_status_and_columns():
+    assert set(CRDS) == {"BaseModel", "LoRAAdapter"}
+    for kind, crd in CRDS.items():
+        spec = crd["spec"]
+        assert crd["metadata"]["name"] == f"{spec['names']['plural']}.loraplex.io"
+        assert spec["group"] == "loraplex.io" and spec["scope"] == "Namespaced"
+        assert spec["names"]["shortNames"]
+        (version,) = spec["versions"]
+        assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+        assert version["subresources"] == {"status": {}}
+        assert version["additionalPrinterColumns"][-1]["name"] == "Age"
+
+
+def test_adapter_printer_columns_are_the_ones_users_asked_for():
+    (version,) = CRDS["LoRAAdapter"]["spec"]["versions"]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns == {"Base": ".spec.baseModel", "Tenant": ".spec.tenant", "Priority": ".spec.priority",
+                       "Phase": ".status.phase", "Pinned": ".status.pinned", "Age": ".metadata.creationTimestamp"}
+
+
+@pytest.mark.parametrize("kind", ["BaseModel", "LoRAAdapter"])
+def test_printer_columns_point_at_schema_fields(kind):
+    (version,) = CRDS[kind]["spec"]["versions"]
+    for column in version["additionalPrinterColumns"]:
+        path = column["jsonPath"].lstrip(".").split(".")
+        if path[0] == "metadata":
+            continue
+        node = schema(kind)
+        for part in path:
+            node = node["properties"][part]
+        assert "type" in node
+
+
+def _walk(node: dict, path: str = ""):
+    yield path, node
+    for name, child in (node.get("properties") or {}).items():
+        yield from _walk(child, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield from _walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _walk(node["additionalProperties"], f"{path}{{}}")
+
+
+@pytest.mark.parametrize("kind", ["BaseModel", "LoRAAdapter"])
+def test_schemas_are_structural(kind):
+    """Every node says its type (or is int-or-string / free-form on purpose)."""
+    for path, node in _walk(schema(kind)):
+        assert "type" in node or node.get("x-kubernetes-int-or-string") or \
+            node.get("x-kubernetes-preserve-unknown-fields"), f"{kind}{path} has no type"
+
+
+def test_every_example_validates_against_its_crd():
+    kinds = [doc["kind"] for doc in EXAMPLES]
+    assert kinds.count("BaseModel") == 1 and kinds.count("LoRAAdapter") >= 3
+    assert {doc["spec"].get("tenant") for doc in EXAMPLES if doc["kind"] == "LoRAAdapter"} == {"acme", "globex"}
+    for doc in EXAMPLES:
+        if doc["kind"] in CRDS:
+            errors = list(validator(doc["kind"]).iter_errors(doc))
+            assert not errors, f"{doc['metadata']['name']}: {[e.message for e in errors]}"
+
+
+def test_kustomization_lists_every_example():
+    kustomization = yaml.safe_load((ROOT / "examples" / "kustomization.yaml").read_text())
+    files = {p.name for p in (ROOT / "examples").glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == files
+    assert kustomization["namespace"] == "loraplex-demo"
+
+
+def test_examples_plan_as_their_comments_say():
+    base = BaseModelSpec.from_body(next(d for d in EXAMPLES if d["kind"] == "BaseModel"))
+    adapters = [AdapterSpec.from_body({**d, "metadata": {**d["metadata"], "namespace": base.namespace}})
+                for d in EXAMPLES if d["kind"] == "LoRAAdapter"]
+    plan = build_plan(base, adapters, datetime.datetime(2026, 12, 20, 7, 50, tzinfo=datetime.timezone.utc))
+    assert plan.slots == 1222 and plan.pinning.capacity == 122
+    assert all(v.accepted for v in plan.verdicts.values())
+    assert "globex-sandbox" not in plan.pinning.pinned  # pinPolicy Never
+    # 10 minutes before the campaign, inside its 15-minute lead: prefetched.
+    assert [e.name for e in plan.prefetch] == ["globex-holiday-campaign"]
+
+
+GOOD_ADAPTER = {"apiVersion": "loraplex.io/v1alpha1", "kind": "LoRAAdapter", "metadata": {"name": "a"},
+                "spec": {"baseModel": "llama-3-8b", "source": "s3://b/a", "sha256": "a" * 64}}
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("sha256",), "A" * 64),              # upper-case hex
+    (("sha256",), "a" * 63),              # short
+    (("source",), "ftp://host/a"),        # scheme we cannot fetch
+    (("pinPolicy",), "Sometimes"),
+    (("priority",), -1),
+    (("rank",), 0),
+    (("baseModel",), "Llama_3"),          # not a DNS name
+    (("warmup",), {"start": "2026-12-01T00:00:00Z"}),  # no end
+    (("targetModules",), []),
+])
+def test_schema_refuses_common_mistakes(path, value):
+    doc = copy.deepcopy(GOOD_ADAPTER)
+    doc["spec"][path[0]] = value
+    assert not validator("LoRAAdapter").is_valid(doc)
+    assert validator("LoRAAdapter").is_valid(GOOD_ADAPTER)
+
+
+@pytest.mark.parametrize("missing", ["baseModel", "source"])
+def test_adapter_requires_base_and_source(missing):
+    doc = copy.deepcopy(GOOD_ADAPTER)
+    del doc["spec"][missing]
+    assert not validator("LoRAAdapter").is_valid(doc)
+
+
+def test_basemodel_schema_quantities_and_modules():
+    good = {"apiVersion": "loraplex.io/v1alpha1", "kind": "BaseModel", "metadata": {"name": "b"},
+            "spec": {"source": "/models/b", "maxLoraRank": 16,
+                     "memory": {"gpuMemory": "80Gi", "kvCacheReserve": 30_000_000_000, "adapterBytes": "40M"}}}
+    assert validator("BaseModel").is_valid(good)
+    enum = schema("BaseModel")["properties"]["spec"]["properties"]["targetModules"]["items"]["enum"]
+    assert tuple(enum) == ALL_TARGET_MODULES
+    for bad in ({"memory": {"gpuMemory": "80 GB"}}, {"maxLoraRank": 0}, {"dtype": "int8"},
+                {"targetModules": ["lm_head"]}, {"pinnedPercent": 101}):
+        doc = copy.deepcopy(good)
+        doc["spec"].update(bad)
+        assert not validator("BaseModel").is_valid(doc), bad
