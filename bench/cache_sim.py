@@ -294,17 +294,24 @@ def summarize_shift(runs: list[dict], n: int, pre: int, window: int, steady_from
     steady: mean hit rate over requests [steady_from, pre).
     recovery: the first r (requests after the shift) such that the mean hit rate over the
     window of requests [r - window, r) after the shift is at least steady - 0.02.
+    ahead_of_lru_from: the first r from which on the policy's hits since the shift are at
+    least LRU's, counted from the shift to any later request (None: never).
     """
+    curves = {label: np.mean([np.unpackbits(r[label])[:n].astype(np.float64) for r in runs], axis=0)
+              for label in runs[0]}
+    lru_cum = np.cumsum(curves["lru"][pre:])
     out: dict = {}
-    for label in runs[0]:
-        h = np.mean([np.unpackbits(r[label])[:n].astype(np.float64) for r in runs], axis=0)
+    for label, h in curves.items():
         steady = float(h[steady_from:pre].mean())
         post = h[pre:]
         c = np.convolve(post, np.ones(window) / window, mode="valid")  # c[j] = mean post[j:j+window]
         ok = np.nonzero(c >= steady - 0.02)[0]
+        behind = np.nonzero(np.cumsum(post) < lru_cum - 1e-9)[0]
+        ahead = 0 if len(behind) == 0 else int(behind[-1]) + 1
         out[label] = {
             "steady": steady,
             "recovery_requests": int(ok[0] + window) if len(ok) else None,
+            "ahead_of_lru_from": ahead if ahead < len(post) else None,
             "post_first_5000": float(post[:5000].mean()),
             # Curve for the plot: mean hit rate in consecutive blocks of `window // 2`.
             "curve_block": window // 2,
@@ -397,7 +404,9 @@ def targets(result: dict) -> list[tuple[str, bool, str]]:
 
 
 def _req(n: int | None) -> str:
-    return "never" if n is None else f"{n:,} requests"
+    if n is None:
+        return "never"
+    return "from the shift on" if n == 0 else f"{n:,} requests"
 
 
 def write_notes(result: dict, path: str) -> None:
@@ -425,9 +434,18 @@ def write_notes(result: dict, path: str) -> None:
         f"window ({sh['window']} requests). `ideal-frequency` knows the true popularity at "
         "every instant and only pays the compulsory first miss of each new hot adapter.",
         "",
+    ]
+    for key, label in (("no_prefetch", "without"), ("prefetch", "with")):
+        pol = result["shift"][key]["policies"]
+        lru = pol["lru"]["recovery_requests"]
+        first = [p for p, v in pol.items() if p != "lru" and v["recovery_requests"] is not None
+                 and lru is not None and v["recovery_requests"] <= lru]
+        lines.append(f"Back within 2 points no later than LRU, {label} prefetch: {', '.join(first) or 'none'}.")
+    lines += [
+        "",
         "## Stationary Zipf(1.0): hit rate by slot share",
         "",
-        "| adapters | slots | requests | LRU | lfu-aged | Belady | lfu-aged s/request |",
+        "| adapters | slots | requests | LRU | lfu-aged | Belady | lfu-aged time per request |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["stationary"]:
@@ -437,13 +455,18 @@ def write_notes(result: dict, path: str) -> None:
             f"| {r['n_adapters']:,} | {r['slots']:,} | {r['n_requests']:,} | {100 * hr['lru']:.1f}% | "
             f"{100 * hr['lfu-aged']:.1f}% | {100 * hr['belady']:.1f}% | {per:.1f} µs |"
         )
-    lines += ["", "## Campaign shift", "", "| prefetch | policy | steady | recovery | hit rate, first 5,000 after |",
-              "| --- | --- | --- | --- | --- |"]
+    lines += ["", "## Campaign shift", "",
+              "`hits since the shift >= LRU's from`: the request after the shift from which on the policy "
+              "has served at least as many hits since the shift as LRU.", "",
+              "| prefetch | policy | steady | recovery | hit rate, first 5,000 after | hits since the shift >= LRU's from |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for key in ("no_prefetch", "prefetch"):
         for p, v in result["shift"][key]["policies"].items():
+            ahead = v["ahead_of_lru_from"]
             lines.append(
                 f"| {'yes' if key == 'prefetch' else 'no'} | {p} | {100 * v['steady']:.1f}% | "
-                f"{_req(v['recovery_requests'])} | {100 * v['post_first_5000']:.1f}% |"
+                f"{_req(v['recovery_requests'])} | {100 * v['post_first_5000']:.1f}% | "
+                f"{'-' if p == 'lru' else _req(ahead)} |"
             )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -271,7 +271,7 @@ class AdapterStore:
             except InvalidAdapter as e:
                 raise StoreError("InvalidAdapter", f"{ref.name}: {e}") from None
             meta = {"name": ref.name, "sha256": ref.sha256, "source": ref.source}
-            (tmp / META_FILE).write_text(json.dumps(meta))
+            await asyncio.to_thread(_write_synced, tmp / META_FILE, json.dumps(meta).encode())
             blob = f"{ref.sha256[:16]}-{uuid.uuid4().hex[:8]}"
             await asyncio.to_thread(self._place, tmp, blob, ref.name)
         except BaseException:
@@ -410,6 +410,13 @@ class AdapterStore:
 def _mkdtemp(parent: Path, name: str) -> str:
     parent.mkdir(parents=True, exist_ok=True)
     return tempfile.mkdtemp(prefix=f"{name}.", dir=parent)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
