@@ -3,7 +3,7 @@
     python3 bench/kernels_bench.py --out results.json [--quick] [--sweep]
 
 For each case (layer x tokens x distinct adapters x rank), in this order:
-  1. ours (the fused SGMV Triton kernel) and two baselines (a torch gather-then-bmm, a
+  1. ours (add_lora: split-K shrink + expand), the single-launch fused kernel, and two baselines (a torch gather-then-bmm, a
      loop of one matmul per distinct adapter) are checked against the float32 reference
      (relative error of the LoRA term; bf16 must land under 2e-2);
   2. each is captured in a CUDA graph and its replays timed with L2 flushed before each
@@ -31,6 +31,7 @@ from loraplex.kernels import LoRABatch, add_lora
 from loraplex.kernels.batch import default_block_m
 from loraplex.kernels.configs import make_config, multiprocessors
 from loraplex.kernels.reference import add_lora_torch
+from loraplex.kernels.add_lora import sgmv_lora
 from loraplex.kernels.sgmv import sgmv_add
 
 # Llama-3-8B: (in_features, output_slices)
@@ -149,6 +150,7 @@ def run_case(c, timer, bandwidth, sweep):
 
     variants = {
         "ours": lambda y: add_lora(y, x, lora_a, lora_b, scaling, batch, output_slices=slices),
+        "fused": lambda y: sgmv_add(y, x, lora_a, lora_b, scaling, batch, None, slices),
         "gather_bmm": lambda y: add_lora_torch(y, x, lora_a, lora_b, scaling, slots, None, slices),
         "loop": lambda y: loop_per_adapter(y, x, lora_a, lora_b, scaling, groups, slices, rank),
     }
@@ -175,10 +177,10 @@ def run_case(c, timer, bandwidth, sweep):
     if sweep:
         sms = multiprocessors(x.device)
         row["sweep"] = []
-        base = dict(programs_per_sm=4, block_n=None, block_k=None, num_warps=4, num_stages=3)
+        base = dict(programs_per_sm=4, block_n=None, block_k=None, k_splits=None, num_warps=4, num_stages=3)
         trials = [dict(base)]
         for key, values in (("programs_per_sm", (1, 2, 8, 16)), ("num_warps", (2, 8)), ("num_stages", (2, 4)),
-                            ("block_k", (64, 128)), ("block_n", (64, 256))):
+                            ("block_k", (32, 64, 256, 512)), ("block_n", (64, 256)), ("k_splits", (1, 2, 4, 8, 16, 32))):
             for v in values:
                 trials.append({**base, key: v})
         for block_m in sorted({16, 32, 64, default_block_m(x.shape[0])}):
@@ -187,15 +189,17 @@ def run_case(c, timer, bandwidth, sweep):
             b = LoRABatch.build(slots, S, block_m=block_m)
             for t in trials if block_m == batch.block_m else [base]:
                 cfg = make_config(b.num_blocks, x.shape[1], slices, rank, 2, sms, **t)
-                y = y0.clone()
-                try:
-                    sgmv_add(y, x, lora_a, lora_b, scaling, b, None, slices, config=cfg)
-                    err = rel_error(y, y0, expected)
-                    us = timer(lambda: sgmv_add(y, x, lora_a, lora_b, scaling, b, None, slices, config=cfg)) if err < 2e-2 else None
-                except Exception as exc:  # a config the compiler refuses: record and go on
-                    err, us = repr(exc)[:200], None
-                row["sweep"].append({"block_m": block_m, **t, "span": cfg.span, "block_k_used": cfg.block_k,
-                                     "block_n_used": cfg.block_n, "error": err, "us": us})
+                for kind, launch in (("split", sgmv_lora), ("fused", sgmv_add)):
+                    if kind == "fused" and t["k_splits"] is not None:
+                        continue
+                    y = y0.clone()
+                    try:
+                        launch(y, x, lora_a, lora_b, scaling, b, None, slices, config=cfg)
+                        err = rel_error(y, y0, expected)
+                        us = timer(lambda: launch(y, x, lora_a, lora_b, scaling, b, None, slices, config=cfg)) if err < 2e-2 else None
+                    except Exception as exc:  # a config the compiler refuses: record and go on
+                        err, us = repr(exc)[:200], None
+                    row["sweep"].append({"kernel": kind, "block_m": block_m, **t, **cfg.__dict__, "error": err, "us": us})
     return row
 
 
@@ -271,7 +275,7 @@ def main(argv=None) -> int:
         us = row.get("us", {})
         fmt = lambda v: f"{v:8.1f}" if isinstance(v, (int, float)) else "       -"
         print(f"{spec['layer']:8s} {spec['phase']:7s} T={spec['tokens']:5d} A={str(spec['adapters']):9s} r={spec['rank']:2d} "
-              f"ours {fmt(us.get('ours'))} gather {fmt(us.get('gather_bmm'))} loop {fmt(us.get('loop'))} "
+              f"ours {fmt(us.get('ours'))} fused {fmt(us.get('fused'))} gather {fmt(us.get('gather_bmm'))} loop {fmt(us.get('loop'))} "
               f"base {fmt(us.get('base_gemm'))} ratio {row.get('ours_over_base', float('nan')):.2f} "
               f"bw {row.get('ours_bandwidth_fraction', float('nan')):.2f} {row.get('failure', '')}", flush=True)
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))

@@ -97,7 +97,18 @@ def add_lora(
         raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before loraplex.kernels is imported")
     if batch.block_m < 16 or batch.block_m & (batch.block_m - 1):
         raise ValueError(f"the Triton path needs block_m a power of two >= 16, the batch has {batch.block_m}")
-    from .sgmv import sgmv_add  # imports triton only when the Triton path is used
-
-    sgmv_add(y, x, lora_a, lora_b, scaling, batch, ranks, slices)
+    sgmv_lora(y, x, lora_a, lora_b, scaling, batch, ranks, slices)
     return y
+
+
+def sgmv_lora(y, x, lora_a, lora_b, scaling, batch, ranks, slices, config=None) -> None:
+    """The Triton path: shrink over split K into float32 partials, then expand into y."""
+    from .configs import sgmv_config  # imports triton only when the Triton path is used
+    from .expand import sgmv_expand
+    from .shrink import sgmv_shrink
+
+    rank = lora_b.shape[2]
+    if config is None:
+        config = sgmv_config(batch.num_blocks, x.shape[1], slices, rank, x.dtype, x.device)
+    partial = sgmv_shrink(x, lora_a, batch, ranks, rank, config.k_splits, config.block_k, config.num_warps, config.num_stages)
+    sgmv_expand(y, partial, lora_b, scaling, batch, ranks, slices, config.span, config.block_n, config.num_warps, config.num_stages)

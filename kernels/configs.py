@@ -1,10 +1,10 @@
 """Launch configurations for the SGMV kernel: a small cached function of the problem size.
 
-The kernel is bound by memory, not arithmetic: what matters is enough programs in flight
-to hide DRAM latency, with each adapter's weights read from DRAM about once. The span of
-output columns per program sets the grid's width: narrow spans give a single decode token
-many programs (each re-reads its slice of A, from L2), wide spans keep prefill from
-recomputing its shrink more than it must.
+The kernels are bound by memory, not arithmetic: what matters is enough programs in
+flight to hide DRAM latency, with each adapter's weights read from DRAM once. The shrink
+splits the input width into ``k_splits`` chunks and the expand cuts the output columns
+into spans until a launch has about ``PROGRAMS_PER_SM`` programs per multiprocessor; a
+prefill step has enough row blocks on its own and is not split.
 """
 
 from __future__ import annotations
@@ -23,11 +23,16 @@ _INTERPRETER_SMS = 4
 
 @dataclass(frozen=True)
 class SGMVConfig:
-    block_n: int  # output columns per inner step of the expand
+    k_splits: int  # shrink programs per row block, each over a chunk of the input width
     block_k: int  # input columns per inner step of the shrink
-    span: int  # output columns per program (a multiple of block_n)
+    span: int  # output columns per expand program (a multiple of block_n)
+    block_n: int  # output columns per inner step of the expand
     num_warps: int
     num_stages: int
+
+
+# The shrink splits the input width no finer than this many columns per program.
+MIN_K_CHUNK = 256
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,20 +52,22 @@ def make_config(
     programs_per_sm: int = PROGRAMS_PER_SM,
     block_n: int | None = None,
     block_k: int | None = None,
+    k_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> SGMVConfig:
     """A configuration from the problem size; the keyword arguments override the defaults."""
-    block_r = max(16, triton.next_power_of_2(rank))
-    block_n = block_n or (64 if block_r >= 64 else 128)
-    # Keep the [BLOCK_K, BLOCK_R] tile of A near 16 KB.
-    block_k = block_k or max(32, min(256, triton.next_power_of_2(in_features), 16384 // (block_r * itemsize)))
+    wanted = programs_per_sm * sms
+    block_nr = max(16, triton.next_power_of_2(len(output_slices) * rank))
+    # Keep the [BLOCK_K, n*R] tile of A near 16 KB.
+    block_k = block_k or max(16, min(128, 16384 // (block_nr * itemsize)))
+    k_splits = k_splits or max(1, min(triton.cdiv(wanted, num_blocks), triton.cdiv(in_features, MIN_K_CHUNK)))
+    block_n = block_n or (64 if rank >= 64 else 128)
     column_tiles = sum(triton.cdiv(w, block_n) for w in output_slices)
-    wanted_spans = triton.cdiv(programs_per_sm * sms, num_blocks)
-    spans = max(len(output_slices), min(column_tiles, wanted_spans))
+    spans = max(len(output_slices), min(column_tiles, triton.cdiv(wanted, num_blocks)))
     span = triton.cdiv(triton.cdiv(sum(output_slices), spans), block_n) * block_n
     span = max(block_n, min(span, triton.cdiv(max(output_slices), block_n) * block_n))
-    return SGMVConfig(block_n=block_n, block_k=block_k, span=span, num_warps=num_warps, num_stages=num_stages)
+    return SGMVConfig(k_splits=k_splits, block_k=block_k, span=span, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 _cached_config = functools.lru_cache(maxsize=1024)(make_config)

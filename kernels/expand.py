@@ -1,0 +1,164 @@
+"""SGMV expand: y[:, slice] += scaling * v_slice @ B_slice^T, for every slice in one launch.
+
+One program takes one row block and one span of output columns inside one slice. It adds
+up the shrink's partial planes for its rows and its slice's rank columns once, scales and
+rounds them to y's dtype (as PEFT's lora_B sees them), then walks its span of columns.
+Spans of one row block are adjacent in launch order (span index = grid axis 0), so the
+block's partial sums come from L2 after the first read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .batch import LoRABatch
+
+MAX_SLICES = 3
+
+
+@triton.jit
+def _expand_kernel(
+    # pointers
+    y_ptr,  # [T, N0+N1+N2]: updated in place
+    partial_ptr,  # float32 [k_splits, T, n*RANK]
+    b_ptr,  # [S, N0+N1+N2, RANK]
+    scaling_ptr,  # float32 [S, n] (stride 0 along n when one scale per slot)
+    ranks_ptr,  # int32 [S] (read only when HAS_RANKS)
+    sorted_tokens_ptr,  # int32 [T]
+    block_slot_ptr,  # int32 [B]
+    block_start_ptr,  # int32 [B]
+    block_len_ptr,  # int32 [B]
+    # sizes
+    N0,
+    N1,
+    N2,  # slice widths; 0 for absent slices
+    SPAN,  # output columns per program
+    RANK,
+    K_SPLITS,
+    # strides (last dimensions contiguous)
+    stride_yt,
+    stride_pk,
+    stride_pt,
+    stride_bs,
+    stride_bn,
+    stride_scale_s,
+    stride_scale_n,
+    # meta-parameters
+    HAS_RANKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Semantics, as the plain loop it computes::
+
+        for block b, span j:                       # grid (spans, blocks)
+            s = block_slot[b]; skip if s == -1
+            i, cols = slice and columns of span j
+            rows = sorted_tokens[block_start[b] : block_start[b] + block_len[b]]
+            v = partial[:, rows, i*RANK : i*RANK + ranks[s]].sum(0) * scaling[s, i]
+            y[rows, cols] += v @ lora_b[s, cols, :ranks[s]].T
+    """
+    pid_span = tl.program_id(0)
+    pid_block = tl.program_id(1)
+    slot = tl.load(block_slot_ptr + pid_block)
+    if slot < 0:
+        return
+    slot = slot.to(tl.int64)
+
+    # Which slice this span is in, and its columns [col_lo, col_hi) inside the slice.
+    spans0 = tl.cdiv(N0, SPAN)
+    spans01 = spans0 + tl.cdiv(N1, SPAN)
+    in1 = pid_span >= spans0
+    in2 = pid_span >= spans01
+    slice_idx = in1.to(tl.int32) + in2.to(tl.int32)
+    width = tl.where(in2, N2, tl.where(in1, N1, N0))
+    slice_col = tl.where(in2, N0 + N1, tl.where(in1, N0, 0))
+    col_lo = (pid_span - tl.where(in2, spans01, tl.where(in1, spans0, 0))) * SPAN
+    col_hi = tl.minimum(col_lo + SPAN, width)
+
+    start = tl.load(block_start_ptr + pid_block)
+    num_rows = tl.load(block_len_ptr + pid_block)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < num_rows
+    rows = tl.load(sorted_tokens_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    rank = RANK
+    if HAS_RANKS:
+        rank = tl.minimum(tl.load(ranks_ptr + slot), RANK)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+
+    # v = the shrink's partial planes added up, for this slice's rank columns.
+    v_ptrs = partial_ptr + rows[:, None] * stride_pt + (slice_idx * RANK + offs_r)[None, :]
+    v_mask = m_mask[:, None] & r_mask[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(0, K_SPLITS):
+        acc += tl.load(v_ptrs + k * stride_pk, mask=v_mask, other=0.0)
+    scale = tl.load(scaling_ptr + slot * stride_scale_s + slice_idx * stride_scale_n)
+    v = (acc * scale).to(y_ptr.dtype.element_ty)
+
+    b_cols = b_ptr + slot * stride_bs + slice_col * stride_bn
+    y_rows = y_ptr + rows[:, None] * stride_yt + slice_col
+    for n0 in range(col_lo, col_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < col_hi
+        bb = tl.load(b_cols + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        delta = tl.dot(v, bb, input_precision=DOT_PRECISION)
+        y_mask = m_mask[:, None] & n_mask[None, :]
+        y_ptrs = y_rows + offs_n[None, :]
+        yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
+        tl.store(y_ptrs, (yv.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def sgmv_expand(
+    y: torch.Tensor,  # [T, out]: updated in place
+    partial: torch.Tensor,  # float32 [k_splits, T, n*R]
+    lora_b: torch.Tensor,  # [S, out, R]
+    scaling: torch.Tensor,  # float32 [S] or [S, n]
+    batch: LoRABatch,
+    ranks: torch.Tensor | None,  # int32 [S]
+    output_slices: tuple[int, ...],
+    span: int,
+    block_n: int,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> None:
+    """Adds the expanded LoRA term into y."""
+    if len(output_slices) > MAX_SLICES:
+        raise ValueError(f"at most {MAX_SLICES} output slices in one launch, got {len(output_slices)}")
+    widths = tuple(output_slices) + (0,) * (MAX_SLICES - len(output_slices))
+    rank = lora_b.shape[2]
+    num_spans = sum(triton.cdiv(w, span) for w in output_slices)
+    stride_scale_n = 0 if scaling.dim() == 1 else scaling.stride(1)
+    grid = (num_spans, batch.num_blocks)
+    _expand_kernel[grid](
+        y,
+        partial,
+        lora_b,
+        scaling,
+        ranks if ranks is not None else batch.slot_counts,  # any int32 [S]; not read
+        batch.sorted_tokens,
+        batch.block_slot,
+        batch.block_start,
+        batch.block_len,
+        *widths,
+        span,
+        rank,
+        partial.shape[0],
+        y.stride(0),
+        partial.stride(0),
+        partial.stride(1),
+        lora_b.stride(0),
+        lora_b.stride(1),
+        scaling.stride(0),
+        stride_scale_n,
+        HAS_RANKS=ranks is not None,
+        BLOCK_M=batch.block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

@@ -1,0 +1,143 @@
+"""SGMV shrink: v = x @ A^T for every row block and every output slice at once, split over K.
+
+Decode is bound by latency, not bytes: a single program walking all of K issues one short
+chain of loads after another. Here the input width is cut into ``k_splits`` chunks, one
+program per (chunk, row block), so a step's loads are all in flight at once. Each program
+writes its partial sums to its own plane of a float32 workspace; the expand kernel adds
+the planes as it reads them, so there are no atomics and no zeroing pass, and the result
+does not depend on the order programs run in.
+
+All slices' rank rows are computed together (A is [n*R, K] per slot), so a row block's x
+is read from memory once whatever the number of slices.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .batch import LoRABatch
+
+
+@triton.jit
+def _shrink_kernel(
+    # pointers
+    partial_ptr,  # float32 [k_splits, T, n*RANK]: out
+    x_ptr,  # [T, K]
+    a_ptr,  # [S, n*RANK, K]
+    ranks_ptr,  # int32 [S] (read only when HAS_RANKS)
+    sorted_tokens_ptr,  # int32 [T]
+    block_slot_ptr,  # int32 [B]
+    block_start_ptr,  # int32 [B]
+    block_len_ptr,  # int32 [B]
+    # sizes
+    K,
+    K_CHUNK,  # input columns per split (a multiple of BLOCK_K)
+    RANK,  # rank rows per slice in lora_a
+    NR,  # n * RANK: rank rows of all slices
+    # strides (last dimensions contiguous)
+    stride_pk,
+    stride_pt,
+    stride_xt,
+    stride_as,
+    stride_ar,
+    # meta-parameters
+    HAS_RANKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_NR: tl.constexpr,  # >= NR, a power of two >= 16
+    DOT_PRECISION: tl.constexpr,
+):
+    """Semantics, as the plain loop it computes::
+
+        for block b, split c:                       # grid (k_splits, blocks)
+            s = block_slot[b]; skip if s == -1
+            rows = sorted_tokens[block_start[b] : block_start[b] + block_len[b]]
+            ks = c*K_CHUNK : (c+1)*K_CHUNK
+            j = rank rows of every slice with (j % RANK) < ranks[s]
+            partial[c, rows, j] = x[rows, ks] @ lora_a[s, j, ks].T
+    """
+    pid_k = tl.program_id(0)
+    pid_block = tl.program_id(1)
+    slot = tl.load(block_slot_ptr + pid_block)
+    if slot < 0:
+        return
+    slot = slot.to(tl.int64)
+    start = tl.load(block_start_ptr + pid_block)
+    num_rows = tl.load(block_len_ptr + pid_block)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < num_rows
+    rows = tl.load(sorted_tokens_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+
+    # Rank rows inside the slot's rank; rows past it are never read.
+    rank = RANK
+    if HAS_RANKS:
+        rank = tl.minimum(tl.load(ranks_ptr + slot), RANK)
+    offs_j = tl.arange(0, BLOCK_NR)
+    j_mask = (offs_j < NR) & ((offs_j % RANK) < rank)
+
+    x_rows = x_ptr + rows[:, None] * stride_xt
+    a_rows = a_ptr + slot * stride_as + offs_j[None, :] * stride_ar
+    acc = tl.zeros((BLOCK_M, BLOCK_NR), dtype=tl.float32)
+    k_lo = pid_k * K_CHUNK
+    k_hi = tl.minimum(k_lo + K_CHUNK, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        xb = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        ab = tl.load(a_rows + offs_k[:, None], mask=k_mask[:, None] & j_mask[None, :], other=0.0)
+        acc = tl.dot(xb, ab, acc, input_precision=DOT_PRECISION)
+
+    out = partial_ptr + pid_k * stride_pk + rows[:, None] * stride_pt + offs_j[None, :]
+    tl.store(out, acc, mask=m_mask[:, None] & (offs_j < NR)[None, :])
+
+
+def sgmv_shrink(
+    x: torch.Tensor,  # [T, in]
+    lora_a: torch.Tensor,  # [S, n*R, in]
+    batch: LoRABatch,
+    ranks: torch.Tensor | None,  # int32 [S]
+    rank: int,  # R
+    k_splits: int,
+    block_k: int,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """Returns float32 partial sums [k_splits, T, n*R]: sum over axis 0 is x @ A^T per row.
+
+    Only rows of adapter blocks are written; rows of slot -1 are left as they were.
+    """
+    num_tokens, in_features = x.shape
+    nr = lora_a.shape[1]
+    k_chunk = triton.cdiv(triton.cdiv(in_features, k_splits), block_k) * block_k
+    k_splits = triton.cdiv(in_features, k_chunk)
+    partial = torch.empty((k_splits, num_tokens, nr), dtype=torch.float32, device=x.device)
+    grid = (k_splits, batch.num_blocks)
+    _shrink_kernel[grid](
+        partial,
+        x,
+        lora_a,
+        ranks if ranks is not None else batch.slot_counts,  # any int32 [S]; not read
+        batch.sorted_tokens,
+        batch.block_slot,
+        batch.block_start,
+        batch.block_len,
+        in_features,
+        k_chunk,
+        rank,
+        nr,
+        partial.stride(0),
+        partial.stride(1),
+        x.stride(0),
+        lora_a.stride(0),
+        lora_a.stride(1),
+        HAS_RANKS=ranks is not None,
+        BLOCK_M=batch.block_m,
+        BLOCK_K=block_k,
+        BLOCK_NR=max(16, triton.next_power_of_2(nr)),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return partial
