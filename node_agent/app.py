@@ -26,7 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 from loraplex.node_agent.tasks import TaskGuard
-from loraplex.node_agent.warmer import KubePods, ServerDiscovery, StaticServers, Warmer
+from loraplex.node_agent.kube import KubeAPI, KubePods, StatusReporter
+from loraplex.node_agent.warmer import ServerDiscovery, StaticServers, Warmer
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class AgentConfig:
     plan_file: Path | None = None
     server_urls: tuple[str, ...] = ()
     node_name: str | None = None
+    namespace: str | None = None  # of the plan's LoRAAdapters, for status.nodes reports
     kube_api_url: str | None = None
     kube_token_file: Path | None = None
     kube_ca_file: Path | None = None
@@ -66,22 +68,24 @@ class Agent:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=15, sock_read=60))
         self.store = AdapterStore(c.cache_dir, c.budget_bytes, c.max_concurrent_downloads,
                                   session=self.session, metrics=self.metrics)
-        self.warmer = Warmer(self.store, c.plan_file, self.session, discovery=self._discovery(),
+        api = None
+        if c.kube_api_url and c.node_name:
+            api = KubeAPI(c.kube_api_url, self.session, token_file=c.kube_token_file, ca_file=c.kube_ca_file)
+        reporter = StatusReporter(api, c.namespace, c.node_name) if api and c.namespace else None
+        discovery: ServerDiscovery | None = None
+        if c.server_urls:
+            discovery = StaticServers(list(c.server_urls), self.session)
+        elif api is not None:
+            discovery = KubePods(api, c.node_name)
+        self.warmer = Warmer(self.store, c.plan_file, self.session, discovery=discovery, reporter=reporter,
                              metrics=self.metrics, poll_seconds=c.poll_seconds,
                              server_poll_seconds=c.server_poll_seconds)
         if c.plan_file is not None:
             self.tasks.spawn(self.warmer.run(), "plan-watch")
-        if self.warmer.discovery is not None:
+        if discovery is not None:
             self.tasks.spawn(self.warmer.run_servers(), "server-watch")
-
-    def _discovery(self) -> ServerDiscovery | None:
-        c = self.config
-        if c.server_urls:
-            return StaticServers(list(c.server_urls), self.session)
-        if c.node_name and c.kube_api_url:
-            return KubePods(c.kube_api_url, c.node_name, self.session,
-                            token_file=c.kube_token_file, ca_file=c.kube_ca_file)
-        return None
+        if reporter is not None:
+            self.tasks.spawn(reporter.run(), "status-report")
 
     async def stop(self) -> None:
         await self.tasks.close()

@@ -3,8 +3,8 @@
 One dataclass holds every setting; each field's docstring (the string under it) gives its
 unit and default and is the flag's help, so flags and fields map one to one
 (`cache_dir` <-> `--cache-dir`). The environment is read only in `Settings.from_env_and_args`:
-NODE_NAME for --node-name, and the in-cluster API address (KUBERNETES_SERVICE_HOST/PORT)
-for finding the server pods on this node.
+NODE_NAME for --node-name, POD_NAMESPACE for --namespace, and the in-cluster API address
+(KUBERNETES_SERVICE_HOST/PORT) for finding this node's server pods and reporting staging.
 
     loraplex-node-agent --cache-dir /var/lib/loraplex/adapters --budget-bytes 200000000000 \\
         --plan-file /etc/loraplex/plan/plan.json --port 8081
@@ -56,6 +56,10 @@ class Settings:
     node_name: str | None = None
     """This node's name, to find the server pods on it. Default: $NODE_NAME."""
 
+    namespace: str | None = None
+    """Namespace of the plan's LoRAAdapters, whose status.nodes.<node> this agent reports
+    (the plan ConfigMap's namespace). Default: $POD_NAMESPACE."""
+
     server_url: list[str] = field(default_factory=list)
     """Server base URLs to warm instead of finding pods through the API, e.g.
     http://127.0.0.1:8000 (repeatable). Default: none."""
@@ -92,6 +96,8 @@ class Settings:
         settings = cls(**{k: v for k, v in args.items() if v is not None})
         if settings.node_name is None:
             settings.node_name = env.get("NODE_NAME") or None
+        if settings.namespace is None:
+            settings.namespace = env.get("POD_NAMESPACE") or None
         if settings.kube_api_url is None and env.get("KUBERNETES_SERVICE_HOST"):
             host = env["KUBERNETES_SERVICE_HOST"]
             host = f"[{host}]" if ":" in host else host
@@ -108,6 +114,7 @@ class Settings:
             plan_file=self.plan_file,
             server_urls=tuple(self.server_url),
             node_name=self.node_name,
+            namespace=self.namespace,
             kube_api_url=self.kube_api_url,
             kube_token_file=SERVICE_ACCOUNT / "token" if in_cluster else None,
             kube_ca_file=SERVICE_ACCOUNT / "ca.crt" if in_cluster else None,

@@ -143,6 +143,8 @@ class AdapterStore:
         self._session = session
         self.metrics = metrics or Metrics()
         self._clock = clock
+        # Called with the name of each adapter evicted to make room (the warmer reports it).
+        self.on_evict: Callable[[str], None] | None = None
         self._store_dir = self.root / ".store"
         self._tmp_dir = self.root / ".tmp"
         self._entries: dict[str, _Entry] = {}
@@ -340,6 +342,8 @@ class AdapterStore:
         self._unlink_entry(e)
         self.metrics.evictions.inc()
         self._update_gauges()
+        if self.on_evict is not None:
+            self.on_evict(e.name)
 
     # -- disk ---------------------------------------------------------------------------------
 

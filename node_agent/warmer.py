@@ -30,7 +30,6 @@ import datetime
 import json
 import logging
 import os
-import ssl
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,14 +38,11 @@ from typing import Protocol
 
 import aiohttp
 
+from loraplex.node_agent.kube import StatusReporter
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StagedAdapter, StoreError
 
 log = logging.getLogger(__name__)
-
-SERVER_PORT = 8000
-SERVER_LABELS = "app.kubernetes.io/name=loraplex-server"
-BASE_LABEL = "loraplex.io/base-model"
 
 
 class PlanError(ValueError):
@@ -154,49 +150,6 @@ class StaticServers:
         return out
 
 
-class KubePods:
-    """Server pods on this node from the Kubernetes API: one GET, filtered by node and labels.
-
-    GET /api/v1/pods?fieldSelector=spec.nodeName=<node>&labelSelector=<server labels>,<base>
-    (needs RBAC: list pods, cluster-wide). Ready = the pod's Ready condition is True.
-    """
-
-    def __init__(self, api_url: str, node_name: str, session: aiohttp.ClientSession, *,
-                 token_file: Path | None = None, ca_file: Path | None = None,
-                 port: int = SERVER_PORT) -> None:
-        self.api_url = api_url.rstrip("/")
-        self.node_name = node_name
-        self._session = session
-        self._token_file = token_file
-        self._ssl = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
-        self.port = port
-
-    async def servers(self, base_model: str) -> dict[str, tuple[str, bool]]:
-        query = urllib.parse.urlencode({
-            "fieldSelector": f"spec.nodeName={self.node_name}",
-            "labelSelector": f"{SERVER_LABELS},{BASE_LABEL}={base_model}",
-        })
-        headers = {}
-        if self._token_file is not None:  # re-read each time: projected tokens rotate
-            headers["Authorization"] = "Bearer " + self._token_file.read_text().strip()
-        async with self._session.get(f"{self.api_url}/api/v1/pods?{query}", headers=headers,
-                                     ssl=self._ssl if self._ssl is not None else True,
-                                     timeout=aiohttp.ClientTimeout(total=10)) as r:
-            if r.status != 200:
-                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=await r.text())
-            body = await r.json()
-        out = {}
-        for pod in body.get("items", []):
-            meta, status = pod.get("metadata", {}), pod.get("status", {})
-            ip = status.get("podIP")
-            if not ip or meta.get("deletionTimestamp"):
-                continue
-            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-            host = f"[{ip}]" if ":" in ip else ip
-            out[meta.get("uid") or meta.get("name")] = (f"http://{host}:{self.port}", ready)
-        return out
-
-
 # -- the warmer -------------------------------------------------------------------------------
 
 
@@ -226,6 +179,7 @@ class Warmer:
         session: aiohttp.ClientSession,
         *,
         discovery: ServerDiscovery | None = None,
+        reporter: StatusReporter | None = None,
         metrics: Metrics | None = None,
         now: Callable[[], datetime.datetime] = utcnow,
         poll_seconds: float = 1.0,
@@ -235,6 +189,8 @@ class Warmer:
         self.plan_file = plan_file
         self._session = session
         self.discovery = discovery
+        self.reporter = reporter
+        store.on_evict = self._evicted
         self.metrics = metrics or store.metrics
         self._now = now
         self.poll_seconds = poll_seconds
@@ -296,7 +252,13 @@ class Warmer:
             for name in sorted(set(previous.adapters) - set(plan.adapters)):
                 if await self.store.remove(name):
                     log.info("removed %s from local disk: it left the plan", name)
+                    self._report_removed(name)
                 self._watch.errors.pop(name, None)
+        if self.reporter is not None:  # what an earlier run (or a session) left on disk
+            for name, a in plan.adapters.items():
+                staged = self.store.get(name)
+                if staged is not None and staged.sha256 == a.ref.sha256:
+                    self.reporter.staged(name, staged.bytes)
         await self._stage_all([plan.adapters[n].ref for n in plan.pinned])
         now = self._now()
         await self._stage_all([plan.adapters[n].ref for n in plan.open_prefetch(now)])
@@ -305,14 +267,36 @@ class Warmer:
             await self.warm_server(url)
 
     async def _stage_all(self, refs: list[AdapterRef]) -> None:
-        results = await asyncio.gather(*(self.store.stage(r) for r in refs), return_exceptions=True)
-        for ref, res in zip(refs, results):
-            if isinstance(res, StoreError):
-                self._watch.errors[ref.name] = f"{res.reason}: {res}"
-            elif isinstance(res, BaseException):
+        results = await asyncio.gather(*(self._stage(r) for r in refs), return_exceptions=True)
+        for res in results:
+            if isinstance(res, BaseException) and not isinstance(res, StoreError):
                 raise res
-            else:
-                self._watch.errors.pop(ref.name, None)
+
+    async def _stage(self, ref: AdapterRef) -> StagedAdapter:
+        """Stage one plan adapter, keeping its error and its status.nodes entry up to date."""
+        have = self.store.get(ref.name)
+        if self.reporter is not None and (have is None or have.sha256 != ref.sha256):
+            self.reporter.staging(ref.name)
+        try:
+            staged = await self.store.stage(ref)
+        except StoreError as e:
+            self._watch.errors[ref.name] = f"{e.reason}: {e}"
+            if self.reporter is not None:
+                self.reporter.failed(ref.name, e.reason, str(e))
+            raise
+        self._watch.errors.pop(ref.name, None)
+        if self.reporter is not None:
+            self.reporter.staged(ref.name, staged.bytes)
+        return staged
+
+    def _evicted(self, name: str) -> None:
+        plan = self._watch.plan
+        if plan is not None and name in plan.adapters:
+            self._report_removed(name)
+
+    def _report_removed(self, name: str) -> None:
+        if self.reporter is not None:
+            self.reporter.removed(name)
 
     async def run(self) -> None:
         """The plan loop: poll the file, reconcile on change and when a window opens."""
@@ -405,6 +389,6 @@ class Warmer:
         plan = self._watch.plan
         if plan is None or name not in plan.adapters:
             raise StoreError("UnknownAdapter", f"adapter {name!r} is not in this node's plan")
-        staged = await self.store.stage(plan.adapters[name].ref)
+        staged = await self._stage(plan.adapters[name].ref)
         results = [await self.call_server(url, name, "prefetch") for url in list(self._ready.values())]
         return staged, results

@@ -134,6 +134,50 @@ async def object_store():
 
 
 @dataclass
+class FakeKubeAPI:
+    """GET /api/v1/pods and PATCH of LoRAAdapter status, as the node agent uses them."""
+
+    url: str = ""
+    pods: list = field(default_factory=list)
+    requests: list = field(default_factory=list)  # (query, Authorization) of pod lists
+    patches: list = field(default_factory=list)  # (namespace, name, body, content type), accepted
+    log: list = field(default_factory=list)  # (namespace, name, body, outcome), every PATCH
+    fail_next: int = 0  # answer 500 to this many PATCHes first
+    missing: set = field(default_factory=set)  # adapters that answer 404
+
+    async def list_pods(self, request):
+        self.requests.append((dict(request.query), request.headers.get("Authorization")))
+        return web.json_response({"kind": "PodList", "items": self.pods})
+
+    async def patch_status(self, request):
+        ns, name = request.match_info["ns"], request.match_info["name"]
+        body = await request.json()
+        if self.fail_next:
+            self.fail_next -= 1
+            self.log.append((ns, name, body, "500"))
+            return web.json_response({"kind": "Status", "code": 500}, status=500)
+        if name in self.missing:
+            self.log.append((ns, name, body, "404"))
+            return web.json_response({"kind": "Status", "code": 404}, status=404)
+        self.log.append((ns, name, body, "ok"))
+        self.patches.append((ns, name, body, request.headers.get("Content-Type")))
+        return web.json_response({"metadata": {"name": name}, "status": body["status"]})
+
+
+@pytest.fixture
+async def kube_api():
+    api = FakeKubeAPI()
+    app = web.Application()
+    app.router.add_get("/api/v1/pods", api.list_pods)
+    app.router.add_patch("/apis/loraplex.io/v1alpha1/namespaces/{ns}/loraadapters/{name}/status", api.patch_status)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    api.url = str(server.make_url("")).rstrip("/")
+    yield api
+    await server.close()
+
+
+@dataclass
 class FakeClock:
     t: float = 1_000.0
 

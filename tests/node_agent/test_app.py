@@ -119,6 +119,32 @@ async def test_session_endpoint(tmp_path, object_store, client_factory, fake_ser
     assert r.status == 400
 
 
+async def test_in_cluster_agent_warms_pods_and_reports_status(tmp_path, object_store, client_factory,
+                                                              kube_api, fake_server):
+    """With an API server: pods found through it get warmed, staging lands in status.nodes."""
+    object_store.add("p1", tmp_path)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, pinned=["p1"]))
+    host, port = fake_server.url.rsplit(":", 1)
+    fake_server.ready = True
+    kube_api.pods = [{"metadata": {"uid": "u1", "name": "srv"},
+                      "status": {"podIP": host.removeprefix("http://"),
+                                 "conditions": [{"type": "Ready", "status": "True"}]}}]
+    client = await client_factory(AgentConfig(
+        tmp_path / "cache", 10**9, plan_file=cm.path, node_name="node-7", namespace="ml",
+        kube_api_url=kube_api.url, poll_seconds=0.05, server_poll_seconds=0.05))
+    agent = client.server.app[AGENT]
+    agent.warmer.discovery.port = int(port)  # the fake server's port instead of 8000
+    for _ in range(250):
+        if kube_api.patches and ("pin", "p1", "") in fake_server.calls:
+            break
+        await asyncio.sleep(0.02)
+    assert sorted(agent.tasks.running) == ["plan-watch", "server-watch", "status-report"]
+    assert kube_api.patches[-1][:2] == ("ml", "p1")
+    assert kube_api.patches[-1][2]["status"]["nodes"]["node-7"]["phase"] == "Staged"
+    assert ("prefetch", "p1", "wait=false") in fake_server.calls and ("pin", "p1", "") in fake_server.calls
+
+
 async def test_healthz_reports_a_crashed_loop(tmp_path, client_factory):
     client = await client_factory(AgentConfig(tmp_path / "cache", 10**9))
     r = await client.get("/healthz")
@@ -157,8 +183,8 @@ SETTINGS = [
     (["--node-name", "flag-wins"], {"NODE_NAME": "env"}, {"node_name": "flag-wins"}),
     (["--server-url", "http://a:8000", "--server-url", "http://b:8000"], {},
      {"server_url": ["http://a:8000", "http://b:8000"]}),
-    ([], {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"},
-     {"kube_api_url": "https://10.96.0.1:443"}),
+    ([], {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443", "POD_NAMESPACE": "ml"},
+     {"kube_api_url": "https://10.96.0.1:443", "namespace": "ml"}),
 ]
 
 

@@ -5,17 +5,15 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from loraplex.node_agent.store import AdapterStore, StoreError
 from loraplex.node_agent.tasks import TaskGuard
-from loraplex.node_agent.warmer import KubePods, PlanError, StaticServers, Warmer, parse_plan
+from loraplex.node_agent.kube import KubeAPI, KubePods, StatusReporter
+from loraplex.node_agent.warmer import PlanError, StaticServers, Warmer, parse_plan
 
 from .helpers import T0, ConfigMapDir, plan_json
 
@@ -192,17 +190,6 @@ async def test_session_stages_and_prefetches(tmp_path, object_store, session, fa
     assert err.value.reason == "UnknownAdapter" and err.value.status == 404
 
 
-@dataclass
-class FakeKubeAPI:
-    url: str = ""
-    requests: list = field(default_factory=list)
-    pods: list = field(default_factory=list)
-
-    async def pods_handler(self, request):
-        self.requests.append((dict(request.query), request.headers.get("Authorization")))
-        return web.json_response({"kind": "PodList", "items": self.pods})
-
-
 def pod(uid, ip, ready, deleting=False):
     meta = {"name": f"server-{uid}", "uid": uid}
     if deleting:
@@ -211,25 +198,66 @@ def pod(uid, ip, ready, deleting=False):
         {"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
-async def test_kube_pods_lists_this_nodes_servers(tmp_path, session):
-    api = FakeKubeAPI(pods=[pod("u1", "10.0.0.5", True), pod("u2", "10.0.0.6", False),
-                            pod("u3", "10.0.0.7", True, deleting=True), pod("u4", None, False)])
-    app = web.Application()
-    app.router.add_get("/api/v1/pods", api.pods_handler)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
+async def test_kube_pods_lists_this_nodes_servers(tmp_path, session, kube_api):
+    kube_api.pods = [pod("u1", "10.0.0.5", True), pod("u2", "10.0.0.6", False),
+                     pod("u3", "10.0.0.7", True, deleting=True), pod("u4", None, False)]
+    token = tmp_path / "token"
+    token.write_text("tok-1\n")
+    pods = KubePods(KubeAPI(kube_api.url, session, token_file=token), "node-7")
+    got = await pods.servers("llama-3-8b")
+    assert got == {"u1": ("http://10.0.0.5:8000", True), "u2": ("http://10.0.0.6:8000", False)}
+    query, auth = kube_api.requests[0]
+    assert query["fieldSelector"] == "spec.nodeName=node-7"
+    assert query["labelSelector"] == "app.kubernetes.io/name=loraplex-server,loraplex.io/base-model=llama-3-8b"
+    assert auth == "Bearer tok-1"
+    token.write_text("tok-2")  # a rotated token is picked up
+    await pods.servers("llama-3-8b")
+    assert kube_api.requests[1][1] == "Bearer tok-2"
+
+
+async def test_status_reports_follow_staging(tmp_path, object_store, session, kube_api):
+    """status.nodes.<node> of each plan adapter: Staging, then Staged with bytes or Failed
+    with the reason; an eviction deletes the node's key; unchanged states are not resent."""
+    object_store.add("p1", tmp_path)
+    object_store.add("bad", tmp_path, seed=1, mode="cut")
+    object_store.add("c", tmp_path, seed=2)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, pinned=["p1", "bad"], others=["c"]))
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7")
+    warmer = Warmer(store, cm.path, session, reporter=reporter)
+    warmer.check_plan()
+    await warmer.reconcile()
+    await reporter.flush()
+    got = {name: body["status"]["nodes"]["node-7"] for ns, name, body, _ in kube_api.patches}
+    assert {ns for ns, *_ in kube_api.patches} == {"ml"}
+    assert got["p1"] == {"phase": "Staged", "message": "", "bytes": store.get("p1").bytes}
+    assert got["bad"]["phase"] == "Failed" and got["bad"]["message"].startswith("Truncated: ")
+    assert "c" not in got  # not staged: nothing to report
+    assert all(ct == "application/merge-patch+json" for *_, ct in kube_api.patches)
+    n = len(kube_api.patches)
+    await warmer.reconcile()  # nothing changed: nothing sent
+    await reporter.flush()
+    assert len(kube_api.patches) == n
+    store.on_evict("p1")  # what the store calls after evicting p1 for room
+    await reporter.flush()
+    assert kube_api.patches[-1][1:3] == ("p1", {"status": {"nodes": {"node-7": None}}})
+
+
+async def test_status_reporter_retries_and_skips_deleted(session, kube_api):
+    reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7", retry_seconds=0.01)
+    kube_api.fail_next = 2  # the API answers 500 twice
+    kube_api.missing = {"gone"}
+    reporter.staged("a", 10)
+    reporter.staged("gone", 5)
+    task = asyncio.ensure_future(reporter.run())
     try:
-        token = tmp_path / "token"
-        token.write_text("tok-1\n")
-        pods = KubePods(str(server.make_url("")), "node-7", session, token_file=token)
-        got = await pods.servers("llama-3-8b")
-        assert got == {"u1": ("http://10.0.0.5:8000", True), "u2": ("http://10.0.0.6:8000", False)}
-        query, auth = api.requests[0]
-        assert query["fieldSelector"] == "spec.nodeName=node-7"
-        assert query["labelSelector"] == "app.kubernetes.io/name=loraplex-server,loraplex.io/base-model=llama-3-8b"
-        assert auth == "Bearer tok-1"
-        token.write_text("tok-2")  # a rotated token is picked up
-        await pods.servers("llama-3-8b")
-        assert api.requests[1][1] == "Bearer tok-2"
+        for _ in range(300):
+            if reporter.idle and any(p[1] == "a" and p[3] == "ok" for p in kube_api.log):
+                break
+            await asyncio.sleep(0.01)
+        assert reporter.idle
+        assert [p[1] for p in kube_api.log if p[3] == "ok"] == ["a"]
+        assert [p[3] for p in kube_api.log if p[1] == "gone"] == ["500", "404"]  # 404: not retried
     finally:
-        await server.close()
+        task.cancel()

@@ -1,0 +1,156 @@
+"""The few Kubernetes API calls the node agent makes, over aiohttp (no client library).
+
+    KubeAPI        GET JSON / merge-patch with the pod's service-account token and CA
+    KubePods       the server pods of a base on this node, and whether they are ready
+    StatusReporter this node's entry under LoRAAdapter status.nodes, e.g.
+                   {"status": {"nodes": {"gpu-node-3": {"phase": "Staged", "message": "", "bytes": 41943040}}}}
+
+RBAC (the chart's node-agent ClusterRole): list pods; get/patch loraadapters/status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+SERVER_PORT = 8000
+SERVER_LABELS = "app.kubernetes.io/name=loraplex-server"
+BASE_LABEL = "loraplex.io/base-model"
+GROUP_VERSION = "loraplex.io/v1alpha1"
+
+
+class KubeAPI:
+    def __init__(self, api_url: str, session: aiohttp.ClientSession, *,
+                 token_file: Path | None = None, ca_file: Path | None = None) -> None:
+        self.api_url = api_url.rstrip("/")
+        self._session = session
+        self._token_file = token_file
+        self._ssl: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
+
+    def _headers(self) -> dict[str, str]:
+        if self._token_file is None:
+            return {}
+        # Re-read each time: projected service-account tokens rotate.
+        return {"Authorization": "Bearer " + self._token_file.read_text().strip()}
+
+    async def get_json(self, path: str, params: dict[str, str] | None = None) -> Any:
+        url = self.api_url + path + ("?" + urllib.parse.urlencode(params) if params else "")
+        async with self._session.get(url, headers=self._headers(), ssl=self._ssl,
+                                     timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status != 200:
+                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=(await r.text())[:200])
+            return await r.json()
+
+    async def merge_patch(self, path: str, body: dict) -> int:
+        """PATCH with a JSON merge patch; returns the HTTP status."""
+        headers = {**self._headers(), "Content-Type": "application/merge-patch+json"}
+        async with self._session.patch(self.api_url + path, json=body, headers=headers, ssl=self._ssl,
+                                       timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status >= 400:
+                log.debug("PATCH %s: %d %s", path, r.status, (await r.text())[:200])
+            return r.status
+
+
+class KubePods:
+    """Server pods on this node: GET /api/v1/pods?fieldSelector=spec.nodeName=<node>
+    &labelSelector=<server labels>,loraplex.io/base-model=<base>. Ready = the pod's Ready
+    condition is True (and it is not being deleted)."""
+
+    def __init__(self, api: KubeAPI, node_name: str, port: int = SERVER_PORT) -> None:
+        self.api = api
+        self.node_name = node_name
+        self.port = port
+
+    async def servers(self, base_model: str) -> dict[str, tuple[str, bool]]:
+        body = await self.api.get_json("/api/v1/pods", {
+            "fieldSelector": f"spec.nodeName={self.node_name}",
+            "labelSelector": f"{SERVER_LABELS},{BASE_LABEL}={base_model}",
+        })
+        out = {}
+        for pod in body.get("items", []):
+            meta, status = pod.get("metadata", {}), pod.get("status", {})
+            ip = status.get("podIP")
+            if not ip or meta.get("deletionTimestamp"):
+                continue
+            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+            host = f"[{ip}]" if ":" in ip else ip
+            out[meta.get("uid") or meta.get("name")] = (f"http://{host}:{self.port}", ready)
+        return out
+
+
+class StatusReporter:
+    """Reports this node's staging of each adapter under its LoRAAdapter's status.nodes.
+
+    Callers record states (`staging`, `staged`, `failed`, `removed`) without waiting; `run`
+    sends them, latest state per adapter only, and resends after an API failure. A state
+    equal to the last one sent is not sent again.
+    """
+
+    def __init__(self, api: KubeAPI, namespace: str, node_name: str, *, retry_seconds: float = 5.0) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.node_name = node_name
+        self.retry_seconds = retry_seconds
+        self._sent: dict[str, dict | None] = {}
+        self._pending: dict[str, dict | None] = {}
+        self._wake = asyncio.Event()
+
+    def staging(self, name: str) -> None:
+        self._record(name, {"phase": "Staging", "message": ""})
+
+    def staged(self, name: str, nbytes: int) -> None:
+        self._record(name, {"phase": "Staged", "message": "", "bytes": nbytes})
+
+    def failed(self, name: str, reason: str, message: str) -> None:
+        self._record(name, {"phase": "Failed", "message": f"{reason}: {message}"[:1000]})
+
+    def removed(self, name: str) -> None:
+        """Not on this node's disk any more: the node's key is deleted (merge patch null)."""
+        self._record(name, None)
+
+    def _record(self, name: str, state: dict | None) -> None:
+        if self._sent.get(name, ...) == state:  # e.g. Staging then the same Failed again
+            self._pending.pop(name, None)
+            return
+        self._pending[name] = state
+        self._wake.set()
+
+    @property
+    def idle(self) -> bool:
+        return not self._pending
+
+    async def flush(self) -> None:
+        """Send what is pending now; failed sends stay pending."""
+        batch, self._pending = self._pending, {}
+        for name, state in batch.items():
+            path = (f"/apis/{GROUP_VERSION}/namespaces/{self.namespace}/loraadapters/"
+                    f"{urllib.parse.quote(name)}/status")
+            body = {"status": {"nodes": {self.node_name: state}}}
+            try:
+                status = await self.api.merge_patch(path, body)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                status, detail = None, str(e)
+            else:
+                detail = str(status)
+            if status is not None and (status < 300 or status == 404):  # 404: the adapter is gone
+                self._sent[name] = state
+            else:
+                log.warning("cannot report %s on %s: %s; will retry", name, self.node_name, detail)
+                self._pending.setdefault(name, state)
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self.flush()
+            if self._pending:  # some failed: retry later
+                await asyncio.sleep(self.retry_seconds)
+                self._wake.set()
