@@ -164,11 +164,17 @@ class WarmResult:
         return {"name": self.name, "action": self.action, "ok": self.ok, "detail": self.detail}
 
 
+# Staging failures worth retrying without a new plan (with backoff).
+RETRYABLE = frozenset({"NotFound", "Truncated", "Unreachable", "HTTPError", "DiskError"})
+
+
 @dataclass
 class _Watch:
     identity: tuple | None = None
     plan: Plan | None = None
-    errors: dict[str, str] = field(default_factory=dict)  # adapter -> last staging error
+    errors: dict[str, str] = field(default_factory=dict)  # adapter -> "Reason: message"
+    reasons: dict[str, str] = field(default_factory=dict)  # adapter -> Reason
+    failed_for_good: dict[str, AdapterRef] = field(default_factory=dict)  # not RETRYABLE
 
 
 class Warmer:
@@ -184,6 +190,8 @@ class Warmer:
         now: Callable[[], datetime.datetime] = utcnow,
         poll_seconds: float = 1.0,
         server_poll_seconds: float = 2.0,
+        retry_seconds: float = 10.0,
+        max_retry_seconds: float = 300.0,
     ) -> None:
         self.store = store
         self.plan_file = plan_file
@@ -195,6 +203,8 @@ class Warmer:
         self._now = now
         self.poll_seconds = poll_seconds
         self.server_poll_seconds = server_poll_seconds
+        self.retry_seconds = retry_seconds
+        self.max_retry_seconds = max_retry_seconds
         self._watch = _Watch()
         self._ready: dict[str, str] = {}  # server id -> URL, servers already warmed
         self._wake = asyncio.Event()
@@ -207,6 +217,12 @@ class Warmer:
     @property
     def errors(self) -> dict[str, str]:
         return dict(self._watch.errors)
+
+    @property
+    def retryable(self) -> list[str]:
+        """Plan adapters whose last staging failed for a reason that may pass (a network
+        error, a source not uploaded yet); a wrong digest or a bad file waits for a new plan."""
+        return sorted(n for n, reason in self._watch.reasons.items() if reason in RETRYABLE)
 
     def wake(self) -> None:
         """Check the plan now instead of at the next poll."""
@@ -254,6 +270,8 @@ class Warmer:
                     log.info("removed %s from local disk: it left the plan", name)
                     self._report_removed(name)
                 self._watch.errors.pop(name, None)
+                self._watch.reasons.pop(name, None)
+                self._watch.failed_for_good.pop(name, None)
         if self.reporter is not None:  # what an earlier run (or a session) left on disk
             for name, a in plan.adapters.items():
                 staged = self.store.get(name)
@@ -267,6 +285,9 @@ class Warmer:
             await self.warm_server(url)
 
     async def _stage_all(self, refs: list[AdapterRef]) -> None:
+        # An adapter that failed for good (wrong digest, bad file) is tried again only when
+        # the plan gives it a new source or digest.
+        refs = [r for r in refs if self._watch.failed_for_good.get(r.name) != r]
         results = await asyncio.gather(*(self._stage(r) for r in refs), return_exceptions=True)
         for res in results:
             if isinstance(res, BaseException) and not isinstance(res, StoreError):
@@ -281,10 +302,15 @@ class Warmer:
             staged = await self.store.stage(ref)
         except StoreError as e:
             self._watch.errors[ref.name] = f"{e.reason}: {e}"
+            self._watch.reasons[ref.name] = e.reason
+            if e.reason not in RETRYABLE:
+                self._watch.failed_for_good[ref.name] = ref
             if self.reporter is not None:
                 self.reporter.failed(ref.name, e.reason, str(e))
             raise
         self._watch.errors.pop(ref.name, None)
+        self._watch.reasons.pop(ref.name, None)
+        self._watch.failed_for_good.pop(ref.name, None)
         if self.reporter is not None:
             self.reporter.staged(ref.name, staged.bytes)
         return staged
@@ -299,16 +325,30 @@ class Warmer:
             self.reporter.removed(name)
 
     async def run(self) -> None:
-        """The plan loop: poll the file, reconcile on change and when a window opens."""
+        """The plan loop: poll the file; reconcile on a change, when a window opens, and
+        after a backoff (retry_seconds, doubling up to max_retry_seconds) while a plan
+        adapter's staging failed for a retryable reason."""
         window_open: frozenset[str] = frozenset()
+        loop = asyncio.get_running_loop()
+        backoff = self.retry_seconds
+        retry_at: float | None = None
         while True:
             previous = self._watch.plan
             changed = self.check_plan()
             plan = self._watch.plan
             now = self._now()
             opened = frozenset(plan.open_prefetch(now)) if plan else frozenset()
-            if changed or opened - window_open:
+            retry = retry_at is not None and loop.time() >= retry_at
+            if changed or opened - window_open or retry:
+                if changed:
+                    backoff = self.retry_seconds
                 await self.reconcile(previous if changed else None)
+                if self.retryable:
+                    retry_at = loop.time() + backoff
+                    log.info("retrying %s in %.0f s", ", ".join(self.retryable), backoff)
+                    backoff = min(2 * backoff, self.max_retry_seconds)
+                else:
+                    retry_at, backoff = None, self.retry_seconds
             window_open = opened
             timeout = self.poll_seconds
             if plan is not None and (start := plan.next_window_start(now)) is not None:

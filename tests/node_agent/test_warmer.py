@@ -261,3 +261,34 @@ async def test_status_reporter_retries_and_skips_deleted(session, kube_api):
         assert [p[3] for p in kube_api.log if p[1] == "gone"] == ["500", "404"]  # 404: not retried
     finally:
         task.cancel()
+
+
+async def test_transient_failures_are_retried_permanent_ones_wait(tmp_path, object_store, session):
+    object_store.add("late", tmp_path)  # its upload is not there yet: 404 at first
+    object_store.add("wrong", tmp_path, seed=1)
+    served = object_store.adapters.pop("late")
+    cm = ConfigMapDir(tmp_path / "plan")
+    plan = plan_json(object_store, pinned=["wrong"])
+    plan["pinned"].append("late")
+    plan["adapters"].append({"name": "late", "source": object_store.source("late"), "sha256": served.sha256,
+                             "pinned": True})
+    plan["adapters"][0]["sha256"] = "f" * 64  # "wrong" declares a digest its file does not have
+    cm.write(plan)
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    warmer = Warmer(store, cm.path, session, poll_seconds=0.02, retry_seconds=0.05)
+    tasks = TaskGuard()
+    tasks.spawn(warmer.run(), "plan-watch")
+    try:
+        await _until(lambda: set(warmer.errors) == {"late", "wrong"})
+        assert warmer.retryable == ["late"]
+        object_store.adapters["late"] = served  # the upload lands
+        await _until(lambda: store.get("late") is not None)
+        await asyncio.sleep(0.3)  # several backoff periods
+        assert warmer.retryable == [] and list(warmer.errors) == ["wrong"]
+        assert object_store.gets["wrong/adapter_model.safetensors"] == 1  # never fetched again
+        plan["adapters"][0]["sha256"] = object_store.adapters["wrong"].sha256  # the CR is fixed
+        cm.write(plan)
+        await _until(lambda: store.get("wrong") is not None)
+        assert warmer.errors == {}
+    finally:
+        await tasks.close()
