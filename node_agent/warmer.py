@@ -265,6 +265,9 @@ class Warmer:
         self.reconciles += 1
         self.store.set_pinned(set(plan.pinned))
         if previous is not None:
+            # A new plan may unpin or drop adapters and so make room: try budget failures again.
+            for name in [n for n, r in self._watch.reasons.items() if r == "BudgetExceeded"]:
+                self._watch.failed_for_good.pop(name, None)
             for name in sorted(set(previous.adapters) - set(plan.adapters)):
                 if await self.store.remove(name):
                     log.info("removed %s from local disk: it left the plan", name)
