@@ -95,6 +95,7 @@ class _BaseState:
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     requested: int = 0
     done: int = 0
+    runs: int = 0  # how many times the plan was computed (for logs and tests)
     plan: Plan | None = None
     written_json: str | None = None  # the plan JSON known to be in the ConfigMap
     # Statuses this process wrote, by object uid: the index may not have seen them yet.
@@ -150,6 +151,7 @@ class Planner:
             if state.done >= ticket:
                 return state.plan  # a run that started after our request covered it
             target = state.requested
+            state.runs += 1
             try:
                 await self._run(key, state, basemodels, adapters)
             except kube.KubeError as exc:

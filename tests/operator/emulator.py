@@ -197,7 +197,10 @@ class Emulator(kmock.KubernetesEmulator):
         if not match:
             return await rendering.Request._parse(raw_request, id=len(self._requests))
         body = await raw_request.read()
-        data = json.loads(body) if body else None
+        try:
+            data = json.loads(body) if body else None
+        except ValueError:
+            raise ApiError(415, "UnsupportedMediaType", "only JSON bodies are understood here") from None
         name, subresource = match.groups()
         method = kmock.method(raw_request.method)
         path = parsing.ParsedPath("", "v1", "namespaces", None, name, subresource)
