@@ -69,9 +69,11 @@ class DecodeRunner:
             "positions": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
             "token_slots": torch.full((max_rows,), -1, dtype=torch.int32, pin_memory=pin),
         }
+        self._np = {k: v.numpy() for k, v in self._host.items()}
         self._dev = {k: torch.zeros_like(v, device=self.device) for k, v in self._host.items()}
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self.last_args: tuple | None = None
 
     @property
     def num_graphs(self) -> int:
@@ -84,22 +86,24 @@ class DecodeRunner:
     def run(self, running: dict[int, Request], span: int) -> torch.Tensor:
         """Logits float32 [span, vocab] for KV rows 0..span-1 (rows without a request: garbage)."""
         b = bucket(span, self.buckets)
-        tokens, positions, slots = (self._host[k] for k in ("tokens", "positions", "token_slots"))
-        tokens[:b].zero_()
-        positions[:b].fill_(self.model.kv.max_len - 1)
-        slots[:b].fill_(-1)
+        # numpy views of the pinned host buffers: element writes cost ~100 ns, not a torch call.
+        tokens, positions, slots = (self._np[k] for k in ("tokens", "positions", "token_slots"))
+        tokens[:b] = 0
+        positions[:b] = self.model.kv.max_len - 1
+        slots[:b] = -1
         max_pos = 0
         use_lora = False
         for row, req in running.items():
             tokens[row] = req.output_ids[-1]
-            positions[row] = req.position
+            positions[row] = p = req.position
             slots[row] = req.slot
-            max_pos = max(max_pos, req.position)
+            max_pos = max(max_pos, p)
             use_lora |= req.slot >= 0
         for k, host in self._host.items():
             self._dev[k][:b].copy_(host[:b], non_blocking=True)
         kv_len = self.kv_len_for(max_pos)
         args = (self._dev["tokens"][:b], self._dev["positions"][:b], self._dev["token_slots"][:b], kv_len, use_lora)
+        self.last_args = args
         if not self.use_graphs:
             return self.model.decode(*args)[:span]
         key = (b, kv_len, use_lora)
@@ -108,6 +112,10 @@ class DecodeRunner:
         graph, out = self._graphs[key]
         graph.replay()
         return out[:span]
+
+    def rerun_eager(self) -> torch.Tensor:
+        """The last step's decode again, eagerly (for checking graphs: it rewrites the same K/V)."""
+        return self.model.decode(*self.last_args)
 
     def _capture(self, args) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture model.decode on the current inputs. The warm-up runs compute exactly what

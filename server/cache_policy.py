@@ -10,14 +10,19 @@ request for d arrives):
     policy.record_evict(victim)               # the victim left its slot
     policy.record_insert("d", cost=1.0)       # d is now in a slot
 
-`evictable` holds only adapters that may leave: resident, not pinned, not in use by a
-running request. The cache guarantees that; a policy never returns a name outside it and
+`evictable` (a set or a dict's keys view: membership is tested) holds only adapters that
+may leave: resident, not pinned, not in use by a running request. The cache guarantees that; a policy never returns a name outside it and
 returns None when it is empty. A prefetch (a warm-up window, a session start) calls
 `record_insert(name, prefetch=True)` without an access: the policy treats the adapter as
 about to be hot, so a frequency policy does not evict it on the next miss.
 
 Aging counts requests (`record_access` calls), not seconds: a policy is deterministic, needs
 no clock, and a quiet night does not wipe what the day taught it.
+
+Pinned adapters may stay known to the policy (they are simply never candidates), or the
+cache may call `record_evict` when it pins one and `record_insert` when it unpins it, which
+keeps them out of the walk in `select_victim` altogether. Policies are not thread-safe: call
+them under the lock that guards the slot table.
 
 Every operation is amortised O(log n) in the adapters the policy tracks; `select_victim`
 additionally pays O(log n) for each candidate it skips, and it skips only adapters that
@@ -142,9 +147,11 @@ class AgedLFUPolicy:
     A popularity shift (a campaign: new adapters turn hot at once) makes a long-memory LFU slow
     to let go of the old hot set. The policy watches its own miss rate: when the miss rate of
     the last ~`detect_span` requests exceeds the long-run miss rate by `detect_margin`, it ages
-    all history at once by a factor exp(`shift_jump`) (the clock jumps), then waits
-    `detect_span` requests before it may jump again. Under stationary traffic the short-run
-    rate stays within a few points of the long-run rate, so the jump never fires.
+    all history at once by a factor exp(`shift_jump`) (the clock jumps, so counts since the
+    shift decide), takes the short-run rate as the new baseline, and waits `detect_span`
+    requests before it may jump again. Under stationary traffic the short-run rate stays
+    within a few points of the long-run rate, so the jump does not fire (none in any
+    stationary run of bench/cache_sim.py).
     """
 
     name = "lfu-aged"

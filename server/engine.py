@@ -188,8 +188,7 @@ class LLMEngine:
             self.metrics.prompt_tokens.inc(tokens.shape[0])
         if decoding:
             logits = self.decoder.run(decoding, self.kv.span())
-            rows = list(decoding)
-            self._sample([decoding[r] for r in rows], logits[torch.tensor(rows, device=self.device)])
+            self._sample(list(decoding.values()), logits, rows=list(decoding))
         outputs += [r.take_output() for r in itertools.chain(admitted, decoding.values())]
         outputs += self._reap()
         m = self.metrics
@@ -198,9 +197,9 @@ class LLMEngine:
         m.waiting.set(len(self.scheduler.waiting))
         return outputs
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, rows: list[int] | None = None) -> None:
         tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
-                                     [len(r.output_ids) for r in reqs]).tolist()
+                                     [len(r.output_ids) for r in reqs], rows)
         for req, tok in zip(reqs, tokens):
             req.append(tok, self.eos_ids, self.max_model_len)
         self.metrics.generation_tokens.inc(len(reqs))

@@ -77,15 +77,18 @@ class LlamaModel:
     # -- building blocks -------------------------------------------------------------------
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return weight * h.to(x.dtype)
+        # One fused kernel on CUDA (float32 accumulation inside); the same formula as HF's.
+        return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, d]; cos/sin [T, 1, d] in x's dtype."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, heads + kv_heads, d] for the step, built once and used by every layer.
+        The attention scale 1/sqrt(d) is folded into q's rows: (s*q).k == s*(q.k)."""
+        cfg = self.cfg
+        head_scale = torch.ones(cfg.num_heads + cfg.num_kv_heads, 1, device=self.device)
+        head_scale[: cfg.num_heads] = self.scale
+        cos = (self.cos[positions].unsqueeze(1) * head_scale).to(dtype)
+        sin = (self.sin[positions].unsqueeze(1) * head_scale).to(dtype)
+        return cos, sin
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 layer: int, group: str, batch: LoRABatch | None) -> torch.Tensor:
@@ -103,18 +106,19 @@ class LlamaModel:
         gate, up = gate_up.chunk(2, dim=-1)
         return self._linear(F.silu(gate) * up, lw.down, None, i, "down", batch)
 
-    def _qkv(self, h: torch.Tensor, i: int, positions: torch.Tensor, batch: LoRABatch | None):
-        """q [T, heads, d], k and v [T, kv_heads, d], RoPE applied to q and k."""
+    def _qkv(self, h: torch.Tensor, i: int, rope: tuple[torch.Tensor, torch.Tensor], batch: LoRABatch | None):
+        """q [T, heads, d] (pre-scaled by 1/sqrt(d)), k and v [T, kv_heads, d]; RoPE on q and k
+        in one pass over the fused q|k columns."""
         cfg, lw = self.cfg, self.w.layers[i]
         qkv = self._linear(h, lw.qkv, lw.qkv_bias, i, "qkv", batch)
-        q, k, v = qkv.split(self.qkv_slices, dim=-1)
-        t = h.shape[0]
-        q = q.view(t, cfg.num_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        cos = self.cos[positions].to(h.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(h.dtype).unsqueeze(1)
-        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+        t, nq, nkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk = qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d)
+        cos, sin = rope
+        half = d // 2
+        rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+        qk = torch.addcmul(qk * cos, rotated, sin)
+        v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
+        return qk[:, :nq], qk[:, nq:], v
 
     def _lora_batch(self, token_slots: torch.Tensor, use_lora: bool) -> LoRABatch | None:
         if not use_lora or self.lora is None:
@@ -135,9 +139,10 @@ class LlamaModel:
         positions = torch.cat([torch.arange(s.length, device=self.device) for s in seqs])
         batch = self._lora_batch(token_slots, use_lora)
         x = self.w.embed[tokens]
+        rope = self._rope_tables(positions, x.dtype)
         for i, lw in enumerate(self.w.layers):
             h = self._rms_norm(x, lw.input_norm)
-            q, k, v = self._qkv(h, i, positions, batch)
+            q, k, v = self._qkv(h, i, rope, batch)
             attn = torch.empty_like(q)
             kc, vc = self.kv.k[i], self.kv.v[i]
             for s in seqs:
@@ -147,7 +152,7 @@ class LlamaModel:
                 vc[s.row, :, : s.length] = vs
                 out = F.scaled_dot_product_attention(
                     q[sl].transpose(0, 1).unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
-                    is_causal=True, scale=self.scale, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+                    is_causal=True, scale=1.0, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
                 attn[sl] = out[0].transpose(0, 1)
             x = x + self._linear(attn.reshape(x.shape[0], cfg.q_size), lw.o, None, i, "o", batch)
             x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, batch)
@@ -172,17 +177,18 @@ class LlamaModel:
         bias.masked_fill_((keys[None, :] > positions[:, None]).view(b, 1, 1, kv_len), float("-inf"))
         batch = self._lora_batch(token_slots, use_lora)
         x = self.w.embed[tokens]
+        rope = self._rope_tables(positions, x.dtype)
         for i, lw in enumerate(self.w.layers):
             h = self._rms_norm(x, lw.input_norm)
-            q, k, v = self._qkv(h, i, positions, batch)
+            q, k, v = self._qkv(h, i, rope, batch)
             kc, vc = self.kv.k[i], self.kv.v[i]
             kc[rows, :, positions] = k
             vc[rows, :, positions] = v
             # Grouped-query attention as two batched GEMVs over strided cache views:
             # q [B, kv_heads, groups, d] x K^T [B, kv_heads, d, kv_len] -> [B, kv_heads, groups, kv_len]
-            qg = q.view(b, cfg.num_kv_heads, groups, cfg.head_dim)
-            scores = torch.matmul(qg, kc[:b, :, :kv_len].transpose(-1, -2)).float() * self.scale + bias
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            qg = q.reshape(b, cfg.num_kv_heads, groups, cfg.head_dim)
+            scores = torch.matmul(qg, kc[:b, :, :kv_len].transpose(-1, -2))
+            probs = torch.softmax(scores + bias, dim=-1).to(q.dtype)
             attn = torch.matmul(probs, vc[:b, :, :kv_len])  # [B, kv_heads, groups, d]
             x = x + self._linear(attn.reshape(b, cfg.q_size), lw.o, None, i, "o", batch)
             x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, batch)

@@ -83,26 +83,28 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-               counters: list[int]) -> torch.Tensor:
-        """logits float32 [n, V], one row per request; returns int64 [n] tokens on the device.
+               counters: list[int], rows: list[int] | None = None) -> list[int]:
+        """One token per request (one host synchronisation for the whole batch).
 
-        `seeds` and `counters` (the request's output-token index) feed the noise."""
+        logits float32 [n, V]; request i reads row rows[i] (default i); `seeds` and
+        `counters` (the request's output-token index) feed the noise."""
+        rows = list(range(len(params))) if rows is None else rows
         tokens = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not rows:
-            return tokens
-        device = logits.device
-        idx = torch.tensor(rows, device=device)
-        sub = logits[idx]
-        temps = torch.tensor([params[i].temperature for i in rows], device=device, dtype=torch.float32)
-        sub = sub / temps[:, None]
-        if any(params[i].top_k > 0 or params[i].top_p < 1 for i in rows):
-            top_k = torch.tensor([params[i].top_k for i in rows], device=device, dtype=torch.int64)
-            top_p = torch.tensor([params[i].top_p for i in rows], device=device, dtype=torch.float32)
-            sub = apply_top_k_top_p(sub, top_k, top_p)
-        u = uniform_noise(torch.tensor([seeds[i] for i in rows], device=device, dtype=torch.int64),
-                          torch.tensor([counters[i] for i in rows], device=device, dtype=torch.int64),
-                          logits.shape[-1])
-        gumbel = -torch.log(-torch.log(u))
-        tokens[idx] = (torch.log_softmax(sub, dim=-1) + gumbel).argmax(dim=-1)
-        return tokens
+        picked = [i for i, p in enumerate(params) if not p.greedy]
+        if picked:
+            device = logits.device
+            idx = torch.tensor([rows[i] for i in picked], device=device)
+            sub = logits[idx]
+            temps = torch.tensor([params[i].temperature for i in picked], device=device, dtype=torch.float32)
+            sub = sub / temps[:, None]
+            if any(params[i].top_k > 0 or params[i].top_p < 1 for i in picked):
+                top_k = torch.tensor([params[i].top_k for i in picked], device=device, dtype=torch.int64)
+                top_p = torch.tensor([params[i].top_p for i in picked], device=device, dtype=torch.float32)
+                sub = apply_top_k_top_p(sub, top_k, top_p)
+            u = uniform_noise(torch.tensor([seeds[i] for i in picked], device=device, dtype=torch.int64),
+                              torch.tensor([counters[i] for i in picked], device=device, dtype=torch.int64),
+                              logits.shape[-1])
+            gumbel = -torch.log(-torch.log(u))
+            tokens[idx] = (torch.log_softmax(sub, dim=-1) + gumbel).argmax(dim=-1)
+        out = tokens.tolist()
+        return [out[r] for r in rows]

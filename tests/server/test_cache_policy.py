@@ -244,6 +244,7 @@ def test_simulator_quick_mode(tmp_path):
         hr = run["hit_rate"]
         assert hr["lfu-aged"] > hr["lru"] + 0.05, run
         assert hr["belady"] >= hr["lfu-aged"], run
+        assert run["lfu_aged_shifts_detected"] == 0, run  # no false alarm on stationary traffic
     # With the campaign prefetched, lfu-aged is at its steady rate within one window.
     pol = result["shift"]["prefetch"]["policies"]
     assert pol["lfu-aged"]["recovery_requests"] <= pol["lru"]["recovery_requests"]
