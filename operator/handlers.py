@@ -1,7 +1,7 @@
 """kopf handlers: wire BaseModel / LoRAAdapter events to the planner.
 
     LoRAAdapter  create / update / resume / delete (finalizer)  -> reconcile its base
-    LoRAAdapter  every event (node agents patch status.nodes)   -> its own Staged / Ready
+    LoRAAdapter  any event (node agents patch status.nodes)     -> reconcile if Staged / Ready move
     BaseModel    create / update / resume                      -> Deployment + Service, reconcile
     BaseModel    deleted                                        -> its adapters go Pending
     BaseModel    daemon                                         -> reconcile when a warm-up window opens or ends
@@ -22,10 +22,8 @@ import kopf
 
 from loraplex.operator import kube, status as statuses, workloads
 from loraplex.operator.packing import pack
-from loraplex.operator.plan import Plan
 from loraplex.operator.reconciler import AdapterRecord, BaseRecord, Planner, utcnow
 from loraplex.operator.specs import GROUP, VERSION, AdapterSpec, BaseModelSpec, SpecError
-from loraplex.operator.validation import Verdict, validate
 
 BASEMODELS = (GROUP, VERSION, "basemodels")
 ADAPTERS = (GROUP, VERSION, "loraadapters")
@@ -82,6 +80,7 @@ async def adapter_changed(body: kopf.Body, old: Any, namespace: str, memo: kopf.
     try:
         spec = AdapterSpec.from_body(body)
     except SpecError as exc:
+        memo.planner.forget_status(body.get("metadata", {}).get("uid", ""))
         patch.status.update(_invalid_status(body, str(exc), phase="Rejected"))
         raise kopf.PermanentError(f"invalid LoRAAdapter spec: {exc}") from exc
     planner: Planner = memo.planner
@@ -103,22 +102,25 @@ async def adapter_deleted(body: kopf.Body, namespace: str, memo: kopf.Memo,
 
 @kopf.on.event(*ADAPTERS)
 async def adapter_staging(event: kopf.RawEvent, body: kopf.Body, namespace: str, memo: kopf.Memo,
-                          patch: kopf.Patch, adapters_by_base: kopf.Index, **_: Any) -> None:
-    """Node agents merge-patch status.nodes.<node>; fold that into Staged / Ready."""
+                          basemodels: kopf.Index, adapters_by_base: kopf.Index, **_: Any) -> None:
+    """Node agents merge-patch status.nodes.<node>: re-plan when that moves Staged / Ready.
+
+    The planner stays the one writer of the operator's part of adapter statuses, so a
+    staging event and a priority change never race to write different `pinned` values.
+    """
     if event.get("type") == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
         return
     record = AdapterRecord.from_body(body)
     planner: Planner = memo.planner
-    plan = planner.plan_of((namespace, record.base_model))
+    key = (namespace, record.base_model)
+    plan = planner.plan_of(key)
     if plan is None or record.spec is None or record.spec.name not in plan.verdicts:
         return  # not planned yet: the reconcile that plans it writes its whole status
-    if plan.verdicts[record.spec.name] != _verdict_now(plan, record.spec):
-        return  # the plan is older than this spec: a reconcile is on its way
-    ready = planner.state((namespace, record.base_model)).ready_replicas > 0
+    ready = planner.state(key).ready_replicas > 0
     desired = statuses.adapter_status(record.spec, plan.verdicts[record.spec.name], plan,
                                       record.status, ready, utcnow())
     if statuses.differs(record.status, desired):
-        patch.status.update(desired)
+        await planner.reconcile(key, basemodels, adapters_by_base)
 
 
 # BaseModel
@@ -202,10 +204,6 @@ async def deployment_readiness(event: kopf.RawEvent, body: kopf.Body, namespace:
     planner: Planner = memo.planner
     if planner.set_ready_replicas((namespace, base), ready):
         await planner.reconcile((namespace, base), basemodels, adapters_by_base)
-
-
-def _verdict_now(plan: Plan, spec: AdapterSpec) -> Verdict:
-    return validate(spec, plan.base)
 
 
 def _invalid_status(body: kopf.Body, message: str, phase: str) -> dict[str, Any]:

@@ -142,6 +142,11 @@ class Planner:
         state.written_json = None
         state.written_status.clear()
 
+    def forget_status(self, uid: str) -> None:
+        """Another writer (an invalid-spec handler) set this object's status."""
+        for state in self._states.values():
+            state.written_status.pop(uid, None)
+
     async def reconcile(self, key: BaseKey, basemodels: Indices, adapters: Indices) -> Plan | None:
         """Bring the plan of `key` and every status it decides up to date with the indices."""
         state = self.state(key)
@@ -180,6 +185,7 @@ class Planner:
         plan = build_plan(base.spec, [r.spec for r in adapter_records if r.spec is not None], now)
         logger.debug("planned %s/%s: %d adapters in %.3fs", namespace, name, len(plan.adapters),
                      (self.clock() - started).total_seconds())
+        state.plan = plan  # before the writes: events they cause must see this plan
         await self._write_config_map(base, plan, state)
 
         for record in adapter_records:
@@ -197,7 +203,6 @@ class Planner:
             await self.client.patch_status(kube.BASE_MODELS, namespace, name, desired_base)
             state.written_status[base.uid] = desired_base
 
-        state.plan = plan
         wakeup = next_wakeup(plan, now)
         if wakeup != state.wakeup:
             state.wakeup = wakeup
