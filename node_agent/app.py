@@ -26,8 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 from loraplex.node_agent.tasks import TaskGuard
-from loraplex.node_agent.kube import KubeAPI, KubePods, StatusReporter
-from loraplex.node_agent.warmer import ServerDiscovery, StaticServers, Warmer
+from loraplex.node_agent.kube import KubeAPI, KubePods, PlanConfigMap, StatusReporter
+from loraplex.node_agent.warmer import PlanFile, PlanSource, ServerDiscovery, StaticServers, Warmer
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class AgentConfig:
     budget_bytes: int
     max_concurrent_downloads: int = 4
     plan_file: Path | None = None
+    plan_configmap: str | None = None  # "namespace/name", read through the API
     server_urls: tuple[str, ...] = ()
     node_name: str | None = None
     namespace: str | None = None  # of the plan's LoRAAdapters, for status.nodes reports
@@ -69,18 +70,26 @@ class Agent:
         self.store = AdapterStore(c.cache_dir, c.budget_bytes, c.max_concurrent_downloads,
                                   session=self.session, metrics=self.metrics)
         api = None
-        if c.kube_api_url and c.node_name:
+        if c.kube_api_url:
             api = KubeAPI(c.kube_api_url, self.session, token_file=c.kube_token_file, ca_file=c.kube_ca_file)
-        reporter = StatusReporter(api, c.namespace, c.node_name) if api and c.namespace else None
+        plan: PlanSource | None = PlanFile(c.plan_file) if c.plan_file else None
+        if c.plan_configmap:
+            if api is None:
+                raise ValueError("plan_configmap needs kube_api_url")
+            namespace, name = c.plan_configmap.split("/", 1)
+            plan = PlanConfigMap(api, namespace, name)
+        reporter = None
+        if api is not None and c.node_name and c.namespace:
+            reporter = StatusReporter(api, c.namespace, c.node_name)
         discovery: ServerDiscovery | None = None
         if c.server_urls:
             discovery = StaticServers(list(c.server_urls), self.session)
-        elif api is not None:
+        elif api is not None and c.node_name:
             discovery = KubePods(api, c.node_name)
-        self.warmer = Warmer(self.store, c.plan_file, self.session, discovery=discovery, reporter=reporter,
+        self.warmer = Warmer(self.store, plan, self.session, discovery=discovery, reporter=reporter,
                              metrics=self.metrics, poll_seconds=c.poll_seconds,
                              server_poll_seconds=c.server_poll_seconds)
-        if c.plan_file is not None:
+        if plan is not None:
             self.tasks.spawn(self.warmer.run(), "plan-watch")
         if discovery is not None:
             self.tasks.spawn(self.warmer.run_servers(), "server-watch")

@@ -47,6 +47,11 @@ class Settings:
     """The operator's plan (the ConfigMap <base>-plan, key plan.json, mounted), e.g.
     /etc/loraplex/plan/plan.json. Default: none (stage on request only)."""
 
+    plan_configmap: str | None = None
+    """NAMESPACE/NAME of the plan ConfigMap (<base>-plan), read through the Kubernetes API
+    instead of --plan-file: a DaemonSet cannot mount a ConfigMap of another namespace.
+    Default: none."""
+
     port: int = 8081
     """TCP port of the agent's HTTP API. Default: 8081."""
 
@@ -86,6 +91,14 @@ class Settings:
             raise ValueError(f"--port must be 1..65535, got {self.port}")
         if self.poll_seconds <= 0 or self.server_poll_seconds <= 0:
             raise ValueError("--poll-seconds and --server-poll-seconds must be positive")
+        if self.plan_file is not None and self.plan_configmap is not None:
+            raise ValueError("give --plan-file or --plan-configmap, not both")
+        if self.plan_configmap is not None:
+            ns, _, name = self.plan_configmap.partition("/")
+            if not ns or not name or "/" in name:
+                raise ValueError(f"--plan-configmap must be NAMESPACE/NAME, got {self.plan_configmap!r}")
+            if self.kube_api_url is None:
+                raise ValueError("--plan-configmap needs the Kubernetes API (--kube-api-url, or run in a pod)")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"--log-level {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
 
@@ -96,6 +109,8 @@ class Settings:
         settings = cls(**{k: v for k, v in args.items() if v is not None})
         if settings.node_name is None:
             settings.node_name = env.get("NODE_NAME") or None
+        if settings.namespace is None and settings.plan_configmap and "/" in settings.plan_configmap:
+            settings.namespace = settings.plan_configmap.split("/", 1)[0]
         if settings.namespace is None:
             settings.namespace = env.get("POD_NAMESPACE") or None
         if settings.kube_api_url is None and env.get("KUBERNETES_SERVICE_HOST"):
@@ -112,6 +127,7 @@ class Settings:
             budget_bytes=self.budget_bytes,
             max_concurrent_downloads=self.max_concurrent_downloads,
             plan_file=self.plan_file,
+            plan_configmap=self.plan_configmap,
             server_urls=tuple(self.server_url),
             node_name=self.node_name,
             namespace=self.namespace,

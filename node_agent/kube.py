@@ -2,10 +2,12 @@
 
     KubeAPI        GET JSON / merge-patch with the pod's service-account token and CA
     KubePods       the server pods of a base on this node, and whether they are ready
+    PlanConfigMap  the operator's plan ConfigMap, when it cannot be mounted
     StatusReporter this node's entry under LoRAAdapter status.nodes, e.g.
                    {"status": {"nodes": {"gpu-node-3": {"phase": "Staged", "message": "", "bytes": 41943040}}}}
 
-RBAC (the chart's node-agent ClusterRole): list pods; get/patch loraadapters/status.
+RBAC (the chart's node-agent ClusterRole): list pods; get configmaps; get/patch
+loraadapters/status.
 """
 
 from __future__ import annotations
@@ -84,6 +86,34 @@ class KubePods:
             host = f"[{ip}]" if ":" in ip else ip
             out[meta.get("uid") or meta.get("name")] = (f"http://{host}:{self.port}", ready)
         return out
+
+
+class PlanConfigMap:
+    """The operator's plan read through the API: GET the ConfigMap `<base>-plan`, key
+    plan.json; identity = its resourceVersion. For a DaemonSet in another namespace than
+    the BaseModel (a pod can mount ConfigMaps of its own namespace only)."""
+
+    def __init__(self, api: KubeAPI, namespace: str, name: str, key: str = "plan.json") -> None:
+        self.api = api
+        self.namespace = namespace
+        self.name = name
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"configmap {self.namespace}/{self.name}"
+
+    async def read(self, known: object) -> tuple[object, str | None]:
+        try:
+            body = await self.api.get_json(f"/api/v1/namespaces/{self.namespace}/configmaps/{self.name}")
+        except aiohttp.ClientResponseError as e:
+            if e.status == 404:
+                return None, None
+            raise
+        identity = (body.get("metadata") or {}).get("resourceVersion")
+        if identity is not None and identity == known:
+            return identity, None
+        text = (body.get("data") or {}).get(self.key)
+        return (identity, text) if text is not None else (None, None)
 
 
 class StatusReporter:

@@ -113,6 +113,38 @@ def read_plan(path: Path) -> Plan:
         raise PlanError(f"{path}: {e}") from None
 
 
+class PlanSource(Protocol):
+    """Where the plan comes from: a mounted file (PlanFile) or the API (kube.PlanConfigMap)."""
+
+    async def read(self, known: object) -> tuple[object, str | None]:
+        """(identity, text): text None when the identity equals `known` (unchanged) or the
+        plan is missing (identity None)."""
+
+
+class PlanFile:
+    """The plan as a mounted ConfigMap file. A ConfigMap changes by a symlink swap, so the
+    identity is the resolved file's (inode, size, mtime)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    async def read(self, known: object) -> tuple[object, str | None]:
+        try:
+            st = os.stat(self.path)  # follows the symlinks
+        except OSError:
+            return None, None
+        identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if identity == known:
+            return identity, None
+        try:
+            return identity, self.path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"{self.path}: {e}") from None
+
+
 def _parse_time(s: str) -> datetime.datetime:
     t = datetime.datetime.fromisoformat(s.replace("Z", "+00:00"))
     if t.tzinfo is None:
@@ -170,7 +202,8 @@ RETRYABLE = frozenset({"NotFound", "Truncated", "Unreachable", "HTTPError", "Dis
 
 @dataclass
 class _Watch:
-    identity: tuple | None = None
+    identity: object = None
+    missing: bool = False  # logged once per absence
     plan: Plan | None = None
     errors: dict[str, str] = field(default_factory=dict)  # adapter -> "Reason: message"
     reasons: dict[str, str] = field(default_factory=dict)  # adapter -> Reason
@@ -181,7 +214,7 @@ class Warmer:
     def __init__(
         self,
         store: AdapterStore,
-        plan_file: Path | None,
+        plan: PlanSource | Path | None,
         session: aiohttp.ClientSession,
         *,
         discovery: ServerDiscovery | None = None,
@@ -194,7 +227,7 @@ class Warmer:
         max_retry_seconds: float = 300.0,
     ) -> None:
         self.store = store
-        self.plan_file = plan_file
+        self.plan_source: PlanSource | None = PlanFile(plan) if isinstance(plan, (str, Path)) else plan
         self._session = session
         self.discovery = discovery
         self.reporter = reporter
@@ -230,25 +263,29 @@ class Warmer:
 
     # -- plan ---------------------------------------------------------------------------------
 
-    def check_plan(self) -> bool:
-        """Re-read the plan file if it changed; True if a new plan was taken."""
-        if self.plan_file is None:
+    async def check_plan(self) -> bool:
+        """Re-read the plan if it changed; True if a new plan was taken. A missing or bad
+        plan is logged and the last good one kept."""
+        if self.plan_source is None:
             return False
         try:
-            st = os.stat(self.plan_file)  # follows the ConfigMap's symlinks
-            identity = (st.st_ino, st.st_size, st.st_mtime_ns)
-        except OSError:
-            identity = None
-        if identity == self._watch.identity:
+            identity, text = await self.plan_source.read(self._watch.identity)
+        except (PlanError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.error("cannot read the plan: %s", e)
+            return False
+        if identity is None:
+            if not self._watch.missing:
+                log.warning("plan %s is missing; keeping the last plan", self.plan_source)
+            self._watch.identity, self._watch.missing = None, True
+            return False
+        self._watch.missing = False
+        if text is None:
             return False
         self._watch.identity = identity
-        if identity is None:
-            log.warning("plan file %s is missing; keeping the last plan", self.plan_file)
-            return False
         try:
-            plan = read_plan(self.plan_file)
-        except PlanError as e:
-            log.error("ignoring plan file: %s", e)
+            plan = parse_plan(json.loads(text))
+        except (PlanError, json.JSONDecodeError) as e:
+            log.error("ignoring plan %s: %s", self.plan_source, e)
             return False
         if plan == self._watch.plan:
             return False
@@ -337,7 +374,7 @@ class Warmer:
         retry_at: float | None = None
         while True:
             previous = self._watch.plan
-            changed = self.check_plan()
+            changed = await self.check_plan()
             plan = self._watch.plan
             now = self._now()
             opened = frozenset(plan.open_prefetch(now)) if plan else frozenset()

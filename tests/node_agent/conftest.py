@@ -144,6 +144,19 @@ class FakeKubeAPI:
     log: list = field(default_factory=list)  # (namespace, name, body, outcome), every PATCH
     fail_next: int = 0  # answer 500 to this many PATCHes first
     missing: set = field(default_factory=set)  # adapters that answer 404
+    configmaps: dict = field(default_factory=dict)  # (namespace, name) -> ConfigMap
+
+    def put_configmap(self, ns: str, name: str, data: dict) -> None:
+        old = self.configmaps.get((ns, name))
+        rv = str(int(old["metadata"]["resourceVersion"]) + 1) if old else "1"
+        self.configmaps[(ns, name)] = {"metadata": {"namespace": ns, "name": name, "resourceVersion": rv},
+                                       "data": data}
+
+    async def get_configmap(self, request):
+        cm = self.configmaps.get((request.match_info["ns"], request.match_info["name"]))
+        if cm is None:
+            return web.json_response({"kind": "Status", "code": 404}, status=404)
+        return web.json_response(cm)
 
     async def list_pods(self, request):
         self.requests.append((dict(request.query), request.headers.get("Authorization")))
@@ -169,6 +182,7 @@ async def kube_api():
     api = FakeKubeAPI()
     app = web.Application()
     app.router.add_get("/api/v1/pods", api.list_pods)
+    app.router.add_get("/api/v1/namespaces/{ns}/configmaps/{name}", api.get_configmap)
     app.router.add_patch("/apis/loraplex.io/v1alpha1/namespaces/{ns}/loraadapters/{name}/status", api.patch_status)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()

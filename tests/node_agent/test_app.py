@@ -185,6 +185,8 @@ SETTINGS = [
      {"server_url": ["http://a:8000", "http://b:8000"]}),
     ([], {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443", "POD_NAMESPACE": "ml"},
      {"kube_api_url": "https://10.96.0.1:443", "namespace": "ml"}),
+    (["--plan-configmap", "ml/llama-plan"], {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "POD_NAMESPACE": "loraplex"},
+     {"plan_configmap": "ml/llama-plan", "namespace": "ml"}),
 ]
 
 
@@ -196,8 +198,12 @@ def test_settings_from_flags_and_env(argv, env, want):
 
 
 @pytest.mark.parametrize("argv", [["--budget-bytes", "0"], ["--max-concurrent-downloads", "-1"],
-                                  ["--port", "70000"], ["--log-level", "LOUD"]])
-def test_bad_settings_exit_2(argv, capsys):
+                                  ["--port", "70000"], ["--log-level", "LOUD"],
+                                  ["--plan-configmap", "ml/p"],  # no API to read it from
+                                  ["--plan-configmap", "p", "--kube-api-url", "http://x"],
+                                  ["--plan-configmap", "ml/p", "--plan-file", "/p", "--kube-api-url", "http://x"]])
+def test_bad_settings_exit_2(argv, capsys, monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert main(argv) == 2
     assert "loraplex-node-agent:" in capsys.readouterr().err
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import os
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from loraplex.node_agent.store import AdapterStore, StoreError
 from loraplex.node_agent.tasks import TaskGuard
-from loraplex.node_agent.kube import KubeAPI, KubePods, StatusReporter
+from loraplex.node_agent.kube import KubeAPI, KubePods, PlanConfigMap, StatusReporter
 from loraplex.node_agent.warmer import PlanError, StaticServers, Warmer, parse_plan
 
 from .helpers import T0, ConfigMapDir, plan_json
@@ -64,16 +65,32 @@ async def test_plan_reload_follows_configmap_swap(tmp_path, object_store, sessio
     cm = ConfigMapDir(tmp_path / "plan")
     store = AdapterStore(tmp_path / "cache", 10**9, session=session)
     warmer = Warmer(store, cm.path, session)
-    assert warmer.check_plan() is False and warmer.plan is None  # no file yet
+    assert await warmer.check_plan() is False and warmer.plan is None  # no file yet
     cm.write(plan_json(object_store, pinned=["a"]))
-    assert warmer.check_plan() is True and warmer.plan.pinned == ("a",)
-    assert warmer.check_plan() is False  # unchanged
+    assert await warmer.check_plan() is True and warmer.plan.pinned == ("a",)
+    assert await warmer.check_plan() is False  # unchanged
     cm.write(plan_json(object_store, pinned=["a"]))  # same content, new file: no new plan
-    assert warmer.check_plan() is False
+    assert await warmer.check_plan() is False
     cm.write("{not json")
-    assert warmer.check_plan() is False and warmer.plan.pinned == ("a",)  # bad file: keep the last
+    assert await warmer.check_plan() is False and warmer.plan.pinned == ("a",)  # bad file: keep the last
     cm.write(plan_json(object_store, pinned=["b"], others=["a"]))
-    assert warmer.check_plan() is True and warmer.plan.pinned == ("b",)
+    assert await warmer.check_plan() is True and warmer.plan.pinned == ("b",)
+
+
+async def test_plan_from_the_api(tmp_path, object_store, session, kube_api):
+    object_store.add("a", tmp_path)
+    object_store.add("b", tmp_path, seed=1)
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    source = PlanConfigMap(KubeAPI(kube_api.url, session), "ml", "llama-plan")
+    warmer = Warmer(store, source, session)
+    assert await warmer.check_plan() is False and warmer.plan is None  # no ConfigMap yet
+    kube_api.put_configmap("ml", "llama-plan", {"plan.json": json.dumps(plan_json(object_store, pinned=["a"]))})
+    assert await warmer.check_plan() is True and warmer.plan.pinned == ("a",)
+    assert await warmer.check_plan() is False  # same resourceVersion
+    kube_api.put_configmap("ml", "llama-plan", {"plan.json": json.dumps(plan_json(object_store, pinned=["b"]))})
+    assert await warmer.check_plan() is True and warmer.plan.pinned == ("b",)
+    kube_api.configmaps.clear()  # deleted: keep the last plan
+    assert await warmer.check_plan() is False and warmer.plan.pinned == ("b",)
 
 
 async def _until(cond, timeout=5.0):
@@ -141,7 +158,7 @@ async def _staged_warmer(tmp_path, object_store, session, fake_server, now=None)
     store = AdapterStore(tmp_path / "cache", 10**9, session=session)
     warmer = Warmer(store, cm.path, session, now=now or FakeNow(),
                     discovery=StaticServers([fake_server.url], session))
-    assert warmer.check_plan()
+    assert await warmer.check_plan()
     await warmer.reconcile()
     return warmer
 
@@ -226,7 +243,7 @@ async def test_status_reports_follow_staging(tmp_path, object_store, session, ku
     store = AdapterStore(tmp_path / "cache", 10**9, session=session)
     reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7")
     warmer = Warmer(store, cm.path, session, reporter=reporter)
-    warmer.check_plan()
+    await warmer.check_plan()
     await warmer.reconcile()
     await reporter.flush()
     got = {name: body["status"]["nodes"]["node-7"] for ns, name, body, _ in kube_api.patches}
