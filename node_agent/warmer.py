@@ -7,11 +7,12 @@ The plan file is the `plan.json` key of the ConfigMap `<base>-plan`, mounted rea
                    "priority": 100, "pinned": true}, …],
      "prefetch": [{"name": "c", "start": "2026-05-01T08:00:00Z", "end": "2026-05-02T08:00:00Z"}]}
 
-A mounted ConfigMap changes by a symlink swap, so the warmer polls the file's identity
-(inode, size, mtime) every `poll_seconds` and re-reads it when that changes. On each plan
-(and when a warm-up window opens) it reconciles: the store's pinned set; pinned adapters
-staged first, then prefetch entries whose window is open; adapters that left the plan
-removed from disk. A bad plan file is logged and the previous plan kept.
+The warmer polls the plan's identity every `poll_seconds` (a mounted file: inode, size and
+mtime, since a ConfigMap changes by a symlink swap; through the API: the resourceVersion)
+and re-reads it when that changes. On each plan (when a warm-up window opens, and after a
+backoff while a staging failure may pass) it reconciles: the store's pinned set; pinned
+adapters staged first, then prefetch entries whose window is open; adapters that left the
+plan removed from disk. A bad plan is logged and the previous plan kept.
 
 Servers: when a server pod of the plan's base on this node turns ready, the warmer asks it
 to load the pinned set and the open prefetch entries from local disk:
