@@ -250,3 +250,26 @@ def test_simulator_quick_mode(tmp_path):
     assert pol["lfu-aged"]["recovery_requests"] <= pol["lru"]["recovery_requests"]
     for f in ("cache_sim_zipf.png", "cache_sim_shift.png", "cache_sim_notes.md"):
         assert (tmp_path / f).stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_state_stays_bounded(name):
+    """Lazy heap items and history do not pile up: the structures stay O(resident) and
+    O(history_limit) over a long run with many one-off adapters."""
+    rng = random.Random(5)
+    policy = make_policy(name, **({"history_limit": 2_000} if name == "lfu-aged" else {}))
+    resident: set[str] = set()
+    for i in range(40_000):
+        a = f"hot-{rng.randrange(50)}" if rng.random() < 0.5 else f"once-{i}"
+        policy.record_access(a)
+        if a not in resident:
+            if len(resident) >= 100:
+                v = policy.select_victim(resident)
+                resident.remove(v)
+                policy.record_evict(v)
+            resident.add(a)
+            policy.record_insert(a)
+    assert len(policy) == len(resident) == 100
+    if name == "lfu-aged":
+        assert len(policy._heap) <= 2 * 100 + 64
+        assert len(policy._entries) <= 2_000
