@@ -42,7 +42,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATIONS_PREFIX, key="last-handled-configuration")
     if "planner" not in memo:
-        memo.planner = Planner(kube.KubeClient(kube.login(settings)))
+        memo.planner = Planner(kube.KubeClient(kube.login(settings), relogin=lambda: kube.login(settings)))
 
 
 @kopf.on.login()

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import ssl
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -75,8 +75,10 @@ def login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
 class KubeClient:
     """GET / POST / merge-PATCH against one API server. Errors raise `KubeError`."""
 
-    def __init__(self, info: kopf.ConnectionInfo, timeout: float = 30.0) -> None:
+    def __init__(self, info: kopf.ConnectionInfo, timeout: float = 30.0,
+                 relogin: Callable[[], kopf.ConnectionInfo] | None = None) -> None:
         self._info = info
+        self._relogin = relogin  # on a 401: service account tokens are rotated on disk
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
         self._tempfiles: list[Any] = []
@@ -140,6 +142,19 @@ class KubeClient:
         return "patched"
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return await self._send(method, path, **kwargs)
+        except KubeError as exc:
+            if exc.status != 401 or self._relogin is None:
+                raise
+        logger.info("credentials refused (401): logging in again")
+        self._info = self._relogin()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        return await self._send(method, path, **kwargs)
+
+    async def _send(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         session = self._session or self._open()
         url = self._info.server.rstrip("/") + path
         headers = dict(kwargs.pop("headers", {}))

@@ -43,7 +43,7 @@ import secrets
 import traceback
 import uuid
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import aiohttp.web
@@ -148,6 +148,8 @@ class Emulator(kmock.KubernetesEmulator):
         with warnings.catch_warnings():  # kmock 0.8 reads its bundle with a deprecated call
             warnings.simplefilter("ignore", DeprecationWarning)
             self.resources.load_bundled()  # the built-in kinds: configmaps, deployments, events, ...
+        self.fallback[kmock.method.PUT] << self._serve_replace
+        self.fallback["get", re.compile(r"/openapi/v3(/.*)?")] << self._serve_openapi
 
     # Discovery: kmock writes the core group as "/v1" and gives subresources the short names
     # of their resource (kubectl then warns "short name could also match ...").
@@ -211,31 +213,38 @@ class Emulator(kmock.KubernetesEmulator):
             resource=NAMESPACES, namespace=None, name=name, subresource=subresource,
         )
 
+    # Serving: kmock routes requests through its DSL, so reactions a test adds (errors,
+    # delays) take precedence; what is left falls back to these methods. KubernetesEmulator's
+    # own state keeping in `_handle` is skipped: the fallbacks below keep the state.
+
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
-        path = request.url.path
-        if path == "/openapi/v3" or path.startswith("/openapi/v3/"):
-            return aiohttp.web.json_response(self._openapi(path))
-        if request.resource is None or request.resource.plural is None:
-            return await apps.RawHandler._handle(self, request)  # discovery and DSL reactions
-        resource = request.resource
-        if resource not in list(self.resources):
-            raise ApiError(404, "NotFound", f"the server could not find the requested resource ({path})")
-        method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
-        if method == "GET" and request.params.get("watch") in ("true", "1"):
-            return await self._watch(request)
-        if method == "GET" and request.name is None:
-            return self._json(self._list(request), request)
-        if method == "GET":
-            return self._json(self._get(request), request)
-        if method == "POST" and request.name is None:
-            return aiohttp.web.json_response(self._create(request), status=201)
-        if method == "PATCH" and request.name is not None:
-            return aiohttp.web.json_response(self._patch(request))
-        if method == "PUT" and request.name is not None:
-            return aiohttp.web.json_response(self._replace(request))
-        if method == "DELETE" and request.name is not None:
-            return aiohttp.web.json_response(self._delete(request))
-        raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on {path}")
+        if request.resource is not None and request.resource.plural is not None and \
+                request.resource not in list(self.resources):
+            raise ApiError(404, "NotFound", f"the server could not find the requested resource ({request.url.path})")
+        return await apps.RawHandler._handle(self, request)
+
+    async def _serve_list(self, request: rendering.Request) -> dict[str, Any]:
+        return self._json(self._list(request), request)
+
+    async def _serve_fetch(self, request: rendering.Request) -> dict[str, Any]:
+        return self._json(self._get(request), request)
+
+    async def _serve_create(self, request: rendering.Request) -> rendering.Response:
+        return rendering.Response(status=201, payload=self._create(request))
+
+    async def _serve_update(self, request: rendering.Request) -> dict[str, Any]:
+        return self._patch(request)
+
+    async def _serve_replace(self, request: rendering.Request) -> dict[str, Any]:
+        if request.resource is None or request.resource.plural is None or request.name is None:
+            raise ApiError(405, "MethodNotAllowed", f"PUT is not supported on {request.url.path}")
+        return self._replace(request)
+
+    async def _serve_delete(self, request: rendering.Request) -> dict[str, Any]:
+        return self._delete(request)
+
+    async def _serve_openapi(self, request: rendering.Request) -> dict[str, Any]:
+        return self._openapi(request.url.path)
 
     # Reads.
 
@@ -284,38 +293,34 @@ class Emulator(kmock.KubernetesEmulator):
             "items": self._matching(request),
         }
 
-    async def _watch(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
-        assert request._raw_request is not None
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+        """Events as JSON lines: after ?resourceVersion (else the current state as ADDED
+        first), until ?timeoutSeconds has passed (else until the client goes away)."""
         since = request.params.get("resourceVersion") or "0"
         timeout = float(request.params.get("timeoutSeconds") or 0) or None
-        deadline = asyncio.get_running_loop().time() + timeout if timeout else None
-        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
-        await response.prepare(request._raw_request)
-        if since in ("", "0"):  # no version: the current state first, as ADDED events
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout if timeout else None
+        yield b""  # send the headers now, as the API server does
+        if since in ("", "0"):
             for obj in self._matching(request):
-                await response.write(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
+                yield {"type": "ADDED", "object": obj}
             position = len(self._log)
         else:
             position = next((i for i, (rv, _, _) in enumerate(self._log) if rv > int(since)), len(self._log))
-        try:
-            while True:
-                while position < len(self._log):
-                    _, resource, event = self._log[position]
-                    position += 1
-                    if resource == request.resource and self._event_matches(request, event["object"]):
-                        await response.write(json.dumps(event).encode() + b"\n")
-                tick = self._tick
-                remaining = None if deadline is None else deadline - asyncio.get_running_loop().time()
-                if remaining is not None and remaining <= 0:
-                    break
-                try:
-                    await asyncio.wait_for(tick.wait(), timeout=remaining)
-                except asyncio.TimeoutError:
-                    break
-            await response.write_eof()
-        except ConnectionResetError:
-            pass  # the client went away
-        return response
+        while True:
+            while position < len(self._log):
+                _, resource, event = self._log[position]
+                position += 1
+                if resource == request.resource and self._event_matches(request, event["object"]):
+                    yield event
+            tick = self._tick
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(tick.wait(), timeout=remaining)
+            except asyncio.TimeoutError:
+                return
 
     def _event_matches(self, request: rendering.Request, obj: Mapping[str, Any]) -> bool:
         meta = obj.get("metadata", {})
@@ -518,11 +523,12 @@ class Emulator(kmock.KubernetesEmulator):
 
     # Responses.
 
-    def _json(self, payload: dict[str, Any], request: rendering.Request) -> aiohttp.web.StreamResponse:
+    def _json(self, payload: dict[str, Any], request: rendering.Request) -> dict[str, Any]:
+        """The object or list, or a Table of it when kubectl asks for one (`kubectl get`)."""
         if "as=Table" in request.headers.get("Accept", ""):
             items = payload["items"] if "items" in payload else [payload]
             payload = self._table(request, items)
-        return aiohttp.web.json_response(payload)
+        return payload
 
     def _table(self, request: rendering.Request, items: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         assert request.resource is not None

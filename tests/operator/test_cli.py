@@ -58,3 +58,25 @@ async def test_operator_process_writes_a_plan(command, api, kubeconfig, crds, tm
             proc.kill()
             await proc.wait()
             raise
+
+
+async def test_client_logs_in_again_on_401(emulator):
+    """A rotated service-account token: the first answer is 401, the client re-reads credentials."""
+    import kopf
+
+    from loraplex.operator.kube import KubeClient
+
+    emulator["get", "/api/v1/namespaces/ml/configmaps/x"][:1] << 401
+    logins = []
+
+    def relogin() -> kopf.ConnectionInfo:
+        logins.append(1)
+        return kopf.ConnectionInfo(server=emulator.base_url, token="fresh")
+
+    client = KubeClient(kopf.ConnectionInfo(server=emulator.base_url, token="stale"), relogin=relogin)
+    try:
+        assert await client.get(CONFIG_MAPS.path(NS, "x")) is None  # 401, re-login, then a real 404
+        assert logins == [1]
+        assert [r.headers.get("Authorization") for r in emulator._requests][-2:] == ["Bearer stale", "Bearer fresh"]
+    finally:
+        await client.close()
