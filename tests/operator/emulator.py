@@ -2,8 +2,9 @@
 
 kmock 0.8's `KubernetesEmulator` (by kopf's author) serves discovery and keeps objects in
 memory, but does not run a kopf operator as shipped. This subclass keeps its HTTP server,
-discovery, object store (`emulator.objects[...]` with every version, for assertions) and
-request DSL, and serves object requests itself, closing these gaps:
+request DSL (a test's own reactions, e.g. `emulator["get", "/api/..."][:1] << 401`, still
+win), discovery, and object store (`emulator.objects[...]` keeps every version, so a test
+can count writes), and replaces its fallback handlers to close these gaps:
 
     kmock 0.8                                    here
     no resourceVersion/uid/generation/           set on create; resourceVersion on every change,
@@ -13,23 +14,29 @@ request DSL, and serves object requests itself, closing these gaps:
     failed JSON-patch `test` gives 500           422 Invalid (kopf retries on 422)
     GET /api/v1/namespaces fails                 namespaces are a cluster-scoped resource
     no PUT                                       PUT replaces (with resourceVersion preconditions)
-    a /status patch can change spec              /status changes only status, the main resource
-                                                   never changes status (when the CRD says so)
+    a /status patch can change spec              /status changes only status; the main resource
+                                                   never changes status (when it has /status)
     lists lack kind, fake resourceVersion        <Kind>List, the real resourceVersion
     watch streams never close, replay all        ?timeoutSeconds closes them; ?resourceVersion
                                                    replays only later events
     no label/field selectors                     equality / existence labelSelector, metadata.name
                                                    and metadata.namespace fieldSelector
-    CRDs applied are not served                  creating a CRD serves its resource (discovery)
-    no /openapi/v3                               served from the CRDs' openAPIV3Schemas
+    CRDs applied are not served                  creating a CRD serves its resource (discovery),
+                                                   Established at once
+    core group written "/v1" in discovery        "v1" (kubectl maps kinds by it)
+    no /openapi/v3 (kubectl validates with it)   per group-version PATCH paths advertising
+                                                   fieldValidation, and the CRDs' schemas
     no Table output                              `kubectl get` gets the CRD's printer columns
     no garbage collection                        owner references followed on deletion (background)
-    no no-op detection                           a patch that changes nothing writes nothing
+    every patch is a write                       a patch that changes nothing writes nothing
 
 What it still cannot prove (tests that pass here can fail on a cluster): the API server's
-schema validation, pruning and defaulting of CRs; admission; RBAC; server-side apply and
-strategic merge patches (both treated as JSON merge patches); pods ever running (Deployment
-status is whatever a test patches); real watch semantics under load (bookmarks, 410 Gone).
+schema validation, pruning and defaulting of CRs (kubectl sends fieldValidation=Strict and
+nothing checks it); admission; RBAC and authentication (any token is accepted); server-side
+apply and strategic merge patches (both treated as JSON merge patches); protobuf bodies
+(`kubectl create` of built-in kinds sends them: answered 415, use `kubectl apply`); pods ever
+running (Deployment status is whatever a test patches); watch semantics under load
+(bookmarks, 410 Gone, compaction).
 """
 
 from __future__ import annotations
