@@ -538,13 +538,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small traces, 1,000 adapters only (seconds)")
     ap.add_argument("--out", default=RESULTS, help="directory for the JSON, plots and notes")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes")
+    ap.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.makedirs(args.out, exist_ok=True)
     result = run_plan(make_plan(args.quick), args.workers)
     with open(os.path.join(args.out, "cache_sim.json"), "w") as f:
         json.dump(result, f, indent=1)
-    plot(result, args.out)
+    if not args.no_plots:
+        plot(result, args.out)
     write_notes(result, os.path.join(args.out, "cache_sim_notes.md"))
     for target, met, measured in targets(result):
         log.info("%s %s: %s", "met  " if met else "NOT MET", target, measured)

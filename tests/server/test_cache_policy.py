@@ -236,8 +236,11 @@ def test_simulator_quick_mode(tmp_path):
     sim = importlib.util.module_from_spec(spec)
     sys.modules["cache_sim"] = sim
     spec.loader.exec_module(sim)
+    # matplotlib is in the `bench` extra, not in `test`: draw the plots where it is installed.
+    plots = importlib.util.find_spec("matplotlib") is not None
     t0 = time.perf_counter()
-    assert sim.main(["--quick", "--out", str(tmp_path), "--workers", "1"]) == 0
+    argv = ["--quick", "--out", str(tmp_path), "--workers", "1"] + ([] if plots else ["--no-plots"])
+    assert sim.main(argv) == 0
     assert time.perf_counter() - t0 < 20
     result = json.loads((tmp_path / "cache_sim.json").read_text())
     for run in result["stationary"]:
@@ -248,7 +251,8 @@ def test_simulator_quick_mode(tmp_path):
     # With the campaign prefetched, lfu-aged is at its steady rate within one window.
     pol = result["shift"]["prefetch"]["policies"]
     assert pol["lfu-aged"]["recovery_requests"] <= pol["lru"]["recovery_requests"]
-    for f in ("cache_sim_zipf.png", "cache_sim_shift.png", "cache_sim_notes.md"):
+    assert "| yes |" in (tmp_path / "cache_sim_notes.md").read_text()  # the hit-rate target row
+    for f in ("cache_sim_zipf.png", "cache_sim_shift.png") if plots else ():
         assert (tmp_path / f).stat().st_size > 0
 
 
