@@ -57,8 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
     p.add_argument("--hf-steps", type=int, default=8, help="decode steps timed for HF PEFT (default 8)")
     p.add_argument("--kv-block", type=int, default=64, help="KV length granularity of decode (default 64)")
+    p.add_argument("--no-lora-overlap", action="store_true", help="LoRA after each GEMM, one stream")
     p.add_argument("--no-hf", action="store_true", help="skip the HF PEFT baseline")
     p.add_argument("--no-cuda-graphs", action="store_true", help="eager decode (for comparison)")
+    p.add_argument("--profile", action="store_true",
+                   help="also record per-kernel GPU time of eager decode steps (torch.profiler)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     a = p.parse_args(argv)
     if a.quick:
@@ -130,6 +133,37 @@ def run_loraplex(args, engine: LLMEngine, prompts, names) -> dict:
     return result
 
 
+def profile_decode(engine: LLMEngine, prompts, names, repeats: int = 5) -> list[dict]:
+    """GPU time per kernel name over `repeats` eager decode steps of the full batch, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reqs = [engine.make_request(p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), n)
+            for p, n in zip(prompts, names)]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()  # prefill
+    engine.step()  # one decode: leaves its inputs in the decoder's buffers
+    args = engine.decoder.last_args
+    engine.model.decode(*args)
+    sync(engine.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(repeats):
+            engine.model.decode(*args)
+        sync(engine.device)
+    for r in reqs:
+        engine.abort(r.request_id)
+    while engine.has_work():
+        engine.step()
+    rows = []
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0) or 0
+        if t > 0 and evt.key and not evt.key.startswith("aten::") and not evt.key.startswith("cuda"):
+            rows.append({"kernel": evt.key[:120], "us_per_step": t / repeats, "calls_per_step": evt.count / repeats})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:25]
+
+
 def hf_decode_rate(args, cfg, device, dtype, prompts, counts) -> list[dict]:
     """HF transformers + peft: decode tokens/s of a mixed-adapter batch, per adapter count."""
     from peft import LoraConfig, get_peft_model
@@ -187,7 +221,7 @@ def main(argv=None) -> int:
         dummy_weights=args.shape, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
         max_model_len=args.prompt_len + args.decode_steps + 8, max_prefill_tokens=args.batch * args.prompt_len,
         max_loras=max(n_max, 1), max_lora_rank=args.rank, cuda_graphs=not args.no_cuda_graphs,
-        kv_block=args.kv_block)
+        kv_block=args.kv_block, lora_overlap=not args.no_lora_overlap)
     engine = LLMEngine.from_settings(settings)
     device, dtype = engine.device, engine.dtype
     bw = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 256 << 20)
@@ -202,6 +236,12 @@ def main(argv=None) -> int:
         r = run_loraplex(args, engine, prompts, assignment(args.batch, n)) | {"adapters": n}
         results.append(r)
         log.info("loraplex adapters=%3d  %9.1f tok/s  step %.2f ms", n, r["decode_tok_s"], r["step_ms_median"])
+    profiles = {}
+    if args.profile:
+        for n in sorted({0, min(32, n_max)}):
+            profiles[str(n)] = prof = profile_decode(engine, prompts, assignment(args.batch, n))
+            log.info("profile, %d adapters: %s", n, ", ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us"
+                                                             for r in prof[:8]))
     base = next((r for r in results if r["adapters"] == 0), None)
     if base:
         for r in results:
@@ -252,12 +292,14 @@ def main(argv=None) -> int:
         "config": {"shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
                    "prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "rank": args.rank,
                    "targets": "q,k,v,o,gate,up,down", "cuda_graphs": not args.no_cuda_graphs,
+                   "lora_overlap": not args.no_lora_overlap, "kv_block": args.kv_block,
                    "hf_steps": args.hf_steps, "quick": args.quick},
         "copy_bandwidth_GBps": bw / 1e9,
         "loraplex": results,
         "hf_peft": hf,
         "floor": floor,
         "checks": checks,
+        "profile_eager_decode": profiles,
     }
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)

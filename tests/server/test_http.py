@@ -199,7 +199,7 @@ def test_disconnect_without_streaming_frees_the_row(served):
     engine = served.engine
     before = aborted(engine)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(served.url + "/v1/completions", timeout=0.5, json={
+        httpx.post(served.url + "/v1/completions", timeout=httpx.Timeout(5.0, read=0.05), json={
             "model": "tiny-llama", "prompt": [1, 4, 4], "max_tokens": 500, "temperature": 0, "ignore_eos": True})
     assert wait_until(lambda: not engine.scheduler.running, timeout=5)
     assert aborted(engine) == before + 1
