@@ -1,0 +1,60 @@
+"""Sources by URI scheme: URL building, error reasons, and no signature in any message."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from loraplex.node_agent.sources import HTTPSource, LocalSource, SourceError, open_source
+
+from .helpers import make_adapter
+
+URLS = [
+    ("https://bucket.example/adapters/sql-v2/", "adapter_config.json",
+     "https://bucket.example/adapters/sql-v2/adapter_config.json"),
+    ("https://bucket.example/adapters/sql-v2", "adapter_model.safetensors",
+     "https://bucket.example/adapters/sql-v2/adapter_model.safetensors"),
+    ("http://h:9000/a/b?token=abc&x=1", "adapter_config.json", "http://h:9000/a/b/adapter_config.json?token=abc&x=1"),
+]
+
+
+@pytest.mark.parametrize("uri,filename,url", URLS)
+def test_http_file_urls_keep_the_query(uri, filename, url):
+    assert HTTPSource(uri, session=None).url(filename) == url
+
+
+@pytest.mark.parametrize("uri,kind,reason", [
+    ("/mnt/adapters/a", LocalSource, None), ("file:///mnt/adapters/a", LocalSource, None),
+    ("https://h/a/", HTTPSource, None), ("s3://bucket/a", None, "Unsupported"),
+    ("relative/path", None, "Unsupported"),
+])
+async def test_open_source_by_scheme(uri, kind, reason):
+    async with aiohttp.ClientSession() as session:
+        if reason is None:
+            assert isinstance(open_source(uri, session), kind)
+        else:
+            with pytest.raises(SourceError) as err:
+                open_source(uri, session)
+            assert err.value.reason == reason
+
+
+async def test_errors_never_show_the_query_string(object_store):
+    async with aiohttp.ClientSession() as session:
+        source = open_source(object_store.source("missing") + "?X-Signature=s3cr3t", session)
+        with pytest.raises(SourceError) as err:
+            async with source.open("adapter_config.json"):
+                pass
+    assert err.value.reason == "NotFound" and "s3cr3t" not in str(err.value)
+
+
+async def test_local_source_streams_the_whole_file(tmp_path):
+    make_adapter(tmp_path / "a")
+    want = (tmp_path / "a" / "adapter_model.safetensors").read_bytes()
+    source = open_source(str(tmp_path / "a"), None)
+    async with source.open("adapter_model.safetensors") as fetch:
+        got = b"".join([c async for c in fetch.chunks])
+    assert fetch.size == len(want) and got == want
+    with pytest.raises(SourceError) as err:
+        async with source.open("nope.json"):
+            pass
+    assert err.value.reason == "NotFound"
