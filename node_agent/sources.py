@@ -117,7 +117,7 @@ class HTTPSource:
     @contextlib.asynccontextmanager
     async def open(self, filename: str) -> AsyncIterator[Fetch]:
         url = self.url(filename)
-        shown = _redact(url)
+        shown = redact(url)
         try:
             resp = await self._session.get(url)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
@@ -146,8 +146,9 @@ class HTTPSource:
             raise SourceError("Truncated", f"GET {shown}: {seen} of {resp.content_length} bytes")
 
 
-def _redact(url: str) -> str:
-    """The URL without its query string: presigned signatures never reach logs."""
+def redact(url: str) -> str:
+    """The URL without its query string: presigned signatures and tokens never reach logs
+    or API answers."""
     p = urllib.parse.urlsplit(url)
     return urllib.parse.urlunsplit((p.scheme, p.netloc, p.path, "…" if p.query else "", ""))
 
@@ -161,9 +162,9 @@ def open_source(uri: str, session: aiohttp.ClientSession | None) -> Source:
         return LocalSource(uri, Path(urllib.parse.unquote(urllib.parse.urlsplit(uri).path)))
     if scheme in ("http", "https"):
         if session is None:
-            raise SourceError("Unsupported", f"{_redact(uri)}: no HTTP session to fetch it")
+            raise SourceError("Unsupported", f"{redact(uri)}: no HTTP session to fetch it")
         return HTTPSource(uri, session)
     raise SourceError(
-        "Unsupported", f"source {_redact(uri)!r}: scheme {scheme or '(none)'!r} is not one of file, http, https,"
+        "Unsupported", f"source {redact(uri)!r}: scheme {scheme or '(none)'!r} is not one of file, http, https,"
         " or an absolute path"
     )

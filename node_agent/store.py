@@ -44,7 +44,7 @@ import aiohttp
 
 from loraplex.node_agent.adapter_files import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, InvalidAdapter, check_adapter_dir
 from loraplex.node_agent.metrics import Metrics
-from loraplex.node_agent.sources import Fetch, SourceError, open_source
+from loraplex.node_agent.sources import Fetch, SourceError, open_source, redact
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class StagedAdapter:
     last_used: float  # seconds since the epoch (the store's clock)
 
     def as_json(self) -> dict:
-        return {"name": self.name, "sha256": self.sha256, "source": self.source, "path": self.path,
+        return {"name": self.name, "sha256": self.sha256, "source": redact(self.source), "path": self.path,
                 "bytes": self.bytes, "pinned": self.pinned, "lastUsed": self.last_used}
 
 

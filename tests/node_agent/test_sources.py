@@ -6,6 +6,7 @@ import aiohttp
 import pytest
 
 from loraplex.node_agent.sources import HTTPSource, LocalSource, SourceError, open_source
+from loraplex.node_agent.store import AdapterRef, AdapterStore
 
 from .helpers import make_adapter
 
@@ -45,6 +46,15 @@ async def test_errors_never_show_the_query_string(object_store):
             async with source.open("adapter_config.json"):
                 pass
     assert err.value.reason == "NotFound" and "s3cr3t" not in str(err.value)
+
+
+async def test_api_listing_hides_the_query_string(tmp_path, object_store):
+    object_store.add("a", tmp_path)
+    async with aiohttp.ClientSession() as session:
+        store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+        staged = await store.stage(AdapterRef("a", object_store.source("a") + "?token=s3cr3t",
+                                              object_store.adapters["a"].sha256))
+    assert "s3cr3t" not in str(staged.as_json()) and staged.as_json()["source"].endswith("/a/?…")
 
 
 async def test_local_source_streams_the_whole_file(tmp_path):
