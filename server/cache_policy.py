@@ -11,10 +11,12 @@ request for d arrives):
     policy.record_insert("d", cost=1.0)       # d is now in a slot
 
 `evictable` (a set or a dict's keys view: membership is tested) holds only adapters that
-may leave: resident, not pinned, not in use by a running request. The cache guarantees that; a policy never returns a name outside it and
-returns None when it is empty. A prefetch (a warm-up window, a session start) calls
-`record_insert(name, prefetch=True)` without an access: the policy treats the adapter as
-about to be hot, so a frequency policy does not evict it on the next miss.
+may leave: resident, not pinned, not in use by a running request. The cache guarantees
+that; a policy never returns a name outside it and returns None when it is empty.
+
+A prefetch (a warm-up window, a session start) calls `record_insert(name, prefetch=True)`
+without an access: the policy treats the adapter as about to be hot, so a frequency policy
+does not evict it on the next miss.
 
 Aging counts requests (`record_access` calls), not seconds: a policy is deterministic, needs
 no clock, and a quiet night does not wipe what the day taught it.
