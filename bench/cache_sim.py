@@ -175,7 +175,10 @@ def belady(trace: np.ndarray, slots: int, prefetch: dict[int, np.ndarray] | None
     return hits
 
 
-def _first_use_after(trace: np.ndarray, order: np.ndarray, prefetch: dict[int, np.ndarray]) -> dict[tuple[int, int], int]:
+def _first_use_after(
+    trace: np.ndarray, order: np.ndarray, prefetch: dict[int, np.ndarray]
+) -> dict[tuple[int, int], int]:
+    """{(request index i, adapter id a): the first request for a at or after i}."""
     sorted_ids = trace[order]
     out = {}
     for i, ids in prefetch.items():
@@ -455,7 +458,8 @@ def write_notes(result: dict, path: str) -> None:
         "requests, on the machine that ran it, for scale only. Shifts detected: lfu-aged's popularity-shift "
         "detector firing on this stationary traffic (a false alarm).",
         "",
-        "| adapters | slots | requests | Zipf s | LRU | lfu-aged | Belady | lfu-aged time per request | shifts detected |",
+        "| adapters | slots | requests | Zipf s | LRU | lfu-aged | Belady "
+        "| lfu-aged time per request | shifts detected |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["stationary"]:
@@ -469,7 +473,8 @@ def write_notes(result: dict, path: str) -> None:
     lines += ["", "## Campaign shift", "",
               "`hits since the shift >= LRU's from`: the request after the shift from which on the policy "
               "has served at least as many hits since the shift as LRU.", "",
-              "| prefetch | policy | steady | recovery | hit rate, first 5,000 after | hits since the shift >= LRU's from |",
+              "| prefetch | policy | steady | recovery | hit rate, first 5,000 after "
+              "| hits since the shift >= LRU's from |",
               "| --- | --- | --- | --- | --- | --- |"]
     for key in ("no_prefetch", "prefetch"):
         for p, v in result["shift"][key]["policies"].items():

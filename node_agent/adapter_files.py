@@ -83,7 +83,8 @@ def check_safetensors(path: Path) -> int:
                 " (file cut short?)"
             )
         if end - begin != want:
-            raise InvalidAdapter(f"{WEIGHTS_FILE}: tensor {name!r} has {end - begin} bytes, {dtype} {shape} needs {want}")
+            raise InvalidAdapter(
+                f"{WEIGHTS_FILE}: tensor {name!r} has {end - begin} bytes, {dtype} {shape} needs {want}")
         ranges.append((begin, end))
     ranges.sort()
     pos = 0

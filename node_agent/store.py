@@ -42,7 +42,13 @@ from pathlib import Path
 
 import aiohttp
 
-from loraplex.node_agent.adapter_files import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, InvalidAdapter, check_adapter_dir
+from loraplex.node_agent.adapter_files import (
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    WEIGHTS_FILE,
+    InvalidAdapter,
+    check_adapter_dir,
+)
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.sources import Fetch, SourceError, open_source, redact
 
