@@ -3,7 +3,7 @@
     python3 bench/kernels_bench.py --out results.json [--quick] [--sweep]
 
 For each case (layer x tokens x distinct adapters x rank), in this order:
-  1. ours (add_lora: split-K shrink + expand), the single-launch fused kernel, and two baselines (a torch gather-then-bmm, a
+  1. ours (add_lora: split-K shrink + expand) and two baselines (a torch gather-then-bmm, a
      loop of one matmul per distinct adapter) are checked against the float32 reference
      (relative error of the LoRA term; bf16 must land under 2e-2);
   2. each is captured in a CUDA graph and its replays timed with L2 flushed before each
@@ -32,7 +32,6 @@ from loraplex.kernels.batch import default_block_m
 from loraplex.kernels.configs import make_config, multiprocessors
 from loraplex.kernels.reference import add_lora_torch
 from loraplex.kernels.add_lora import sgmv_lora
-from loraplex.kernels.sgmv import sgmv_add
 
 # Llama-3-8B: (in_features, output_slices)
 LAYERS = {
@@ -150,7 +149,6 @@ def run_case(c, timer, bandwidth, sweep):
 
     variants = {
         "ours": lambda y: add_lora(y, x, lora_a, lora_b, scaling, batch, output_slices=slices),
-        "fused": lambda y: sgmv_add(y, x, lora_a, lora_b, scaling, batch, None, slices),
         "gather_bmm": lambda y: add_lora_torch(y, x, lora_a, lora_b, scaling, slots, None, slices),
         "loop": lambda y: loop_per_adapter(y, x, lora_a, lora_b, scaling, groups, slices, rank),
     }
@@ -189,9 +187,7 @@ def run_case(c, timer, bandwidth, sweep):
             b = LoRABatch.build(slots, S, block_m=block_m)
             for t in trials if block_m == batch.block_m else [base]:
                 cfg = make_config(b.num_blocks, x.shape[1], slices, rank, 2, sms, **t)
-                for kind, launch in (("split", sgmv_lora), ("fused", sgmv_add)):
-                    if kind == "fused" and t["k_splits"] is not None:
-                        continue
+                for kind, launch in (("split", sgmv_lora),):
                     y = y0.clone()
                     try:
                         launch(y, x, lora_a, lora_b, scaling, b, None, slices, config=cfg)
@@ -275,7 +271,7 @@ def main(argv=None) -> int:
         us = row.get("us", {})
         fmt = lambda v: f"{v:8.1f}" if isinstance(v, (int, float)) else "       -"
         print(f"{spec['layer']:8s} {spec['phase']:7s} T={spec['tokens']:5d} A={str(spec['adapters']):9s} r={spec['rank']:2d} "
-              f"ours {fmt(us.get('ours'))} fused {fmt(us.get('fused'))} gather {fmt(us.get('gather_bmm'))} loop {fmt(us.get('loop'))} "
+              f"ours {fmt(us.get('ours'))} gather {fmt(us.get('gather_bmm'))} loop {fmt(us.get('loop'))} "
               f"base {fmt(us.get('base_gemm'))} ratio {row.get('ours_over_base', float('nan')):.2f} "
               f"bw {row.get('ours_bandwidth_fraction', float('nan')):.2f} {row.get('failure', '')}", flush=True)
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
