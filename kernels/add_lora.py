@@ -1,7 +1,7 @@
 """``add_lora``: the one entry point the model calls after each LoRA-capable base matmul.
 
 It checks the call (shapes, dtypes, devices, strides) with no host synchronisation, then
-picks a backend: the fused Triton SGMV kernel on CUDA tensors (or on the CPU under
+picks a backend: the Triton SGMV kernels (shrink, then expand) on CUDA tensors (or on the CPU under
 ``TRITON_INTERPRET=1``), a vectorised torch path on CPU tensors.
 """
 

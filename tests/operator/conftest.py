@@ -158,6 +158,12 @@ async def running_operator(emulator: Any) -> AsyncIterator[None]:
 
 
 @pytest.fixture()
+def settled(emulator: Any) -> Callable[[], Awaitable[None]]:
+    """`await settled()`: wait until the operator stopped writing (kopf's own annotations too)."""
+    return lambda: settle(emulator)
+
+
+@pytest.fixture()
 def operator_runner(emulator: Any) -> Callable[[], contextlib.AbstractAsyncContextManager[None]]:
     """Start (and restart) the operator within a test: `async with operator_runner(): ...`."""
     return lambda: running_operator(emulator)

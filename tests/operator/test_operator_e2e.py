@@ -105,10 +105,11 @@ def history(emulator, resource, name: str, namespace: str | None = NS) -> int:
     return len(emulator.objects[key].history)
 
 
-async def test_priority_change_moves_the_pinned_set_and_nothing_else(api, emulator, operator, eventually_):
+async def test_priority_change_moves_the_pinned_set_and_nothing_else(api, emulator, operator, eventually_, settled):
     await setup_pool(api, eventually_)
     await eventually_(lambda: _status_with(api, BASE_MODELS, "llama-3-8b", "pinned"))
     await eventually_(lambda: _status_with(api, ADAPTERS, "c", "pinned"))
+    await settled()  # kopf's own bookkeeping (annotations) after the creations is done
     untouched = {"deployment": history(emulator, DEPLOYMENTS, "llama-3-8b"),
                  "service": history(emulator, SERVICES, "llama-3-8b"),
                  "a": history(emulator, ADAPTERS, "a"), "too-big": history(emulator, ADAPTERS, "too-big")}
@@ -131,7 +132,17 @@ async def test_priority_change_moves_the_pinned_set_and_nothing_else(api, emulat
     assert history(emulator, CONFIG_MAPS, "llama-3-8b-plan") == cm_versions + 1
     assert {"deployment": history(emulator, DEPLOYMENTS, "llama-3-8b"),
             "service": history(emulator, SERVICES, "llama-3-8b"),
-            "a": history(emulator, ADAPTERS, "a"), "too-big": history(emulator, ADAPTERS, "too-big")} == untouched
+            "a": history(emulator, ADAPTERS, "a"), "too-big": history(emulator, ADAPTERS, "too-big")} == untouched, \
+        _last_change(emulator, "a")
+
+
+def _last_change(emulator, name: str) -> str:
+    import difflib
+    import yaml
+
+    versions = [v for v in emulator.objects[_key(ADAPTERS, name)].history if v is not None]
+    before, after = (yaml.safe_dump(json.loads(json.dumps(v.raw))).splitlines() for v in versions[-2:])
+    return "\n".join(difflib.unified_diff(before, after, lineterm=""))
 
 
 async def _pinned_is(api: KubeClient, name: str, pinned: bool) -> dict[str, Any] | None:
