@@ -80,8 +80,10 @@ def server_args(base: BaseModelSpec, slots: int) -> list[str]:
 
 
 def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
-    """The serving Deployment: the plan ConfigMap mounted read-only, the node's adapter cache
-    (staged there by the node agent) mounted from the host."""
+    """The serving Deployment: the plan ConfigMap mounted read-only at /etc/loraplex/plan, and
+    the node's adapter cache (where the node agent stages adapters) from the host, read-only.
+    With no room for adapters (slots 0) the server still gets --max-loras 1; the BaseModel's
+    status says Failed / NoRoom."""
     serving = base.serving
     container: dict[str, Any] = {
         "name": "server",
@@ -89,7 +91,6 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
         "command": ["loraplex-server"],
         "args": server_args(base, slots),
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
-        "env": [{"name": "LORAPLEX_ADAPTER_DIR", "value": ADAPTER_CACHE_DIR}],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 6},
