@@ -57,7 +57,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
     p.add_argument("--hf-steps", type=int, default=8, help="decode steps timed for HF PEFT (default 8)")
     p.add_argument("--kv-block", type=int, default=64, help="KV length granularity of decode (default 64)")
-    p.add_argument("--no-lora-overlap", action="store_true", help="LoRA after each GEMM, one stream")
     p.add_argument("--no-hf", action="store_true", help="skip the HF PEFT baseline")
     p.add_argument("--no-cuda-graphs", action="store_true", help="eager decode (for comparison)")
     p.add_argument("--profile", action="store_true",
@@ -221,7 +220,7 @@ def main(argv=None) -> int:
         dummy_weights=args.shape, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
         max_model_len=args.prompt_len + args.decode_steps + 8, max_prefill_tokens=args.batch * args.prompt_len,
         max_loras=max(n_max, 1), max_lora_rank=args.rank, cuda_graphs=not args.no_cuda_graphs,
-        kv_block=args.kv_block, lora_overlap=not args.no_lora_overlap)
+        kv_block=args.kv_block)
     engine = LLMEngine.from_settings(settings)
     device, dtype = engine.device, engine.dtype
     bw = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 256 << 20)
@@ -291,8 +290,7 @@ def main(argv=None) -> int:
         "versions": {"torch": torch.__version__, **_versions()},
         "config": {"shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
                    "prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "rank": args.rank,
-                   "targets": "q,k,v,o,gate,up,down", "cuda_graphs": not args.no_cuda_graphs,
-                   "lora_overlap": not args.no_lora_overlap, "kv_block": args.kv_block,
+                   "targets": "q,k,v,o,gate,up,down", "cuda_graphs": not args.no_cuda_graphs, "kv_block": args.kv_block,
                    "hf_steps": args.hf_steps, "quick": args.quick},
         "copy_bandwidth_GBps": bw / 1e9,
         "loraplex": results,

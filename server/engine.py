@@ -92,7 +92,7 @@ class LLMEngine:
         self.adapters = SlotManager(self.lora, BaseSpec(
             num_layers=cfg.num_layers, module_shapes=cfg.module_shapes(), max_rank=settings.max_lora_rank,
             allowed_modules=tuple(settings.lora_target_modules)))
-        self.model = LlamaModel(cfg, weights, self.kv, self.lora, settings.kernel_backend, settings.lora_overlap)
+        self.model = LlamaModel(cfg, weights, self.kv, self.lora, settings.kernel_backend)
         self.decoder = DecodeRunner(self.model, settings.max_num_seqs, settings.kv_block, settings.cuda_graphs)
         self.scheduler = Scheduler(self.kv, settings.max_prefill_tokens)
         self.sampler = Sampler()

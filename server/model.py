@@ -29,10 +29,9 @@ from .weights import BaseWeights
 
 @dataclass
 class StepLoRA:
-    """A step's LoRA metadata (built once, shared by every layer) and how to apply it."""
+    """A step's LoRA metadata: built once per forward step, shared by every layer."""
 
     batch: LoRABatch
-    overlap: bool  # run add_lora on a side stream beside the base GEMM (CUDA decode)
 
 
 @dataclass
@@ -63,9 +62,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: BaseWeights, kv: KVCache, lora=None,
-                 kernel_backend: str = "auto", lora_overlap: bool = True):
-        """`lora` is an adapters.LoRABuffers (or None for a base-only engine); `lora_overlap`
-        runs decode's LoRA terms on a side stream beside the base GEMMs (CUDA only)."""
+                 kernel_backend: str = "auto"):
+        """`lora` is an adapters.LoRABuffers (or None for a base-only engine)."""
         self.cfg = cfg
         self.w = weights
         self.kv = kv
@@ -81,13 +79,6 @@ class LlamaModel:
         self.cos = emb.cos().to(self.device)
         self.sin = emb.sin().to(self.device)
         self.qkv_slices = (cfg.q_size, cfg.kv_size, cfg.kv_size)
-        self._side_stream = None
-        self._delta: dict[str, torch.Tensor] = {}
-        if lora_overlap and lora is not None and self.device.type == "cuda":
-            self._side_stream = torch.cuda.Stream(device=self.device)
-            # One [rows, out] buffer per group, reused by every layer: [max_rows, q+2kv], ...
-            self._delta = {name: torch.zeros(kv.rows, sum(g.slices), device=self.device, dtype=self.dtype)
-                           for name, g in lora.layers[0].items()}
         self.gate_up_slices = (cfg.intermediate_size, cfg.intermediate_size)
 
     # -- building blocks -------------------------------------------------------------------
@@ -107,37 +98,23 @@ class LlamaModel:
         return cos, sin
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                layer: int, group: str, step: "StepLoRA | None") -> torch.Tensor:
+                layer: int, group: str, step: StepLoRA | None) -> torch.Tensor:
         """y = x @ W.T (+ bias) for all rows, plus each row's adapter term."""
         if step is None:
             return F.linear(x, weight, bias)
         g = self.lora.layers[layer][group]
         slices = g.slices if len(g.slices) > 1 else None
-        if not step.overlap:
-            y = F.linear(x, weight, bias)
-            return add_lora(y, x, g.a, g.b, g.scaling, step.batch, ranks=self.lora.ranks, backend=self.backend,
-                            output_slices=slices)
-        # Decode on CUDA: the LoRA term goes into a zeroed side buffer on a side stream while
-        # the base GEMM runs (a GEMM of 64 rows leaves SMs idle), then one add joins them.
-        # Captured into the decode graph as two parallel branches.
-        main, side = torch.cuda.current_stream(self.device), self._side_stream
-        delta = self._delta[group][: x.shape[0]]
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            delta.zero_()
-            add_lora(delta, x, g.a, g.b, g.scaling, step.batch, ranks=self.lora.ranks, backend=self.backend,
-                     output_slices=slices)
         y = F.linear(x, weight, bias)
-        main.wait_stream(side)
-        return y.add_(delta)
+        return add_lora(y, x, g.a, g.b, g.scaling, step.batch, ranks=self.lora.ranks, backend=self.backend,
+                        output_slices=slices)
 
-    def _mlp(self, x: torch.Tensor, i: int, batch: LoRABatch | None) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, i: int, batch: StepLoRA | None) -> torch.Tensor:
         lw = self.w.layers[i]
         gate_up = self._linear(x, lw.gate_up, None, i, "gate_up", batch)
         gate, up = gate_up.chunk(2, dim=-1)
         return self._linear(F.silu(gate) * up, lw.down, None, i, "down", batch)
 
-    def _qkv(self, h: torch.Tensor, i: int, rope: tuple[torch.Tensor, torch.Tensor], batch: LoRABatch | None):
+    def _qkv(self, h: torch.Tensor, i: int, rope: tuple[torch.Tensor, torch.Tensor], batch: StepLoRA | None):
         """q [T, heads, d] (pre-scaled by 1/sqrt(d)), k and v [T, kv_heads, d]; RoPE on q and k
         in one pass over the fused q|k columns."""
         cfg, lw = self.cfg, self.w.layers[i]
@@ -151,10 +128,10 @@ class LlamaModel:
         v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
         return qk[:, :nq], qk[:, nq:], v
 
-    def _lora_batch(self, token_slots: torch.Tensor, use_lora: bool, overlap: bool = False) -> "StepLoRA | None":
+    def _lora_batch(self, token_slots: torch.Tensor, use_lora: bool) -> StepLoRA | None:
         if not use_lora or self.lora is None:
             return None
-        return StepLoRA(LoRABatch.build(token_slots, self.lora.num_slots), overlap and self._side_stream is not None)
+        return StepLoRA(LoRABatch.build(token_slots, self.lora.num_slots))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self._rms_norm(h, self.w.norm), self.w.lm_head).float()
@@ -206,7 +183,7 @@ class LlamaModel:
         keys = torch.arange(kv_len, device=self.device)
         bias = torch.zeros((b, 1, 1, kv_len), device=self.device, dtype=torch.float32)
         bias.masked_fill_((keys[None, :] > positions[:, None]).view(b, 1, 1, kv_len), float("-inf"))
-        batch = self._lora_batch(token_slots, use_lora, overlap=True)
+        batch = self._lora_batch(token_slots, use_lora)
         x = self.w.embed[tokens]
         rope = self._rope_tables(positions, x.dtype)
         for i, lw in enumerate(self.w.layers):

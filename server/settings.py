@@ -86,10 +86,6 @@ class ServerSettings:
     kernel_backend: str = "auto"
     """add_lora backend: auto, triton or torch. Default: auto."""
 
-    lora_overlap: bool = True
-    """Run decode's LoRA terms on a side CUDA stream beside the base GEMMs (CUDA devices
-    only; --no-lora-overlap runs them after each GEMM on one stream). Default: on."""
-
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs (CUDA devices only; --no-cuda-graphs turns
     them off). Default: on."""

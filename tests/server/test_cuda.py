@@ -1,7 +1,13 @@
 """On a CUDA device only: CUDA-graph decode computes what eager decode computes, step after
-step, in a batch that mixes adapters and the base, as rows leave and KV lengths cross buckets."""
+step, in a batch that mixes adapters and the base, as rows leave and KV lengths cross buckets.
+
+tests/conftest.py sends Triton through its interpreter (for the CPU); on a GPU run these as
+`TRITON_INTERPRET=0 pytest tests/server/test_cuda.py`.
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -11,12 +17,15 @@ from loraplex.server.engine import LLMEngine
 from loraplex.server.sampling import SamplingParams
 from loraplex.server.settings import ServerSettings
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="Triton interpreter on: set TRITON_INTERPRET=0"),
+]
 
 
-def build(dtype: str, lora_overlap: bool) -> LLMEngine:
+def build(dtype: str) -> LLMEngine:
     settings = ServerSettings(dummy_weights="tiny", device="cuda", dtype=dtype, max_num_seqs=8, max_model_len=160,
-                              max_loras=4, max_lora_rank=16, kv_block=16, seed=3, lora_overlap=lora_overlap)
+                              max_loras=4, max_lora_rank=16, kv_block=16, seed=3)
     engine = LLMEngine.from_settings(settings)
     for i in range(4):
         spec, tensors = random_adapter(engine.cfg, rank=8 + 2 * i, seed=i, device="cuda", dtype=engine.dtype)
@@ -31,10 +40,9 @@ def build(dtype: str, lora_overlap: bool) -> LLMEngine:
     return engine
 
 
-@pytest.mark.parametrize("lora_overlap", [True, False])
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
-def test_cuda_graph_decode_matches_eager(dtype, tol, lora_overlap):
-    engine = build(dtype, lora_overlap)
+def test_cuda_graph_decode_matches_eager(dtype, tol):
+    engine = build(dtype)
     steps = 0
     while engine.has_work():
         running = {row: r for row, r in engine.scheduler.running.items()}
@@ -47,13 +55,3 @@ def test_cuda_graph_decode_matches_eager(dtype, tol, lora_overlap):
         steps += 1
     assert engine.decoder.num_graphs >= 3 and steps >= 30
 
-
-def test_side_stream_lora_matches_one_stream():
-    one, two = build("float32", False), build("float32", True)
-    assert two.model._side_stream is not None and one.model._side_stream is None
-    for _ in range(3):
-        a = one.decoder.run(dict(one.scheduler.running), one.kv.span()).clone()
-        b = two.decoder.run(dict(two.scheduler.running), two.kv.span())
-        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
-        one.step()
-        two.step()
