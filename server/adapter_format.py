@@ -82,22 +82,59 @@ class AdapterSpec:
         return None
 
 
+# safetensors dtypes and their bytes per element (for checking a header against its file).
+SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+MAX_HEADER_BYTES = 100 << 20
+
+
 def read_safetensors_header(path: str | Path) -> dict[str, dict]:
-    """{tensor name: {"dtype": "F16", "shape": [..], "data_offsets": [..]}} without the data."""
+    """{tensor name: {"dtype": "F16", "shape": [..], "data_offsets": [..]}} without the data.
+
+    The header is checked against the file: every tensor's byte range fits its dtype and
+    shape, and the ranges tile the data to its last byte, so a file cut short (or padded)
+    is refused here rather than half-read later.
+    """
     path = Path(path)
+    size = path.stat().st_size
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) != 8:
             raise AdapterError(f"{path.name}: not a safetensors file (shorter than 8 bytes)")
         (n,) = struct.unpack("<Q", head)
-        if n > 100 * 1024 * 1024:
-            raise AdapterError(f"{path.name}: not a safetensors file (header of {n} bytes)")
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise AdapterError(f"{path.name}: header of {n} bytes does not fit a {size}-byte file")
         raw = f.read(n)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterError(f"{path.name}: not a safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise AdapterError(f"{path.name}: header is not a JSON object")
     header.pop("__metadata__", None)
+    data_len = size - 8 - n
+    ranges = []
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            want = SAFETENSORS_DTYPE_BYTES[dtype] * math.prod(int(d) for d in shape)
+        except (KeyError, TypeError, ValueError):
+            raise AdapterError(f"{path.name}: tensor {name!r} has a malformed entry {info!r}") from None
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_len):
+            raise AdapterError(f"{path.name}: tensor {name!r} bytes [{begin}, {end}) outside the "
+                               f"{data_len} data bytes (file cut short?)")
+        if end - begin != want:
+            raise AdapterError(f"{path.name}: tensor {name!r} has {end - begin} bytes, {dtype} {shape} needs {want}")
+        ranges.append((begin, end))
+    pos = 0
+    for begin, end in sorted(ranges):
+        if begin != pos:
+            raise AdapterError(f"{path.name}: tensor data has a gap or overlap at byte {pos}")
+        pos = end
+    if pos != data_len:
+        raise AdapterError(f"{path.name}: {data_len - pos} bytes after the last tensor")
     return header
 
 

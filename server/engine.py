@@ -95,6 +95,9 @@ class LLMEngine:
         self.model = LlamaModel(cfg, weights, self.kv, self.lora, settings.kernel_backend)
         self.decoder = DecodeRunner(self.model, settings.max_num_seqs, settings.kv_block, settings.cuda_graphs)
         self.scheduler = Scheduler(self.kv, settings.max_prefill_tokens)
+        log.info("KV cache %.2f GB (%d rows x %d tokens), adapter slots %.2f GB (%d x rank %d)",
+                 self.kv.nbytes() / 1e9, self.kv.rows, self.kv.max_len, self.lora.nbytes() / 1e9,
+                 self.lora.num_slots, self.lora.max_rank)
         self.sampler = Sampler()
         self.metrics = metrics or EngineMetrics()
         eos = set(cfg.eos_token_ids)

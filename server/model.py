@@ -28,13 +28,6 @@ from .weights import BaseWeights
 
 
 @dataclass
-class StepLoRA:
-    """A step's LoRA metadata: built once per forward step, shared by every layer."""
-
-    batch: LoRABatch
-
-
-@dataclass
 class PrefillSeq:
     """One prompt inside a packed prefill: tokens[start:start+length] go to KV row `row`."""
 
@@ -79,7 +72,6 @@ class LlamaModel:
         self.cos = emb.cos().to(self.device)
         self.sin = emb.sin().to(self.device)
         self.qkv_slices = (cfg.q_size, cfg.kv_size, cfg.kv_size)
-        self.gate_up_slices = (cfg.intermediate_size, cfg.intermediate_size)
 
     # -- building blocks -------------------------------------------------------------------
 
@@ -98,23 +90,22 @@ class LlamaModel:
         return cos, sin
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                layer: int, group: str, step: StepLoRA | None) -> torch.Tensor:
-        """y = x @ W.T (+ bias) for all rows, plus each row's adapter term."""
-        if step is None:
-            return F.linear(x, weight, bias)
-        g = self.lora.layers[layer][group]
-        slices = g.slices if len(g.slices) > 1 else None
+                layer: int, group: str, batch: LoRABatch | None) -> torch.Tensor:
+        """y = x @ W.T (+ bias) for all rows (one base GEMM), then each row's adapter term."""
         y = F.linear(x, weight, bias)
-        return add_lora(y, x, g.a, g.b, g.scaling, step.batch, ranks=self.lora.ranks, backend=self.backend,
-                        output_slices=slices)
+        if batch is None:
+            return y
+        g = self.lora.layers[layer][group]
+        return add_lora(y, x, g.a, g.b, g.scaling, batch, ranks=self.lora.ranks, backend=self.backend,
+                        output_slices=g.slices if len(g.slices) > 1 else None)
 
-    def _mlp(self, x: torch.Tensor, i: int, batch: StepLoRA | None) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, i: int, batch: LoRABatch | None) -> torch.Tensor:
         lw = self.w.layers[i]
         gate_up = self._linear(x, lw.gate_up, None, i, "gate_up", batch)
         gate, up = gate_up.chunk(2, dim=-1)
         return self._linear(F.silu(gate) * up, lw.down, None, i, "down", batch)
 
-    def _qkv(self, h: torch.Tensor, i: int, rope: tuple[torch.Tensor, torch.Tensor], batch: StepLoRA | None):
+    def _qkv(self, h: torch.Tensor, i: int, rope: tuple[torch.Tensor, torch.Tensor], batch: LoRABatch | None):
         """q [T, heads, d] (pre-scaled by 1/sqrt(d)), k and v [T, kv_heads, d]; RoPE on q and k
         in one pass over the fused q|k columns."""
         cfg, lw = self.cfg, self.w.layers[i]
@@ -128,10 +119,10 @@ class LlamaModel:
         v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
         return qk[:, :nq], qk[:, nq:], v
 
-    def _lora_batch(self, token_slots: torch.Tensor, use_lora: bool) -> StepLoRA | None:
+    def _lora_batch(self, token_slots: torch.Tensor, use_lora: bool) -> LoRABatch | None:
         if not use_lora or self.lora is None:
             return None
-        return StepLoRA(LoRABatch.build(token_slots, self.lora.num_slots))
+        return LoRABatch.build(token_slots, self.lora.num_slots)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self._rms_norm(h, self.w.norm), self.w.lm_head).float()

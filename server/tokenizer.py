@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class Tokenizer:
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)  # Llama 3.2 templates
             self._template = env.from_string(self.chat_template)
         text = self._template.render(messages=messages, add_generation_prompt=True,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
