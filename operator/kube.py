@@ -133,11 +133,11 @@ class KubeClient:
                 existing = await self.get(path)  # created meanwhile: fall through to compare
         if not workloads.needs_update(existing, desired):
             return "unchanged"
-        owned = {key: desired[key] for key in ("spec", "data") if key in desired}
-        patch = {"metadata": {"labels": meta.get("labels", {}),
-                              "ownerReferences": meta.get("ownerReferences")}, **owned}
-        if patch["metadata"]["ownerReferences"] is None:
-            del patch["metadata"]["ownerReferences"]
+        owned = {key: desired[key] for key in ("spec", "data", "binaryData") if key in desired}
+        if desired["kind"] == "ConfigMap":  # a key lives in data or binaryData, never both
+            owned = {"data": None, "binaryData": None, **owned}
+        patch_meta = {key: meta[key] for key in ("labels", "annotations", "ownerReferences") if meta.get(key)}
+        patch = {"metadata": patch_meta, **owned}
         await self.merge_patch(path, patch)
         return "patched"
 

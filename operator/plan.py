@@ -73,7 +73,8 @@ class Plan:
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.as_json(), sort_keys=True, indent=1) + "\n"
+        """Compact (a ConfigMap holds 1 MiB: ~3,700 adapters plain, ~20,000 gzipped)."""
+        return json.dumps(self.as_json(), sort_keys=True, separators=(",", ":")) + "\n"
 
 
 def build_plan(base: BaseModelSpec, adapters: Iterable[AdapterSpec],

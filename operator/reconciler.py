@@ -186,7 +186,7 @@ class Planner:
         logger.debug("planned %s/%s: %d adapters in %.3fs", namespace, name, len(plan.adapters),
                      (self.clock() - started).total_seconds())
         state.plan = plan  # before the writes: events they cause must see this plan
-        await self._write_config_map(base, plan, state)
+        plan_error = await self._write_config_map(base, plan, state)
 
         for record in adapter_records:
             assert record.spec is not None
@@ -198,7 +198,7 @@ class Planner:
             await self._patch_adapter(state, record, desired)
 
         cm_name = workloads.plan_config_map_name(name)
-        desired_base = statuses.base_status(plan, base.status, state.ready_replicas, cm_name, now)
+        desired_base = statuses.base_status(plan, base.status, state.ready_replicas, cm_name, now, plan_error)
         if statuses.differs(base.status, desired_base) and state.written_status.get(base.uid) != desired_base:
             await self.client.patch_status(kube.BASE_MODELS, namespace, name, desired_base)
             state.written_status[base.uid] = desired_base
@@ -208,12 +208,17 @@ class Planner:
             state.wakeup = wakeup
             state.wake.set()
 
-    async def _write_config_map(self, base: BaseRecord, plan: Plan, state: _BaseState) -> None:
+    async def _write_config_map(self, base: BaseRecord, plan: Plan, state: _BaseState) -> str | None:
+        """Write the plan if it changed; returns why it could not be written, if so."""
         assert base.spec is not None
         text = plan.to_json()
         if state.written_json == text:
-            return
-        desired = workloads.plan_config_map(base.spec, text)
+            return None
+        try:
+            desired = workloads.plan_config_map(base.spec, text)
+        except workloads.PlanTooLarge as exc:
+            logger.error("plan %s/%s not written: %s", base.namespace, base.name, exc)
+            return str(exc)  # the ConfigMap keeps the last plan that fit; the status says why
         kopf.adopt(desired, owner=base.owner())  # type: ignore[arg-type]
         outcome = await self.client.ensure(desired)
         if outcome != "unchanged":
@@ -221,6 +226,7 @@ class Planner:
                         desired["metadata"]["name"], outcome, len(plan.adapters),
                         len(plan.pinning.pinned), plan.slots)
         state.written_json = text
+        return None
 
     async def _patch_adapter(self, state: _BaseState, record: AdapterRecord, desired: Mapping[str, Any]) -> None:
         if statuses.differs(record.status, desired) and state.written_status.get(record.uid) != desired:

@@ -127,8 +127,11 @@ def adapter_status(adapter: AdapterSpec, verdict: Verdict, plan: Plan | None,
 
 
 def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: int,
-                plan_config_map: str, now: datetime.datetime) -> dict[str, Any]:
-    """The BaseModel's status: packing outcome, pinned set, counts, conditions."""
+                plan_config_map: str, now: datetime.datetime, plan_error: str | None = None) -> dict[str, Any]:
+    """The BaseModel's status: packing outcome, pinned set, counts, conditions.
+
+    `plan_error`: why the plan could not be written (too large for a ConfigMap), if so.
+    """
     current = current or {}
     base = plan.base
     gen = base.generation
@@ -143,6 +146,7 @@ def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: i
         ready = condition("Ready", False, "ReplicasNotReady", f"{ready_replicas}/{replicas} replicas ready", gen)
     conditions = [
         condition("Accepted", packed.slots > 0, packed.reason, accepted_message, gen),
+        condition("Staged", False, "PlanTooLarge", plan_error, gen) if plan_error else
         condition("Staged", True, "PlanWritten",
                   f"{len(plan.adapters)} adapters ({len(plan.pinning.pinned)} pinned) in ConfigMap"
                   f" {plan_config_map}", gen),

@@ -2,7 +2,7 @@
 
 For a BaseModel `llama-3-8b` in namespace `ml`:
 
-    ConfigMap  ml/llama-3-8b-plan   data: {"plan.json": <Plan.to_json()>}
+    ConfigMap  ml/llama-3-8b-plan   data: {"plan.json": <Plan.to_json()>}  (gzipped if large)
     Deployment ml/llama-3-8b        loraplex-server --model ... --plan-file /etc/loraplex/plan/plan.json
     Service    ml/llama-3-8b        port 8000, named http
 
@@ -13,7 +13,10 @@ touches the ConfigMap and never the Deployment.
 
 from __future__ import annotations
 
+import base64
 import copy
+import gzip
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +26,11 @@ from loraplex.operator.validation import local_path
 MANAGED_BY = "loraplex-operator"
 BASE_LABEL = "loraplex.io/base-model"
 PLAN_KEY = "plan.json"
+PLAN_ENCODING = "loraplex.io/plan-encoding"
+# An object is at most 1 MiB in etcd; leave room for metadata. Plans above the plain limit
+# are gzipped (10,000 adapters: 2.8 MB of JSON, 0.5 MB gzipped).
+CONFIG_MAP_LIMIT = 1_000_000
+PLAIN_PLAN_LIMIT = 900_000
 PLAN_DIR = "/etc/loraplex/plan"
 PLAN_FILE = f"{PLAN_DIR}/{PLAN_KEY}"
 ADAPTER_CACHE_DIR = "/var/lib/loraplex/adapters"
@@ -47,17 +55,40 @@ def selector_labels(base_name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "loraplex-server", BASE_LABEL: base_name}
 
 
+class PlanTooLarge(ValueError):
+    """Even gzipped, the plan does not fit in one ConfigMap."""
+
+
 def plan_config_map(base: BaseModelSpec, plan_json: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {
-            "name": plan_config_map_name(base.name),
-            "namespace": base.namespace,
-            "labels": {"app.kubernetes.io/managed-by": MANAGED_BY, BASE_LABEL: base.name},
-        },
-        "data": {PLAN_KEY: plan_json},
+    """The plan ConfigMap: `plan.json` as text, or gzipped in binaryData when it is large.
+
+    Both mount as the same file, /etc/loraplex/plan/plan.json. Readers tell them apart by
+    the gzip magic bytes (1f 8b) or the annotation `loraplex.io/plan-encoding: gzip`.
+    The gzip stream has no timestamp, so the same plan still gives the same bytes.
+    """
+    meta = {
+        "name": plan_config_map_name(base.name),
+        "namespace": base.namespace,
+        "labels": {"app.kubernetes.io/managed-by": MANAGED_BY, BASE_LABEL: base.name},
+        "annotations": {PLAN_ENCODING: "json"},
     }
+    raw = plan_json.encode("utf-8")
+    if len(raw) <= PLAIN_PLAN_LIMIT:
+        return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {PLAN_KEY: plan_json}}
+    packed = gzip.compress(raw, compresslevel=9, mtime=0)
+    if len(packed) * 4 // 3 > CONFIG_MAP_LIMIT:
+        raise PlanTooLarge(f"the plan is {len(raw) / 1e6:.1f} MB ({len(packed) / 1e6:.1f} MB gzipped);"
+                           f" a ConfigMap holds {CONFIG_MAP_LIMIT / 1e6:.1f} MB")
+    meta["annotations"] = {PLAN_ENCODING: "gzip"}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "binaryData": {PLAN_KEY: base64.b64encode(packed).decode("ascii")}}
+
+
+def read_plan(config_map: Mapping[str, Any]) -> dict[str, Any]:
+    """The plan in a ConfigMap as written by `plan_config_map` (either encoding)."""
+    if PLAN_KEY in (config_map.get("data") or {}):
+        return dict(json.loads(config_map["data"][PLAN_KEY]))
+    return dict(json.loads(gzip.decompress(base64.b64decode(config_map["binaryData"][PLAN_KEY]))))
 
 
 def model_path(base: BaseModelSpec) -> str:
@@ -155,7 +186,9 @@ def needs_update(existing: Mapping[str, Any] | None, desired: Mapping[str, Any])
     if want_meta.get("ownerReferences") and \
             want_meta["ownerReferences"] != have_meta.get("ownerReferences"):
         return True
-    for key in ("spec", "data"):
+    if not _contains(have_meta.get("annotations") or {}, want_meta.get("annotations") or {}):
+        return True
+    for key in ("spec", "data", "binaryData"):
         if key in desired and not _contains(existing.get(key), desired[key]):
             return True
     return False

@@ -80,3 +80,21 @@ async def test_client_logs_in_again_on_401(emulator):
         assert [r.headers.get("Authorization") for r in emulator._requests][-2:] == ["Bearer stale", "Bearer fresh"]
     finally:
         await client.close()
+
+
+async def test_ensure_moves_a_growing_plan_from_data_to_binary_data(api):
+    """The same ConfigMap, rewritten when the plan outgrows plain text: data is dropped."""
+    from loraplex.operator.specs import BaseModelSpec
+    from loraplex.operator.workloads import plan_config_map, read_plan
+
+    base = BaseModelSpec(name="big", namespace=NS, source="/m", max_lora_rank=8)
+    small = plan_config_map(base, json.dumps({"adapters": []}))
+    assert await api.ensure(small) == "created"
+    assert await api.ensure(small) == "unchanged"
+    large_doc = {"adapters": [{"name": f"a{i:05d}", "sha256": f"{i:064x}"} for i in range(12_000)]}
+    large = plan_config_map(base, json.dumps(large_doc))
+    assert await api.ensure(large) == "patched"
+    stored = await api.get(CONFIG_MAPS.path(NS, "big-plan"))
+    assert "data" not in stored and read_plan(stored) == large_doc
+    assert stored["metadata"]["annotations"]["loraplex.io/plan-encoding"] == "gzip"
+    assert await api.ensure(large) == "unchanged"

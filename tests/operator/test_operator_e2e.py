@@ -6,12 +6,11 @@ validation and defaulting, RBAC, admission, pods running) is listed in emulator.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import pytest
 
 from loraplex.operator.kube import ADAPTERS, BASE_MODELS, CONFIG_MAPS, DEPLOYMENTS, SERVICES, KubeClient
+from loraplex.operator.workloads import read_plan
 
 NS = "ml"
 G, M = 10**9, 10**6
@@ -42,7 +41,7 @@ def adapter_body(name: str, priority: int, **spec: Any) -> dict[str, Any]:
 
 async def plan_of(api: KubeClient, base: str = "llama-3-8b") -> dict[str, Any] | None:
     cm = await api.get(CONFIG_MAPS.path(NS, f"{base}-plan"))
-    return json.loads(cm["data"]["plan.json"]) if cm else None
+    return read_plan(cm) if cm else None
 
 
 def conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -137,7 +136,10 @@ async def test_priority_change_moves_the_pinned_set_and_nothing_else(api, emulat
 
 
 def _last_change(emulator, name: str) -> str:
+    """The diff of an object's last write, for a failure message."""
     import difflib
+    import json
+
     import yaml
 
     versions = [v for v in emulator.objects[_key(ADAPTERS, name)].history if v is not None]
@@ -214,10 +216,10 @@ async def test_node_agents_staging_and_server_readiness_make_adapters_ready(api,
 
     async def staged():
         status = await _status_with(api, ADAPTERS, "a", "phase")
-        return status if status["phase"] == "Staged" else None
-    status = await eventually_(staged, what="a Staged")
+        message = conditions({"status": status})["Staged"]["message"]
+        return status if status["phase"] == "Staged" and message == "staged on 2/2 nodes" else None
+    status = await eventually_(staged, what="a Staged on both nodes")
     assert set(status["nodes"]) == {"node-1", "node-2"} and status["sizeBytes"] == 41943040
-    assert conditions({"status": status})["Staged"]["message"] == "staged on 2/2 nodes"
 
     # The servers come up (an emulator runs no pods: the test plays the Deployment controller).
     await api.patch_status(DEPLOYMENTS, NS, "llama-3-8b", {"readyReplicas": 1, "replicas": 1})

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from loraplex.operator.reconciler import AdapterRecord, BaseRecord, Planner
+from loraplex.operator.workloads import read_plan
 
 NOW = datetime.datetime(2026, 12, 1, 8, 0, tzinfo=datetime.timezone.utc)
 KEY = ("ml", "llama-3-8b")
@@ -96,7 +97,9 @@ async def test_one_change_in_ten_thousand_writes_only_what_it_moves():
     plan = await planner.reconcile(KEY, *pool.indices())
     assert time.perf_counter() - start < 2.0
     assert pool.recorder.status_patches == []
-    doc = json.loads(pool.recorder.config_maps["llama-3-8b-plan"]["data"]["plan.json"])
+    cm = pool.recorder.config_maps["llama-3-8b-plan"]
+    assert cm["metadata"]["annotations"]["loraplex.io/plan-encoding"] == "gzip"  # 10,000 adapters: > 1 MB of JSON
+    doc = read_plan(cm)
     assert next(a for a in doc["adapters"] if a["name"] == f"adapter-{low:05d}")["priority"] == pool.priorities[low]
 
     # Raising it to the top pins it and unpins the last one in: two adapters and the base.

@@ -75,3 +75,9 @@ def test_base_status_summary():
 def test_differs_ignores_absent_none():
     assert not differs({"a": 1}, {"a": 1, "b": None})
     assert differs({"a": 1}, {"a": 2})
+
+
+def test_a_plan_that_does_not_fit_is_reported():
+    plan = build_plan(BASE, [A], T1)
+    status = base_status(plan, None, 2, "b-plan", T1, plan_error="the plan is 3.1 MB (1.2 MB gzipped)")
+    assert conds(status)["Staged"]["status"] == "False" and conds(status)["Staged"]["reason"] == "PlanTooLarge"

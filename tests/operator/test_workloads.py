@@ -3,7 +3,13 @@
 import copy
 
 from loraplex.operator.specs import BaseModelSpec, Memory, Serving
-from loraplex.operator.workloads import deployment, needs_update, plan_config_map, service
+import base64
+import gzip
+import json
+
+import pytest
+
+from loraplex.operator.workloads import PlanTooLarge, deployment, needs_update, plan_config_map, read_plan, service
 
 BASE = BaseModelSpec(name="llama-3-8b", namespace="ml", source="s3://models/llama-3-8b", max_lora_rank=64,
                      dtype="bfloat16", memory=Memory(slots=250),
@@ -14,6 +20,7 @@ BASE = BaseModelSpec(name="llama-3-8b", namespace="ml", source="s3://models/llam
 
 def test_config_map_contract():
     cm = plan_config_map(BASE, '{"x": 1}\n')
+    assert cm["metadata"]["annotations"] == {"loraplex.io/plan-encoding": "json"}
     assert cm["metadata"]["name"] == "llama-3-8b-plan" and cm["metadata"]["namespace"] == "ml"
     assert cm["metadata"]["labels"] == {"app.kubernetes.io/managed-by": "loraplex-operator",
                                         "loraplex.io/base-model": "llama-3-8b"}
@@ -61,3 +68,27 @@ def test_needs_update_tolerates_server_defaults_only():
     relabelled = copy.deepcopy(existing)
     relabelled["metadata"]["labels"]["loraplex.io/base-model"] = "other"
     assert needs_update(relabelled, desired)
+
+
+def test_large_plans_are_gzipped_under_the_same_key():
+    """A ConfigMap holds 1 MiB: a big plan goes to binaryData, gzipped, still mounted as plan.json."""
+    adapters = [{"name": f"adapter-{i:05d}", "sha256": f"{i:064x}", "source": f"s3://adapters/{i}"}
+                for i in range(8000)]
+    text = json.dumps({"adapters": adapters}, separators=(",", ":"))
+    assert len(text) > 900_000
+    cm = plan_config_map(BASE, text)
+    assert "data" not in cm and cm["metadata"]["annotations"] == {"loraplex.io/plan-encoding": "gzip"}
+    packed = base64.b64decode(cm["binaryData"]["plan.json"])
+    assert packed[:2] == b"\x1f\x8b" and len(cm["binaryData"]["plan.json"]) < 1_000_000
+    assert gzip.decompress(packed).decode() == text and read_plan(cm) == {"adapters": adapters}
+    assert plan_config_map(BASE, text) == cm  # no timestamp in the gzip header: same bytes
+    assert read_plan(plan_config_map(BASE, '{"x": 1}')) == {"x": 1}
+
+
+def test_a_plan_too_large_even_gzipped_is_refused():
+    import random
+
+    rng = random.Random(0)
+    noise = "".join(rng.choice("0123456789abcdef") for _ in range(2_600_000))  # ~1.3 MB gzipped
+    with pytest.raises(PlanTooLarge, match="a ConfigMap holds"):
+        plan_config_map(BASE, json.dumps({"noise": noise}))
