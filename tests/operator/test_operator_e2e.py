@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from loraplex.operator.kube import ADAPTERS, BASE_MODELS, CONFIG_MAPS, DEPLOYMENTS, SERVICES, KubeClient
 from loraplex.operator.workloads import read_plan
 
