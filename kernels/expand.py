@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .batch import LoRABatch
+from .block_rows import load_block_rows, slot_rank
 
 MAX_SLICES = 3
 
@@ -79,14 +80,8 @@ def _expand_kernel(
     col_lo = (pid_span - tl.where(in2, spans01, tl.where(in1, spans0, 0))) * SPAN
     col_hi = tl.minimum(col_lo + SPAN, width)
 
-    start = tl.load(block_start_ptr + pid_block)
-    num_rows = tl.load(block_len_ptr + pid_block)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < num_rows
-    rows = tl.load(sorted_tokens_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
-    rank = RANK
-    if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slot), RANK)
+    rows, m_mask = load_block_rows(sorted_tokens_ptr, block_start_ptr, block_len_ptr, pid_block, BLOCK_M)
+    rank = slot_rank(ranks_ptr, slot, RANK, HAS_RANKS)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
 

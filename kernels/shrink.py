@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .batch import LoRABatch
+from .block_rows import load_block_rows, slot_rank
 
 
 @triton.jit
@@ -64,16 +65,10 @@ def _shrink_kernel(
     if slot < 0:
         return
     slot = slot.to(tl.int64)
-    start = tl.load(block_start_ptr + pid_block)
-    num_rows = tl.load(block_len_ptr + pid_block)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < num_rows
-    rows = tl.load(sorted_tokens_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    rows, m_mask = load_block_rows(sorted_tokens_ptr, block_start_ptr, block_len_ptr, pid_block, BLOCK_M)
 
     # Rank rows inside the slot's rank; rows past it are never read.
-    rank = RANK
-    if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slot), RANK)
+    rank = slot_rank(ranks_ptr, slot, RANK, HAS_RANKS)
     offs_j = tl.arange(0, BLOCK_NR)
     j_mask = (offs_j < NR) & ((offs_j % RANK) < rank)
 
