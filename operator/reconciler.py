@@ -177,7 +177,8 @@ class Planner:
                 assert record.spec is not None
                 if record.spec.deleting:
                     continue
-                desired = statuses.orphan_status(record.spec, record.status, now)
+                desired = statuses.orphan_status(record.spec, record.status, now,
+                                                 base.error if base is not None else None)
                 await self._patch_adapter(state, record, desired)
             return
 

@@ -172,9 +172,13 @@ def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: i
 
 
 def orphan_status(adapter: AdapterSpec, current: Mapping[str, Any] | None,
-                  now: datetime.datetime) -> dict[str, Any]:
-    """Status of an adapter whose BaseModel does not exist (yet, or any more)."""
-    return adapter_status(adapter, validate(adapter, None), None, current, False, now)
+                  now: datetime.datetime, base_error: str | None = None) -> dict[str, Any]:
+    """Status of an adapter whose BaseModel does not exist (yet, or any more), or whose
+    BaseModel's spec is invalid (`base_error`)."""
+    verdict = validate(adapter, None)
+    if base_error is not None:
+        verdict = Verdict("Pending", "BaseModelInvalid", f"BaseModel {adapter.base_model!r} is invalid: {base_error}")
+    return adapter_status(adapter, verdict, None, current, False, now)
 
 
 def differs(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> bool:

@@ -88,6 +88,48 @@ async def test_pool_gets_plan_status_and_workloads(api, operator, eventually_):
     assert cm["metadata"]["labels"]["loraplex.io/base-model"] == "llama-3-8b"
     assert cm["metadata"]["ownerReferences"][0]["kind"] == "BaseModel"
 
+    # The emulator validates nothing; the CRDs' schemas (status included) are checked here,
+    # so a field the operator writes and the API server would prune or refuse shows up.
+    for resource, kind in ((ADAPTERS, "LoRAAdapter"), (BASE_MODELS, "BaseModel")):
+        listing = await api.get(resource.path(NS))
+        for obj in listing["items"]:
+            errors = [e.message for e in _validator(kind).iter_errors(obj)]
+            assert not errors, (obj["metadata"]["name"], errors)
+            assert _undeclared(_schema(kind)["properties"]["status"], obj["status"]) == [], obj["metadata"]["name"]
+
+
+def _schema(kind: str) -> dict[str, Any]:
+    import pathlib
+
+    import yaml
+
+    plural = {"LoRAAdapter": "loraadapters", "BaseModel": "basemodels"}[kind]
+    crd = yaml.safe_load((pathlib.Path(__file__).resolve().parents[2] / "crds" / f"{plural}.loraplex.io.yaml").read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def _validator(kind: str):
+    import jsonschema
+
+    return jsonschema.Draft7Validator(_schema(kind), format_checker=jsonschema.FormatChecker())
+
+
+def _undeclared(schema: dict[str, Any], value: Any, path: str = "status") -> list[str]:
+    """Fields the API server would prune: not declared in a structural schema."""
+    if not isinstance(value, dict) or schema.get("x-kubernetes-preserve-unknown-fields"):
+        if isinstance(value, list) and isinstance(schema.get("items"), dict):
+            return [p for item in value for p in _undeclared(schema["items"], item, f"{path}[]")]
+        return []
+    found = []
+    for key, item in value.items():
+        if key in (schema.get("properties") or {}):
+            found += _undeclared(schema["properties"][key], item, f"{path}.{key}")
+        elif isinstance(schema.get("additionalProperties"), dict):
+            found += _undeclared(schema["additionalProperties"], item, f"{path}.{key}")
+        else:
+            found.append(f"{path}.{key}")
+    return found
+
 
 async def _status_with(api: KubeClient, resource, name: str, key: str) -> dict[str, Any] | None:
     obj = await api.get(resource.path(NS, name))

@@ -131,6 +131,19 @@ async def test_orphans_wait_for_their_base():
     assert status["phase"] == "Pending" and status["conditions"][0]["reason"] == "BaseModelNotFound"
 
 
+async def test_adapters_of_an_invalid_base_say_so():
+    pool = Pool(2)
+    planner = Planner(pool.recorder, clock=lambda: NOW)  # type: ignore[arg-type]
+    _, adapters = pool.indices()
+    broken = BaseRecord.from_body({"metadata": {"name": "llama-3-8b", "namespace": "ml", "uid": "b"},
+                                   "spec": {"source": "/m", "maxLoraRank": 8, "dtype": "int4"}})
+    assert broken.spec is None and "int4" in (broken.error or "")
+    await planner.reconcile(KEY, {KEY: [broken]}, adapters)
+    status = pool.recorder.statuses[("loraadapters", "adapter-00001")]
+    assert status["conditions"][0]["reason"] == "BaseModelInvalid" and "int4" in status["conditions"][0]["message"]
+    assert pool.recorder.config_maps == {}
+
+
 def test_records_read_rank_from_a_local_adapter(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "target_modules": ["q_proj"]}))
     record = AdapterRecord.from_body({"metadata": {"name": "x", "namespace": "ml", "uid": "u"},
