@@ -64,7 +64,10 @@ def _expand_kernel(
     """
     pid_span = tl.program_id(0)
     pid_block = tl.program_id(1)
+    # The block's rows are loaded before the exit test, so both loads are in flight at once
+    # (a block past the last has no rows: its loads are masked off).
     slot = tl.load(block_slot_ptr + pid_block)
+    rows, m_mask = load_block_rows(sorted_tokens_ptr, block_start_ptr, block_len_ptr, pid_block, BLOCK_M)
     if slot < 0:
         return
     slot = slot.to(tl.int64)
@@ -80,7 +83,6 @@ def _expand_kernel(
     col_lo = (pid_span - tl.where(in2, spans01, tl.where(in1, spans0, 0))) * SPAN
     col_hi = tl.minimum(col_lo + SPAN, width)
 
-    rows, m_mask = load_block_rows(sorted_tokens_ptr, block_start_ptr, block_len_ptr, pid_block, BLOCK_M)
     rank = slot_rank(ranks_ptr, slot, RANK, HAS_RANKS)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank

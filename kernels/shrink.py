@@ -61,11 +61,13 @@ def _shrink_kernel(
     """
     pid_k = tl.program_id(0)
     pid_block = tl.program_id(1)
+    # The block's rows are loaded before the exit test, so both loads are in flight at once
+    # (a block past the last has no rows: its loads are masked off).
     slot = tl.load(block_slot_ptr + pid_block)
+    rows, m_mask = load_block_rows(sorted_tokens_ptr, block_start_ptr, block_len_ptr, pid_block, BLOCK_M)
     if slot < 0:
         return
     slot = slot.to(tl.int64)
-    rows, m_mask = load_block_rows(sorted_tokens_ptr, block_start_ptr, block_len_ptr, pid_block, BLOCK_M)
 
     # Rank rows inside the slot's rank; rows past it are never read.
     rank = slot_rank(ranks_ptr, slot, RANK, HAS_RANKS)
