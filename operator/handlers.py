@@ -135,6 +135,7 @@ async def basemodel_changed(body: kopf.Body, namespace: str, name: str, memo: ko
         base = BaseModelSpec.from_body(body)
     except SpecError as exc:
         patch.status.update(_invalid_status(body, str(exc), phase="Failed"))
+        await memo.planner.reconcile((namespace, name), basemodels, adapters_by_base)  # -> BaseModelInvalid
         raise kopf.PermanentError(f"invalid BaseModel spec: {exc}") from exc
     planner: Planner = memo.planner
     children = [workloads.deployment(base, pack(base).slots), workloads.service(base)]
