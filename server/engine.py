@@ -29,12 +29,15 @@ from pathlib import Path
 import torch
 
 from .adapter_format import AdapterError, BaseSpec
-from .adapters import LoRABuffers, SlotManager
+from .adapter_cache import AdapterCache, resolve_max_loras
+from .adapters import LoRABuffers
 from .batch import DecodeRunner, build_prefill
+from .cache_metrics import CacheMetrics
 from .config import ModelConfig, named_shape
 from .kv_cache import KVCache
 from .metrics import EngineMetrics
 from .model import LlamaModel
+from .plan_watch import PlanWatcher
 from .request import Request, RequestOutput, State
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler
@@ -52,7 +55,11 @@ class RequestError(ValueError):
 
 
 class UnknownModelError(KeyError):
-    """The request names an adapter that is not loaded."""
+    """The request names an adapter that is known nowhere (no slot, host copy, disk or source)."""
+
+
+class RequestFailedError(RuntimeError):
+    """A queued request ended with an error (its adapter failed to load); others go on."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -88,10 +95,15 @@ class LLMEngine:
         self.dtype = weights.embed.dtype
         self.max_model_len = min(settings.max_model_len, cfg.max_position_embeddings)
         self.kv = KVCache(cfg, settings.max_num_seqs, self.max_model_len, self.device, self.dtype)
-        self.lora = LoRABuffers(cfg, settings.max_loras, settings.max_lora_rank, self.device, self.dtype)
-        self.adapters = SlotManager(self.lora, BaseSpec(
+        self.metrics = metrics or EngineMetrics()
+        slots = resolve_max_loras(settings.max_loras, LoRABuffers.slot_bytes(cfg, settings.max_lora_rank, self.dtype),
+                                  self.device)
+        self.lora = LoRABuffers(cfg, slots, settings.max_lora_rank, self.device, self.dtype)
+        # GPU slots paged over host memory, local disk and a source (adapter_cache.py).
+        self.adapters = AdapterCache.from_settings(self.lora, BaseSpec(
             num_layers=cfg.num_layers, module_shapes=cfg.module_shapes(), max_rank=settings.max_lora_rank,
-            allowed_modules=tuple(settings.lora_target_modules)))
+            allowed_modules=tuple(settings.lora_target_modules)), settings, CacheMetrics(self.metrics.registry))
+        self.stalled = False  # the last step found only requests waiting for adapter loads
         self.model = LlamaModel(cfg, weights, self.kv, self.lora, settings.kernel_backend)
         self.decoder = DecodeRunner(self.model, settings.max_num_seqs, settings.kv_block, settings.cuda_graphs)
         self.scheduler = Scheduler(self.kv, settings.max_prefill_tokens)
@@ -99,7 +111,6 @@ class LLMEngine:
                  self.kv.nbytes() / 1e9, self.kv.rows, self.kv.max_len, self.lora.nbytes() / 1e9,
                  self.lora.num_slots, self.lora.max_rank)
         self.sampler = Sampler()
-        self.metrics = metrics or EngineMetrics()
         eos = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -181,8 +192,11 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        outputs = self._reap()
-        admitted = self.scheduler.admit()
+        outputs = self._reap() + self._fail_loads()
+        # Requests whose adapter is still loading stay queued; the batch goes on without them.
+        admitted = self.scheduler.admit(self.adapters.ready_slots())
+        for req in admitted:
+            self.metrics.queue_seconds.observe(time.monotonic() - req.arrival)
         decoding = {row: r for row, r in self.scheduler.running.items() if r.output_ids}
         if admitted:
             tokens, slots, seqs = build_prefill(admitted, self.device)
@@ -194,6 +208,7 @@ class LLMEngine:
             self._sample(list(decoding.values()), logits, rows=list(decoding))
         outputs += [r.take_output() for r in itertools.chain(admitted, decoding.values())]
         outputs += self._reap()
+        self.stalled = not admitted and not decoding
         m = self.metrics
         m.step_seconds.observe(time.perf_counter() - t0)
         m.running.set(len(self.scheduler.running))
@@ -216,10 +231,21 @@ class LLMEngine:
             self.scheduler.remove(req)
             if req.adapter is not None:
                 self.adapters.release(req.adapter)
-            if req.finish_reason == "abort":
+            if req.finish_reason in ("abort", "error"):
                 outputs.append(req.take_output())
-                self.metrics.aborted.inc()
+                if req.finish_reason == "abort":
+                    self.metrics.aborted.inc()
         return outputs
+
+    def _fail_loads(self) -> list[RequestOutput]:
+        """Queued requests whose adapter failed to load end with the load's error (only them)."""
+        failures = self.adapters.take_failures()
+        if not failures:
+            return []
+        for req in self.scheduler.waiting:
+            if req.adapter in failures and not req.finished:
+                req.fail(failures[req.adapter])
+        return self._reap()
 
     def lora_state(self) -> tuple[list[str], list[str]]:
         """(running adapters, waiting adapters) by name, for the inference-extension metric."""
@@ -238,16 +264,24 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.plan_watcher: PlanWatcher | None = None
+        # A finished adapter load wakes a loop that waits with only loading requests queued.
+        engine.adapters.wake = lambda: self._commands.put(_noop)
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
+        if self.engine.settings.plan_file:  # the operator's pinned set, followed while serving
+            self.plan_watcher = PlanWatcher(self.engine.settings.plan_file, self.engine.adapters.apply_plan)
+            self.plan_watcher.start()
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        if self.plan_watcher is not None:
+            self.plan_watcher.stop()
         self._stop.set()
         self._commands.put(lambda: None)
         if self._thread is not None:
@@ -257,8 +291,9 @@ class AsyncEngine:
         eng = self.engine
         try:
             while not self._stop.is_set():
-                # Block while idle; otherwise apply whatever arrived and take a step.
-                if not eng.has_work():
+                # Block while idle or stalled on adapter loads; otherwise apply whatever arrived
+                # and take a step.
+                if not eng.has_work() or eng.stalled:
                     self._commands.get()()
                 while True:
                     try:
@@ -327,11 +362,11 @@ class AsyncEngine:
         return await fut
 
     async def load_adapter(self, name: str, path: str) -> int:
-        """Read and check the adapter off the engine thread, then write it into a slot between steps."""
+        """Register the adapter and load it into a slot (evicting an idle one when all are taken),
+        off the engine thread; decode steps go on meanwhile."""
         if self.engine.adapters.has(name):
             raise AdapterError(f"adapter {name!r} is already loaded")
-        prepared = await asyncio.to_thread(self.engine.adapters.prepare, name, path)
-        return await self.call(lambda: self.engine.adapters.install(*prepared))
+        return await asyncio.to_thread(self.engine.adapters.load, name, path)
 
     async def unload_adapter(self, name: str) -> bool:
         return await self.call(lambda: self.engine.adapters.unload(name))
@@ -355,6 +390,9 @@ class RequestStream:
                 out = await self.queue.get()
                 if isinstance(out, BaseException):
                     raise RuntimeError(f"the engine has stopped: {out!r}")
+                if out.error is not None:
+                    self.finished = True
+                    raise RequestFailedError(out.error)
                 self.finished = out.finished
                 yield out
         finally:
@@ -365,6 +403,10 @@ class RequestStream:
             self.finished = True
             self.owner.abort(self.request_id)
         self.owner._streams.pop(self.request_id, None)
+
+
+def _noop() -> None:
+    pass
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -28,6 +28,9 @@ class EngineMetrics:
         self.waiting = Gauge("loraplex_requests_waiting", "Requests waiting for admission", registry=r)
         self.step_seconds = Histogram("loraplex_step_seconds", "Engine step time (prefill + decode + sampling)",
                                       buckets=STEP_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("loraplex_queue_wait_seconds",
+                                       "Time from arrival to admission into the batch (adapter loads included)",
+                                       buckets=STEP_BUCKETS + (5.0, 10.0, 30.0), registry=r)
         self.adapters_loaded = Gauge("loraplex_adapters_resident", "Adapters resident in device slots", registry=r)
         self.adapter_slots = Gauge("loraplex_adapter_slots", "Adapter slots in the device buffers", registry=r)
         # vLLM-compatible names read by the Gateway API Inference Extension.
@@ -48,6 +51,7 @@ class EngineMetrics:
         self.vllm_kv_usage.set(1 - engine.kv.num_free / engine.kv.rows)
         self.adapters_loaded.set(len(engine.adapters.list()))
         self.adapter_slots.set(engine.lora.num_slots)
+        engine.adapters.refresh_metrics()
         run_names, wait_names = engine.lora_state()
         self.vllm_lora.clear()
         self.vllm_lora.labels(",".join(run_names), ",".join(wait_names), str(engine.lora.num_slots)).set(time.time())

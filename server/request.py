@@ -34,6 +34,7 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    error: str | None = None  # why the request failed (finish_reason "error"), e.g. its adapter's load
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Request:
     row: int = -1  # KV row while RUNNING
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # set with finish_reason "error"
     detok: IncrementalDetokenizer | None = None
     _emitted_ids: int = 0
     _emitted_chars: int = 0
@@ -88,6 +90,11 @@ class Request:
 
     def abort(self) -> None:
         self._finish("abort")
+
+    def fail(self, error: str) -> None:
+        """End the request with an error its client sees (its adapter failed to load)."""
+        self.error = error
+        self._finish("error")
 
     def _finish(self, reason: str) -> None:
         if self.detok is not None and self._text_end is None:
@@ -133,4 +140,4 @@ class Request:
                 text = full[self._emitted_chars:end]
                 self._emitted_chars = end
         return RequestOutput(self.request_id, new_ids, text, self.finished, self.finish_reason,
-                             len(self.prompt_ids), len(self.output_ids))
+                             len(self.prompt_ids), len(self.output_ids), self.error)

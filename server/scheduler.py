@@ -59,9 +59,19 @@ class Scheduler:
                 return req
         return None
 
-    def admit(self) -> list[Request]:
-        """Move the policy's pick from waiting to running, each with a KV row."""
-        picked = self.policy.select(self.waiting, self.kv.num_free, self.max_prefill_tokens)
+    def admit(self, ready_slots: dict[str, int] | None = None) -> list[Request]:
+        """Move the policy's pick from waiting to running, each with a KV row.
+
+        `ready_slots` ({adapter: slot} of the resident adapters, from the adapter cache): a
+        request whose adapter is not in it is still loading and stays in the queue, not the
+        batch; the others get their slot. None: every adapter is resident."""
+        waiting = self.waiting
+        if ready_slots is not None:
+            waiting = deque(r for r in waiting if r.adapter is None or r.adapter in ready_slots)
+            for req in waiting:
+                if req.adapter is not None:
+                    req.slot = ready_slots[req.adapter]
+        picked = self.policy.select(waiting, self.kv.num_free, self.max_prefill_tokens)
         chosen = set(map(id, picked))
         self.waiting = deque(r for r in self.waiting if id(r) not in chosen)
         for req in picked:

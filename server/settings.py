@@ -73,11 +73,34 @@ class ServerSettings:
     """Prompt tokens prefilled in one step, at most (one prompt may exceed it alone).
     Default: 4096."""
 
-    max_loras: int = 8
-    """Adapter slots in the device buffers: adapters resident at once. Default: 8."""
+    max_loras: int = 0
+    """Adapter slots in the device buffers (the GPU tier): adapters resident at once; 0 sizes
+    them from the device's free memory after weights and KV cache (8 on the CPU). Default: 0."""
 
     max_lora_rank: int = 16
     """Largest adapter rank the slot buffers hold; larger adapters are refused. Default: 16."""
+
+    max_cpu_loras: int = 0
+    """Adapters kept in host memory (pinned on CUDA), the host tier; its byte bound is this
+    many slot-sized copies; 0 means as many as --max-loras. Default: 0."""
+
+    max_concurrent_loads: int = 4
+    """Adapter loads (disk -> host -> slot) running at once; more wait their turn. Default: 4."""
+
+    eviction_policy: str = "lru"
+    """GPU slot eviction policy: lru, or lfu-aged (frequency-aware). Default: lru."""
+
+    adapter_cache_dir: str | None = None
+    """Local disk tier: a folder of PEFT adapters, <dir>/<name>/ (the node agent's cache);
+    a request for a name found there loads it. Default: none."""
+
+    plan_file: str | None = None
+    """The operator's plan (JSON, usually a mounted ConfigMap key): its adapters are
+    registered and its pinned set pinned, re-read when it changes. Default: none."""
+
+    node_agent_url: str | None = None
+    """The node agent that stages adapters missing from --adapter-cache-dir (e.g.
+    http://127.0.0.1:8090); without it a plan source is fetched directly. Default: none."""
 
     lora_target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
     """Projections that may carry LoRA (subset of q/k/v/o/gate/up/down_proj); adapters
@@ -108,9 +131,12 @@ class ServerSettings:
         if self.kernel_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"--kernel-backend {self.kernel_backend!r}: use auto, triton or torch")
         for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("max_prefill_tokens", 1),
-                          ("max_loras", 1), ("max_lora_rank", 1), ("kv_block", 1)):
+                          ("max_loras", 0), ("max_lora_rank", 1), ("kv_block", 1), ("max_cpu_loras", 0),
+                          ("max_concurrent_loads", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least {low}")
+        if self.eviction_policy not in ("lru", "lfu-aged"):
+            raise ValueError(f"--eviction-policy {self.eviction_policy!r}: use lru or lfu-aged")
         if not 0 < self.port < 65536 and self.port != 0:
             raise ValueError(f"--port {self.port} is not a TCP port")
         bad = sorted(set(self.lora_target_modules) - set(TARGET_MODULES))

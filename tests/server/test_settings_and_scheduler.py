@@ -31,7 +31,7 @@ def test_flags_env_and_validation(monkeypatch):
     assert (s.max_loras, s.cuda_graphs, s.lora_modules) == (3, False, ["a=/x", "b=/y"])
     monkeypatch.setenv("LORAPLEX_MAX_NUM_SEQS", "5")
     assert ServerSettings.from_env_and_args(["--demo"]).max_num_seqs == 5
-    for bad in (["--dummy-weights", "tiny", "--dtype", "int8"], [], ["--demo", "--max-loras", "0"],
+    for bad in (["--dummy-weights", "tiny", "--dtype", "int8"], [], ["--demo", "--max-loras", "-1"],
                 ["--demo", "--lora-target-modules", "lm_head"], ["--demo", "--lora-modules", "nopath"]):
         with pytest.raises(ValueError):
             ServerSettings.from_env_and_args(bad)

@@ -1,0 +1,87 @@
+"""Follow the operator's plan file: re-read it when it changes, without a restart.
+
+The plan is a mounted ConfigMap key (operator/plan.py writes it), e.g.
+`/etc/loraplex/plan/plan.json`. The kubelet updates such a mount by swapping a symlink
+(`..data -> ..2026_05_01_08_00_00.123`), so the file's inode changes while its path does
+not: a cheap `stat` (following links) about every second sees (inode, mtime, size) move.
+A new plan is parsed and handed to `apply` (AdapterCache.apply_plan). A plan that does not
+parse is logged and skipped; the last good one stays in force. The loop runs in one daemon
+thread, logs and counts its own failures, and never dies of one (`last_error` shows it).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def read_plan(path: Path) -> dict:
+    """The plan's JSON (gzipped too: the operator gzips a plan over the ConfigMap's limit)."""
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    plan = json.loads(raw)
+    if not isinstance(plan, dict):
+        raise ValueError(f"{path}: the plan is not a JSON object")
+    return plan
+
+
+class PlanWatcher:
+    def __init__(self, path: str | Path, apply: Callable[[dict], None], interval: float = 1.0):
+        self.path = Path(path)
+        self.apply = apply
+        self.interval = interval
+        self.applied = 0  # plans applied so far
+        self.last_error: str | None = None
+        self._seen: tuple[int, int, int] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check(self) -> bool:
+        """Apply the plan if it changed since the last check; True if one was applied."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            if self._seen is not None:
+                log.warning("plan file %s is gone; keeping the last plan", self.path)
+            self._seen = None
+            return False
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key == self._seen:
+            return False
+        self._seen = key
+        try:
+            plan = read_plan(self.path)
+        except (OSError, ValueError) as e:
+            self.last_error = f"{type(e).__name__}: {e}"
+            log.error("plan file %s: %s; keeping the last plan", self.path, self.last_error)
+            return False
+        self.apply(plan)
+        self.applied += 1
+        self.last_error = None
+        return True
+
+    def start(self) -> None:
+        self.check()  # the first plan before serving, when there is one
+        self._thread = threading.Thread(target=self._run, name="loraplex-plan-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.check()
+            except Exception as e:  # noqa: BLE001 - a bad plan must not stop the watcher
+                self.last_error = f"{type(e).__name__}: {e}"
+                log.exception("applying plan %s failed", self.path)
