@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from ..engine import AsyncEngine, LLMEngine
 from ..settings import ServerSettings
-from . import adapters, chat, completions, health, models
+from . import adapter_cache, adapters, chat, completions, health, models
 from .errors import install_error_handlers
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def _build_app(lifespan) -> FastAPI:
     app = FastAPI(title="loraplex", summary="OpenAI-compatible multi-LoRA server", lifespan=lifespan)
     app.state.engine = None
     install_error_handlers(app)
-    for module in (completions, chat, models, adapters, health):
+    for module in (completions, chat, models, adapters, adapter_cache, health):
         app.include_router(module.router)
     return app
 

@@ -15,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine import RequestFailedError
+
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error",
@@ -47,6 +49,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(error_body(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type),
                             status_code=exc.status)
+
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        # e.g. the request's adapter failed to load (missing or corrupt files, wrong shapes)
+        return JSONResponse(error_body(500, str(exc), code="adapter_load_failed"), status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,4 +1,5 @@
-"""GET /v1/models: the base model and every loaded adapter (adapters name the base as parent)."""
+"""GET /v1/models: the base model and every known adapter, in any cache tier (adapters name the
+base as parent; rank and target modules once their files have been read)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ async def list_models(engine: AsyncEngine = Depends(get_engine)) -> dict:
     created = now()
     base = {"id": eng.model_name, "object": "model", "created": created, "owned_by": "loraplex",
             "root": eng.settings.model or eng.model_name, "parent": None, "max_model_len": eng.max_model_len}
-    adapters = [{"id": e.id.name, "object": "model", "created": created, "owned_by": "loraplex",
-                 "root": e.id.uri, "parent": eng.model_name, "max_model_len": eng.max_model_len,
-                 "rank": e.spec.max_rank, "target_modules": list(e.spec.target_modules)}
-                for e in sorted(eng.adapters.list(), key=lambda e: e.id.name)]
+    # Every adapter a request may name, in any tier (a request for one off the GPU loads it).
+    adapters = [{"id": e.name, "object": "model", "created": created, "owned_by": "loraplex",
+                 "root": e.id.uri if e.id else str(e.path or e.source or ""), "parent": eng.model_name,
+                 "max_model_len": eng.max_model_len, "rank": e.spec.max_rank if e.spec else None,
+                 "target_modules": list(e.spec.target_modules) if e.spec else None}
+                for e in sorted(eng.adapters.known(), key=lambda e: e.name)]
     return {"object": "list", "data": [base] + adapters}

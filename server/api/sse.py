@@ -7,6 +7,9 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from ..engine import RequestFailedError
+from .errors import error_body
+
 
 def sse_event(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
@@ -18,8 +21,11 @@ def sse_response(chunks: AsyncIterator[dict]) -> StreamingResponse:
     the cancellation reaches the engine's `generate`, which aborts the request and frees its row."""
 
     async def body() -> AsyncIterator[str]:
-        async for chunk in chunks:
-            yield sse_event(chunk)
+        try:
+            async for chunk in chunks:
+                yield sse_event(chunk)
+        except RequestFailedError as e:  # the status line is sent: the error goes in the stream
+            yield sse_event(error_body(500, str(e), code="adapter_load_failed"))
         yield sse_event("[DONE]")
 
     return StreamingResponse(body(), media_type="text/event-stream",

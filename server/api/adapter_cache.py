@@ -1,0 +1,107 @@
+"""The adapter cache over HTTP: tiers, pins, prefetch and session starts.
+
+    GET  /v1/adapters                      every known adapter: tier (gpu/host/disk/source),
+                                           state, pinned, rank, bytes, hits; plus the slot counts
+    POST /v1/adapters/{name}/pin           pin (never evicted) and load; 200 at once
+    POST /v1/adapters/{name}/unpin
+    POST /v1/adapters/{name}/prefetch      200 once resident; ?wait=false: 202 at once
+    POST /v1/sessions {"model": name}      a session starts: prefetch its adapter through every
+                                           tier and answer once resident, so the first request hits
+
+The node agent calls prefetch (?wait=false) and pin when it warms a server (node_agent/warmer.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from ..adapter_cache import AdapterLoadError
+from ..engine import AsyncEngine
+from .deps import get_engine
+from .errors import APIError, model_not_found
+
+router = APIRouter(tags=["adapter cache"])
+
+
+class SessionRequest(BaseModel):
+    model: str = Field(min_length=1)
+
+
+def _row(engine: AsyncEngine, name: str) -> dict:
+    for row in engine.engine.adapters.describe():
+        if row["name"] == name:
+            return row
+    raise model_not_found(name)
+
+
+async def _wait_resident(engine: AsyncEngine, name: str, timeout: float) -> None:
+    try:
+        fut = engine.engine.adapters.prefetch(name)
+    except KeyError:
+        raise model_not_found(name) from None
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+    except AdapterLoadError as e:
+        raise APIError(500, str(e), code="adapter_load_failed") from None
+    except asyncio.TimeoutError:
+        raise APIError(503, f"adapter {name!r} is not resident after {timeout:g}s (every slot is pinned or "
+                            f"in use); it stays queued for a slot", type="service_unavailable",
+                       code="adapter_load_timeout") from None
+
+
+@router.get("/v1/adapters")
+async def list_adapters(engine: AsyncEngine = Depends(get_engine)) -> dict:
+    cache = engine.engine.adapters
+    rows = await asyncio.to_thread(cache.describe)
+    return {"object": "list", "data": rows, "slots": cache.buffers.num_slots, "free_slots": cache.num_free,
+            "loads_in_flight": cache.in_flight, "max_concurrent_loads": cache.max_concurrent_loads,
+            "host_bytes": cache.host.used_bytes, "host_capacity_bytes": cache.host.capacity_bytes,
+            "eviction_policy": cache.policy.name}
+
+
+@router.post("/v1/adapters/{name}/pin")
+async def pin(name: str, engine: AsyncEngine = Depends(get_engine)) -> dict:
+    try:
+        engine.engine.adapters.pin(name)
+    except KeyError:
+        raise model_not_found(name) from None
+    return _row(engine, name)
+
+
+@router.post("/v1/adapters/{name}/unpin")
+async def unpin(name: str, engine: AsyncEngine = Depends(get_engine)) -> dict:
+    try:
+        engine.engine.adapters.unpin(name)
+    except KeyError:
+        raise model_not_found(name) from None
+    return _row(engine, name)
+
+
+@router.post("/v1/adapters/{name}/prefetch")
+async def prefetch(name: str, wait: bool = Query(True, description="answer once resident (false: at once)"),
+                   timeout: float = Query(120.0, gt=0, description="seconds to wait for residency"),
+                   engine: AsyncEngine = Depends(get_engine)):
+    if not wait:
+        try:
+            engine.engine.adapters.prefetch(name)
+        except KeyError:
+            raise model_not_found(name) from None
+        return JSONResponse(_row(engine, name), status_code=202)
+    await _wait_resident(engine, name, timeout)
+    return _row(engine, name)
+
+
+@router.post("/v1/sessions")
+async def start_session(body: SessionRequest, timeout: float = Query(120.0, gt=0),
+                        engine: AsyncEngine = Depends(get_engine)) -> dict:
+    session = {"id": f"sess-{uuid.uuid4().hex}", "object": "session", "model": body.model}
+    if body.model == engine.engine.model_name:
+        return {**session, "tier": "gpu", "adapter": None}
+    await _wait_resident(engine, body.model, timeout)
+    row = _row(engine, body.model)
+    return {**session, "tier": row["tier"], "adapter": row}
