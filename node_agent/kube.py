@@ -21,6 +21,8 @@ from typing import Any
 
 import aiohttp
 
+from loraplex.server.plan_file import config_map_plan_bytes
+
 log = logging.getLogger(__name__)
 
 SERVER_PORT = 8000
@@ -102,7 +104,7 @@ class PlanConfigMap:
     def __str__(self) -> str:
         return f"configmap {self.namespace}/{self.name}"
 
-    async def read(self, known: object) -> tuple[object, str | None]:
+    async def read(self, known: object) -> tuple[object, bytes | None]:
         try:
             body = await self.api.get_json(f"/api/v1/namespaces/{self.namespace}/configmaps/{self.name}")
         except aiohttp.ClientResponseError as e:
@@ -112,8 +114,8 @@ class PlanConfigMap:
         identity = (body.get("metadata") or {}).get("resourceVersion")
         if identity is not None and identity == known:
             return identity, None
-        text = (body.get("data") or {}).get(self.key)
-        return (identity, text) if text is not None else (None, None)
+        raw = config_map_plan_bytes(body, self.key)
+        return (identity, raw) if raw is not None else (None, None)
 
 
 class StatusReporter:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 import logging
 import os
 import urllib.parse
@@ -42,6 +41,7 @@ import aiohttp
 from loraplex.node_agent.kube import StatusReporter
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StagedAdapter, StoreError
+from loraplex.server.plan_file import PlanFileError, decode_plan, read_plan_file
 
 log = logging.getLogger(__name__)
 
@@ -109,17 +109,17 @@ def parse_plan(data: object) -> Plan:
 
 def read_plan(path: Path) -> Plan:
     try:
-        return parse_plan(json.loads(path.read_text()))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PlanError(f"{path}: {e}") from None
+        return parse_plan(read_plan_file(path))
+    except PlanFileError as e:
+        raise PlanError(str(e)) from None
 
 
 class PlanSource(Protocol):
     """Where the plan comes from: a mounted file (PlanFile) or the API (kube.PlanConfigMap)."""
 
-    async def read(self, known: object) -> tuple[object, str | None]:
-        """(identity, text): text None when the identity equals `known` (unchanged) or the
-        plan is missing (identity None)."""
+    async def read(self, known: object) -> tuple[object, bytes | None]:
+        """(identity, file bytes, gzipped or not): bytes None when the identity equals
+        `known` (unchanged) or the plan is missing (identity None)."""
 
 
 class PlanFile:
@@ -141,8 +141,8 @@ class PlanFile:
         if identity == known:
             return identity, None
         try:
-            return identity, self.path.read_text()
-        except (OSError, UnicodeDecodeError) as e:
+            return identity, self.path.read_bytes()
+        except OSError as e:
             raise PlanError(f"{self.path}: {e}") from None
 
 
@@ -270,7 +270,7 @@ class Warmer:
         if self.plan_source is None:
             return False
         try:
-            identity, text = await self.plan_source.read(self._watch.identity)
+            identity, raw = await self.plan_source.read(self._watch.identity)
         except (PlanError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             log.error("cannot read the plan: %s", e)
             return False
@@ -280,12 +280,12 @@ class Warmer:
             self._watch.identity, self._watch.missing = None, True
             return False
         self._watch.missing = False
-        if text is None:
+        if raw is None:
             return False
         self._watch.identity = identity
         try:
-            plan = parse_plan(json.loads(text))
-        except (PlanError, json.JSONDecodeError) as e:
+            plan = parse_plan(decode_plan(raw))
+        except (PlanError, PlanFileError) as e:
             log.error("ignoring plan %s: %s", self.plan_source, e)
             return False
         if plan == self._watch.plan:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import base64
 import copy
 import gzip
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from loraplex.operator.specs import BaseModelSpec
 from loraplex.operator.validation import local_path
+from loraplex.server.plan_file import config_map_plan_bytes, decode_plan
 
 MANAGED_BY = "loraplex-operator"
 BASE_LABEL = "loraplex.io/base-model"
@@ -86,9 +86,10 @@ def plan_config_map(base: BaseModelSpec, plan_json: str) -> dict[str, Any]:
 
 def read_plan(config_map: Mapping[str, Any]) -> dict[str, Any]:
     """The plan in a ConfigMap as written by `plan_config_map` (either encoding)."""
-    if PLAN_KEY in (config_map.get("data") or {}):
-        return dict(json.loads(config_map["data"][PLAN_KEY]))
-    return dict(json.loads(gzip.decompress(base64.b64decode(config_map["binaryData"][PLAN_KEY]))))
+    raw = config_map_plan_bytes(config_map, PLAN_KEY)
+    if raw is None:
+        raise KeyError(f"the ConfigMap has no {PLAN_KEY}")
+    return decode_plan(raw)
 
 
 def model_path(base: BaseModelSpec) -> str:

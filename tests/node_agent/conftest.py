@@ -146,11 +146,11 @@ class FakeKubeAPI:
     missing: set = field(default_factory=set)  # adapters that answer 404
     configmaps: dict = field(default_factory=dict)  # (namespace, name) -> ConfigMap
 
-    def put_configmap(self, ns: str, name: str, data: dict) -> None:
+    def put_configmap(self, ns: str, name: str, data: dict, binary: dict | None = None) -> None:
         old = self.configmaps.get((ns, name))
         rv = str(int(old["metadata"]["resourceVersion"]) + 1) if old else "1"
         self.configmaps[(ns, name)] = {"metadata": {"namespace": ns, "name": name, "resourceVersion": rv},
-                                       "data": data}
+                                       "data": data, "binaryData": binary or {}}
 
     async def get_configmap(self, request):
         cm = self.configmaps.get((request.match_info["ns"], request.match_info["name"]))

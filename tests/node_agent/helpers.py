@@ -63,10 +63,12 @@ class ConfigMapDir:
     def path(self) -> Path:
         return self.root / "plan.json"
 
-    def write(self, data: dict | str) -> None:
+    def write(self, data: dict | str | bytes) -> None:
         self.n += 1
         d = self.root / f"..2026_05_01_{self.n}"
         d.mkdir()
-        (d / "plan.json").write_text(data if isinstance(data, str) else json.dumps(data))
+        if isinstance(data, dict):
+            data = json.dumps(data)
+        (d / "plan.json").write_bytes(data if isinstance(data, bytes) else data.encode())
         os.symlink(d.name, self.root / "..data_tmp")
         os.replace(self.root / "..data_tmp", self.root / "..data")

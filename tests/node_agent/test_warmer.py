@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime
+import gzip
 import json
 import os
 from pathlib import Path
@@ -75,6 +77,9 @@ async def test_plan_reload_follows_configmap_swap(tmp_path, object_store, sessio
     assert await warmer.check_plan() is False and warmer.plan.pinned == ("a",)  # bad file: keep the last
     cm.write(plan_json(object_store, pinned=["b"], others=["a"]))
     assert await warmer.check_plan() is True and warmer.plan.pinned == ("b",)
+    # A large plan arrives gzipped (the operator's binaryData): same file, same plan reader.
+    cm.write(gzip.compress(json.dumps(plan_json(object_store, pinned=["a"], others=["b"])).encode()))
+    assert await warmer.check_plan() is True and warmer.plan.pinned == ("a",)
 
 
 async def test_plan_from_the_api(tmp_path, object_store, session, kube_api):
@@ -89,8 +94,11 @@ async def test_plan_from_the_api(tmp_path, object_store, session, kube_api):
     assert await warmer.check_plan() is False  # same resourceVersion
     kube_api.put_configmap("ml", "llama-plan", {"plan.json": json.dumps(plan_json(object_store, pinned=["b"]))})
     assert await warmer.check_plan() is True and warmer.plan.pinned == ("b",)
+    packed = base64.b64encode(gzip.compress(json.dumps(plan_json(object_store, pinned=["a"])).encode())).decode()
+    kube_api.put_configmap("ml", "llama-plan", {}, binary={"plan.json": packed})
+    assert await warmer.check_plan() is True and warmer.plan.pinned == ("a",)
     kube_api.configmaps.clear()  # deleted: keep the last plan
-    assert await warmer.check_plan() is False and warmer.plan.pinned == ("b",)
+    assert await warmer.check_plan() is False and warmer.plan.pinned == ("a",)
 
 
 async def _until(cond, timeout=5.0):
