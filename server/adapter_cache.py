@@ -655,7 +655,12 @@ def _load_error(name: str, err: BaseException) -> AdapterLoadError:
     if isinstance(err, (FileNotFoundError, NotADirectoryError)):
         return AdapterLoadError(name, "missing", f"missing file: {err}")
     if isinstance(err, AdapterError):
-        return AdapterLoadError(name, "mismatch", str(err))
+        # read_adapter checks the safetensors header: a cut or garbled file, or one that does not fit
+        msg = str(err)
+        if msg.endswith((f"no {WEIGHTS_FILE}", f"no {CONFIG_FILE}", "not a directory")) or f"no {WEIGHTS_FILE} (" in msg:
+            return AdapterLoadError(name, "missing", msg)
+        broken = msg.startswith(f"{WEIGHTS_FILE}:") or any(w in msg for w in ("holds no", "invalid JSON"))
+        return AdapterLoadError(name, "corrupt" if broken else "mismatch", msg)
     if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
         return AdapterLoadError(name, "oom", f"out of memory: {err}")
     if type(err).__name__ == "SafetensorError" or "safetensors" in type(err).__module__:

@@ -1,0 +1,313 @@
+"""The adapter cache on the CPU: real PEFT files on disk, the tiny shape, real load workers.
+
+Rules under test: pinned adapters are never evicted; an adapter held by a request is never
+evicted; at most --max-concurrent-loads loads run under a storm of cold requests; a failed
+load fails only that adapter and leaves its slot free; a slot loaded through the host tier
+holds exactly what a direct write puts there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from loraplex.server.adapter_cache import AdapterCache, AdapterLoadError, max_loras_from_memory
+from loraplex.server.adapter_format import BaseSpec, read_adapter, write_adapter_config
+from loraplex.server.adapters import LoRABuffers, random_adapter
+from loraplex.server.config import named_shape
+from loraplex.server.plan_watch import PlanWatcher
+
+CFG = named_shape("tiny")
+RANK = 8
+GB = 10**9
+
+
+def write_adapter(path: Path, seed: int, rank: int = 4, cfg=CFG, targets=("q_proj", "v_proj", "o_proj", "down_proj")
+                  ) -> Path:
+    spec, tensors = random_adapter(cfg, rank, targets=targets, seed=seed)
+    write_adapter_config(path, r=rank, lora_alpha=2 * rank, target_modules=list(targets))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+    return path
+
+
+def base_spec() -> BaseSpec:
+    return BaseSpec(num_layers=CFG.num_layers, module_shapes=CFG.module_shapes(), max_rank=RANK)
+
+
+def make_cache(tmp_path: Path, slots: int = 3, **kw) -> AdapterCache:
+    buffers = LoRABuffers(CFG, slots, RANK, torch.device("cpu"), torch.float32)
+    kw.setdefault("cache_dir", tmp_path)
+    return AdapterCache(buffers, base_spec(), **kw)
+
+
+@pytest.fixture
+def disk(tmp_path) -> Path:
+    for i, name in enumerate("abcdefgh"):
+        write_adapter(tmp_path / name, seed=i)
+    return tmp_path
+
+
+def wait_ready(cache: AdapterCache, name: str, timeout: float = 10) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        slots = cache.ready_slots()
+        if name in slots:
+            return slots[name]
+        time.sleep(0.002)
+    raise AssertionError(f"{name} not resident; {cache.describe()}")
+
+
+def use(cache: AdapterCache, name: str) -> int:
+    """One request for `name`, start to finish: acquire, wait until resident, release."""
+    cache.acquire(name)
+    slot = wait_ready(cache, name)
+    cache.release(name)
+    return slot
+
+
+@pytest.mark.parametrize("free_gb, slot_mb, want", [
+    (120, 84, 256),  # H200 after an 8B base: capped
+    (10, 84, 74),  # (10 - 2.147) GB * 0.8 / 84 MB = 74.8
+    (2, 84, 1),  # less than the headroom: still one slot
+    (0, 84, 1),
+    (50, 1000, 38),
+])
+def test_max_loras_from_memory(free_gb, slot_mb, want):
+    assert max_loras_from_memory(free_gb * GB, slot_mb * 10**6) == want
+
+
+def test_slot_loaded_through_host_tier_equals_a_direct_write(disk):
+    cache = make_cache(disk, slots=2)
+    slot = cache.prefetch("a").result(10)
+    direct = LoRABuffers(CFG, 2, RANK, torch.device("cpu"), torch.float32)
+    spec = read_adapter(disk / "a", base_spec())
+    from safetensors.torch import load_file
+    direct.write(1, spec, load_file(str(disk / "a" / "adapter_model.safetensors")))
+    for got, want in zip(cache.buffers.layers, direct.layers):
+        for name in got:
+            assert torch.equal(got[name].a[slot], want[name].a[1]), name
+            assert torch.equal(got[name].b[slot], want[name].b[1]), name
+            assert torch.equal(got[name].scaling[slot], want[name].scaling[1]), name
+    assert cache.buffers.ranks[slot] == 4
+    assert cache.tier_of("a") == "gpu"
+
+
+def test_pinned_adapter_is_never_evicted(disk):
+    cache = make_cache(disk, slots=3)
+    pinned_slot = cache.pin("a").result(10)
+    for name in "bcdefgh" * 2:  # 14 cold misses through the 2 unpinned slots
+        assert use(cache, name) != pinned_slot
+        assert cache.ready_slots()["a"] == pinned_slot
+    assert cache.metrics.evictions.labels("gpu")._value.get() >= 12
+    cache.unpin("a")
+    for name in "bcd":
+        use(cache, name)
+    assert "a" not in cache.ready_slots()  # unpinned, it pages like the rest
+
+
+def test_pins_take_all_slots_but_one_and_the_rest_stay_pending(disk):
+    cache = make_cache(disk, slots=3)
+    futures = [cache.pin(n) for n in "abc"]
+    futures[0].result(10), futures[1].result(10)
+    rows = {r["name"]: r for r in cache.describe()}
+    assert rows["c"]["pin_pending"] and rows["c"]["state"] == "pending"
+    assert use(cache, "d") not in (rows["a"]["slot"], rows["b"]["slot"])  # requests still page
+    cache.unpin("a")
+    assert futures[2].result(10) == rows["a"]["slot"]  # the pending pin took the freed share
+
+
+def test_adapter_in_use_is_never_evicted(disk):
+    cache = make_cache(disk, slots=2)
+    cache.acquire("a")  # a running request
+    slot_a = wait_ready(cache, "a")
+    cache.acquire("b")  # a queued request: its adapter loads and stays until it runs
+    wait_ready(cache, "b")
+    assert cache.acquire("c") == -1  # no evictable slot: c waits
+    time.sleep(0.05)
+    assert cache.ready_slots() == {"a": slot_a, "b": 1 - slot_a}
+    assert [r["state"] for r in cache.describe() if r["name"] == "c"] == ["pending"]
+    cache.release("b")  # b's request finished: b is the only candidate
+    assert wait_ready(cache, "c") == 1 - slot_a
+    assert cache.ready_slots()["a"] == slot_a
+
+
+def test_load_cap_holds_under_a_storm_of_cold_requests(disk, tmp_path, monkeypatch):
+    for i in range(24):
+        write_adapter(disk / f"s{i}", seed=100 + i)
+    cache = make_cache(disk, slots=6, max_concurrent_loads=2)
+    running, peak = 0, 0
+    lock = threading.Lock()
+    copy = cache._copy_to_slot
+
+    def slow_copy(host, slot):
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        time.sleep(0.01)
+        copy(host, slot)
+        with lock:
+            running -= 1
+
+    monkeypatch.setattr(cache, "_copy_to_slot", slow_copy)
+    names = [f"s{i}" for i in range(24)]
+    errors = []
+
+    def client(batch):
+        try:
+            for n in batch:
+                use(cache, n)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(names[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert peak == 2 and cache.max_in_flight_seen == 2
+    assert cache.in_flight == 0
+    hist = cache.metrics.load_seconds.labels("disk")
+    assert sum(b.get() for b in hist._buckets) == 24
+
+
+def corrupt(path: Path) -> None:
+    f = path / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+
+
+def garbled(path: Path) -> None:
+    f = path / "adapter_model.safetensors"
+    f.write_bytes(b"\xff" * 64 + f.read_bytes()[64:])
+
+
+def missing(path: Path) -> None:
+    (path / "adapter_model.safetensors").unlink()
+
+
+def wrong_shape(path: Path) -> None:
+    other = named_shape("tiny").__class__(**{**named_shape("tiny").__dict__, "hidden_size": 32})
+    write_adapter(path, seed=9, cfg=other)
+
+
+@pytest.mark.parametrize("damage, reason", [(corrupt, "corrupt"), (garbled, "corrupt"), (missing, "missing"),
+                                           (wrong_shape, "mismatch")])
+def test_failed_load_fails_only_its_requests_and_frees_the_slot(disk, damage, reason):
+    cache = make_cache(disk, slots=2)
+    damage(disk / "b")
+    assert cache.acquire("b") == -1
+    with pytest.raises(AdapterLoadError) as err:
+        cache.prefetch("b").result(10)
+    assert err.value.reason == reason and "'b'" in str(err.value)
+    deadline = time.monotonic() + 5
+    while not cache.take_failures() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert cache.num_free == 2 and "b" not in cache.ready_slots()
+    assert cache.metrics.load_failures.labels(reason)._value.get() >= 1
+    assert use(cache, "a") in (0, 1) and use(cache, "c") in (0, 1)  # the rest are served
+    row = {r["name"]: r for r in cache.describe()}["b"]
+    assert row["state"] == "failed" and row["error"]
+    cache.release("b")
+
+
+def test_out_of_memory_fails_only_that_load(disk, monkeypatch):
+    cache = make_cache(disk, slots=2)
+    import loraplex.server.adapter_cache as ac
+
+    real = ac.read_into_host
+
+    def oom(path, *a):
+        if Path(path).name == "b":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 84.00 MiB")
+        return real(path, *a)
+
+    monkeypatch.setattr(ac, "read_into_host", oom)
+    with pytest.raises(AdapterLoadError, match="out of memory") as err:
+        cache.prefetch("b").result(10)
+    assert err.value.reason == "oom" and cache.num_free == 2
+    assert cache.prefetch("a").result(10) in (0, 1)
+
+
+def test_host_tier_serves_a_reload_and_drops_least_recent_by_bytes(disk):
+    cache = make_cache(disk, slots=1, max_cpu_loras=2)
+    for name in "abc":
+        use(cache, name)
+    assert cache.host.names() == ["b", "c"]  # a dropped: two slot-sized copies fit
+    assert cache.tier_of("b") == "host" and cache.tier_of("a") == "disk"
+    use(cache, "b")
+    assert cache.metrics.load_seconds.labels("host")._sum.get() > 0
+    assert cache.metrics.hits.labels("host")._value.get() == 1
+
+
+def test_lazy_discovery_unknown_names_and_paths(disk, tmp_path):
+    cache = make_cache(disk, slots=2)
+    assert cache.has("a") and not cache.has("nope")
+    with pytest.raises(KeyError):
+        cache.acquire("nope")
+    (disk / "sub").mkdir()
+    write_adapter(disk / "sub" / "x", seed=3)
+    assert not cache.has("sub/x") and not cache.has("../" + disk.name + "/a")
+
+
+def test_load_registers_and_evicts_when_full_unload_frees(disk, tmp_path):
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    write_adapter(other / "z", seed=7)
+    cache = make_cache(disk, slots=1)
+    use(cache, "a")
+    assert cache.load("zed", other / "z") == 0  # full: a is evicted, not refused
+    assert cache.ready_slots() == {"zed": 0}
+    assert cache.unload("zed") and cache.num_free == 1 and not cache.has("zed")
+
+
+def test_lfu_policy_keeps_the_frequent_adapter(disk):
+    cache = make_cache(disk, slots=2, policy="lfu-aged")
+    for _ in range(5):
+        use(cache, "a")
+    for name in "bcdef":
+        use(cache, name)
+        assert "a" in cache.ready_slots()
+
+
+def test_plan_file_pins_follow_a_symlink_swap(disk, tmp_path, tmp_path_factory):
+    cache = make_cache(disk, slots=3)
+    mount = tmp_path / "mount"
+    mount.mkdir()
+
+    def publish(version: str, plan: dict) -> None:  # the kubelet's ConfigMap update: new dir, swap ..data
+        d = mount / f"..{version}"
+        d.mkdir()
+        (d / "plan.json").write_text(json.dumps(plan))
+        tmp = mount / "..data_tmp"
+        tmp.symlink_to(d.name)
+        os.replace(tmp, mount / "..data")
+        if not (mount / "plan.json").is_symlink():
+            (mount / "plan.json").symlink_to("..data/plan.json")
+
+    src = write_adapter(tmp_path_factory.mktemp("remote") / "r", seed=42)
+    publish("v1", {"pinned": ["a"], "adapters": [
+        {"name": "a", "source": str(disk / "a"), "sha256": None, "pinned": True},
+        {"name": "remote", "source": f"file://{src}", "sha256": None, "pinned": False}], "prefetch": []})
+    watcher = PlanWatcher(mount / "plan.json", cache.apply_plan, interval=0.01)
+    assert watcher.check() and not watcher.check()  # unchanged: nothing to do
+    wait_ready(cache, "a")
+    assert {r["name"]: r["pinned"] for r in cache.describe()} == {n: n == "a" for n in [*"abcdefgh", "remote"]}
+    use(cache, "remote")  # not on disk: fetched from its source (a local path here)
+    assert cache.metrics.load_seconds.labels("source")._sum.get() > 0
+    publish("v2", {"pinned": ["b"], "adapters": [], "prefetch": []})
+    assert watcher.check()
+    wait_ready(cache, "b")
+    rows = {r["name"]: r for r in cache.describe()}
+    assert rows["b"]["pinned"] and not rows["a"]["pinned"]
+    (mount / "..v2" / "plan.json").write_text("{not json")  # a broken plan keeps the last one
+    os.utime(mount / "..v2" / "plan.json", ns=(1, 1))
+    assert not watcher.check() and watcher.last_error
+    assert {r["name"] for r in cache.describe() if r["pinned"]} == {"b"}
