@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from loraplex.node_agent.cli import Settings as AgentSettings
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "loraplex"
 ACTION = re.compile(r"{{(-?)\s*(.*?)\s*(-?)}}", re.S)
@@ -122,6 +124,8 @@ class Renderer:
             return self._run(self.defines[args[0]], args[1]).strip()
         if fn == "quote":
             return f'"{args[0]}"'
+        if fn == "int64":
+            return int(args[0])
         if fn == "nindent":
             return "\n" + "\n".join(" " * args[0] + line for line in self._str(args[1]).splitlines())
         if fn == "toYaml":
@@ -231,6 +235,17 @@ def test_node_agent_daemonset_contract():
     (container,) = pod["containers"]
     assert container["command"] == ["loraplex-node-agent"]
     assert container["args"][:2] == ["--cache-dir", "/var/lib/loraplex/adapters"]
+    # The rendered arguments are ones the agent's own command line accepts, with the values' meaning.
+    settings = AgentSettings.from_env_and_args(container["args"], env={"NODE_NAME": "n1", "POD_NAMESPACE": "ml"})
+    assert (settings.budget_bytes, settings.max_concurrent_downloads, settings.port) == (53687091200, 4, 8081)
+    assert settings.plan_configmap is None
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["ports"] == [{"name": "http", "containerPort": 8081}]
+    values = copy.deepcopy(VALUES)
+    values["nodeAgent"]["planConfigMap"] = "ml/llama-3-8b-plan"
+    (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+    in_pod = {"NODE_NAME": "n1", "KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    assert AgentSettings.from_env_and_args(container["args"], env=in_pod).plan_configmap == "ml/llama-3-8b-plan"
     assert {"name": "adapters", "mountPath": "/var/lib/loraplex/adapters"} in container["volumeMounts"]
     assert pod["volumes"][0]["hostPath"]["path"] == "/var/lib/loraplex/adapters"
     assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
