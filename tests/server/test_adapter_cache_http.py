@@ -1,0 +1,263 @@
+"""The paging cache inside the engine and over real HTTP (uvicorn on loopback): requests wait in
+the queue while their adapter loads, failed loads fail only their requests, session starts
+make the first request a hit, pins from the API and the plan file, and the /metrics that the
+Gateway API Inference Extension's endpoint picker reads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraplex.server.api.app import create_app
+from loraplex.server.engine import LLMEngine
+from loraplex.server.sampling import SamplingParams
+from loraplex.server.settings import ServerSettings
+
+from .conftest import LiveServer
+from .test_adapter_cache import corrupt, write_adapter
+
+
+def settings(cache_dir: Path, **kw) -> ServerSettings:
+    base = dict(dummy_weights="tiny", device="cpu", dtype="float32", max_num_seqs=4, max_model_len=128,
+                max_loras=2, max_lora_rank=8, adapter_cache_dir=str(cache_dir), cuda_graphs=False,
+                served_model_name="tiny", seed=1)
+    return ServerSettings(**(base | kw))
+
+
+@pytest.fixture
+def disk(tmp_path) -> Path:
+    for i, name in enumerate(["a", "b", "c", "slow", "bad"]):
+        write_adapter(tmp_path / name, seed=i)
+    corrupt(tmp_path / "bad")
+    return tmp_path
+
+
+def gate_loads(engine: LLMEngine, name: str) -> threading.Event:
+    """Hold loads of `name` until the returned event is set (a slow disk, deterministically)."""
+    gate = threading.Event()
+    cache = engine.adapters
+    real = cache._copy_to_slot
+
+    def copy(host, slot):
+        if cache._entries.get(name) is not None and cache._entries[name].state == "loading" and \
+                cache._entries[name].slot == slot:
+            assert gate.wait(20)
+        real(host, slot)
+
+    cache._copy_to_slot = copy
+    return gate
+
+
+def run_to_end(engine: LLMEngine, reqs, limit: int = 500) -> None:
+    for _ in range(limit):
+        if all(r.finished for r in reqs):
+            return
+        engine.step()
+    raise AssertionError("requests did not finish")
+
+
+PROMPT = [5, 17, 33, 4, 9, 100]
+
+
+def test_request_waits_in_the_queue_not_the_batch_while_its_adapter_loads(disk):
+    engine = LLMEngine.from_settings(settings(disk))
+    gate = gate_loads(engine, "a")
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    base = engine.make_request(PROMPT, greedy)
+    lora = engine.make_request(PROMPT, greedy, adapter="a")
+    assert lora.slot == -1  # a cold miss: loading
+    engine.add_request(base)
+    engine.add_request(lora)
+    for _ in range(4):
+        engine.step()
+    assert len(base.output_ids) == 4  # the other rows keep decoding
+    assert lora in engine.scheduler.waiting and lora.row == -1 and not lora.output_ids
+    assert engine.lora_state() == ([], ["a"])
+    gate.set()
+    run_to_end(engine, [base, lora])
+    # The paged-in slot computes what an adapter loaded before any request computes.
+    ref = LLMEngine.from_settings(settings(disk, lora_modules=[f"a={disk / 'a'}"]))
+    want = ref.make_request(PROMPT, greedy, adapter="a")
+    assert want.slot >= 0
+    ref.add_request(want)
+    run_to_end(ref, [want])
+    assert lora.output_ids == want.output_ids and lora.output_ids != base.output_ids
+    assert engine.metrics.queue_seconds._sum.get() > 0
+
+
+def test_engine_fails_only_the_requests_of_a_failed_load(disk):
+    engine = LLMEngine.from_settings(settings(disk))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    good, bad = engine.make_request(PROMPT, params, adapter="a"), engine.make_request(PROMPT, params, adapter="bad")
+    engine.add_request(good)
+    engine.add_request(bad)
+    outs = []
+    deadline = time.monotonic() + 20
+    while not (good.finished and bad.finished) and time.monotonic() < deadline:
+        outs += engine.step()
+        time.sleep(0.001)
+    assert good.finish_reason == "length" and len(good.output_ids) == 4
+    assert bad.finish_reason == "error" and "'bad' failed to load" in bad.error and "adapter_model" in bad.error
+    assert [o.error for o in outs if o.request_id == bad.request_id][-1] == bad.error
+    assert engine.adapters.num_free == 1  # bad's slot went back
+
+
+@pytest.fixture
+def serve(disk):
+    servers = []
+
+    def start(**kw) -> LiveServer:
+        engine = LLMEngine.from_settings(settings(disk, **kw))
+        server = LiveServer(create_app(engine)).__enter__()
+        server.engine = engine
+        servers.append(server)
+        return server
+
+    yield start
+    for s in servers:
+        s.__exit__(None, None, None)
+
+
+def completion(model: str, **kw) -> dict:
+    return {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True} | kw
+
+
+def test_session_start_makes_the_first_request_a_hit(serve):
+    server = serve()
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        r = client.post("/v1/sessions", json={"model": "c"})
+        assert r.status_code == 200, r.text
+        assert r.json()["tier"] == "gpu" and r.json()["id"].startswith("sess-")
+        assert client.post("/v1/completions", json=completion("c")).status_code == 200
+        row = {a["name"]: a for a in client.get("/v1/adapters").json()["data"]}["c"]
+        assert (row["hits"], row["misses"], row["tier"]) == (1, 0, "gpu")
+        metrics = client.get("/metrics").text
+        assert 'loraplex_adapter_cache_hits_total{tier="gpu"} 1.0' in metrics
+        assert 'loraplex_adapter_cache_misses_total{tier="gpu"} 0.0' in metrics
+        # Without a session start the first request misses (and loads from disk).
+        assert client.post("/v1/completions", json=completion("b")).status_code == 200
+        row = {a["name"]: a for a in client.get("/v1/adapters").json()["data"]}["b"]
+        assert (row["hits"], row["misses"]) == (0, 1)
+        assert client.post("/v1/sessions", json={"model": "nope"}).status_code == 404
+
+
+async def test_failed_load_fails_only_its_requests_over_http(serve):
+    server = serve()
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        good, bad = await asyncio.gather(client.post("/v1/completions", json=completion("a")),
+                                         client.post("/v1/completions", json=completion("bad")))
+        assert good.status_code == 200 and len(good.json()["choices"][0]["text"]) >= 0
+        assert bad.status_code == 500
+        err = bad.json()["error"]
+        assert err["code"] == "adapter_load_failed" and "'bad' failed to load" in err["message"]
+        async with client.stream("POST", "/v1/completions", json=completion("bad", stream=True)) as r:
+            events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert json.loads(events[0][6:])["error"]["code"] == "adapter_load_failed" and events[-1] == "data: [DONE]"
+        listing = (await client.get("/v1/adapters")).json()
+        row = {a["name"]: a for a in listing["data"]}["bad"]
+        assert row["state"] == "failed" and row["slot"] is None and listing["free_slots"] >= 1
+        assert (await client.post("/v1/completions", json=completion("b"))).status_code == 200
+
+
+def epp_lora_info(metrics_text: str) -> tuple[list[str], list[str], int]:
+    """What the endpoint picker takes from vllm:lora_requests_info: the series with the highest
+    value (the newest), its running and waiting adapter lists split on commas, and max_lora."""
+    family = next(f for f in text_string_to_metric_families(metrics_text) if f.name == "vllm:lora_requests_info")
+    newest = max(family.samples, key=lambda s: s.value)
+    split = lambda v: [x for x in v.split(",") if x]  # noqa: E731
+    return (split(newest.labels["running_lora_adapters"]), split(newest.labels["waiting_lora_adapters"]),
+            int(newest.labels["max_lora"]))
+
+
+def gauge(metrics_text: str, name: str) -> float:
+    family = next(f for f in text_string_to_metric_families(metrics_text) if f.name == name)
+    return family.samples[0].value
+
+
+async def test_metrics_as_the_inference_extension_reads_them(serve):
+    server = serve()
+    gate = gate_loads(server.engine, "slow")
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        long = asyncio.create_task(client.post("/v1/completions", json=completion("a", max_tokens=100)))
+        slow = asyncio.create_task(client.post("/v1/completions", json=completion("slow")))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            text = (await client.get("/metrics")).text
+            if epp_lora_info(text)[:2] == (["a"], ["slow"]):
+                break
+            await asyncio.sleep(0.01)
+        assert epp_lora_info(text) == (["a"], ["slow"], 2)
+        assert gauge(text, "vllm:num_requests_waiting") == 1 and gauge(text, "vllm:num_requests_running") == 1
+        assert 0 < gauge(text, "vllm:kv_cache_usage_perc") <= 1
+        assert gauge(text, "loraplex_adapter_loads_in_flight") == 1
+        gate.set()
+        assert (await slow).status_code == 200 and (await long).status_code == 200
+        text = (await client.get("/metrics")).text
+        assert epp_lora_info(text) == ([], [], 2)
+        family = next(f for f in text_string_to_metric_families(text) if f.name == "loraplex_adapter_load_seconds")
+        counts = {s.labels["source"]: s.value for s in family.samples if s.name.endswith("_count")}
+        assert counts["disk"] == 2
+
+
+def test_pin_unpin_prefetch_and_listing(serve):
+    server = serve()
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        listing = client.get("/v1/adapters").json()
+        rows = {a["name"]: a for a in listing["data"]}
+        assert set(rows) == {"a", "b", "c", "slow", "bad"} and rows["a"]["tier"] == "disk"
+        assert listing["slots"] == 2 and rows["a"]["bytes"] > 0
+        r = client.post("/v1/adapters/a/prefetch", params={"wait": "false"})
+        assert r.status_code == 202 and r.json()["state"] in ("pending", "loading", "ready")
+        r = client.post("/v1/adapters/b/pin")
+        assert r.status_code == 200 and r.json()["pinned"]
+        r = client.post("/v1/adapters/c/prefetch")
+        assert r.status_code == 200 and r.json()["tier"] == "gpu"
+        for name in ("a", "c", "slow"):  # paging through one unpinned slot never moves b
+            assert client.post("/v1/completions", json=completion(name)).status_code == 200
+            assert {a["name"]: a for a in client.get("/v1/adapters").json()["data"]}["b"]["tier"] == "gpu"
+        assert not client.post("/v1/adapters/b/unpin").json()["pinned"]
+        assert client.post("/v1/adapters/nope/pin").status_code == 404
+        assert client.post("/v1/adapters/nope/prefetch").status_code == 404
+        r = client.post("/v1/adapters/bad/prefetch")
+        assert r.status_code == 500 and r.json()["error"]["code"] == "adapter_load_failed"
+        ids = {m["id"] for m in client.get("/v1/models").json()["data"]}
+        assert {"tiny", "a", "b", "c", "slow", "bad"} <= ids
+
+
+def test_load_lora_adapter_evicts_instead_of_refusing(serve, tmp_path_factory):
+    extra = write_adapter(tmp_path_factory.mktemp("extra") / "x", seed=77)
+    server = serve()
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for name in ("a", "b"):  # both slots resident
+            assert client.post("/v1/completions", json=completion(name)).status_code == 200
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(extra)})
+        assert r.status_code == 200, r.text
+        assert client.post("/v1/completions", json=completion("x")).status_code == 200
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(extra)})
+        assert r.status_code == 400
+
+
+def test_plan_file_pins_without_a_restart(serve, tmp_path_factory):
+    plan = tmp_path_factory.mktemp("plan") / "plan.json"
+    plan.write_text(json.dumps({"pinned": ["a"], "adapters": [], "prefetch": []}))
+    server = serve(plan_file=str(plan))
+
+    def pinned(client) -> set[str]:
+        return {a["name"] for a in client.get("/v1/adapters").json()["data"] if a["pinned"]}
+
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        assert pinned(client) == {"a"}
+        plan.write_text(json.dumps({"pinned": ["c"], "adapters": [], "prefetch": []}) + "\n")
+        deadline = time.monotonic() + 10
+        while pinned(client) != {"c"} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pinned(client) == {"c"}
+        r = client.post("/v1/adapters/c/prefetch")
+        assert r.json()["tier"] == "gpu" and r.json()["pinned"]
