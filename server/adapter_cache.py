@@ -49,7 +49,7 @@ from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec
 from .adapters import AdapterId, LoRABuffers
 from .cache_metrics import CacheMetrics
 from .cache_policy import make_policy
-from .host_tier import HostCopy, HostTier, host_copy_from_tensors, read_into_host
+from .host_tier import HostCopy, HostTier, host_copy_from_tensors, read_into_host, slot_views
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,7 @@ class AdapterCache:
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, max_concurrent_loads),
                                                            thread_name_prefix="loraplex-load")
         self._local = threading.local()  # a side CUDA stream per load worker
+        self._views = [slot_views(buffers, s) for s in range(buffers.num_slots)]  # copy targets, per slot
         self.max_in_flight_seen = 0
 
     @classmethod
@@ -334,6 +335,21 @@ class AdapterCache:
                 raise AdapterError(f"adapter {adapter.name!r} is already loaded")
             self._entries[adapter.name] = CachedAdapter(adapter.name, id=adapter, spec=spec, memory=copy)
         return self.prefetch(adapter.name).result()
+
+    def evict(self, name: str) -> bool:
+        """Take `name` out of its GPU slot now (its host copy stays), if it is idle and not
+        pinned; returns whether it was evicted. For benchmarks and admin."""
+        with self._lock:
+            e = self._entries.get(name)
+            if e is None or not e.ready or e.refs > 0 or e.pinned:
+                return False
+            self.policy.record_evict(name)
+            self._free.append(e.slot)
+            self._free.sort()
+            e.state, e.slot = "cold", -1
+            self.metrics.evictions.labels("gpu").inc()
+            self._pump()
+            return True
 
     def unload(self, name: str) -> bool:
         """Forget `name`: now, or when its last request releases it. Returns True if now."""
@@ -570,13 +586,13 @@ class AdapterCache:
         """Host -> slot. On CUDA: a side stream and an event this worker waits on, so the decode
         loop never waits on PCIe; the slot is not in any batch until the load is marked ready."""
         if self.buffers.device.type != "cuda":
-            copy.copy_to(self.buffers, slot)
+            copy.copy_to(self.buffers, slot, self._views[slot])
             return
         stream = getattr(self._local, "stream", None)
         if stream is None:
             stream = self._local.stream = torch.cuda.Stream(self.buffers.device)
         with torch.cuda.stream(stream):
-            copy.copy_to(self.buffers, slot)
+            copy.copy_to(self.buffers, slot, self._views[slot])
             done = torch.cuda.Event()
             done.record(stream)
         done.synchronize()

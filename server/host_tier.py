@@ -84,15 +84,24 @@ class HostCopy:
                     off += width
         self.rank[0] = spec.max_rank
 
-    def copy_to(self, buffers: LoRABuffers, slot: int) -> None:
-        """Enqueue the copy into `slot` on the current stream (non-blocking from pinned memory)."""
-        for host_layer, dev_layer in zip(self.layers, buffers.layers):
-            for name, h in host_layer.items():
-                d = dev_layer[name]
-                d.a[slot].copy_(h.a, non_blocking=True)
-                d.b[slot].copy_(h.b, non_blocking=True)
-                d.scaling[slot].copy_(h.scaling, non_blocking=True)
-        buffers.ranks[slot: slot + 1].copy_(self.rank, non_blocking=True)
+    def sources(self) -> list[torch.Tensor]:
+        """The copy's tensors in `slot_views` order."""
+        return [t for layer in self.layers for h in layer.values() for t in (h.a, h.b, h.scaling)] + [self.rank]
+
+    def copy_to(self, buffers: LoRABuffers, slot: int, views: list[torch.Tensor] | None = None) -> None:
+        """Enqueue the copy into `slot` on the current stream (non-blocking from pinned memory).
+
+        One `_foreach_copy_` call for the ~4 x 3 x layers tensors: the Python thread holds the
+        GIL for one call instead of hundreds, so the engine thread's steps are not held up."""
+        torch._foreach_copy_(views if views is not None else slot_views(buffers, slot), self.sources(),
+                             non_blocking=True)
+
+
+def slot_views(buffers: LoRABuffers, slot: int) -> list[torch.Tensor]:
+    """Views of one slot of the device buffers, in HostCopy.sources order:
+    per layer, per group: a [n*R, in], b [out, R], scaling [n]; then ranks [1]."""
+    return [t for layer in buffers.layers for g in layer.values()
+            for t in (g.a[slot], g.b[slot], g.scaling[slot])] + [buffers.ranks[slot: slot + 1]]
 
 
 def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pin: bool) -> HostCopy:

@@ -55,11 +55,15 @@ def gate_loads(engine: LLMEngine, name: str) -> threading.Event:
     return gate
 
 
-def run_to_end(engine: LLMEngine, reqs, limit: int = 500) -> None:
-    for _ in range(limit):
+def run_to_end(engine: LLMEngine, reqs, timeout: float = 20) -> None:
+    """Step until `reqs` finish; a stalled engine sleeps, as AsyncEngine's loop does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         if all(r.finished for r in reqs):
             return
         engine.step()
+        if engine.stalled:
+            time.sleep(0.001)
     raise AssertionError("requests did not finish")
 
 
