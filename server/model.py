@@ -85,8 +85,12 @@ class LlamaModel:
         cfg = self.cfg
         head_scale = torch.ones(cfg.num_heads + cfg.num_kv_heads, 1, device=self.device)
         head_scale[: cfg.num_heads] = self.scale
+        # rotate_half(x) * sin == roll(x, d/2) * sin_signed, with sin's first half negated.
+        half = cfg.head_dim // 2
+        sign = torch.ones(cfg.head_dim, device=self.device)
+        sign[:half] = -1.0
         cos = (self.cos[positions].unsqueeze(1) * head_scale).to(dtype)
-        sin = (self.sin[positions].unsqueeze(1) * head_scale).to(dtype)
+        sin = (self.sin[positions].unsqueeze(1) * head_scale * sign).to(dtype)
         return cos, sin
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -113,9 +117,7 @@ class LlamaModel:
         t, nq, nkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk = qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d)
         cos, sin = rope
-        half = d // 2
-        rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
-        qk = torch.addcmul(qk * cos, rotated, sin)
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
         v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
         return qk[:, :nq], qk[:, nq:], v
 
@@ -170,10 +172,9 @@ class LlamaModel:
         b = tokens.shape[0]
         groups = cfg.num_heads // cfg.num_kv_heads
         rows = torch.arange(b, device=self.device)
-        # [B, 1, 1, kv_len]: 0 where key position <= the row's position, -inf past it.
+        # [B, 1, 1, kv_len]: True for keys past the row's position.
         keys = torch.arange(kv_len, device=self.device)
-        bias = torch.zeros((b, 1, 1, kv_len), device=self.device, dtype=torch.float32)
-        bias.masked_fill_((keys[None, :] > positions[:, None]).view(b, 1, 1, kv_len), float("-inf"))
+        future = (keys[None, :] > positions[:, None]).view(b, 1, 1, kv_len)
         batch = self._lora_batch(token_slots, use_lora)
         x = self.w.embed[tokens]
         rope = self._rope_tables(positions, x.dtype)
@@ -187,7 +188,8 @@ class LlamaModel:
             # q [B, kv_heads, groups, d] x K^T [B, kv_heads, d, kv_len] -> [B, kv_heads, groups, kv_len]
             qg = q.reshape(b, cfg.num_kv_heads, groups, cfg.head_dim)
             scores = torch.matmul(qg, kc[:b, :, :kv_len].transpose(-1, -2))
-            probs = torch.softmax(scores + bias, dim=-1).to(q.dtype)
+            # softmax accumulates in float32 inside, for bfloat16 input too
+            probs = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1)
             attn = torch.matmul(probs, vc[:b, :, :kv_len])  # [B, kv_heads, groups, d]
             x = x + self._linear(attn.reshape(b, cfg.q_size), lw.o, None, i, "o", batch)
             x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, batch)

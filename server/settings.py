@@ -35,7 +35,8 @@ class ServerSettings:
     --model's weights; with --model, the shape is read from its config.json. Default: none."""
 
     demo: bool = False
-    """Build a tiny random model, tokenizer and adapters in --demo-dir and serve them."""
+    """Build a tiny random model, tokenizer and adapters in --demo-dir, serve them on the
+    CPU and send them a few requests. Default: off."""
 
     demo_dir: str | None = None
     """Folder for --demo's files. Default: $XDG_CACHE_HOME/loraplex/demo."""
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         elif kind == "int":
             parser.add_argument(flag, dest=f.name, default=None, type=int, help=help_text)
         elif kind == "list":
-            parser.add_argument(flag, dest=f.name, default=None, nargs="+", help=help_text)
+            parser.add_argument(flag, dest=f.name, default=None, nargs="+", action="extend", help=help_text)
         else:
             parser.add_argument(flag, dest=f.name, default=None, help=help_text)
     return parser
