@@ -1,4 +1,4 @@
-"""Adapter slots: the device buffers that hold resident adapters, and a minimal slot manager.
+"""Adapter slots: the device buffers that hold resident adapters, and how a slot is written.
 
 Buffers, per layer and per fused group (S slots, R = max LoRA rank)::
 
@@ -11,25 +11,20 @@ Buffers, per layer and per fused group (S slots, R = max LoRA rank)::
 An adapter of rank r < R, or one that skips a projection, is written zero-padded: padded
 rows/columns and untargeted projections (scaling 0, zero weights) add nothing.
 
-`SlotManager` maps adapter name -> slot: `load` (into a free slot, refused when full),
-`unload`, `acquire`/`release` (a request holds its adapter; an adapter in use is never
-unloaded under it), `list`. The paging work replaces the "refuse when full" rule with a
-cache that evicts idle adapters (through an eviction policy) and loads from host memory.
+Which adapter sits in which slot, and when it is loaded or evicted, is the adapter cache's
+business (adapter_cache.py); this module only owns the buffers' layout and how one
+adapter's tensors are written into a slot.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from .adapter_format import WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, file_digest, read_adapter
+from .adapter_format import AdapterSpec
 from .config import ModelConfig
 
-log = logging.getLogger(__name__)
 
 # group -> the projections it fuses, in slice order
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
@@ -112,125 +107,6 @@ class AdapterId:
     name: str
     digest: str
     uri: str
-
-
-@dataclass
-class AdapterEntry:
-    id: AdapterId
-    spec: AdapterSpec
-    slot: int
-    refs: int = 0
-    unloading: bool = False  # unload asked while in use: refuse new requests, free at refs == 0
-
-
-def read_adapter_tensors(path: str | Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
-    """The adapter's LoRA tensors, on the CPU, as saved."""
-    from safetensors.torch import load_file
-
-    return load_file(str(Path(path) / WEIGHTS_FILE), device="cpu")
-
-
-class SlotManager:
-    """name -> slot for the adapters resident in `buffers`; thread-safe."""
-
-    def __init__(self, buffers: LoRABuffers, base: BaseSpec):
-        self.buffers = buffers
-        self.base = base
-        self._entries: dict[str, AdapterEntry] = {}
-        self._free = list(range(buffers.num_slots))
-        self._lock = threading.Lock()
-
-    # -- loading ---------------------------------------------------------------------------
-
-    def prepare(self, name: str, path: str | Path) -> tuple[AdapterId, AdapterSpec, dict[str, torch.Tensor]]:
-        """Read and check an adapter from disk (slow part; any thread). Raises AdapterError."""
-        spec = read_adapter(path, self.base)
-        tensors = read_adapter_tensors(path, spec)
-        digest = file_digest(Path(path) / WEIGHTS_FILE)
-        return AdapterId(name=name, digest=digest, uri=str(path)), spec, tensors
-
-    def install(self, adapter: AdapterId, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> int:
-        """Write a prepared adapter into a free slot; call between steps. Returns the slot."""
-        with self._lock:
-            if adapter.name in self._entries:
-                raise AdapterError(f"adapter {adapter.name!r} is already loaded")
-            if not self._free:
-                raise AdapterError(
-                    f"all {self.buffers.num_slots} adapter slots are in use; unload one first "
-                    f"(or start the server with a larger --max-loras)")
-            slot = self._free.pop(0)
-        try:
-            self.buffers.write(slot, spec, tensors)
-        except Exception:
-            with self._lock:
-                self._free.insert(0, slot)
-            raise
-        with self._lock:
-            self._entries[adapter.name] = AdapterEntry(adapter, spec, slot)
-        log.info("adapter %s loaded into slot %d (rank %d, %s)", adapter.name, slot, spec.max_rank,
-                 ",".join(spec.target_modules))
-        return slot
-
-    def load(self, name: str, path: str | Path) -> int:
-        return self.install(*self.prepare(name, path))
-
-    def unload(self, name: str) -> bool:
-        """Free the adapter's slot now, or when its last request releases it.
-        Returns True if freed now. Raises KeyError for an unknown name."""
-        with self._lock:
-            entry = self._entries.get(name)
-            if entry is None or entry.unloading:
-                raise KeyError(name)
-            if entry.refs > 0:
-                entry.unloading = True
-                return False
-            self._drop(entry)
-            return True
-
-    def _drop(self, entry: AdapterEntry) -> None:
-        del self._entries[entry.id.name]
-        self.buffers.clear(entry.slot)
-        self._free.append(entry.slot)
-        self._free.sort()
-        log.info("adapter %s unloaded from slot %d", entry.id.name, entry.slot)
-
-    # -- use by requests ---------------------------------------------------------------------
-
-    def acquire(self, name: str) -> int:
-        """Hold the adapter for one request; returns its slot. KeyError if not loaded."""
-        with self._lock:
-            entry = self._entries.get(name)
-            if entry is None or entry.unloading:
-                raise KeyError(name)
-            entry.refs += 1
-            return entry.slot
-
-    def release(self, name: str) -> None:
-        with self._lock:
-            entry = self._entries[name]
-            entry.refs -= 1
-            if entry.refs == 0 and entry.unloading:
-                self._drop(entry)
-
-    # -- inspection --------------------------------------------------------------------------
-
-    def has(self, name: str) -> bool:
-        with self._lock:
-            e = self._entries.get(name)
-            return e is not None and not e.unloading
-
-    def list(self) -> list[AdapterEntry]:
-        with self._lock:
-            return [e for e in self._entries.values() if not e.unloading]
-
-    def slot_of(self, name: str) -> int:
-        with self._lock:
-            return self._entries[name].slot
-
-    @property
-    def num_free(self) -> int:
-        with self._lock:
-            return len(self._free)
 
 
 def random_adapter(cfg: ModelConfig, rank: int, targets: tuple[str, ...] = GROUPS["qkv"] + GROUPS["o"]
