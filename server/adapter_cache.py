@@ -34,8 +34,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import re
-import shutil
-import tempfile
 import threading
 import time
 from collections import deque
@@ -45,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, file_digest, read_adapter
+from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, read_adapter
+from .adapter_sources import AdapterLoadError, fetch_adapter, load_error, redact
 from .adapters import AdapterId, LoRABuffers
 from .cache_metrics import CacheMetrics
 from .cache_policy import make_policy
@@ -80,15 +79,6 @@ def resolve_max_loras(setting: int, slot_bytes: int, device: torch.device) -> in
     log.info("--max-loras from free device memory: %d slots of %.1f MB (%.1f GB free)", slots,
              slot_bytes / 1e6, free / 1e9)
     return slots
-
-
-class AdapterLoadError(RuntimeError):
-    """A load failed; only the requests for that adapter fail. `reason` is one word for metrics."""
-
-    def __init__(self, name: str, reason: str, message: str):
-        super().__init__(f"adapter {name!r} failed to load: {message}")
-        self.adapter = name
-        self.reason = reason
 
 
 @dataclass
@@ -140,7 +130,8 @@ class AdapterCache:
         self.clock = clock
         self.pin_memory = buffers.device.type == "cuda"
         host_slots = max_cpu_loras if max_cpu_loras > 0 else buffers.num_slots
-        self.host = HostTier(host_slots * LoRABuffers.slot_bytes(buffers.cfg, buffers.max_rank, buffers.dtype))
+        self.host = HostTier(host_slots * LoRABuffers.slot_bytes(buffers.cfg, buffers.max_rank, buffers.dtype),
+                             on_evict=lambda name: self.metrics.evictions.labels("host").inc())
         self.wake: Callable[[], None] = lambda: None  # the engine loop's wake-up (set by AsyncEngine)
         self._entries: dict[str, CachedAdapter] = {}
         self._free = list(range(buffers.num_slots))
@@ -415,7 +406,7 @@ class AdapterCache:
                     "pinned": e.pinned, "pin_pending": e.pinned and not e.ready,
                     "rank": e.spec.max_rank if e.spec else None, "bytes": self._size(e),
                     "hits": e.hits, "misses": e.misses, "requests": e.refs,
-                    "path": str(e.path) if e.path else None, "source": _redact(e.source), "sha256": e.sha256,
+                    "path": str(e.path) if e.path else None, "source": redact(e.source), "sha256": e.sha256,
                     "error": e.error})
             return rows
 
@@ -528,7 +519,7 @@ class AdapterCache:
         except AdapterLoadError as err:
             error = err
         except BaseException as err:  # noqa: BLE001 - any failure fails this adapter only
-            error = _load_error(e.name, err)
+            error = load_error(e.name, err)
         with self._lock:
             self._in_flight -= 1
             waiters, e.waiters = e.waiters, []
@@ -571,7 +562,8 @@ class AdapterCache:
             path = self._disk_dir(e)
         tier = "disk"
         if path is None:
-            path, tier = self._fetch(e), "source"
+            path, tier = fetch_adapter(e.name, e.source, e.sha256, self.cache_dir, self.node_agent_url,
+                                       missing=e.path), "source"
         spec = read_adapter(path, self.base)
         digest = e.sha256 or _stat_digest(path / WEIGHTS_FILE)
         copy = read_into_host(path, spec, self.buffers, self.pin_memory)
@@ -597,100 +589,9 @@ class AdapterCache:
             done.record(stream)
         done.synchronize()
 
-    def _fetch(self, e: CachedAdapter) -> Path:
-        """Bring a disk miss onto local disk: through the node agent when one runs, else directly."""
-        if not e.source:
-            where = e.path or (self.cache_dir / e.name if self.cache_dir else None)
-            raise AdapterLoadError(e.name, "missing", f"no adapter files at {where} and no source to fetch from")
-        if self.node_agent_url and self.cache_dir is not None:
-            import httpx
-
-            try:
-                r = httpx.post(f"{self.node_agent_url}/v1/stage", timeout=600,
-                               json={"name": e.name, "source": e.source, "sha256": e.sha256})
-            except httpx.HTTPError as err:
-                raise AdapterLoadError(e.name, "fetch", f"node agent unreachable: {err}") from None
-            if r.status_code != 200:
-                raise AdapterLoadError(e.name, "fetch", f"node agent could not stage it ({r.status_code}): "
-                                       f"{r.text[:300]}")
-            path = self.cache_dir / e.name
-            if not (path / CONFIG_FILE).is_file():
-                raise AdapterLoadError(e.name, "fetch", f"node agent staged it but {path} holds no adapter")
-            return path
-        return _fetch_direct(e, self.cache_dir)
-
-
-def _fetch_direct(e: CachedAdapter, cache_dir: Path | None) -> Path:
-    """A local path or file:// source is read in place; http(s) is downloaded into
-    --adapter-cache-dir/<name>/ (temporary folder, sha256 check, rename)."""
-    src = e.source or ""
-    if src.startswith("file://"):
-        src = src[len("file://"):]
-    if "://" not in src:
-        path = Path(src)
-        if not (path / CONFIG_FILE).is_file():
-            raise AdapterLoadError(e.name, "missing", f"source {path} holds no {CONFIG_FILE}")
-        if e.sha256 and file_digest(path / WEIGHTS_FILE) != e.sha256:
-            raise AdapterLoadError(e.name, "corrupt", f"{path / WEIGHTS_FILE} does not match sha256 {e.sha256}")
-        return path
-    if not src.startswith(("http://", "https://")):
-        raise AdapterLoadError(e.name, "fetch", f"source scheme of {_redact(src)} is not supported here; "
-                               f"run the node agent (--node-agent-url)")
-    if cache_dir is None:
-        raise AdapterLoadError(e.name, "fetch", "fetching an http(s) source needs --adapter-cache-dir")
-    import httpx
-
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{e.name}.", dir=cache_dir))
-    try:
-        base, _, query = src.partition("?")
-        for filename in (CONFIG_FILE, WEIGHTS_FILE):
-            url = f"{base.rstrip('/')}/{filename}" + (f"?{query}" if query else "")
-            with httpx.stream("GET", url, timeout=60, follow_redirects=True) as r:
-                if r.status_code != 200:
-                    raise AdapterLoadError(e.name, "fetch", f"GET {_redact(url)}: HTTP {r.status_code}")
-                with (tmp / filename).open("wb") as f:
-                    for chunk in r.iter_bytes(1 << 20):
-                        f.write(chunk)
-        if e.sha256 and file_digest(tmp / WEIGHTS_FILE) != e.sha256:
-            raise AdapterLoadError(e.name, "corrupt", f"download of {_redact(src)} does not match sha256 {e.sha256}")
-        dest = cache_dir / e.name
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
-        return dest
-    except httpx.HTTPError as err:
-        raise AdapterLoadError(e.name, "fetch", f"fetching {_redact(src)}: {err}") from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _load_error(name: str, err: BaseException) -> AdapterLoadError:
-    """A load's exception as one clear message and a one-word reason."""
-    if isinstance(err, (FileNotFoundError, NotADirectoryError)):
-        return AdapterLoadError(name, "missing", f"missing file: {err}")
-    if isinstance(err, AdapterError):
-        # read_adapter checks the safetensors header: a cut or garbled file, or one that does not fit
-        msg = str(err)
-        if msg.endswith((f"no {WEIGHTS_FILE}", f"no {CONFIG_FILE}", "not a directory")) or f"no {WEIGHTS_FILE} (" in msg:
-            return AdapterLoadError(name, "missing", msg)
-        broken = msg.startswith(f"{WEIGHTS_FILE}:") or any(w in msg for w in ("holds no", "invalid JSON"))
-        return AdapterLoadError(name, "corrupt" if broken else "mismatch", msg)
-    if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
-        return AdapterLoadError(name, "oom", f"out of memory: {err}")
-    if type(err).__name__ == "SafetensorError" or "safetensors" in type(err).__module__:
-        return AdapterLoadError(name, "corrupt", f"corrupt {WEIGHTS_FILE}: {err}")
-    if isinstance(err, RuntimeError) and "shape" in str(err):
-        return AdapterLoadError(name, "mismatch", f"tensor shapes do not match the header: {err}")
-    return AdapterLoadError(name, "other", f"{type(err).__name__}: {err}")
-
 
 def _stat_digest(path: Path) -> str:
     """A cheap version stamp when no sha256 is known: hashing 80 MB would cost more than the copy."""
     st = path.stat()
     return f"stat:{st.st_size}-{st.st_mtime_ns}"
 
-
-def _redact(uri: str | None) -> str | None:
-    return uri.split("?", 1)[0] if uri else uri

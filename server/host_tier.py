@@ -11,26 +11,31 @@ a GPU slot is one `copy_(non_blocking=True)` per buffer and per layer on a side 
 On CUDA the flat buffer is page-locked (pinned), so the copy is a DMA that overlaps the
 decode kernels; on the CPU it is plain memory and the same copies run synchronously.
 
-`read_into_host` fills a HostCopy straight from `adapter_model.safetensors` (memory-mapped
-by safetensors, one tensor at a time into its view: no second copy of the whole adapter).
-`HostTier` keeps copies in a byte budget, least recently used first out; a copy being
-copied to the GPU is held (`get` ... `put_back`) and never dropped under the copy.
+`read_into_host` fills a HostCopy straight from `adapter_model.safetensors`: each tensor is
+read (`readinto`) into its view of the pinned buffer, no intermediate copy of the adapter.
+`HostTier` keeps copies in a byte budget, least recently used first out.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .adapter_format import WEIGHTS_FILE, AdapterSpec
+from .adapter_format import WEIGHTS_FILE, AdapterError, AdapterSpec
 from .adapters import GROUPS, LoRABuffers
 
 log = logging.getLogger(__name__)
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
 @dataclass
@@ -67,8 +72,9 @@ class HostCopy:
                 s_off += n
             self.layers.append(groups)
 
-    def fill(self, spec: AdapterSpec, get) -> None:
-        """Write the adapter's tensors (`get(key)` -> tensor as saved) into the layout."""
+    def fill(self, spec: AdapterSpec, put) -> None:
+        """Write the adapter's tensors into the layout: `put(key, view)` writes the tensor saved
+        under `key` into `view` (zero padding stays where the rank is below the max)."""
         r_max = self.max_rank
         modules = {(m.layer, m.proj): m for m in spec.modules}
         for layer, groups in enumerate(self.layers):
@@ -78,8 +84,8 @@ class HostCopy:
                 for i, (proj, width) in enumerate(zip(projs, g.slices)):
                     m = modules.get((layer, proj))
                     if m is not None:
-                        g.a[i * r_max: i * r_max + m.rank].copy_(get(m.key_a))  # [r, in]
-                        g.b[off: off + width, : m.rank].copy_(get(m.key_b))  # [out, r]
+                        put(m.key_a, g.a[i * r_max: i * r_max + m.rank])  # [r, in]
+                        put(m.key_b, g.b[off: off + width, : m.rank])  # [out, r]
                         g.scaling[i] = m.scaling
                     off += width
         self.rank[0] = spec.max_rank
@@ -105,13 +111,34 @@ def slot_views(buffers: LoRABuffers, slot: int) -> list[torch.Tensor]:
 
 
 def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pin: bool) -> HostCopy:
-    """Read `adapter_model.safetensors` under `path` into a new HostCopy. Raises on a corrupt
-    or truncated file (safetensors' own error) and on tensors that do not match `spec`."""
-    from safetensors import safe_open
-
+    """Read `adapter_model.safetensors` under `path` straight into a new HostCopy: each tensor
+    whose dtype is the slots' dtype lands by `readinto` in its (pinned) view, one copy from the
+    page cache; others (an F32 adapter for bf16 slots, a rank below the max) go through a small
+    temporary. Raises AdapterError on a file cut short."""
     copy = HostCopy(buffers, pin)
-    with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt", device="cpu") as f:
-        copy.fill(spec, f.get_tensor)
+    weights = Path(path) / WEIGHTS_FILE
+    with weights.open("rb", buffering=0) as f:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        size = os.fstat(f.fileno()).st_size
+
+        def put(key: str, dst: torch.Tensor) -> None:
+            info = header[key]
+            start, end = (8 + n + o for o in info["data_offsets"])
+            if end > size:
+                raise AdapterError(f"{WEIGHTS_FILE}: tensor {key!r} ends past the file's {size} bytes (cut short?)")
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            direct = dtype == dst.dtype and dst.is_contiguous() and list(dst.shape) == info["shape"]
+            target = dst if direct else torch.empty(info["shape"], dtype=dtype)
+            f.seek(start)
+            if f.readinto(memoryview(target.view(-1).view(torch.uint8).numpy())) != end - start:
+                raise AdapterError(f"{WEIGHTS_FILE}: tensor {key!r} is cut short")
+            if not direct:
+                dst.copy_(target)
+
+        copy.fill(spec, put)
     return copy
 
 
@@ -119,19 +146,19 @@ def host_copy_from_tensors(spec: AdapterSpec, tensors: dict[str, torch.Tensor], 
                            pin: bool) -> HostCopy:
     """A HostCopy of an adapter already in memory (tensors under PEFT's keys)."""
     copy = HostCopy(buffers, pin)
-    copy.fill(spec, lambda key: tensors[key])
+    copy.fill(spec, lambda key, dst: dst.copy_(tensors[key]))
     return copy
 
 
 class HostTier:
-    """name -> HostCopy within `capacity_bytes`, least recently used out first; thread-safe."""
+    """name -> HostCopy within `capacity_bytes`, least recently used out first; thread-safe.
+    A copy dropped while a load still copies from it lives on until that load lets go of it."""
 
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int, on_evict: Callable[[str], None] | None = None):
         self.capacity_bytes = capacity_bytes
+        self.on_evict = on_evict or (lambda name: None)  # e.g. counts host-tier evictions
         self._copies: OrderedDict[str, HostCopy] = OrderedDict()
-        self._held: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.evictions = 0
 
     @property
     def used_bytes(self) -> int:
@@ -143,44 +170,31 @@ class HostTier:
             return name in self._copies
 
     def names(self) -> list[str]:
+        """Least recently used first."""
         with self._lock:
             return list(self._copies)
 
     def get(self, name: str) -> HostCopy | None:
-        """The copy (now most recently used) held against eviction until `put_back`, or None."""
+        """The copy (now the most recently used), or None."""
         with self._lock:
             copy = self._copies.get(name)
             if copy is not None:
                 self._copies.move_to_end(name)
-                self._held[name] = self._held.get(name, 0) + 1
             return copy
 
-    def put_back(self, name: str) -> None:
-        with self._lock:
-            n = self._held.get(name, 0) - 1
-            if n <= 0:
-                self._held.pop(name, None)
-            else:
-                self._held[name] = n
-
     def add(self, name: str, copy: HostCopy) -> bool:
-        """Keep `copy`, dropping least recently used copies (not held) to make room. Returns
-        False (and keeps nothing) when it cannot fit."""
+        """Keep `copy`, dropping least recently used copies to make room. Returns False (and
+        keeps nothing) when it alone exceeds the budget."""
         with self._lock:
             self._copies.pop(name, None)
             if copy.nbytes > self.capacity_bytes:
                 return False
             used = sum(c.nbytes for c in self._copies.values())
-            for old in list(self._copies):
-                if used + copy.nbytes <= self.capacity_bytes:
-                    break
-                if old in self._held:
-                    continue
-                used -= self._copies.pop(old).nbytes
-                self.evictions += 1
+            while self._copies and used + copy.nbytes > self.capacity_bytes:
+                old, dropped = self._copies.popitem(last=False)
+                used -= dropped.nbytes
+                self.on_evict(old)
                 log.debug("host tier: dropped %s", old)
-            if used + copy.nbytes > self.capacity_bytes:
-                return False
             self._copies[name] = copy
             return True
 

@@ -245,6 +245,7 @@ def test_host_tier_serves_a_reload_and_drops_least_recent_by_bytes(disk):
     use(cache, "b")
     assert cache.metrics.load_seconds.labels("host")._sum.get() > 0
     assert cache.metrics.hits.labels("host")._value.get() == 1
+    assert cache.metrics.evictions.labels("host")._value.get() == 1
 
 
 def test_lazy_discovery_unknown_names_and_paths(disk, tmp_path):
@@ -311,3 +312,83 @@ def test_plan_file_pins_follow_a_symlink_swap(disk, tmp_path, tmp_path_factory):
     os.utime(mount / "..v2" / "plan.json", ns=(1, 1))
     assert not watcher.check() and watcher.last_error
     assert {r["name"] for r in cache.describe() if r["pinned"]} == {"b"}
+
+
+class _Files(threading.Thread):
+    """A loopback HTTP server: GET serves `root`; POST /v1/stage acts as the node agent (copies
+    the named source folder into `cache_dir/<name>/` and answers 200, or 404 if absent)."""
+
+    def __init__(self, root: Path, cache_dir: Path):
+        import functools
+        import http.server
+        import shutil
+
+        outer = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.staged.append(body)
+                src = root / body["source"].rsplit("/", 1)[-1]
+                if not src.is_dir():
+                    self.send_response(404)
+                    self.end_headers()
+                    self.wfile.write(b'{"error": {"reason": "NotFound"}}')
+                    return
+                shutil.copytree(src, cache_dir / body["name"], dirs_exist_ok=True)
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(json.dumps({"adapter": {"name": body["name"]}}).encode())
+
+            def log_message(self, *a):
+                pass
+
+        self.staged: list[dict] = []
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                                      functools.partial(Handler, directory=str(root)))
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        super().__init__(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+
+
+def test_a_disk_miss_is_staged_through_the_node_agent(tmp_path_factory):
+    remote, cache_dir = tmp_path_factory.mktemp("bucket"), tmp_path_factory.mktemp("cache")
+    write_adapter(remote / "sql-v2", seed=5)
+    with _Files(remote, cache_dir) as agent:
+        cache = make_cache(cache_dir, slots=2, node_agent_url=agent.url)
+        cache.register("sql", source="s3://bucket/sql-v2", sha256="ab" * 32)
+        cache.register("gone", source="s3://bucket/nothing-here")
+        assert cache.tier_of("sql") == "source"
+        cache.prefetch("sql").result(10)
+        assert agent.staged[0] == {"name": "sql", "source": "s3://bucket/sql-v2", "sha256": "ab" * 32}
+        assert (cache_dir / "sql" / "adapter_config.json").is_file()
+        assert cache.metrics.load_seconds.labels("source")._sum.get() > 0
+        with pytest.raises(AdapterLoadError, match="node agent could not stage it") as err:
+            cache.prefetch("gone").result(10)
+        assert err.value.reason == "fetch" and cache.num_free == 1
+
+
+def test_a_disk_miss_is_fetched_directly_over_http_and_checked(tmp_path_factory):
+    import hashlib
+
+    remote, cache_dir = tmp_path_factory.mktemp("bucket"), tmp_path_factory.mktemp("cache")
+    write_adapter(remote / "sql-v2", seed=5)
+    digest = hashlib.sha256((remote / "sql-v2" / "adapter_model.safetensors").read_bytes()).hexdigest()
+    with _Files(remote, cache_dir) as files:
+        cache = make_cache(cache_dir, slots=2)
+        cache.register("sql", source=f"{files.url}/sql-v2?token=secret", sha256=digest)
+        cache.register("tampered", source=f"{files.url}/sql-v2", sha256="00" * 32)
+        cache.prefetch("sql").result(10)
+        assert (cache_dir / "sql" / "adapter_model.safetensors").read_bytes() == (
+            remote / "sql-v2" / "adapter_model.safetensors").read_bytes()
+        assert {r["name"]: r["source"] for r in cache.describe()}["sql"] == f"{files.url}/sql-v2"  # no token
+        with pytest.raises(AdapterLoadError, match="does not match sha256") as err:
+            cache.prefetch("tampered").result(10)
+        assert err.value.reason == "corrupt" and not (cache_dir / "tampered").exists()
+        assert [p.name for p in cache_dir.iterdir() if p.name.startswith(".")] == []  # no half download left

@@ -1,0 +1,133 @@
+"""The last tier of the adapter cache: bring an adapter that is not on local disk onto it.
+
+    fetch_adapter("sql", "s3://bucket/sql-v2", sha, cache_dir, node_agent_url)
+      with a node agent:  POST <agent>/v1/stage {"name", "source", "sha256"}; the agent downloads,
+                          verifies and renames into <cache_dir>/sql/ (node_agent/store.py)
+      without one:        a local path or file:// source is read in place (sha256 checked);
+                          http(s) is downloaded here into <cache_dir>/sql/ (temporary folder,
+                          sha256 check, rename: a crash never leaves a half adapter that looks whole)
+
+Every failure of a load, here or later (reading, checking, copying), becomes one
+`AdapterLoadError` with a clear message and a one-word `reason` for the metrics:
+missing, corrupt, mismatch, oom, fetch or other (`load_error`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, file_digest
+
+log = logging.getLogger(__name__)
+
+
+class AdapterLoadError(RuntimeError):
+    """A load failed; only the requests for that adapter fail. `reason` is one word for metrics."""
+
+    def __init__(self, name: str, reason: str, message: str):
+        super().__init__(f"adapter {name!r} failed to load: {message}")
+        self.adapter = name
+        self.reason = reason
+
+
+def redact(uri: str | None) -> str | None:
+    """A source without its query string (tokens, signatures) for logs and the API."""
+    return uri.split("?", 1)[0] if uri else uri
+
+
+def fetch_adapter(name: str, source: str | None, sha256: str | None, cache_dir: Path | None,
+                  node_agent_url: str | None, missing: Path | None = None) -> Path:
+    """The adapter's directory on local disk, fetched from `source` (see the module docstring).
+    `missing`: where it was looked for, for the error message when there is no source."""
+    if not source:
+        where = missing or (cache_dir / name if cache_dir else None)
+        raise AdapterLoadError(name, "missing", f"no adapter files at {where} and no source to fetch from")
+    if node_agent_url and cache_dir is not None:
+        return _stage_through_agent(name, source, sha256, cache_dir, node_agent_url)
+    return _fetch_direct(name, source, sha256, cache_dir)
+
+
+def _stage_through_agent(name: str, source: str, sha256: str | None, cache_dir: Path, url: str) -> Path:
+    import httpx
+
+    try:
+        r = httpx.post(f"{url.rstrip('/')}/v1/stage", timeout=600,
+                       json={"name": name, "source": source, "sha256": sha256})
+    except httpx.HTTPError as err:
+        raise AdapterLoadError(name, "fetch", f"node agent at {url} unreachable: {err}") from None
+    if r.status_code != 200:
+        raise AdapterLoadError(name, "fetch", f"node agent could not stage it (HTTP {r.status_code}): "
+                               f"{r.text[:300]}")
+    path = cache_dir / name
+    if not (path / CONFIG_FILE).is_file():
+        raise AdapterLoadError(name, "fetch", f"node agent staged it, but {path} holds no {CONFIG_FILE} "
+                               f"(is --adapter-cache-dir the agent's cache?)")
+    return path
+
+
+def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | None) -> Path:
+    src = source[len("file://"):] if source.startswith("file://") else source
+    if "://" not in src:
+        path = Path(src)
+        if not (path / CONFIG_FILE).is_file():
+            raise AdapterLoadError(name, "missing", f"source {path} holds no {CONFIG_FILE}")
+        if sha256 and file_digest(path / WEIGHTS_FILE) != sha256:
+            raise AdapterLoadError(name, "corrupt", f"{path / WEIGHTS_FILE} does not match sha256 {sha256}")
+        return path
+    if not src.startswith(("http://", "https://")):
+        raise AdapterLoadError(name, "fetch", f"source {redact(src)}: scheme not supported without the node "
+                               f"agent (--node-agent-url)")
+    if cache_dir is None:
+        raise AdapterLoadError(name, "fetch", "fetching an http(s) source needs --adapter-cache-dir")
+    import httpx
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_dir))
+    try:
+        prefix, _, query = src.partition("?")
+        for filename in (CONFIG_FILE, WEIGHTS_FILE):
+            url = f"{prefix.rstrip('/')}/{filename}" + (f"?{query}" if query else "")
+            with httpx.stream("GET", url, timeout=60, follow_redirects=True) as r:
+                if r.status_code != 200:
+                    raise AdapterLoadError(name, "fetch", f"GET {redact(url)}: HTTP {r.status_code}")
+                with (tmp / filename).open("wb") as f:
+                    for chunk in r.iter_bytes(1 << 20):
+                        f.write(chunk)
+        if sha256 and file_digest(tmp / WEIGHTS_FILE) != sha256:
+            raise AdapterLoadError(name, "corrupt", f"download of {redact(src)} does not match sha256 {sha256}")
+        dest = cache_dir / name
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+        log.info("adapter %s fetched from %s", name, redact(src))
+        return dest
+    except httpx.HTTPError as err:
+        raise AdapterLoadError(name, "fetch", f"fetching {redact(src)}: {err}") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_error(name: str, err: BaseException) -> AdapterLoadError:
+    """A load's exception as one clear message and a one-word reason."""
+    if isinstance(err, AdapterLoadError):
+        return err
+    if isinstance(err, (FileNotFoundError, NotADirectoryError)):
+        return AdapterLoadError(name, "missing", f"missing file: {err}")
+    msg = str(err)
+    if isinstance(err, AdapterError):
+        # read_adapter: files missing, a cut or garbled safetensors file, or weights that do not fit
+        if msg.endswith((f"no {WEIGHTS_FILE}", f"no {CONFIG_FILE}", "not a directory")) or f"no {WEIGHTS_FILE} (" in msg:
+            return AdapterLoadError(name, "missing", msg)
+        broken = msg.startswith(f"{WEIGHTS_FILE}:") or any(w in msg for w in ("holds no", "invalid JSON"))
+        return AdapterLoadError(name, "corrupt" if broken else "mismatch", msg)
+    if isinstance(err, torch.OutOfMemoryError) or "out of memory" in msg.lower():
+        return AdapterLoadError(name, "oom", f"out of memory: {msg}")
+    if isinstance(err, RuntimeError) and "shape" in msg:
+        return AdapterLoadError(name, "mismatch", f"tensor shapes do not match the header: {msg}")
+    return AdapterLoadError(name, "other", f"{type(err).__name__}: {msg}")
