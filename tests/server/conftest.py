@@ -31,6 +31,8 @@ BASES = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, tie_word_embeddings=False),
     # Qwen2 shape: q/k/v biases, tied embeddings.
     "qwen2": dict(model_type="qwen2", rope_theta=1000000.0, tie_word_embeddings=True),
+    # Mistral shape: a sliding window longer than any test sequence (served as full attention).
+    "mistral": dict(model_type="mistral", rope_theta=1000000.0, sliding_window=256, tie_word_embeddings=False),
 }
 
 

@@ -76,12 +76,16 @@ def test_mixed_batch_matches_hf_peft(hf_llama, llama_adapters, backend):
         assert hf_greedy(hf_llama, None, prompts[name], MAX_NEW) != want[name], name
 
 
-def test_qwen2_tied_biases_matches_hf_peft(tmp_path):
-    base = make_hf_base(tmp_path / "qwen2", "qwen2", seed=3)
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_other_bases_match_hf_peft(tmp_path, kind):
+    base = make_hf_base(tmp_path / kind, kind, seed=3)
     adapters = {"all-r16": make_peft_adapter(base, tmp_path / "a", seed=5, **ADAPTERS["all-r16"]),
                 "mlp-rslora-r4": make_peft_adapter(base, tmp_path / "b", seed=6, **ADAPTERS["mlp-rslora-r4"])}
     engine = engine_for(base, adapters)
-    assert engine.cfg.qkv_bias and engine.cfg.tie_word_embeddings
+    if kind == "qwen2":
+        assert engine.cfg.qkv_bias and engine.cfg.tie_word_embeddings
+    else:
+        assert engine.cfg.model_type == "mistral" and engine.max_model_len == 128
     prompts = prompts_for(["base", *adapters], seed=1)
     got = run_mixed_batch(engine, prompts)
     want = {name: hf_greedy(base, adapters.get(name), prompts[name], MAX_NEW) for name in prompts}
