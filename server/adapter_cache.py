@@ -142,6 +142,9 @@ class AdapterCache:
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, max_concurrent_loads),
                                                            thread_name_prefix="loraplex-load")
         self._local = threading.local()  # a side CUDA stream per load worker
+        # Held by a load thread around its CUDA calls, and by the engine while it captures a
+        # CUDA graph: a global-mode capture forbids other threads' allocations and syncs.
+        self.cuda_lock = threading.Lock()
         self._views = [slot_views(buffers, s) for s in range(buffers.num_slots)]  # copy targets, per slot
         self.max_in_flight_seen = 0
 
@@ -320,7 +323,8 @@ class AdapterCache:
 
     def install(self, adapter: AdapterId, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> int:
         """An adapter made in memory (benchmarks): kept as a host copy and loaded into a slot."""
-        copy = host_copy_from_tensors(spec, tensors, self.buffers, self.pin_memory)
+        with self.cuda_lock:
+            copy = host_copy_from_tensors(spec, tensors, self.buffers, self.pin_memory)
         with self._lock:
             if adapter.name in self._entries and not self._entries[adapter.name].unloading:
                 raise AdapterError(f"adapter {adapter.name!r} is already loaded")
@@ -566,7 +570,7 @@ class AdapterCache:
                                        missing=e.path), "source"
         spec = read_adapter(path, self.base)
         digest = e.sha256 or _stat_digest(path / WEIGHTS_FILE)
-        copy = read_into_host(path, spec, self.buffers, self.pin_memory)
+        copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock)
         with self._lock:
             e.spec = spec
             e.id = AdapterId(name=e.name, digest=digest, uri=str(path))
@@ -580,14 +584,15 @@ class AdapterCache:
         if self.buffers.device.type != "cuda":
             copy.copy_to(self.buffers, slot, self._views[slot])
             return
-        stream = getattr(self._local, "stream", None)
-        if stream is None:
-            stream = self._local.stream = torch.cuda.Stream(self.buffers.device)
-        with torch.cuda.stream(stream):
-            copy.copy_to(self.buffers, slot, self._views[slot])
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()
+        with self.cuda_lock:  # ~bytes / PCIe bandwidth: a graph capture waits at most that long
+            stream = getattr(self._local, "stream", None)
+            if stream is None:
+                stream = self._local.stream = torch.cuda.Stream(self.buffers.device)
+            with torch.cuda.stream(stream):
+                copy.copy_to(self.buffers, slot, self._views[slot])
+                done = torch.cuda.Event()
+                done.record(stream)
+            done.synchronize()
 
 
 def _stat_digest(path: Path) -> str:

@@ -19,6 +19,7 @@ captured the first time that key is seen, and calls `model.decode` eagerly elsew
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -74,6 +75,9 @@ class DecodeRunner:
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.last_args: tuple | None = None
+        # Held while a graph is captured: the adapter cache's CUDA lock, so no load thread makes
+        # a CUDA call (pinned alloc, event sync) that a global-mode capture forbids.
+        self.capture_guard = contextlib.nullcontext()
 
     @property
     def num_graphs(self) -> int:
@@ -129,7 +133,7 @@ class DecodeRunner:
                 self.model.decode(*args)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with self.capture_guard, torch.cuda.graph(graph, pool=self._pool):
             out = self.model.decode(*args)
         log.debug("captured decode graph: batch %d, kv_len %d, lora %s", args[0].shape[0], args[3], args[4])
         return graph, out

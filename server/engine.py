@@ -106,6 +106,7 @@ class LLMEngine:
         self.stalled = False  # the last step found only requests waiting for adapter loads
         self.model = LlamaModel(cfg, weights, self.kv, self.lora, settings.kernel_backend)
         self.decoder = DecodeRunner(self.model, settings.max_num_seqs, settings.kv_block, settings.cuda_graphs)
+        self.decoder.capture_guard = self.adapters.cuda_lock
         self.scheduler = Scheduler(self.kv, settings.max_prefill_tokens)
         log.info("KV cache %.2f GB (%d rows x %d tokens), adapter slots %.2f GB (%d x rank %d)",
                  self.kv.nbytes() / 1e9, self.kv.rows, self.kv.max_len, self.lora.nbytes() / 1e9,

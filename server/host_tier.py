@@ -18,6 +18,7 @@ read (`readinto`) into its view of the pinned buffer, no intermediate copy of th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -49,14 +50,15 @@ class HostGroup:
 class HostCopy:
     """One adapter in the slot layout, in host memory (pinned when `pin`)."""
 
-    def __init__(self, buffers: LoRABuffers, pin: bool):
+    def __init__(self, buffers: LoRABuffers, pin: bool, lock: threading.Lock | None = None):
         self.max_rank = buffers.max_rank
         sizes = [(g.a.shape[1:], g.b.shape[1:], g.scaling.shape[1]) for layer in buffers.layers for g in layer.values()]
         total = sum(a[0] * a[1] + b[0] * b[1] for a, b, _ in sizes)
         n_scale = sum(n for _, _, n in sizes)
-        self.flat = torch.zeros(total, dtype=buffers.dtype, pin_memory=pin)
-        self.scales = torch.zeros(n_scale + 1, dtype=torch.float32, pin_memory=pin)
-        self.rank = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+        with lock or contextlib.nullcontext():  # pinned allocations are CUDA calls
+            self.flat = torch.zeros(total, dtype=buffers.dtype, pin_memory=pin)
+            self.scales = torch.zeros(n_scale + 1, dtype=torch.float32, pin_memory=pin)
+            self.rank = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self.nbytes = self.flat.numel() * self.flat.element_size()
         self.layers: list[dict[str, HostGroup]] = []
         off = s_off = 0
@@ -110,12 +112,14 @@ def slot_views(buffers: LoRABuffers, slot: int) -> list[torch.Tensor]:
             for t in (g.a[slot], g.b[slot], g.scaling[slot])] + [buffers.ranks[slot: slot + 1]]
 
 
-def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pin: bool) -> HostCopy:
+def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pin: bool,
+                   lock: threading.Lock | None = None) -> HostCopy:
     """Read `adapter_model.safetensors` under `path` straight into a new HostCopy: each tensor
     whose dtype is the slots' dtype lands by `readinto` in its (pinned) view, one copy from the
     page cache; others (an F32 adapter for bf16 slots, a rank below the max) go through a small
-    temporary. Raises AdapterError on a file cut short."""
-    copy = HostCopy(buffers, pin)
+    temporary. Raises AdapterError on a file cut short. `lock` is held while pinned memory is
+    allocated (see AdapterCache.cuda_lock)."""
+    copy = HostCopy(buffers, pin, lock)
     weights = Path(path) / WEIGHTS_FILE
     with weights.open("rb", buffering=0) as f:
         if hasattr(os, "posix_fadvise"):
