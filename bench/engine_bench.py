@@ -32,25 +32,9 @@ import time
 
 import torch
 
+from checkout import use_checkout  # bench/ is sys.path[0]
 
-def _importable() -> None:
-    """Run from a checkout where loraplex is not installed (a bare GPU machine): map the
-    package folders under a temporary `loraplex` namespace, as pyproject's package-dir does."""
-    try:
-        import loraplex.server  # noqa: F401
-    except ImportError:
-        import tempfile
-        from pathlib import Path
-
-        root = Path(__file__).resolve().parents[1]
-        shim = Path(tempfile.mkdtemp()) / "loraplex"
-        shim.mkdir()
-        for name in ("kernels", "server"):
-            (shim / name).symlink_to(root / name)
-        sys.path.insert(0, str(shim.parent))
-
-
-_importable()
+use_checkout()
 
 from loraplex.server.adapters import AdapterId, random_adapter  # noqa: E402
 from loraplex.server.config import named_shape  # noqa: E402

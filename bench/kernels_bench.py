@@ -27,11 +27,15 @@ from pathlib import Path
 import torch
 import triton
 
-from loraplex.kernels import LoRABatch, add_lora
-from loraplex.kernels.batch import default_block_m
-from loraplex.kernels.configs import make_config, multiprocessors
-from loraplex.kernels.reference import add_lora_torch
-from loraplex.kernels.add_lora import sgmv_lora
+from checkout import use_checkout  # bench/ is sys.path[0]
+
+use_checkout()
+
+from loraplex.kernels import LoRABatch, add_lora  # noqa: E402
+from loraplex.kernels.batch import default_block_m  # noqa: E402
+from loraplex.kernels.configs import make_config, multiprocessors  # noqa: E402
+from loraplex.kernels.reference import add_lora_torch  # noqa: E402
+from loraplex.kernels.add_lora import sgmv_lora  # noqa: E402
 
 # Llama-3-8B: (in_features, output_slices)
 LAYERS = {
