@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     spec, tensors = random_adapter(cfg, args.rank, seed=7, device=device, dtype=dtype)
     write_peft(tmp / "cold", spec, tensors, args.rank)
     for name in storm_names + [f"b{i}" for i in range(BATCH_ADAPTERS)]:
-        cache.install(AdapterId(name, f"random-{name}", "memory"), spec, tensors)
+        cache.install(AdapterId(name, f"random-{name}", "memory"), spec, tensors, keep_host_copy=True)
     del tensors
 
     bw = h2d_bandwidth(device, slot_bytes)

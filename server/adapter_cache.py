@@ -321,15 +321,36 @@ class AdapterCache:
         except AdapterLoadError as e:
             raise AdapterError(str(e)) from None
 
-    def install(self, adapter: AdapterId, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> int:
-        """An adapter made in memory (benchmarks): kept as a host copy and loaded into a slot."""
-        with self.cuda_lock:
-            copy = host_copy_from_tensors(spec, tensors, self.buffers, self.pin_memory)
+    def install(self, adapter: AdapterId, spec: AdapterSpec, tensors: dict[str, torch.Tensor], *,
+                keep_host_copy: bool = False) -> int:
+        """An adapter made in memory (benchmarks, tests), written into a slot now (call between
+        steps); returns the slot. With `keep_host_copy` it pages like any other adapter (a
+        pinned host copy is its source); without, it is forgotten when evicted."""
         with self._lock:
             if adapter.name in self._entries and not self._entries[adapter.name].unloading:
                 raise AdapterError(f"adapter {adapter.name!r} is already loaded")
-            self._entries[adapter.name] = CachedAdapter(adapter.name, id=adapter, spec=spec, memory=copy)
-        return self.prefetch(adapter.name).result()
+            e = self._entries[adapter.name] = CachedAdapter(adapter.name, id=adapter, spec=spec)
+        if keep_host_copy:
+            with self.cuda_lock:
+                e.memory = host_copy_from_tensors(spec, tensors, self.buffers, self.pin_memory)
+            return self.prefetch(adapter.name).result()
+        with self._lock:
+            slot = self._take_slot(e)
+            if slot is None:
+                del self._entries[adapter.name]
+                raise AdapterError(f"no slot for {adapter.name!r}: every slot is pinned or in use")
+            e.state, e.slot = "loading", slot
+        try:
+            self.buffers.write(slot, spec, tensors)
+        except BaseException:
+            with self._lock:
+                self._entries.pop(adapter.name, None)
+                self._free.append(slot)
+            raise
+        with self._lock:
+            e.state = "ready"
+            self.policy.record_insert(adapter.name)
+        return slot
 
     def evict(self, name: str) -> bool:
         """Take `name` out of its GPU slot now (its host copy stays), if it is idle and not
@@ -498,8 +519,8 @@ class AdapterCache:
         v.state, v.slot = "cold", -1
         self.metrics.evictions.labels("gpu").inc()
         log.debug("adapter %s evicted from slot %d for %s", victim, slot, e.name)
-        if v.unloading:
-            self._entries.pop(victim, None)
+        if v.unloading or (v.memory is None and v.path is None and v.source is None):
+            self._entries.pop(victim, None)  # nothing to load it from again (installed from memory)
         return slot
 
     def _drop(self, e: CachedAdapter) -> None:

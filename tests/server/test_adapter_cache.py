@@ -392,3 +392,19 @@ def test_a_disk_miss_is_fetched_directly_over_http_and_checked(tmp_path_factory)
             cache.prefetch("tampered").result(10)
         assert err.value.reason == "corrupt" and not (cache_dir / "tampered").exists()
         assert [p.name for p in cache_dir.iterdir() if p.name.startswith(".")] == []  # no half download left
+
+
+def test_install_from_memory_with_and_without_a_host_copy(disk):
+    cache = make_cache(disk, slots=2)
+    spec, tensors = random_adapter(CFG, 4, targets=("q_proj", "down_proj"), seed=1)
+    from loraplex.server.adapters import AdapterId
+
+    kept = cache.install(AdapterId("kept", "d1", "memory"), spec, tensors, keep_host_copy=True)
+    once = cache.install(AdapterId("once", "d2", "memory"), spec, tensors)
+    assert {kept, once} == {0, 1}
+    for a in cache.buffers.layers[0]["qkv"].a, cache.buffers.layers[1]["down"].b:
+        assert torch.equal(a[kept], a[once])  # both paths lay the adapter out alike
+    use(cache, "a")
+    use(cache, "b")  # both evicted: "once" is forgotten, "kept" pages back in from its host copy
+    assert not cache.has("once") and cache.tier_of("kept") == "host"
+    assert use(cache, "kept") in (0, 1)
