@@ -166,7 +166,10 @@ class AdapterCache:
         A new sha256 (a new version) drops the host copy, so the next load reads the new files."""
         with self._lock:
             e = self._entries.get(name)
-            if e is None or e.unloading:
+            if e is not None and e.unloading:
+                raise AdapterError(f"adapter {name!r} is being unloaded (requests still use it); try again "
+                                   f"when they finish")
+            if e is None:
                 e = self._entries[name] = CachedAdapter(name)
             if path is not None:
                 e.path = Path(path)
@@ -289,7 +292,10 @@ class AdapterCache:
         and unpin what left it. Plan format: operator/plan.py."""
         pinned = set(plan.get("pinned") or [])
         for a in plan.get("adapters") or []:
-            self.register(a["name"], source=a.get("source"), sha256=a.get("sha256"))
+            try:
+                self.register(a["name"], source=a.get("source"), sha256=a.get("sha256"))
+            except AdapterError as err:
+                log.warning("plan: %s", err)
             if a.get("pinned"):
                 pinned.add(a["name"])
         with self._lock:
@@ -311,7 +317,7 @@ class AdapterCache:
         taken); returns the slot. Raises AdapterError when it does not fit the base."""
         spec = read_adapter(path, self.base)  # a refused adapter is refused before anything changes
         with self._lock:
-            if name in self._entries and not self._entries[name].unloading:
+            if name in self._entries:
                 raise AdapterError(f"adapter {name!r} is already loaded")
         self.register(name, path=path)
         with self._lock:
@@ -327,7 +333,7 @@ class AdapterCache:
         steps); returns the slot. With `keep_host_copy` it pages like any other adapter (a
         pinned host copy is its source); without, it is forgotten when evicted."""
         with self._lock:
-            if adapter.name in self._entries and not self._entries[adapter.name].unloading:
+            if adapter.name in self._entries:
                 raise AdapterError(f"adapter {adapter.name!r} is already loaded")
             e = self._entries[adapter.name] = CachedAdapter(adapter.name, id=adapter, spec=spec)
         if keep_host_copy:
@@ -530,6 +536,10 @@ class AdapterCache:
             self._free.sort()
         self._entries.pop(e.name, None)
         self.host.discard(e.name)
+        waiters, e.waiters = e.waiters, []
+        for fut in waiters:  # a prefetch of a pending load that will never run
+            if not fut.done():
+                fut.set_exception(AdapterLoadError(e.name, "other", "unloaded before it was loaded"))
         log.info("adapter %s unloaded", e.name)
 
     # -- the load (worker thread) -------------------------------------------------------------------

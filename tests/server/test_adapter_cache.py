@@ -408,3 +408,22 @@ def test_install_from_memory_with_and_without_a_host_copy(disk):
     use(cache, "b")  # both evicted: "once" is forgotten, "kept" pages back in from its host copy
     assert not cache.has("once") and cache.tier_of("kept") == "host"
     assert use(cache, "kept") in (0, 1)
+
+
+def test_unload_while_in_use_or_pending(disk):
+    cache = make_cache(disk, slots=1)
+    cache.acquire("a")
+    slot = wait_ready(cache, "a")
+    waiting = cache.prefetch("b")  # no slot: a is in use
+    assert cache.unload("b")  # pending, unused: gone now, its waiter told
+    with pytest.raises(AdapterLoadError, match="unloaded"):
+        waiting.result(5)
+    assert not cache.unload("a")  # in use: goes when its request ends
+    assert not cache.has("a")  # new requests cannot name it
+    from loraplex.server.adapter_format import AdapterError
+
+    with pytest.raises(AdapterError, match="being unloaded"):
+        cache.register("a", path=disk / "a")
+    cache.release("a")
+    assert cache.num_free == 1 and cache.ready_slots() == {}
+    assert use(cache, "c") == slot
