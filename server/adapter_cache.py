@@ -134,6 +134,7 @@ class AdapterCache:
                              on_evict=lambda name: self.metrics.evictions.labels("host").inc())
         self.wake: Callable[[], None] = lambda: None  # the engine loop's wake-up (set by AsyncEngine)
         self._entries: dict[str, CachedAdapter] = {}
+        self._ready: dict[str, int] = {}  # name -> slot of the resident adapters (read every step)
         self._free = list(range(buffers.num_slots))
         self._pending: deque[str] = deque()
         self._in_flight = 0
@@ -232,7 +233,7 @@ class AdapterCache:
     def ready_slots(self) -> dict[str, int]:
         """{name: slot} of the adapters resident now: the scheduler admits their requests."""
         with self._lock:
-            return {n: e.slot for n, e in self._entries.items() if e.ready}
+            return dict(self._ready)
 
     def take_failures(self) -> dict[str, str]:
         """{name: error} of loads that failed since the last call (the engine fails the queued
@@ -355,6 +356,7 @@ class AdapterCache:
             raise
         with self._lock:
             e.state = "ready"
+            self._ready[e.name] = slot
             self.policy.record_insert(adapter.name)
         return slot
 
@@ -369,6 +371,7 @@ class AdapterCache:
             self._free.append(e.slot)
             self._free.sort()
             e.state, e.slot = "cold", -1
+            del self._ready[name]
             self.metrics.evictions.labels("gpu").inc()
             self._pump()
             return True
@@ -523,6 +526,7 @@ class AdapterCache:
         self.policy.record_evict(victim)
         slot = v.slot
         v.state, v.slot = "cold", -1
+        del self._ready[victim]
         self.metrics.evictions.labels("gpu").inc()
         log.debug("adapter %s evicted from slot %d for %s", victim, slot, e.name)
         if v.unloading or (v.memory is None and v.path is None and v.source is None):
@@ -534,6 +538,7 @@ class AdapterCache:
             self.policy.record_evict(e.name)
             self._free.append(e.slot)
             self._free.sort()
+            del self._ready[e.name]
         self._entries.pop(e.name, None)
         self.host.discard(e.name)
         waiters, e.waiters = e.waiters, []
@@ -560,6 +565,7 @@ class AdapterCache:
             waiters, e.waiters = e.waiters, []
             if error is None:
                 e.state, e.error = "ready", None
+                self._ready[e.name] = slot
                 self.policy.record_insert(e.name, cost=1.0, prefetch=e.prefetch)
                 self.metrics.load_seconds.labels(tier).observe(self.clock() - t0)
                 log.info("adapter %s loaded into slot %d from %s in %.1f ms", e.name, slot, tier,

@@ -64,6 +64,15 @@ def wait_ready(cache: AdapterCache, name: str, timeout: float = 10) -> int:
     raise AssertionError(f"{name} not resident; {cache.describe()}")
 
 
+def check_invariants(cache: AdapterCache) -> None:
+    """Every slot is free or held by exactly one loading/ready adapter; ready_slots agrees."""
+    with cache._lock:
+        held = [e.slot for e in cache._entries.values() if e.state in ("loading", "ready")]
+        assert sorted(held + cache._free) == list(range(cache.buffers.num_slots))
+        assert cache._ready == {n: e.slot for n, e in cache._entries.items() if e.ready}
+        assert all(e.refs >= 0 for e in cache._entries.values())
+
+
 def use(cache: AdapterCache, name: str) -> int:
     """One request for `name`, start to finish: acquire, wait until resident, release."""
     cache.acquire(name)
@@ -110,6 +119,7 @@ def test_pinned_adapter_is_never_evicted(disk):
     for name in "bcd":
         use(cache, name)
     assert "a" not in cache.ready_slots()  # unpinned, it pages like the rest
+    check_invariants(cache)
 
 
 def test_pins_take_all_slots_but_one_and_the_rest_stay_pending(disk):
@@ -136,6 +146,7 @@ def test_adapter_in_use_is_never_evicted(disk):
     cache.release("b")  # b's request finished: b is the only candidate
     assert wait_ready(cache, "c") == 1 - slot_a
     assert cache.ready_slots()["a"] == slot_a
+    check_invariants(cache)
 
 
 def test_load_cap_holds_under_a_storm_of_cold_requests(disk, tmp_path, monkeypatch):
@@ -177,6 +188,7 @@ def test_load_cap_holds_under_a_storm_of_cold_requests(disk, tmp_path, monkeypat
     assert cache.in_flight == 0
     hist = cache.metrics.load_seconds.labels("disk")
     assert sum(b.get() for b in hist._buckets) == 24
+    check_invariants(cache)
 
 
 def corrupt(path: Path) -> None:
@@ -216,6 +228,7 @@ def test_failed_load_fails_only_its_requests_and_frees_the_slot(disk, damage, re
     row = {r["name"]: r for r in cache.describe()}["b"]
     assert row["state"] == "failed" and row["error"]
     cache.release("b")
+    check_invariants(cache)
 
 
 def test_out_of_memory_fails_only_that_load(disk, monkeypatch):
@@ -408,6 +421,7 @@ def test_install_from_memory_with_and_without_a_host_copy(disk):
     use(cache, "b")  # both evicted: "once" is forgotten, "kept" pages back in from its host copy
     assert not cache.has("once") and cache.tier_of("kept") == "host"
     assert use(cache, "kept") in (0, 1)
+    check_invariants(cache)
 
 
 def test_unload_while_in_use_or_pending(disk):
@@ -427,3 +441,4 @@ def test_unload_while_in_use_or_pending(disk):
     cache.release("a")
     assert cache.num_free == 1 and cache.ready_slots() == {}
     assert use(cache, "c") == slot
+    check_invariants(cache)
