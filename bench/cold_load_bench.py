@@ -29,6 +29,7 @@ import logging
 import os
 import platform
 import statistics
+import struct
 import sys
 import tempfile
 import threading
@@ -36,14 +37,17 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from loraplex.server.adapter_format import WEIGHTS_FILE, write_adapter_config
-from loraplex.server.adapters import AdapterId, LoRABuffers, random_adapter
-from loraplex.server.config import named_shape
-from loraplex.server.engine import LLMEngine
-from loraplex.server.sampling import SamplingParams
-from loraplex.server.settings import ServerSettings
+from checkout import use_checkout  # bench/ is sys.path[0]
+
+use_checkout()
+
+from loraplex.server.adapter_format import WEIGHTS_FILE, write_adapter_config  # noqa: E402
+from loraplex.server.adapters import AdapterId, LoRABuffers, random_adapter  # noqa: E402
+from loraplex.server.config import named_shape  # noqa: E402
+from loraplex.server.engine import LLMEngine  # noqa: E402
+from loraplex.server.sampling import SamplingParams  # noqa: E402
+from loraplex.server.settings import ServerSettings  # noqa: E402
 
 log = logging.getLogger("cold_load_bench")
 
@@ -97,8 +101,23 @@ def h2d_bandwidth(device: torch.device, nbytes: int) -> float:
 
 
 def write_peft(path: Path, spec, tensors, rank: int) -> Path:
+    """adapter_config.json + adapter_model.safetensors as peft saves them (the safetensors
+    layout written here: 8-byte header length, JSON header, raw little-endian data)."""
     write_adapter_config(path, r=rank, lora_alpha=rank, target_modules=list(TARGETS_ALL))
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path / WEIGHTS_FILE))
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+    header, blobs, off = {}, [], 0
+    for key in sorted(tensors):
+        t = tensors[key].detach().to("cpu").contiguous()
+        raw = t.view(-1).view(torch.uint8).numpy().tobytes()
+        header[key] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with (path / WEIGHTS_FILE).open("wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for raw in blobs:
+            f.write(raw)
     return path
 
 
