@@ -11,8 +11,8 @@ a GPU slot is one `copy_(non_blocking=True)` per buffer and per layer on a side 
 On CUDA the flat buffer is page-locked (pinned), so the copy is a DMA that overlaps the
 decode kernels; on the CPU it is plain memory and the same copies run synchronously.
 
-`read_into_host` fills a HostCopy straight from `adapter_model.safetensors`: each tensor is
-read (`readinto`) into its view of the pinned buffer, no intermediate copy of the adapter.
+`read_into_host` fills a HostCopy straight from `adapter_model.safetensors`: the tensors are
+read (`preadv`) into their views of the pinned buffer, no intermediate copy of the adapter.
 `HostTier` keeps copies in a byte budget, least recently used first out.
 """
 
@@ -114,36 +114,71 @@ def slot_views(buffers: LoRABuffers, slot: int) -> list[torch.Tensor]:
 
 def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pin: bool,
                    lock: threading.Lock | None = None) -> HostCopy:
-    """Read `adapter_model.safetensors` under `path` straight into a new HostCopy: each tensor
-    whose dtype is the slots' dtype lands by `readinto` in its (pinned) view, one copy from the
-    page cache; others (an F32 adapter for bf16 slots, a rank below the max) go through a small
-    temporary. Raises AdapterError on a file cut short. `lock` is held while pinned memory is
-    allocated (see AdapterCache.cuda_lock)."""
+    """Read `adapter_model.safetensors` under `path` straight into a new HostCopy.
+
+    Each tensor whose dtype is the slots' dtype lands in its (pinned) view of the layout; the
+    others (an F32 adapter for bf16 slots, a rank below the max) land in a small temporary and
+    are converted after. The data section is one run of tensors sorted by offset, so the whole
+    read is one `preadv` per run (up to IOV_MAX views each): one copy from the page cache, a
+    handful of system calls, the GIL released throughout. Raises AdapterError on a file cut
+    short. `lock` is held while pinned memory is allocated (see AdapterCache.cuda_lock)."""
     copy = HostCopy(buffers, pin, lock)
+    targets: list[tuple[str, torch.Tensor]] = []
+    copy.fill(spec, lambda key, dst: targets.append((key, dst)))
     weights = Path(path) / WEIGHTS_FILE
     with weights.open("rb", buffering=0) as f:
+        fd = f.fileno()
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-        size = os.fstat(f.fileno()).st_size
-
-        def put(key: str, dst: torch.Tensor) -> None:
+        size = os.fstat(fd).st_size
+        reads = []  # (start, end, key, dst, buffer read into)
+        for key, dst in targets:
             info = header[key]
             start, end = (8 + n + o for o in info["data_offsets"])
             if end > size:
                 raise AdapterError(f"{WEIGHTS_FILE}: tensor {key!r} ends past the file's {size} bytes (cut short?)")
             dtype = SAFETENSORS_DTYPES[info["dtype"]]
             direct = dtype == dst.dtype and dst.is_contiguous() and list(dst.shape) == info["shape"]
-            target = dst if direct else torch.empty(info["shape"], dtype=dtype)
-            f.seek(start)
-            if f.readinto(memoryview(target.view(-1).view(torch.uint8).numpy())) != end - start:
-                raise AdapterError(f"{WEIGHTS_FILE}: tensor {key!r} is cut short")
-            if not direct:
-                dst.copy_(target)
-
-        copy.fill(spec, put)
+            reads.append((start, end, key, dst, dst if direct else torch.empty(info["shape"], dtype=dtype)))
+        reads.sort(key=lambda r: r[0])
+        run: list = []
+        for r in reads + [None]:
+            if run and (r is None or r[0] != run[-1][1] or len(run) == _IOV_MAX):
+                _read_run(fd, run)
+                run = []
+            if r is not None:
+                run.append(r)
+    for _, _, _, dst, buf in reads:
+        if buf is not dst:
+            dst.copy_(buf)
     return copy
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+def _read_run(fd: int, run: list) -> None:
+    """Read tensors that lie back to back in the file into their buffers (a read may return
+    short: Linux caps one at ~2 GiB; go on from where it stopped)."""
+    views = [memoryview(buf.view(-1).view(torch.uint8).numpy()) for *_, buf in run]
+    offset = run[0][0]
+    while views:
+        got = os.preadv(fd, views, offset) if hasattr(os, "preadv") else _pread_into(fd, views[0], offset)
+        if got <= 0:
+            raise AdapterError(f"{WEIGHTS_FILE}: no data at offset {offset} (cut short?)")
+        offset += got
+        while views and got >= len(views[0]):
+            got -= len(views.pop(0))
+        if got:
+            views[0] = views[0][got:]
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:  # pragma: no cover - no preadv
+    data = os.pread(fd, len(view), offset)
+    view[: len(data)] = data
+    return len(data)
 
 
 def host_copy_from_tensors(spec: AdapterSpec, tensors: dict[str, torch.Tensor], buffers: LoRABuffers,

@@ -92,10 +92,16 @@ def test_max_loras_from_memory(free_gb, slot_mb, want):
     assert max_loras_from_memory(free_gb * GB, slot_mb * 10**6) == want
 
 
-def test_slot_loaded_through_host_tier_equals_a_direct_write(disk):
-    cache = make_cache(disk, slots=2)
+@pytest.mark.parametrize("dtype, short_reads", [(torch.float32, False), (torch.float16, False),
+                                                (torch.float32, True)])
+def test_slot_loaded_through_host_tier_equals_a_direct_write(disk, monkeypatch, dtype, short_reads):
+    if short_reads:  # the kernel may return less than asked: the reader goes on from there
+        preadv = os.preadv
+        monkeypatch.setattr(os, "preadv", lambda fd, views, off: preadv(fd, [views[0][:333]], off))
+    buffers = LoRABuffers(CFG, 2, RANK, torch.device("cpu"), dtype)  # float16: the f32 file is converted
+    cache = AdapterCache(buffers, base_spec(), cache_dir=disk)
     slot = cache.prefetch("a").result(10)
-    direct = LoRABuffers(CFG, 2, RANK, torch.device("cpu"), torch.float32)
+    direct = LoRABuffers(CFG, 2, RANK, torch.device("cpu"), dtype)
     spec = read_adapter(disk / "a", base_spec())
     from safetensors.torch import load_file
     direct.write(1, spec, load_file(str(disk / "a" / "adapter_model.safetensors")))
