@@ -313,9 +313,10 @@ class AdapterCache:
 
     # -- vLLM-style admin and benchmarks ---------------------------------------------------------
 
-    def load(self, name: str, path: str | Path, timeout: float | None = None) -> int:
+    def load(self, name: str, path: str | Path, timeout: float | None = 120.0) -> int:
         """Register `name` at `path` and load it into a slot (evicting an idle adapter if all are
-        taken); returns the slot. Raises AdapterError when it does not fit the base."""
+        taken); returns the slot. Raises AdapterError when it does not fit the base, or when no
+        slot frees up within `timeout` seconds (it stays registered and queued for one)."""
         spec = read_adapter(path, self.base)  # a refused adapter is refused before anything changes
         with self._lock:
             if name in self._entries:
@@ -327,6 +328,9 @@ class AdapterCache:
             return self.prefetch(name).result(timeout)
         except AdapterLoadError as e:
             raise AdapterError(str(e)) from None
+        except concurrent.futures.TimeoutError:
+            raise AdapterError(f"adapter {name!r} is registered, but no slot freed up within {timeout:g}s "
+                               f"(every slot is pinned or in use); it loads when one does") from None
 
     def install(self, adapter: AdapterId, spec: AdapterSpec, tensors: dict[str, torch.Tensor], *,
                 keep_host_copy: bool = False) -> int:
