@@ -102,6 +102,8 @@ class CachedAdapter:
     misses: int = 0  # requests that had to wait for a load
     error: str | None = None  # the last load's error
     unloading: bool = False
+    draining: bool = False  # no new admissions; evicted once its running requests finish
+    pending_since: float = 0.0  # when its load was asked for (clock seconds)
     waiters: list[concurrent.futures.Future] = field(default_factory=list)
 
     @property
@@ -135,6 +137,8 @@ class AdapterCache:
         self.wake: Callable[[], None] = lambda: None  # the engine loop's wake-up (set by AsyncEngine)
         self._entries: dict[str, CachedAdapter] = {}
         self._ready: dict[str, int] = {}  # name -> slot of the resident adapters (read every step)
+        self._draining: str | None = None  # the adapter giving up its slot to starved loads
+        self.drain_after = 2.0  # seconds a request's load waits for a slot before one drains
         self._free = list(range(buffers.num_slots))
         self._pending: deque[str] = deque()
         self._in_flight = 0
@@ -230,10 +234,55 @@ class AdapterCache:
                 self._drop(e)
             self._pump()
 
-    def ready_slots(self) -> dict[str, int]:
-        """{name: slot} of the adapters resident now: the scheduler admits their requests."""
+    def ready_slots(self, running: set[str] | None = None) -> dict[str, int]:
+        """{name: slot} of the adapters resident now: the scheduler admits their requests.
+
+        The engine calls it once per step, before admitting, with `running` (the adapters of
+        the batch's requests); then it also keeps a cold request from starving behind busy
+        adapters (see `_drain`)."""
         with self._lock:
-            return dict(self._ready)
+            if running is not None:
+                self._drain(running)
+            if self._draining is None:
+                return dict(self._ready)
+            return {n: s for n, s in self._ready.items() if n != self._draining}
+
+    def _drain(self, running: set[str]) -> None:
+        """Anti-starvation. Queued requests hold their adapter, so while every slot holds an
+        adapter that has requests (running or queued), a cold adapter's requests could wait for
+        ever. When the oldest such request's load has waited `drain_after` seconds with no slot
+        free or evictable, one resident adapter (the policy's pick) stops admitting; once its
+        running requests finish it gives up its slot, and its queued requests wait for a reload
+        at the back of the line: round robin through the slots under overload."""
+        if self._draining is not None:
+            e = self._entries.get(self._draining)
+            if e is None or not e.ready or e.pinned:
+                if e is not None:
+                    e.draining = False
+                self._draining = None
+            elif self._draining not in running:  # accurate: it admits nothing since it drains
+                self._draining, e.draining = None, False
+                self._release_slot(e)
+                log.info("adapter %s drained out of slot for the starved loads", e.name)
+                if e.refs > 0:
+                    self._want(e)
+                else:
+                    self._pump()
+                return
+        if self._draining is not None or self._free or self._in_flight >= self.max_concurrent_loads:
+            return
+        starved = next((self._entries[n] for n in self._pending if self._entries[n].refs > 0), None)
+        if starved is None or self.clock() - starved.pending_since < self.drain_after:
+            return
+        resident = {n for n, o in self._entries.items() if o.ready and not o.pinned}
+        if any(self._entries[n].refs == 0 for n in resident):
+            return  # a slot is evictable: the normal path serves it
+        victim = self.policy.select_victim(resident)
+        if victim is not None:
+            self._draining = victim
+            self._entries[victim].draining = True
+            log.info("adapter %s drains: %s has waited %.1fs for a slot", victim, starved.name,
+                     self.clock() - starved.pending_since)
 
     def take_failures(self) -> dict[str, str]:
         """{name: error} of loads that failed since the last call (the engine fails the queued
@@ -371,12 +420,7 @@ class AdapterCache:
             e = self._entries.get(name)
             if e is None or not e.ready or e.refs > 0 or e.pinned:
                 return False
-            self.policy.record_evict(name)
-            self._free.append(e.slot)
-            self._free.sort()
-            e.state, e.slot = "cold", -1
-            del self._ready[name]
-            self.metrics.evictions.labels("gpu").inc()
+            self._release_slot(e)
             self._pump()
             return True
 
@@ -489,7 +533,7 @@ class AdapterCache:
     def _want(self, e: CachedAdapter) -> None:
         if e.state in ("ready", "loading", "pending"):
             return
-        e.state = "pending"
+        e.state, e.pending_since = "pending", self.clock()
         self._pending.append(e.name)
         self._pump()
 
@@ -527,14 +571,22 @@ class AdapterCache:
         if victim is None:
             return None
         v = self._entries[victim]
-        self.policy.record_evict(victim)
-        slot = v.slot
-        v.state, v.slot = "cold", -1
-        del self._ready[victim]
-        self.metrics.evictions.labels("gpu").inc()
+        slot = self._release_slot(v, free=False)
         log.debug("adapter %s evicted from slot %d for %s", victim, slot, e.name)
         if v.unloading or (v.memory is None and v.path is None and v.source is None):
             self._entries.pop(victim, None)  # nothing to load it from again (installed from memory)
+        return slot
+
+    def _release_slot(self, v: CachedAdapter, free: bool = True) -> int:
+        """Evict a resident adapter: its slot goes back to the free list (or to the caller)."""
+        slot = v.slot
+        self.policy.record_evict(v.name)
+        v.state, v.slot = "cold", -1
+        del self._ready[v.name]
+        self.metrics.evictions.labels("gpu").inc()
+        if free:
+            self._free.append(slot)
+            self._free.sort()
         return slot
 
     def _drop(self, e: CachedAdapter) -> None:

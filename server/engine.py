@@ -195,7 +195,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         outputs = self._reap() + self._fail_loads()
         # Requests whose adapter is still loading stay queued; the batch goes on without them.
-        admitted = self.scheduler.admit(self.adapters.ready_slots())
+        running = {r.adapter for r in self.scheduler.running.values() if r.adapter}
+        admitted = self.scheduler.admit(self.adapters.ready_slots(running))
         for req in admitted:
             self.metrics.queue_seconds.observe(time.monotonic() - req.arrival)
         decoding = {row: r for row, r in self.scheduler.running.items() if r.output_ids}

@@ -448,3 +448,27 @@ def test_unload_while_in_use_or_pending(disk):
     assert cache.num_free == 1 and cache.ready_slots() == {}
     assert use(cache, "c") == slot
     check_invariants(cache)
+
+
+def test_a_starved_load_drains_one_busy_adapter_after_its_running_requests(disk):
+    now = [0.0]
+    cache = make_cache(disk, slots=2, clock=lambda: now[0])
+    cache.drain_after = 5.0
+    for name in "ab":  # each held by a request (running or queued)
+        cache.acquire(name)
+        wait_ready(cache, name)
+    slots = cache.ready_slots()
+    assert cache.acquire("c") == -1  # no slot free or evictable
+    now[0] = 4.9
+    assert cache.ready_slots({"a", "b"}) == slots  # not starved long enough
+    now[0] = 5.0
+    assert cache.ready_slots({"a", "b"}) == {"b": slots["b"]}  # a (least recent) admits no more
+    assert cache.ready_slots({"a", "b"}) == {"b": slots["b"]} and "c" not in cache.ready_slots()  # a still runs
+    cache.ready_slots({"b"})  # a's running requests are done: its slot goes to c
+    assert wait_ready(cache, "c") == slots["a"]
+    rows = {r["name"]: r for r in cache.describe()}
+    assert rows["a"]["state"] == "pending" and rows["a"]["requests"] == 1  # a's queued request waits its turn
+    check_invariants(cache)
+    cache.release("c")  # c's request done: a pages back in
+    assert wait_ready(cache, "a") == slots["a"]
+    check_invariants(cache)

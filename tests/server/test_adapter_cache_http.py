@@ -21,7 +21,7 @@ from loraplex.server.sampling import SamplingParams
 from loraplex.server.settings import ServerSettings
 
 from .conftest import LiveServer
-from .test_adapter_cache import corrupt, write_adapter
+from .test_adapter_cache import check_invariants, corrupt, write_adapter
 
 
 def settings(cache_dir: Path, **kw) -> ServerSettings:
@@ -111,6 +111,41 @@ def test_engine_fails_only_the_requests_of_a_failed_load(disk):
     assert bad.finish_reason == "error" and "'bad' failed to load" in bad.error and "adapter_model" in bad.error
     assert [o.error for o in outs if o.request_id == bad.request_id][-1] == bad.error
     assert engine.adapters.num_free == 1  # bad's slot went back
+
+
+@pytest.mark.parametrize("drain_after, served", [(0.05, True), (float("inf"), False)])
+def test_a_cold_request_does_not_starve_behind_busy_adapters(disk, drain_after, served):
+    """Two slots, four rows; a and b always have more requests than rows (a new one joins as one
+    leaves), so neither frees its slot by itself. c's request gets a slot once it has waited
+    drain_after; without draining it waits for ever."""
+    engine = LLMEngine.from_settings(settings(disk))
+    engine.adapters.drain_after = drain_after
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    busy = []
+
+    def keep_busy():
+        for name in ("a", "b"):
+            while sum(1 for r in busy if r.adapter == name and not r.finished) < 5:
+                req = engine.make_request(PROMPT, params, adapter=name)
+                engine.add_request(req)
+                busy.append(req)
+
+    keep_busy()
+    for _ in range(20):  # a and b resident and running
+        engine.step()
+        keep_busy()
+    cold = engine.make_request(PROMPT, params, adapter="c")
+    engine.add_request(cold)
+    deadline = time.monotonic() + (10 if served else 1.0)
+    while not cold.finished and time.monotonic() < deadline:
+        keep_busy()
+        engine.step()
+    assert cold.finished == served
+    done = sum(1 for r in busy if r.finished)
+    assert done >= 4  # a and b were served all along
+    if served:
+        assert cold.finish_reason == "length" and len(cold.output_ids) == 3
+        check_invariants(engine.adapters)
 
 
 @pytest.fixture
