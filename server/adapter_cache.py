@@ -22,7 +22,9 @@ its waiting requests are admitted; a pinned adapter is never evicted, and pins t
 all slots but one (the rest stay pending, reported by `describe`) so requests always have a
 slot to page through. At most `max_concurrent_loads` loads run at once. A failed load
 frees its slot, fails its waiters (`take_failures` for the engine's queued requests) and
-is retried by the next request.
+is retried by the next request. Under overload (every slot's adapter always has requests) a
+cold request would starve: after `drain_after` seconds one busy adapter stops admitting and
+gives up its slot once its running requests finish (`_drain`), round robin through the slots.
 
 Threads: one lock guards the tables and the eviction policy; the HTTP thread (`acquire`,
 `prefetch`, `pin`), the engine thread (`ready_slots`, `release`, `take_failures`) and the
