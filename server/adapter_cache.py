@@ -540,7 +540,8 @@ class AdapterCache:
         self._pump()
 
     def _pump(self) -> None:
-        """Start pending loads while a load worker and a slot are free."""
+        """Start pending loads, oldest first, while a load worker and a slot are free."""
+        pinned_slots = sum(1 for o in self._entries.values() if o.pinned and o.state in ("ready", "loading"))
         for name in list(self._pending):
             if self._in_flight >= self.max_concurrent_loads:
                 break
@@ -548,9 +549,12 @@ class AdapterCache:
             if e is None or e.state != "pending":
                 self._pending.remove(name)
                 continue
+            if e.pinned and e.refs == 0 and pinned_slots >= self.buffers.num_slots - 1:
+                continue  # pins take all slots but one: this pin waits, requests still page
             slot = self._take_slot(e)
             if slot is None:
-                continue  # a pin over the pin share; others may still get a slot
+                break  # no slot free or evictable: none of the others would get one either
+            pinned_slots += e.pinned
             self._pending.remove(name)
             e.state, e.slot = "loading", slot
             self._in_flight += 1
@@ -561,10 +565,6 @@ class AdapterCache:
 
     def _take_slot(self, e: CachedAdapter) -> int | None:
         """A free slot, or one taken from an evictable adapter (the policy's pick)."""
-        if e.pinned and e.refs == 0:
-            pinned_slots = sum(1 for o in self._entries.values() if o.pinned and o.state in ("ready", "loading"))
-            if pinned_slots >= self.buffers.num_slots - 1:
-                return None
         if self._free:
             return self._free.pop(0)
         evictable = {n for n, o in self._entries.items()
