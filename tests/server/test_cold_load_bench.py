@@ -17,6 +17,7 @@ def test_cold_load_bench_quick_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["h2d_bandwidth_GBps"] > 0 and doc["floor_ms"] > 0 and doc["slot_bytes"] >= doc["adapter_bytes"] > 0
+    assert doc["disk_read_GBps"] > 0 and doc["disk_floor_ms"] > doc["floor_ms"]
     for tier in ("host", "disk_page_cache_warm", "disk_page_cache_dropped"):
         load = doc["cold_load"][tier]
         assert load["n"] == 3 and 0 < load["min_ms"] <= load["median_ms"] <= load["max_ms"]
