@@ -11,26 +11,15 @@ thread, logs and counts its own failures, and never dies of one (`last_error` sh
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from .plan_file import read_plan_file  # plain or gzipped (the operator gzips a large plan)
+
 log = logging.getLogger(__name__)
-
-
-def read_plan(path: Path) -> dict:
-    """The plan's JSON (gzipped too: the operator gzips a plan over the ConfigMap's limit)."""
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
-    plan = json.loads(raw)
-    if not isinstance(plan, dict):
-        raise ValueError(f"{path}: the plan is not a JSON object")
-    return plan
 
 
 class PlanWatcher:
@@ -58,7 +47,7 @@ class PlanWatcher:
             return False
         self._seen = key
         try:
-            plan = read_plan(self.path)
+            plan = read_plan_file(self.path)
         except (OSError, ValueError) as e:
             self.last_error = f"{type(e).__name__}: {e}"
             log.error("plan file %s: %s; keeping the last plan", self.path, self.last_error)

@@ -8,6 +8,7 @@ holds exactly what a direct write puts there.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import threading
@@ -302,10 +303,11 @@ def test_plan_file_pins_follow_a_symlink_swap(disk, tmp_path, tmp_path_factory):
     mount = tmp_path / "mount"
     mount.mkdir()
 
-    def publish(version: str, plan: dict) -> None:  # the kubelet's ConfigMap update: new dir, swap ..data
+    def publish(version: str, plan: dict, gz: bool = False) -> None:  # the kubelet's update: new dir, swap
         d = mount / f"..{version}"
         d.mkdir()
-        (d / "plan.json").write_text(json.dumps(plan))
+        raw = json.dumps(plan).encode()
+        (d / "plan.json").write_bytes(gzip.compress(raw) if gz else raw)
         tmp = mount / "..data_tmp"
         tmp.symlink_to(d.name)
         os.replace(tmp, mount / "..data")
@@ -322,7 +324,7 @@ def test_plan_file_pins_follow_a_symlink_swap(disk, tmp_path, tmp_path_factory):
     assert {r["name"]: r["pinned"] for r in cache.describe()} == {n: n == "a" for n in [*"abcdefgh", "remote"]}
     use(cache, "remote")  # not on disk: fetched from its source (a local path here)
     assert cache.metrics.load_seconds.labels("source")._sum.get() > 0
-    publish("v2", {"pinned": ["b"], "adapters": [], "prefetch": []})
+    publish("v2", {"pinned": ["b"], "adapters": [], "prefetch": []}, gz=True)  # a large plan comes gzipped
     assert watcher.check()
     wait_ready(cache, "b")
     rows = {r["name"]: r for r in cache.describe()}
