@@ -35,6 +35,8 @@ PLAN_DIR = "/etc/loraplex/plan"
 PLAN_FILE = f"{PLAN_DIR}/{PLAN_KEY}"
 ADAPTER_CACHE_DIR = "/var/lib/loraplex/adapters"
 SERVER_PORT = 8000
+# The node agent's API on each node (the DaemonSet's hostPort), reached at the node's IP.
+NODE_AGENT_PORT = 8081
 
 
 def plan_config_map_name(base_name: str) -> str:
@@ -101,13 +103,19 @@ def model_path(base: BaseModelSpec) -> str:
 
 
 def server_args(base: BaseModelSpec, slots: int) -> list[str]:
+    """The server listens on every address (probes and the Service reach it at the pod IP),
+    finds staged adapters in the node's cache and asks the node's agent for the others
+    (NODE_IP comes from the downward API; Kubernetes expands $(NODE_IP) in args)."""
     return [
         "--model", model_path(base),
+        "--host", "0.0.0.0",
         "--port", str(SERVER_PORT),
         "--plan-file", PLAN_FILE,
         "--max-loras", str(max(slots, 1)),
         "--max-lora-rank", str(base.max_lora_rank),
         "--dtype", base.dtype,
+        "--adapter-cache-dir", ADAPTER_CACHE_DIR,
+        "--node-agent-url", f"http://$(NODE_IP):{NODE_AGENT_PORT}",
     ]
 
 
@@ -122,6 +130,7 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
         "image": serving.image,
         "command": ["loraplex-server"],
         "args": server_args(base, slots),
+        "env": [{"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}],
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,

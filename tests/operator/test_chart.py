@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from loraplex.node_agent.cli import Settings as AgentSettings
+from loraplex.operator.workloads import NODE_AGENT_PORT
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "loraplex"
@@ -240,7 +241,8 @@ def test_node_agent_daemonset_contract():
     assert (settings.budget_bytes, settings.max_concurrent_downloads, settings.port) == (53687091200, 4, 8081)
     assert settings.plan_configmap is None
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
-    assert container["ports"] == [{"name": "http", "containerPort": 8081}]
+    # The serving pods the operator runs call the agent at <node IP>:NODE_AGENT_PORT.
+    assert container["ports"] == [{"name": "http", "containerPort": NODE_AGENT_PORT, "hostPort": NODE_AGENT_PORT}]
     values = copy.deepcopy(VALUES)
     values["nodeAgent"]["planConfigMap"] = "ml/llama-3-8b-plan"
     (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]

@@ -1,15 +1,15 @@
 """The objects the operator owns, against the contracts servers and agents build on."""
 
-import copy
-
-from loraplex.operator.specs import BaseModelSpec, Memory, Serving
 import base64
+import copy
 import gzip
 import json
 
 import pytest
 
+from loraplex.operator.specs import BaseModelSpec, Memory, Serving
 from loraplex.operator.workloads import PlanTooLarge, deployment, needs_update, plan_config_map, read_plan, service
+from loraplex.server.settings import ServerSettings
 
 BASE = BaseModelSpec(name="llama-3-8b", namespace="ml", source="s3://models/llama-3-8b", max_lora_rank=64,
                      dtype="bfloat16", memory=Memory(slots=250),
@@ -32,9 +32,21 @@ def test_deployment_runs_the_server_with_the_plan_mounted():
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == ["loraplex-server"]
-    assert container["args"] == ["--model", "/models/llama-3-8b", "--port", "8000",
+    assert container["args"] == ["--model", "/models/llama-3-8b", "--host", "0.0.0.0", "--port", "8000",
                                  "--plan-file", "/etc/loraplex/plan/plan.json", "--max-loras", "250",
-                                 "--max-lora-rank", "64", "--dtype", "bfloat16"]
+                                 "--max-lora-rank", "64", "--dtype", "bfloat16",
+                                 "--adapter-cache-dir", "/var/lib/loraplex/adapters",
+                                 "--node-agent-url", "http://$(NODE_IP):8081"]
+    # The server's own command line accepts them, with the meaning the operator intends
+    # ($(NODE_IP) as the kubelet expands it from the downward-API variable).
+    node_ip = container["env"][0]
+    assert node_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    args = [a.replace("$(NODE_IP)", "10.1.2.3") for a in container["args"]]
+    settings = ServerSettings.from_env_and_args(args)
+    assert (settings.host, settings.port, settings.max_loras, settings.max_lora_rank) == ("0.0.0.0", 8000, 250, 64)
+    assert settings.adapter_cache_dir == "/var/lib/loraplex/adapters"
+    assert settings.node_agent_url == "http://10.1.2.3:8081"
+    assert settings.plan_file == "/etc/loraplex/plan/plan.json"
     assert {"name": "plan", "mountPath": "/etc/loraplex/plan", "readOnly": True} in container["volumeMounts"]
     assert {"name": "plan", "configMap": {"name": "llama-3-8b-plan"}} in pod["volumes"]
     assert container["resources"] == {"limits": {"nvidia.com/gpu": 1}}
