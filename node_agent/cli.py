@@ -13,9 +13,7 @@ NODE_NAME for --node-name, POD_NAMESPACE for --namespace, and the in-cluster API
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
 import logging
 import os
 import sys
@@ -26,6 +24,7 @@ from pathlib import Path
 from aiohttp import web
 
 from loraplex.node_agent.app import AgentConfig, create_app
+from loraplex.server.settings import field_docs  # stdlib only: shared with the server's flags
 
 log = logging.getLogger("loraplex.node_agent")
 
@@ -137,19 +136,6 @@ class Settings:
             poll_seconds=self.poll_seconds,
             server_poll_seconds=self.server_poll_seconds,
         )
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """{field: the docstring under it}, read from the class's source."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
 
 
 def build_parser() -> argparse.ArgumentParser:
