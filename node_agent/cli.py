@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings.from_env_and_args(argv)
     except ValueError as e:
-        print(f"loraplex-node-agent: {e}", file=sys.stderr)
+        sys.stderr.write(f"loraplex-node-agent: {e}\n")
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
