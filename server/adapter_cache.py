@@ -153,6 +153,7 @@ class AdapterCache:
         # CUDA graph: a global-mode capture forbids other threads' allocations and syncs.
         self.cuda_lock = threading.Lock()
         self._views = [slot_views(buffers, s) for s in range(buffers.num_slots)]  # copy targets, per slot
+        self._staging: HostCopy | None = None  # CUDA: the device side of a host -> slot copy
         self.max_in_flight_seen = 0
 
     @classmethod
@@ -683,8 +684,10 @@ class AdapterCache:
             stream = getattr(self._local, "stream", None)
             if stream is None:
                 stream = self._local.stream = torch.cuda.Stream(self.buffers.device)
+            if self._staging is None:  # one slot's bytes on the device; loads copy one at a time (the lock)
+                self._staging = HostCopy(self.buffers, pin=False, device=self.buffers.device)
             with torch.cuda.stream(stream):
-                copy.copy_to(self.buffers, slot, self._views[slot])
+                copy.copy_to(self.buffers, slot, self._views[slot], staging=self._staging)
                 done = torch.cuda.Event()
                 done.record(stream)
             done.synchronize()

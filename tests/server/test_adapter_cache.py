@@ -24,6 +24,7 @@ from loraplex.server.adapter_format import BaseSpec, read_adapter, write_adapter
 from loraplex.server.adapters import LoRABuffers, random_adapter
 from loraplex.server.config import named_shape
 from loraplex.server.plan_watch import PlanWatcher
+from loraplex.server.host_tier import HostCopy, read_into_host
 
 CFG = named_shape("tiny")
 RANK = 8
@@ -113,6 +114,27 @@ def test_slot_loaded_through_host_tier_equals_a_direct_write(disk, monkeypatch, 
             assert torch.equal(got[name].scaling[slot], want[name].scaling[1]), name
     assert cache.buffers.ranks[slot] == 4
     assert cache.tier_of("a") == "gpu"
+
+
+def test_staged_copy_scatters_into_the_slot_as_the_direct_copy_does(disk):
+    """The CUDA path's layout logic on the CPU: whole buffers into a staging copy of the same
+    layout, then a scatter into the slot's views, fill the slot exactly as per-view copies do."""
+    spec = read_adapter(disk / "a", base_spec())
+    buffers = LoRABuffers(CFG, 3, RANK, torch.device("cpu"), torch.float32)
+    host = read_into_host(disk / "a", spec, buffers, pin=False)
+    host.copy_to(buffers, 0)
+    for layer in buffers.layers:  # poison slot 2: every element must be overwritten
+        for g in layer.values():
+            g.a[2].normal_(), g.b[2].normal_(), g.scaling[2].normal_()
+    buffers.ranks[2] = -7
+    staging = HostCopy(buffers, pin=False, device="cpu")
+    host.copy_to(buffers, 2, staging=staging)
+    for layer in buffers.layers:
+        for name, g in layer.items():
+            assert torch.equal(g.a[2], g.a[0]) and torch.equal(g.b[2], g.b[0]), name
+            assert torch.equal(g.scaling[2], g.scaling[0]), name
+    assert sum(float(g.a[0].abs().sum()) for layer in buffers.layers for g in layer.values()) > 0
+    assert buffers.ranks[2] == buffers.ranks[0] == spec.max_rank
 
 
 def test_pinned_adapter_is_never_evicted(disk):
