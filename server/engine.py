@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .adapter_format import AdapterError, BaseSpec
-from .adapter_cache import AdapterCache, resolve_max_loras
+from .adapter_cache import AdapterCache
 from .adapters import LoRABuffers
 from .batch import DecodeRunner, build_prefill
 from .cache_metrics import CacheMetrics
@@ -42,6 +42,7 @@ from .request import Request, RequestOutput, State
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .settings import ServerSettings
+from .slot_sizing import resolve_max_loras
 from .tokenizer import Tokenizer
 from .weights import dummy_weights, load_weights
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loraplex.server.adapter_cache import AdapterCache, AdapterLoadError, max_loras_from_memory
+from loraplex.server.adapter_cache import AdapterCache, AdapterLoadError
+from loraplex.server.slot_sizing import max_loras_from_memory
 from loraplex.server.adapter_format import BaseSpec, read_adapter, write_adapter_config
 from loraplex.server.adapters import LoRABuffers, random_adapter
 from loraplex.server.config import named_shape
