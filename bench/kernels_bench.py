@@ -12,11 +12,16 @@ For each case (layer x tokens x distinct adapters x rank), in this order:
      its rank, x once, y read and written once, against the measured device-to-device
      copy bandwidth (bytes read + written).
 `--sweep` also times launch configurations around the default on a subset of cases.
+On a GPU with programmatic dependent launch, `ours_no_pdl` times the same kernels launched
+plainly. `--prev DIR` also times another version of the kernels package (a `kernels/`
+folder, e.g. from `git archive`) as `prev`, for a before/after ratio from one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
 import math
 import platform
@@ -33,7 +38,7 @@ use_checkout()
 
 from loraplex.kernels import LoRABatch, add_lora  # noqa: E402
 from loraplex.kernels.batch import default_block_m  # noqa: E402
-from loraplex.kernels.configs import make_config, multiprocessors  # noqa: E402
+from loraplex.kernels.configs import make_config, multiprocessors, sgmv_config, supports_pdl  # noqa: E402
 from loraplex.kernels.reference import add_lora_torch  # noqa: E402
 from loraplex.kernels.add_lora import sgmv_lora  # noqa: E402
 
@@ -141,7 +146,17 @@ def fewest_bytes(c) -> int:
     return adapters + t * k * item + 2 * t * out * item
 
 
-def run_case(c, timer, bandwidth, sweep):
+def load_kernels(path: Path):
+    """Another version of the kernels package, imported as `prev_kernels`."""
+    spec = importlib.util.spec_from_file_location("prev_kernels", path / "__init__.py",
+                                                  submodule_search_locations=[str(path)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["prev_kernels"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_case(c, timer, bandwidth, sweep, prev=None):
     x, y0, lora_a, lora_b, scaling, slots = c["x"], c["y"], c["lora_a"], c["lora_b"], c["scaling"], c["token_slots"]
     slices, rank, S = c["slices"], c["rank"], c["num_adapters"]
     batch = LoRABatch.build(slots, S)
@@ -156,6 +171,13 @@ def run_case(c, timer, bandwidth, sweep):
         "gather_bmm": lambda y: add_lora_torch(y, x, lora_a, lora_b, scaling, slots, None, slices),
         "loop": lambda y: loop_per_adapter(y, x, lora_a, lora_b, scaling, groups, slices, rank),
     }
+    default = sgmv_config(batch.num_blocks, x.shape[1], slices, rank, x.dtype, x.device)
+    if default.pdl:
+        plain = dataclasses.replace(default, pdl=False)
+        variants["ours_no_pdl"] = lambda y: sgmv_lora(y, x, lora_a, lora_b, scaling, batch, None, slices, config=plain)
+    if prev is not None:
+        prev_batch = prev.LoRABatch.build(slots, S)
+        variants["prev"] = lambda y: prev.add_lora(y, x, lora_a, lora_b, scaling, prev_batch, output_slices=slices)
     row = {"errors": {}, "us": {}}
     for name, fn in variants.items():
         y = y0.clone()
@@ -179,7 +201,8 @@ def run_case(c, timer, bandwidth, sweep):
     if sweep:
         sms = multiprocessors(x.device)
         row["sweep"] = []
-        base = dict(programs_per_sm=4, block_n=None, block_k=None, k_splits=None, num_warps=4, num_stages=3)
+        base = dict(programs_per_sm=4, block_n=None, block_k=None, k_splits=None, num_warps=4, num_stages=3,
+                    pdl=supports_pdl(x.device))
         trials = [dict(base)]
         for key, values in (("programs_per_sm", (1, 2, 8, 16)), ("num_warps", (2, 8)), ("num_stages", (2, 4)),
                             ("block_k", (32, 64, 256, 512)), ("block_n", (64, 256)), ("k_splits", (1, 2, 4, 8, 16, 32))):
@@ -231,11 +254,13 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few cases only")
     parser.add_argument("--sweep", action="store_true", help="time configurations around the default")
     parser.add_argument("--layers", default=",".join(LAYERS))
+    parser.add_argument("--prev", type=Path, help="another kernels/ folder to time beside ours")
     args = parser.parse_args(argv)
 
     gen = torch.Generator().manual_seed(0)
     bandwidth = copy_bandwidth()
     timer = GraphTimer(args.reps)
+    prev = load_kernels(args.prev) if args.prev else None
     meta = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "copy_bandwidth_bytes_per_s": bandwidth,
@@ -267,7 +292,7 @@ def main(argv=None) -> int:
             c = make_case(spec["layer"], spec["tokens"], spec["adapters"], spec["rank"],
                           seqs=PREFILL[0] if spec["phase"] == "prefill" else None, gen=gen)
             sweep = args.sweep and spec["rank"] == 16 and (spec["phase"], spec["tokens"], spec["adapters"]) in sweep_keys
-            row = {**spec, **run_case(c, timer, bandwidth, sweep)}
+            row = {**spec, **run_case(c, timer, bandwidth, sweep, prev)}
             del c
         except Exception as exc:  # record and carry on: one broken case must not lose the run
             row = {**spec, "failure": repr(exc)[:500]}
@@ -276,7 +301,7 @@ def main(argv=None) -> int:
         fmt = lambda v: f"{v:8.1f}" if isinstance(v, (int, float)) else "       -"
         print(f"{spec['layer']:8s} {spec['phase']:7s} T={spec['tokens']:5d} A={str(spec['adapters']):9s} r={spec['rank']:2d} "
               f"ours {fmt(us.get('ours'))} gather {fmt(us.get('gather_bmm'))} loop {fmt(us.get('loop'))} "
-              f"base {fmt(us.get('base_gemm'))} ratio {row.get('ours_over_base', float('nan')):.2f} "
+              f"base {fmt(us.get('base_gemm'))} no-pdl {fmt(us.get('ours_no_pdl'))} prev {fmt(us.get('prev'))} ratio {row.get('ours_over_base', float('nan')):.2f} "
               f"bw {row.get('ours_bandwidth_fraction', float('nan')):.2f} {row.get('failure', '')}", flush=True)
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     meta["seconds"] = time.time() - started

@@ -14,6 +14,10 @@ Worked example, 7 tokens, 3 slots, block_m = 2::
     block_slot    = [ 0,  1,  1,  2, -1, -1, ...]   # blocks: {3}, {0, 2}, {4}, {5}; -1 = no block
     block_start   = [ 0,  1,  3,  4,  .., ..]       # offsets into sorted_tokens
     block_len     = [ 1,  2,  1,  1,  0,  0]
+    block_rows    = [[3, -1], [0, 2], [4, -1], [5, -1], [-1, -1], ...]   # what the kernels read
+
+The kernels read a block's slot and its rows (``block_rows``, padded with -1) in one round
+trip to memory, rather than a start and a length, then the rows.
 
 Rows with slot -1 belong to no block: they cost the kernels nothing.
 """
@@ -57,6 +61,7 @@ class LoRABatch:
     block_slot: torch.Tensor  # [B]: slot of each block of rows, -1 past the last block
     block_start: torch.Tensor  # [B]: first position of the block in sorted_tokens
     block_len: torch.Tensor  # [B]: rows in the block, 1..block_m (0 past the last block)
+    block_rows: torch.Tensor  # [B, block_m]: the block's row indices, -1 padded
     num_slots: int  # S
     block_m: int  # rows per block at most
 
@@ -106,6 +111,16 @@ class LoRABatch:
         block_start = starts[s] + index_in_slot * block_m
         block_len = (counts[s] - index_in_slot * block_m).clamp(min=0, max=block_m)
 
+        block_start = torch.where(valid, block_start, 0)
+        block_len = torch.where(valid, block_len, 0)
+        offs = torch.arange(block_m, device=device)
+        in_block = offs[None, :] < block_len[:, None]
+        if num_tokens:
+            positions = (block_start[:, None] + offs[None, :]).clamp(max=num_tokens - 1)
+            block_rows = torch.where(in_block, sorted_tokens[positions], -1)
+        else:
+            block_rows = torch.full(in_block.shape, -1, dtype=torch.int64, device=device)
+
         def i32(t: torch.Tensor) -> torch.Tensor:
             return t.to(torch.int32).contiguous()
 
@@ -114,8 +129,9 @@ class LoRABatch:
             sorted_tokens=i32(sorted_tokens),
             slot_counts=i32(counts),
             block_slot=i32(torch.where(valid, block_slot, -1)),
-            block_start=i32(torch.where(valid, block_start, 0)),
-            block_len=i32(torch.where(valid, block_len, 0)),
+            block_start=i32(block_start),
+            block_len=i32(block_len),
+            block_rows=i32(block_rows),
             num_slots=num_slots,
             block_m=block_m,
         )

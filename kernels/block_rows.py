@@ -7,14 +7,12 @@ import triton.language as tl
 
 
 @triton.jit
-def load_block_rows(sorted_tokens_ptr, block_start_ptr, block_len_ptr, pid_block, BLOCK_M: tl.constexpr):
-    """Row indices [BLOCK_M] (int64) of block `pid_block` and the mask of the real ones."""
-    start = tl.load(block_start_ptr + pid_block)
-    num_rows = tl.load(block_len_ptr + pid_block)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < num_rows
-    rows = tl.load(sorted_tokens_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
-    return rows, m_mask
+def load_block_rows(block_rows_ptr, pid_block, BLOCK_M: tl.constexpr):
+    """Row indices [BLOCK_M] (int64; padding reads row 0) of block `pid_block`, and the mask
+    of the real ones: one load, independent of the block's slot."""
+    rows = tl.load(block_rows_ptr + pid_block * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = rows >= 0
+    return tl.maximum(rows, 0).to(tl.int64), m_mask
 
 
 @triton.jit

@@ -5,6 +5,11 @@ flight to hide DRAM latency, with each adapter's weights read from DRAM once. Th
 splits the input width into ``k_splits`` chunks and the expand cuts the output columns
 into spans until a launch has about ``PROGRAMS_PER_SM`` programs per multiprocessor; a
 prefill step has enough row blocks on its own and is not split.
+
+On Hopper and later the expand is launched as a programmatic dependent of the shrink
+(PDL), and the shrink of the base GEMM before it: each reads its step metadata, rows and
+scales while the kernel before it finishes, then waits (``griddepcontrol.wait``) for the
+data that kernel writes.
 """
 
 from __future__ import annotations
@@ -29,10 +34,17 @@ class SGMVConfig:
     block_n: int  # output columns per inner step of the expand
     num_warps: int
     num_stages: int
+    pdl: bool = False  # programmatic dependent launch (Hopper and later)
 
 
 # The shrink splits the input width no finer than this many columns per program.
 MIN_K_CHUNK = 256
+
+
+@functools.lru_cache(maxsize=None)
+def supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: CUDA devices of compute capability 9.0 and later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,6 +67,7 @@ def make_config(
     k_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    pdl: bool = False,
 ) -> SGMVConfig:
     """A configuration from the problem size; the keyword arguments override the defaults."""
     wanted = programs_per_sm * sms
@@ -67,7 +80,8 @@ def make_config(
     spans = max(len(output_slices), min(column_tiles, triton.cdiv(wanted, num_blocks)))
     span = triton.cdiv(triton.cdiv(sum(output_slices), spans), block_n) * block_n
     span = max(block_n, min(span, triton.cdiv(max(output_slices), block_n) * block_n))
-    return SGMVConfig(k_splits=k_splits, block_k=block_k, span=span, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    return SGMVConfig(k_splits=k_splits, block_k=block_k, span=span, block_n=block_n, num_warps=num_warps,
+                      num_stages=num_stages, pdl=pdl)
 
 
 _cached_config = functools.lru_cache(maxsize=1024)(make_config)
@@ -83,4 +97,5 @@ def sgmv_config(
 ) -> SGMVConfig:
     """The launch configuration for one call shape (cached)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return _cached_config(num_blocks, in_features, tuple(output_slices), rank, itemsize, multiprocessors(device))
+    return _cached_config(num_blocks, in_features, tuple(output_slices), rank, itemsize, multiprocessors(device),
+                          pdl=supports_pdl(device))

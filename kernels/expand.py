@@ -27,17 +27,14 @@ def _expand_kernel(
     b_ptr,  # [S, N0+N1+N2, RANK]
     scaling_ptr,  # float32 [S, n] (stride 0 along n when one scale per slot)
     ranks_ptr,  # int32 [S] (read only when HAS_RANKS)
-    sorted_tokens_ptr,  # int32 [T]
     block_slot_ptr,  # int32 [B]
-    block_start_ptr,  # int32 [B]
-    block_len_ptr,  # int32 [B]
+    block_rows_ptr,  # int32 [B, BLOCK_M]
     # sizes
     N0,
     N1,
     N2,  # slice widths; 0 for absent slices
     SPAN,  # output columns per program
     RANK,
-    K_SPLITS,
     # strides (last dimensions contiguous)
     stride_yt,
     stride_pk,
@@ -48,6 +45,8 @@ def _expand_kernel(
     stride_scale_n,
     # meta-parameters
     HAS_RANKS: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent of the shrink
+    K_SPLITS: tl.constexpr,  # partial planes to add up
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -58,16 +57,15 @@ def _expand_kernel(
         for block b, span j:                       # grid (spans, blocks)
             s = block_slot[b]; skip if s == -1
             i, cols = slice and columns of span j
-            rows = sorted_tokens[block_start[b] : block_start[b] + block_len[b]]
+            rows = block_rows[b] without its -1 padding
             v = partial[:, rows, i*RANK : i*RANK + ranks[s]].sum(0) * scaling[s, i]
             y[rows, cols] += v @ lora_b[s, cols, :ranks[s]].T
     """
     pid_span = tl.program_id(0)
     pid_block = tl.program_id(1)
-    # The block's rows are loaded before the exit test, so both loads are in flight at once
-    # (a block past the last has no rows: its loads are masked off).
+    # The block's slot and rows are loaded before the exit test: both loads in flight at once.
     slot = tl.load(block_slot_ptr + pid_block)
-    rows, m_mask = load_block_rows(sorted_tokens_ptr, block_start_ptr, block_len_ptr, pid_block, BLOCK_M)
+    rows, m_mask = load_block_rows(block_rows_ptr, pid_block, BLOCK_M)
     if slot < 0:
         return
     slot = slot.to(tl.int64)
@@ -85,15 +83,25 @@ def _expand_kernel(
 
     rank = slot_rank(ranks_ptr, slot, RANK, HAS_RANKS)
     offs_r = tl.arange(0, BLOCK_R)
+    # Loads are masked to whole 32-byte sectors of the slot's rank (so they vectorise and
+    # bytes a sector past the rank are never read); columns past the rank are zeroed in
+    # registers, since the buffers' padding may hold anything.
     r_mask = offs_r < rank
-
-    # v = the shrink's partial planes added up, for this slice's rank columns.
-    v_ptrs = partial_ptr + rows[:, None] * stride_pt + (slice_idx * RANK + offs_r)[None, :]
-    v_mask = m_mask[:, None] & r_mask[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(0, K_SPLITS):
-        acc += tl.load(v_ptrs + k * stride_pk, mask=v_mask, other=0.0)
+    r_load = (offs_r < RANK) & ((offs_r // 16) < tl.cdiv(rank, 16))
     scale = tl.load(scaling_ptr + slot * stride_scale_s + slice_idx * stride_scale_n)
+    if USE_PDL:
+        # Above: step metadata and weights only. The partials and y are the shrink's (and
+        # the base GEMM's before it) to finish.
+        tl.extra.cuda.gdc_wait()
+
+    # v = the shrink's partial planes added up, for this slice's rank columns. The planes
+    # are read in one unrolled burst: every load is in flight before the first add.
+    v_ptrs = partial_ptr + rows[:, None] * stride_pt + (slice_idx * RANK + offs_r)[None, :]
+    v_mask = m_mask[:, None] & r_load[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in tl.static_range(K_SPLITS):
+        acc += tl.load(v_ptrs + k * stride_pk, mask=v_mask, other=0.0)
+    acc = tl.where(r_mask[None, :], acc, 0.0)
     v = (acc * scale).to(y_ptr.dtype.element_ty)
 
     b_cols = b_ptr + slot * stride_bs + slice_col * stride_bn
@@ -101,7 +109,8 @@ def _expand_kernel(
     for n0 in range(col_lo, col_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < col_hi
-        bb = tl.load(b_cols + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        bb = tl.load(b_cols + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_load[:, None] & n_mask[None, :], other=0.0)
+        bb = tl.where(r_mask[:, None], bb, 0.0)
         delta = tl.dot(v, bb, input_precision=DOT_PRECISION)
         y_mask = m_mask[:, None] & n_mask[None, :]
         y_ptrs = y_rows + offs_n[None, :]
@@ -121,6 +130,7 @@ def sgmv_expand(
     block_n: int,
     num_warps: int = 4,
     num_stages: int = 3,
+    pdl: bool = False,
 ) -> None:
     """Adds the expanded LoRA term into y."""
     if len(output_slices) > MAX_SLICES:
@@ -136,14 +146,11 @@ def sgmv_expand(
         lora_b,
         scaling,
         ranks if ranks is not None else batch.slot_counts,  # any int32 [S]; not read
-        batch.sorted_tokens,
         batch.block_slot,
-        batch.block_start,
-        batch.block_len,
+        batch.block_rows,
         *widths,
         span,
         rank,
-        partial.shape[0],
         y.stride(0),
         partial.stride(0),
         partial.stride(1),
@@ -152,10 +159,13 @@ def sgmv_expand(
         scaling.stride(0),
         stride_scale_n,
         HAS_RANKS=ranks is not None,
+        USE_PDL=pdl,
+        K_SPLITS=partial.shape[0],
         BLOCK_M=batch.block_m,
         BLOCK_N=block_n,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )

@@ -28,10 +28,8 @@ def _shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [S, n*RANK, K]
     ranks_ptr,  # int32 [S] (read only when HAS_RANKS)
-    sorted_tokens_ptr,  # int32 [T]
     block_slot_ptr,  # int32 [B]
-    block_start_ptr,  # int32 [B]
-    block_len_ptr,  # int32 [B]
+    block_rows_ptr,  # int32 [B, BLOCK_M]
     # sizes
     K,
     K_CHUNK,  # input columns per split (a multiple of BLOCK_K)
@@ -45,6 +43,7 @@ def _shrink_kernel(
     stride_ar,
     # meta-parameters
     HAS_RANKS: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent of the kernel before
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_NR: tl.constexpr,  # >= NR, a power of two >= 16
@@ -54,17 +53,16 @@ def _shrink_kernel(
 
         for block b, split c:                       # grid (k_splits, blocks)
             s = block_slot[b]; skip if s == -1
-            rows = sorted_tokens[block_start[b] : block_start[b] + block_len[b]]
+            rows = block_rows[b] without its -1 padding
             ks = c*K_CHUNK : (c+1)*K_CHUNK
             j = rank rows of every slice with (j % RANK) < ranks[s]
             partial[c, rows, j] = x[rows, ks] @ lora_a[s, j, ks].T
     """
     pid_k = tl.program_id(0)
     pid_block = tl.program_id(1)
-    # The block's rows are loaded before the exit test, so both loads are in flight at once
-    # (a block past the last has no rows: its loads are masked off).
+    # The block's slot and rows are loaded before the exit test: both loads in flight at once.
     slot = tl.load(block_slot_ptr + pid_block)
-    rows, m_mask = load_block_rows(sorted_tokens_ptr, block_start_ptr, block_len_ptr, pid_block, BLOCK_M)
+    rows, m_mask = load_block_rows(block_rows_ptr, pid_block, BLOCK_M)
     if slot < 0:
         return
     slot = slot.to(tl.int64)
@@ -73,6 +71,11 @@ def _shrink_kernel(
     rank = slot_rank(ranks_ptr, slot, RANK, HAS_RANKS)
     offs_j = tl.arange(0, BLOCK_NR)
     j_mask = (offs_j < NR) & ((offs_j % RANK) < rank)
+    if USE_PDL:
+        # Everything above reads step metadata and weights, written long before; x is the
+        # kernel before's output, so wait for it here. The expand may launch meanwhile.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
     x_rows = x_ptr + rows[:, None] * stride_xt
     a_rows = a_ptr + slot * stride_as + offs_j[None, :] * stride_ar
@@ -100,6 +103,7 @@ def sgmv_shrink(
     block_k: int,
     num_warps: int = 4,
     num_stages: int = 3,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Returns float32 partial sums [k_splits, T, n*R]: sum over axis 0 is x @ A^T per row.
 
@@ -116,10 +120,8 @@ def sgmv_shrink(
         x,
         lora_a,
         ranks if ranks is not None else batch.slot_counts,  # any int32 [S]; not read
-        batch.sorted_tokens,
         batch.block_slot,
-        batch.block_start,
-        batch.block_len,
+        batch.block_rows,
         in_features,
         k_chunk,
         rank,
@@ -130,11 +132,13 @@ def sgmv_shrink(
         lora_a.stride(0),
         lora_a.stride(1),
         HAS_RANKS=ranks is not None,
+        USE_PDL=pdl,
         BLOCK_M=batch.block_m,
         BLOCK_K=block_k,
         BLOCK_NR=max(16, triton.next_power_of_2(nr)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return partial

@@ -17,7 +17,13 @@ def blocks_of(batch: LoRABatch) -> list[tuple[int, list[int]]]:
             assert int(batch.block_len[b]) == 0
             continue
         start, length = int(batch.block_start[b]), int(batch.block_len[b])
-        out.append((slot, batch.sorted_tokens[start : start + length].tolist()))
+        rows = batch.sorted_tokens[start : start + length].tolist()
+        # block_rows (what the kernels read) says the same, padded with -1.
+        assert batch.block_rows[b].tolist() == rows + [-1] * (batch.block_m - length)
+        out.append((slot, rows))
+    for b in range(batch.num_blocks):
+        if int(batch.block_slot[b]) < 0:
+            assert batch.block_rows[b].tolist() == [-1] * batch.block_m
     return out
 
 
@@ -27,6 +33,12 @@ def test_worked_example_of_the_docstring():
     assert batch.slot_counts.tolist() == [1, 3, 1]
     assert blocks_of(batch) == [(0, [3]), (1, [0, 2]), (1, [4]), (2, [5])]
     assert batch.num_blocks == max_blocks(7, 3, 2) == 6
+    assert batch.block_rows.tolist() == [[3, -1], [0, 2], [4, -1], [5, -1], [-1, -1], [-1, -1]]
+
+
+def test_an_empty_step_has_no_rows():
+    batch = LoRABatch.build(torch.zeros(0, dtype=torch.int32), 2)
+    assert batch.block_rows.tolist() == [[-1] * batch.block_m] * batch.num_blocks
 
 
 @pytest.mark.parametrize(
