@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from ..adapter_cache import AdapterLoadError
+from ..adapter_sources import AdapterLoadError
 from ..engine import AsyncEngine
 from .deps import get_engine
 from .errors import APIError, model_not_found
