@@ -19,13 +19,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loraplex.server.adapter_cache import AdapterCache, AdapterLoadError
-from loraplex.server.slot_sizing import max_loras_from_memory
+from loraplex.server.adapter_cache import AdapterCache
 from loraplex.server.adapter_format import BaseSpec, read_adapter, write_adapter_config
+from loraplex.server.adapter_sources import AdapterLoadError
 from loraplex.server.adapters import LoRABuffers, random_adapter
 from loraplex.server.config import named_shape
-from loraplex.server.plan_watch import PlanWatcher
 from loraplex.server.host_tier import HostCopy, read_into_host
+from loraplex.server.plan_watch import PlanWatcher
+from loraplex.server.slot_sizing import max_loras_from_memory
 
 CFG = named_shape("tiny")
 RANK = 8
@@ -69,11 +70,12 @@ def wait_ready(cache: AdapterCache, name: str, timeout: float = 10) -> int:
 
 def check_invariants(cache: AdapterCache) -> None:
     """Every slot is free or held by exactly one loading/ready adapter; ready_slots agrees."""
+    table = cache.table
     with cache._lock:
-        held = [e.slot for e in cache._entries.values() if e.state in ("loading", "ready")]
-        assert sorted(held + cache._free) == list(range(cache.buffers.num_slots))
-        assert cache._ready == {n: e.slot for n, e in cache._entries.items() if e.ready}
-        assert all(e.refs >= 0 for e in cache._entries.values())
+        held = [e.slot for e in table.entries.values() if e.state in ("loading", "ready")]
+        assert sorted(held + table.free) == list(range(cache.buffers.num_slots))
+        assert table.ready == {n: e.slot for n, e in table.entries.items() if e.ready}
+        assert all(e.refs >= 0 for e in table.entries.values())
 
 
 def use(cache: AdapterCache, name: str) -> int:
@@ -185,7 +187,7 @@ def test_load_cap_holds_under_a_storm_of_cold_requests(disk, tmp_path, monkeypat
     cache = make_cache(disk, slots=6, max_concurrent_loads=2)
     running, peak = 0, 0
     lock = threading.Lock()
-    copy = cache._copy_to_slot
+    copy = cache.loader.copy_to_slot
 
     def slow_copy(host, slot):
         nonlocal running, peak
@@ -197,7 +199,7 @@ def test_load_cap_holds_under_a_storm_of_cold_requests(disk, tmp_path, monkeypat
         with lock:
             running -= 1
 
-    monkeypatch.setattr(cache, "_copy_to_slot", slow_copy)
+    monkeypatch.setattr(cache.loader, "copy_to_slot", slow_copy)
     names = [f"s{i}" for i in range(24)]
     errors = []
 
@@ -263,16 +265,16 @@ def test_failed_load_fails_only_its_requests_and_frees_the_slot(disk, damage, re
 
 def test_out_of_memory_fails_only_that_load(disk, monkeypatch):
     cache = make_cache(disk, slots=2)
-    import loraplex.server.adapter_cache as ac
+    import loraplex.server.adapter_loader as loader
 
-    real = ac.read_into_host
+    real = loader.read_into_host
 
     def oom(path, *a):
         if Path(path).name == "b":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 84.00 MiB")
         return real(path, *a)
 
-    monkeypatch.setattr(ac, "read_into_host", oom)
+    monkeypatch.setattr(loader, "read_into_host", oom)
     with pytest.raises(AdapterLoadError, match="out of memory") as err:
         cache.prefetch("b").result(10)
     assert err.value.reason == "oom" and cache.num_free == 2

@@ -42,16 +42,15 @@ def disk(tmp_path) -> Path:
 def gate_loads(engine: LLMEngine, name: str) -> threading.Event:
     """Hold loads of `name` until the returned event is set (a slow disk, deterministically)."""
     gate = threading.Event()
-    cache = engine.adapters
-    real = cache._copy_to_slot
+    loader, entries = engine.adapters.loader, engine.adapters.table.entries
+    real = loader.copy_to_slot
 
     def copy(host, slot):
-        if cache._entries.get(name) is not None and cache._entries[name].state == "loading" and \
-                cache._entries[name].slot == slot:
+        if entries.get(name) is not None and entries[name].state == "loading" and entries[name].slot == slot:
             assert gate.wait(20)
         real(host, slot)
 
-    cache._copy_to_slot = copy
+    loader.copy_to_slot = copy
     return gate
 
 

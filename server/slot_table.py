@@ -1,0 +1,262 @@
+"""The slot table: which adapter holds which GPU slot, and the loads waiting for one.
+
+Where it sits in the adapter cache's data flow::
+
+    request -> lookup, refs, pins      adapter_cache.py  (AdapterCache, the public face)
+            -> slot choice / eviction  slot_table.py     (here: want, pump, take_slot, drain)
+            -> load through the tiers  adapter_loader.py (source -> disk -> host -> slot)
+            -> ready                   slot_table.py     (finish_load: the slot joins ready_slots)
+
+One `CachedAdapter` row per known adapter. Its state, with the step that moves it::
+
+    cold --want--> pending --pump: a load worker and a slot--> loading --finish_load--> ready
+    loading --finish_load, failed--> cold (its slot back on the free list)
+    ready --release_slot (evicted by take_slot, evict, or drained)--> cold
+
+Running example, 2 slots holding a (pinned) and b (one request), a request for c::
+
+    want(c)          c pending; pump: a worker is free, no slot free, evictable {} -> c waits
+    (b's request leaves, refs 0)
+    pump()           take_slot(c): the policy picks b; release_slot(b); c loading in b's slot
+    finish_load(c)   c ready, in `ready` -> the engine admits its request at the next step
+
+The table is not thread-safe: the cache calls every method under its one lock, which also
+guards the rows and the eviction policy. Loads are started through `start_load`, a callback
+(the cache hands it to the loader's workers), so this module imports nothing that loads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .adapter_format import AdapterSpec
+from .adapter_sources import AdapterLoadError
+from .adapters import AdapterId
+from .cache_metrics import CacheMetrics
+from .cache_policy import EvictionPolicy
+from .host_tier import HostCopy, HostTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedAdapter:
+    """One known adapter and where it is. Mutated under the cache's lock only."""
+
+    name: str
+    path: Path | None = None  # a PEFT directory registered for it (load_lora_adapter, --lora-modules)
+    source: str | None = None  # the plan's source URI
+    sha256: str | None = None  # the plan's digest of adapter_model.safetensors
+    id: AdapterId | None = None  # set once its files are read
+    spec: AdapterSpec | None = None
+    state: str = "cold"  # cold -> pending -> loading -> ready (-> cold when evicted or failed)
+    slot: int = -1
+    refs: int = 0  # requests holding it (queued or running)
+    pinned_api: bool = False
+    pinned_plan: bool = False
+    prefetch: bool = False  # the pending load was asked ahead of demand
+    memory: HostCopy | None = None  # installed from memory: its only copy
+    hits: int = 0  # requests that found it resident
+    misses: int = 0  # requests that had to wait for a load
+    error: str | None = None  # the last load's error
+    unloading: bool = False
+    draining: bool = False  # no new admissions; evicted once its running requests finish
+    pending_since: float = 0.0  # when its load was asked for (clock seconds)
+    waiters: list[concurrent.futures.Future] = field(default_factory=list)
+
+    @property
+    def pinned(self) -> bool:
+        return self.pinned_api or self.pinned_plan
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+
+class SlotTable:
+    """The rows, the free slots, the pending queue and the loads in flight. Call under the cache's lock."""
+
+    def __init__(self, num_slots: int, policy: EvictionPolicy, host: HostTier, metrics: CacheMetrics, *,
+                 max_concurrent_loads: int, start_load: Callable[[CachedAdapter, int], None],
+                 clock: Callable[[], float]):
+        self.num_slots = num_slots
+        self.policy = policy
+        self.host = host  # an unloaded adapter's host copy goes too
+        self.metrics = metrics
+        self.max_concurrent_loads = max_concurrent_loads
+        self.start_load = start_load  # runs the load of (row, slot) on a load worker; returns at once
+        self.clock = clock
+        self.entries: dict[str, CachedAdapter] = {}
+        self.ready: dict[str, int] = {}  # name -> slot of the resident adapters (read every step)
+        self.draining: str | None = None  # the adapter giving up its slot to starved loads
+        self.drain_after = 2.0  # seconds a request's load waits for a slot before one drains
+        self.free = list(range(num_slots))
+        self.pending: deque[str] = deque()
+        self.in_flight = 0
+        self.failures: dict[str, str] = {}
+        self.max_in_flight_seen = 0
+
+    # -- request -> slot ----------------------------------------------------------------------------
+
+    def want(self, e: CachedAdapter) -> None:
+        """Queue a load of `e` (if it is neither resident nor on its way) and start what can start."""
+        if e.state in ("ready", "loading", "pending"):
+            return
+        e.state, e.pending_since = "pending", self.clock()
+        self.pending.append(e.name)
+        self.pump()
+
+    def pump(self) -> None:
+        """Start pending loads, oldest first, while a load worker and a slot are free."""
+        pinned_slots = sum(1 for o in self.entries.values() if o.pinned and o.state in ("ready", "loading"))
+        for name in list(self.pending):
+            if self.in_flight >= self.max_concurrent_loads:
+                break
+            e = self.entries.get(name)
+            if e is None or e.state != "pending":
+                self.pending.remove(name)
+                continue
+            if e.pinned and e.refs == 0 and pinned_slots >= self.num_slots - 1:
+                continue  # pins take all slots but one: this pin waits, requests still page
+            slot = self.take_slot(e)
+            if slot is None:
+                break  # no slot free or evictable: none of the others would get one either
+            pinned_slots += e.pinned
+            self.pending.remove(name)
+            e.state, e.slot = "loading", slot
+            self.in_flight += 1
+            self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
+            self.metrics.loads_in_flight.set(self.in_flight)
+            self.start_load(e, slot)
+        self.metrics.loads_pending.set(len(self.pending))
+
+    def take_slot(self, e: CachedAdapter) -> int | None:
+        """A free slot, or one taken from an evictable adapter (the policy's pick)."""
+        if self.free:
+            return self.free.pop(0)
+        evictable = {n for n, o in self.entries.items()
+                     if o.ready and o.refs == 0 and not o.pinned}
+        victim = self.policy.select_victim(evictable)
+        if victim is None:
+            return None
+        v = self.entries[victim]
+        slot = self.release_slot(v, free=False)
+        log.debug("adapter %s evicted from slot %d for %s", victim, slot, e.name)
+        if v.unloading or (v.memory is None and v.path is None and v.source is None):
+            self.entries.pop(victim, None)  # nothing to load it from again (installed from memory)
+        return slot
+
+    def release_slot(self, v: CachedAdapter, free: bool = True) -> int:
+        """Evict a resident adapter: its slot goes back to the free list (or to the caller)."""
+        slot = v.slot
+        self.policy.record_evict(v.name)
+        v.state, v.slot = "cold", -1
+        del self.ready[v.name]
+        self.metrics.evictions.labels("gpu").inc()
+        if free:
+            self.free.append(slot)
+            self.free.sort()
+        return slot
+
+    def drop(self, e: CachedAdapter) -> None:
+        """Forget `e`: its slot, its row, its host copy; a prefetch still waiting for it fails."""
+        if e.ready:
+            self.policy.record_evict(e.name)
+            self.free.append(e.slot)
+            self.free.sort()
+            del self.ready[e.name]
+        self.entries.pop(e.name, None)
+        self.host.discard(e.name)
+        waiters, e.waiters = e.waiters, []
+        for fut in waiters:  # a prefetch of a pending load that will never run
+            if not fut.done():
+                fut.set_exception(AdapterLoadError(e.name, "other", "unloaded before it was loaded"))
+        log.info("adapter %s unloaded", e.name)
+
+    # -- which resident adapters admit requests ------------------------------------------------------
+
+    def ready_slots(self, running: set[str] | None) -> dict[str, int]:
+        """{name: slot} of the resident adapters, less the one draining (see `drain`)."""
+        if running is not None:
+            self.drain(running)
+        if self.draining is None:
+            return dict(self.ready)
+        return {n: s for n, s in self.ready.items() if n != self.draining}
+
+    def drain(self, running: set[str]) -> None:
+        """Anti-starvation. Queued requests hold their adapter, so while every slot holds an
+        adapter that has requests (running or queued), a cold adapter's requests could wait for
+        ever. When the oldest such request's load has waited `drain_after` seconds with no slot
+        free or evictable, one resident adapter (the policy's pick) stops admitting; once its
+        running requests finish it gives up its slot, and its queued requests wait for a reload
+        at the back of the line: round robin through the slots under overload."""
+        if self.draining is not None:
+            e = self.entries.get(self.draining)
+            if e is None or not e.ready or e.pinned:
+                if e is not None:
+                    e.draining = False
+                self.draining = None
+            elif self.draining not in running:  # accurate: it admits nothing since it drains
+                self.draining, e.draining = None, False
+                self.release_slot(e)
+                log.info("adapter %s drained out of slot for the starved loads", e.name)
+                if e.refs > 0:
+                    self.want(e)
+                else:
+                    self.pump()
+                return
+        if self.draining is not None or self.free or self.in_flight >= self.max_concurrent_loads:
+            return
+        starved = next((self.entries[n] for n in self.pending if self.entries[n].refs > 0), None)
+        if starved is None or self.clock() - starved.pending_since < self.drain_after:
+            return
+        resident = {n for n, o in self.entries.items() if o.ready and not o.pinned}
+        if any(self.entries[n].refs == 0 for n in resident):
+            return  # a slot is evictable: the normal path serves it
+        victim = self.policy.select_victim(resident)
+        if victim is not None:
+            self.draining = victim
+            self.entries[victim].draining = True
+            log.info("adapter %s drains: %s has waited %.1fs for a slot", victim, starved.name,
+                     self.clock() - starved.pending_since)
+
+    # -- load -> ready ---------------------------------------------------------------------------------
+
+    def finish_load(self, e: CachedAdapter, slot: int, tier: str, error: AdapterLoadError | None,
+                    t0: float) -> list[concurrent.futures.Future]:
+        """A load worker is done with `e` (started at clock `t0`, its bytes from `tier`): `e` is
+        ready in `slot`, or cold again with the slot freed and its requests failed. Starts the
+        next pending loads; returns the prefetches waiting on this load (resolve them unlocked)."""
+        self.in_flight -= 1
+        waiters, e.waiters = e.waiters, []
+        if error is None:
+            e.state, e.error = "ready", None
+            self.ready[e.name] = slot
+            self.policy.record_insert(e.name, cost=1.0, prefetch=e.prefetch)
+            self.metrics.load_seconds.labels(tier).observe(self.clock() - t0)
+            log.info("adapter %s loaded into slot %d from %s in %.1f ms", e.name, slot, tier,
+                     (self.clock() - t0) * 1e3)
+            if e.unloading and e.refs == 0:
+                self.drop(e)
+        else:
+            e.state, e.slot, e.error = "cold", -1, str(error)
+            self.free.append(slot)
+            self.free.sort()
+            self.metrics.load_failures.labels(error.reason).inc()
+            if e.refs > 0:
+                self.failures[e.name] = str(error)
+            log.warning("%s", error)
+            if e.unloading:
+                self.entries.pop(e.name, None)
+        self.pump()
+        return waiters
+
+    def take_failures(self) -> dict[str, str]:
+        """{name: error} of loads that failed since the last call."""
+        failures, self.failures = self.failures, {}
+        return failures
