@@ -262,7 +262,8 @@ def decode_under_loads(args, engine: LLMEngine, storm: Storm, vocab: int) -> dic
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    logging.getLogger("loraplex.server.adapter_cache").setLevel(logging.WARNING)
+    for name in ("loraplex.server.adapter_cache", "loraplex.server.slot_table"):  # no line per load
+        logging.getLogger(name).setLevel(logging.WARNING)
     cfg = named_shape(args.shape)
     slots = BATCH_ADAPTERS + args.loads + 5 + 1  # batch adapters, storm slots, the measured adapter
     storm_names = [f"s{i}" for i in range(slots)]  # more than the slots: the next one is always cold
