@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import logging
 import platform
 import statistics
@@ -296,7 +297,8 @@ def main(argv=None) -> int:
             "config": {"shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
                        "prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "rank": args.rank,
                        "targets": "q,k,v,o,gate,up,down", "cuda_graphs": not args.no_cuda_graphs,
-                       "kv_block": args.kv_block, "hf_steps": args.hf_steps, "quick": args.quick},
+                       "kv_block": args.kv_block, "hf_steps": args.hf_steps, "quick": args.quick,
+                       "pdl": os.environ.get("LORAPLEX_PDL", "1") != "0"},
             "copy_bandwidth_GBps": bw / 1e9,
             "loraplex": results,
             "hf_peft": hf,

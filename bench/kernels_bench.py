@@ -204,7 +204,7 @@ def run_case(c, timer, bandwidth, sweep, prev=None):
         base = dict(programs_per_sm=4, block_n=None, block_k=None, k_splits=None, num_warps=4, num_stages=3,
                     pdl=supports_pdl(x.device))
         trials = [dict(base)]
-        for key, values in (("programs_per_sm", (1, 2, 8, 16)), ("num_warps", (2, 8)), ("num_stages", (2, 4)),
+        for key, values in (("programs_per_sm", (1, 2, 8, 16)), ("num_warps", (2, 8)), ("num_stages", (1, 2, 4)),
                             ("block_k", (32, 64, 256, 512)), ("block_n", (64, 256)), ("k_splits", (1, 2, 4, 8, 16, 32))):
             for v in values:
                 trials.append({**base, key: v})

@@ -9,12 +9,13 @@ prefill step has enough row blocks on its own and is not split.
 On Hopper and later the expand is launched as a programmatic dependent of the shrink
 (PDL), and the shrink of the base GEMM before it: each reads its step metadata, rows and
 scales while the kernel before it finishes, then waits (``griddepcontrol.wait``) for the
-data that kernel writes.
+data that kernel writes. ``LORAPLEX_PDL=0`` in the environment launches them plainly.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,10 @@ MIN_K_CHUNK = 256
 
 @functools.lru_cache(maxsize=None)
 def supports_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: CUDA devices of compute capability 9.0 and later."""
+    """Programmatic dependent launch: CUDA devices of compute capability 9.0 and later,
+    unless ``LORAPLEX_PDL=0``."""
+    if os.environ.get("LORAPLEX_PDL", "1") == "0":
+        return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
