@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import logging
+import os
 import platform
 import statistics
 import sys

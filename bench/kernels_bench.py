@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 from checkout import use_checkout  # bench/ is sys.path[0]
 
@@ -226,6 +227,20 @@ def run_case(c, timer, bandwidth, sweep, prev=None):
     return row
 
 
+@triton.jit
+def _touch_kernel(ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ptr + offs, tl.load(ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+def launch_floor(timer) -> dict:
+    """What the timer reports for one and for two back-to-back launches of a kernel that
+    reads and writes one 4 KB tile from DRAM: the fixed cost under every number here."""
+    buf = torch.zeros(1024, dtype=torch.float32, device="cuda")
+    touch = lambda: _touch_kernel[(1,)](buf, buf.numel(), BLOCK=1024)  # noqa: E731
+    return {"one_launch_us": timer(touch), "two_launches_us": timer(lambda: (touch(), touch()))}
+
+
 def check_no_sync():
     """LoRABatch.build and add_lora must capture into a CUDA graph (any host sync would fail)."""
     slots = torch.randint(-1, 8, (64,), device="cuda", dtype=torch.int32)
@@ -267,7 +282,8 @@ def main(argv=None) -> int:
         "graph_capture_without_sync": check_no_sync(), "dtype": str(DTYPE), "reps": args.reps,
         "timing": "median CUDA-graph replay, L2 flushed before each",
     }
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    meta["launch_floor"] = launch_floor(timer)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; launch floor {meta['launch_floor']}", flush=True)
 
     cases = []
     for layer in args.layers.split(","):

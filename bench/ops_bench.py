@@ -265,8 +265,7 @@ def main(argv=None) -> int:
         timer, bandwidth = GraphTimer(reps), copy_bandwidth()
     else:
         timer, bandwidth = WallTimer(reps), 1e9  # placeholder bandwidth: the smoke run checks code paths
-    config = attention_config(batch, cfg.num_key_value_heads if hasattr(cfg, "num_key_value_heads") else cfg.num_kv_heads,
-                              kv_len, cfg.head_dim, device)
+    config = attention_config(batch, cfg.num_kv_heads, kv_len, cfg.head_dim, device)
     ops_results = run_ops(case, timer, bandwidth, config)
     doc = {
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
