@@ -10,6 +10,10 @@ Two entry points, as in gpt-fast, so decode can be captured as a CUDA graph:
 Both take `token_slots` (int32 [T], -1 = base only); the LoRABatch is built from it once per
 call and shared by every layer. q/k/v and gate/up are one fused base GEMM and one fused
 `add_lora` call each (output_slices), o and down one each.
+
+With `fused_ops` (the default on CUDA) the small ops between those GEMMs run as the Triton
+kernels of server/ops: in decode RoPE + KV write, attention, residual add + RMSNorm and
+silu*mul; in prefill silu*mul. Without it (the CPU, and the reference) they are torch ops.
 """
 
 from __future__ import annotations
@@ -55,14 +59,16 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: BaseWeights, kv: KVCache, lora=None,
-                 kernel_backend: str = "auto"):
-        """`lora` is an adapters.LoRABuffers (or None for a base-only engine)."""
+                 kernel_backend: str = "auto", fused_ops: bool | None = None):
+        """`lora` is an adapters.LoRABuffers (or None for a base-only engine). `fused_ops`:
+        the server/ops kernels for the small ops (None: on CUDA devices only)."""
         self.cfg = cfg
         self.w = weights
         self.kv = kv
         self.lora = lora
         self.backend = kernel_backend
         self.device = weights.embed.device
+        self.fused_ops = self.device.type == "cuda" if fused_ops is None else fused_ops
         self.dtype = weights.embed.dtype
         self.scale = cfg.head_dim ** -0.5
         # RoPE tables [max_len, head_dim], float32 like transformers, cast at use.
@@ -106,8 +112,14 @@ class LlamaModel:
     def _mlp(self, x: torch.Tensor, i: int, batch: LoRABatch | None) -> torch.Tensor:
         lw = self.w.layers[i]
         gate_up = self._linear(x, lw.gate_up, None, i, "gate_up", batch)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self._linear(F.silu(gate) * up, lw.down, None, i, "down", batch)
+        if self.fused_ops:
+            from .ops import silu_mul
+
+            act = silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self._linear(act, lw.down, None, i, "down", batch)
 
     def _qkv(self, h: torch.Tensor, i: int, rope: tuple[torch.Tensor, torch.Tensor], batch: LoRABatch | None):
         """q [T, heads, d] (pre-scaled by 1/sqrt(d)), k and v [T, kv_heads, d]; RoPE on q and k
@@ -168,15 +180,24 @@ class LlamaModel:
         """One token for each KV row 0..B-1: tokens int64 [B], positions int64 [B] (where the
         token goes; it attends to positions 0..p of its row), token_slots int32 [B].
         kv_len (> max position) bounds the keys read. Returns float32 logits [B, vocab]."""
+        batch = self._lora_batch(token_slots, use_lora)
+        x = self.w.embed[tokens]
+        if self.fused_ops:
+            h = self._decode_fused(x, positions, kv_len, batch)
+        else:
+            h = self._decode_torch(x, positions, kv_len, batch)
+        return F.linear(h, self.w.lm_head).float()
+
+    def _decode_torch(self, x: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                      batch: LoRABatch | None) -> torch.Tensor:
+        """The decode layers as torch ops; returns the final-normed hidden states [B, hidden]."""
         cfg = self.cfg
-        b = tokens.shape[0]
+        b = x.shape[0]
         groups = cfg.num_heads // cfg.num_kv_heads
         rows = torch.arange(b, device=self.device)
         # [B, 1, 1, kv_len]: True for keys past the row's position.
         keys = torch.arange(kv_len, device=self.device)
         future = (keys[None, :] > positions[:, None]).view(b, 1, 1, kv_len)
-        batch = self._lora_batch(token_slots, use_lora)
-        x = self.w.embed[tokens]
         rope = self._rope_tables(positions, x.dtype)
         for i, lw in enumerate(self.w.layers):
             h = self._rms_norm(x, lw.input_norm)
@@ -193,4 +214,26 @@ class LlamaModel:
             attn = torch.matmul(probs, vc[:b, :, :kv_len])  # [B, kv_heads, groups, d]
             x = x + self._linear(attn.reshape(b, cfg.q_size), lw.o, None, i, "o", batch)
             x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, batch)
-        return self._logits(x)
+        return self._rms_norm(x, self.w.norm)
+
+    def _decode_fused(self, x: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                      batch: LoRABatch | None) -> torch.Tensor:
+        """The decode layers with the server/ops kernels: each residual add is fused with the
+        RMSNorm after it (the next layer's input norm, or the final norm). Same result as
+        `_decode_torch` up to rounding; returns the final-normed hidden states [B, hidden]."""
+        from .ops import add_rms_norm, decode_attention, rms_norm, rope_and_cache_write
+
+        cfg, layers, eps = self.cfg, self.w.layers, self.cfg.rms_norm_eps
+        b = x.shape[0]
+        rows = torch.arange(b, device=self.device)
+        h = rms_norm(x, layers[0].input_norm, eps)
+        for i, lw in enumerate(layers):
+            kc, vc = self.kv.k[i], self.kv.v[i]
+            qkv = self._linear(h, lw.qkv, lw.qkv_bias, i, "qkv", batch)
+            q = rope_and_cache_write(qkv, self.cos, self.sin, kc, vc, rows, positions, self.scale)
+            attn = decode_attention(q, kc, vc, positions, kv_len)  # [B, heads, d]
+            o = self._linear(attn.view(b, cfg.q_size), lw.o, None, i, "o", batch)
+            x, h = add_rms_norm(x, o, lw.post_norm, eps)
+            down = self._mlp(h, i, batch)
+            x, h = add_rms_norm(x, down, layers[i + 1].input_norm if i + 1 < len(layers) else self.w.norm, eps)
+        return h
