@@ -13,7 +13,8 @@ For each case (layer x tokens x distinct adapters x rank), in this order:
      copy bandwidth (bytes read + written).
 `--sweep` also times launch configurations around the default on a subset of cases.
 On a GPU with programmatic dependent launch, `ours_no_pdl` times the same kernels launched
-plainly. `--prev DIR` also times another version of the kernels package (a `kernels/`
+plainly; `ours_add_in_memory` / `ours_load_store` time the expand's other way of adding
+into y than the default configuration's. `--prev DIR` also times another version of the kernels package (a `kernels/`
 folder, e.g. from `git archive`) as `prev`, for a before/after ratio from one run.
 """
 
@@ -176,6 +177,9 @@ def run_case(c, timer, bandwidth, sweep, prev=None):
     if default.pdl:
         plain = dataclasses.replace(default, pdl=False)
         variants["ours_no_pdl"] = lambda y: sgmv_lora(y, x, lora_a, lora_b, scaling, batch, None, slices, config=plain)
+    flipped = dataclasses.replace(default, add_in_memory=not default.add_in_memory)
+    variants["ours_add_in_memory" if flipped.add_in_memory else "ours_load_store"] = (
+        lambda y: sgmv_lora(y, x, lora_a, lora_b, scaling, batch, None, slices, config=flipped))
     if prev is not None:
         prev_batch = prev.LoRABatch.build(slots, S)
         variants["prev"] = lambda y: prev.add_lora(y, x, lora_a, lora_b, scaling, prev_batch, output_slices=slices)
@@ -317,7 +321,7 @@ def main(argv=None) -> int:
         fmt = lambda v: f"{v:8.1f}" if isinstance(v, (int, float)) else "       -"
         print(f"{spec['layer']:8s} {spec['phase']:7s} T={spec['tokens']:5d} A={str(spec['adapters']):9s} r={spec['rank']:2d} "
               f"ours {fmt(us.get('ours'))} gather {fmt(us.get('gather_bmm'))} loop {fmt(us.get('loop'))} "
-              f"base {fmt(us.get('base_gemm'))} no-pdl {fmt(us.get('ours_no_pdl'))} prev {fmt(us.get('prev'))} ratio {row.get('ours_over_base', float('nan')):.2f} "
+              f"base {fmt(us.get('base_gemm'))} no-pdl {fmt(us.get('ours_no_pdl'))} red {fmt(us.get('ours_add_in_memory'))} ld-st {fmt(us.get('ours_load_store'))} prev {fmt(us.get('prev'))} ratio {row.get('ours_over_base', float('nan')):.2f} "
               f"bw {row.get('ours_bandwidth_fraction', float('nan')):.2f} {row.get('failure', '')}", flush=True)
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     meta["seconds"] = time.time() - started

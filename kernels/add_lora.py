@@ -113,4 +113,4 @@ def sgmv_lora(y, x, lora_a, lora_b, scaling, batch, ranks, slices, config=None) 
     partial = sgmv_shrink(x, lora_a, batch, ranks, rank, config.k_splits, config.block_k, config.num_warps,
                           config.num_stages, config.pdl)
     sgmv_expand(y, partial, lora_b, scaling, batch, ranks, slices, config.span, config.block_n, config.num_warps,
-                config.num_stages, config.pdl)
+                config.num_stages, config.pdl, config.add_in_memory)

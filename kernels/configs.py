@@ -36,6 +36,7 @@ class SGMVConfig:
     num_warps: int
     num_stages: int
     pdl: bool = False  # programmatic dependent launch (Hopper and later)
+    add_in_memory: bool = False  # the expand adds into y with reductions (red.add), not load + store
 
 
 # The shrink splits the input width no finer than this many columns per program.
@@ -72,6 +73,7 @@ def make_config(
     num_warps: int = 4,
     num_stages: int = 3,
     pdl: bool = False,
+    add_in_memory: bool | None = None,
 ) -> SGMVConfig:
     """A configuration from the problem size; the keyword arguments override the defaults."""
     wanted = programs_per_sm * sms
@@ -84,8 +86,12 @@ def make_config(
     spans = max(len(output_slices), min(column_tiles, triton.cdiv(wanted, num_blocks)))
     span = triton.cdiv(triton.cdiv(sum(output_slices), spans), block_n) * block_n
     span = max(block_n, min(span, triton.cdiv(max(output_slices), block_n) * block_n))
+    if add_in_memory is None:
+        # Decode: a span's column tiles each wait on a read of y before their store, unless
+        # the add is a fire-and-forget reduction in memory.
+        add_in_memory = span > block_n
     return SGMVConfig(k_splits=k_splits, block_k=block_k, span=span, block_n=block_n, num_warps=num_warps,
-                      num_stages=num_stages, pdl=pdl)
+                      num_stages=num_stages, pdl=pdl, add_in_memory=add_in_memory)
 
 
 _cached_config = functools.lru_cache(maxsize=1024)(make_config)

@@ -46,6 +46,7 @@ def _expand_kernel(
     # meta-parameters
     HAS_RANKS: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent of the shrink
+    ADD_IN_MEMORY: tl.constexpr,  # y += delta as a reduction in memory, not a load and a store
     K_SPLITS: tl.constexpr,  # partial planes to add up
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -114,8 +115,14 @@ def _expand_kernel(
         delta = tl.dot(v, bb, input_precision=DOT_PRECISION)
         y_mask = m_mask[:, None] & n_mask[None, :]
         y_ptrs = y_rows + offs_n[None, :]
-        yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
-        tl.store(y_ptrs, (yv.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
+        if ADD_IN_MEMORY:
+            # A fire-and-forget reduction: the loop never waits on a read of y. Each element
+            # has one writer, so the result is deterministic: y + delta rounded to y's dtype
+            # first, as PEFT adds lora_B's output.
+            tl.atomic_add(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=y_mask, sem="relaxed")
+        else:
+            yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
+            tl.store(y_ptrs, (yv.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def sgmv_expand(
@@ -131,6 +138,7 @@ def sgmv_expand(
     num_warps: int = 4,
     num_stages: int = 3,
     pdl: bool = False,
+    add_in_memory: bool = False,
 ) -> None:
     """Adds the expanded LoRA term into y."""
     if len(output_slices) > MAX_SLICES:
@@ -160,6 +168,7 @@ def sgmv_expand(
         stride_scale_n,
         HAS_RANKS=ranks is not None,
         USE_PDL=pdl,
+        ADD_IN_MEMORY=add_in_memory,
         K_SPLITS=partial.shape[0],
         BLOCK_M=batch.block_m,
         BLOCK_N=block_n,
