@@ -16,7 +16,8 @@ For each op, in this order:
      device-to-device copy bandwidth.
 `per_step` adds the ops up as a 32-layer decode step calls them (attention, RoPE and silu*mul
 once per layer, add+RMSNorm twice, RMSNorm once). `--sweep` times decode attention's launch
-configurations (splits x keys per step x warps x stages).
+configurations (splits x keys per step and warps x stages) at several batch sizes, beside
+the configuration `attention_config` picks for each.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ use_checkout()
 QUICK_BATCH, QUICK_KV_LEN, QUICK_MAX_LEN = 4, 40, 48
 # Largest error relative to the reference's largest magnitude: about two roundings.
 TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-5}
-SWEEP = dict(splits=(1, 2, 3, 4, 6), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2, 3))
+SWEEP = dict(splits=(1, 2, 3, 4, 6), tile=((32, 4), (64, 4), (64, 8), (128, 8)), num_stages=(2, 3))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=1024, help="KV cache length (rows are strided by it)")
     p.add_argument("--reps", type=int, default=50, help="timed graph replays per op (median)")
     p.add_argument("--sweep", action="store_true", help="also time decode attention's launch configurations")
+    p.add_argument("--sweep-batches", default="8,32,64", help="batch sizes the sweep runs at (comma-separated)")
     p.add_argument("--quick", action="store_true",
                    help=f"tiny shapes (batch {QUICK_BATCH}, kv_len {QUICK_KV_LEN}, the 'tiny' model); "
                         "float16 through the Triton interpreter when there is no GPU")
@@ -155,13 +157,36 @@ def run_ops(case: Case, timer, bandwidth: float, attention_config) -> list[dict]
 
     cfg, b, isz = case.cfg, case.batch, case.dtype.itemsize
     eps, d, nq, nkv, h = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size
-    inter = cfg.intermediate_size
+    x, delta, weight = case.x, case.delta, case.weight
+
+    def fused_attention():
+        return ops.decode_attention(case.q, case.k_cache, case.v_cache, case.positions, case.kv_len,
+                                    config=attention_config)
 
     def fused_rope():
         return ops.rope_and_cache_write(case.qkv, case.cos, case.sin, case.k_cache, case.v_cache, case.rows,
                                         case.positions, case.scale)
 
+    def fused_add_rms_norm():
+        return ops.add_rms_norm(x, delta, weight, eps)
+
+    def fused_rms_norm():
+        return ops.rms_norm(x, weight, eps)
+
+    def fused_silu_mul():
+        return ops.silu_mul(case.gate_up)
+
+    def check(fused, reference):
+        """The error of fused() against reference(), the largest over tuple outputs."""
+        def run():
+            got, want = fused(), reference()
+            if isinstance(got, tuple):
+                return max(rel_error(g, w) for g, w in zip(got, want))
+            return rel_error(got, want)
+        return run
+
     def check_rope():
+        """q, and the K/V entries the step writes, against the reference on copies of the caches."""
         kc, vc = case.k_cache.clone(), case.v_cache.clone()
         want = ref.rope_and_cache_write_reference(case.qkv, case.cos, case.sin, kc, vc, case.rows, case.positions,
                                                   case.scale)
@@ -170,35 +195,24 @@ def run_ops(case: Case, timer, bandwidth: float, attention_config) -> list[dict]
         return max(rel_error(got, want), rel_error(case.k_cache[written], kc[written]),
                    rel_error(case.v_cache[written], vc[written]))
 
-    def check(fused, reference):
-        def run():
-            got, want = fused(), reference()
-            if isinstance(got, tuple):
-                return max(rel_error(g, w) for g, w in zip(got, want))
-            return rel_error(got, want)
-        return run
-
-    attention = lambda: ops.decode_attention(case.q, case.k_cache, case.v_cache, case.positions,  # noqa: E731
-                                             case.kv_len, config=attention_config)
+    layers = cfg.num_layers
     specs = [
-        # op, per step, fused, torch, check, fewest bytes
-        ("decode_attention", cfg.num_layers, attention, case.torch_attention,
-         check(attention, lambda: ref.decode_attention_reference(case.q, case.k_cache, case.v_cache,
-                                                                 case.positions, case.kv_len)),
+        # op, calls per step, fused, torch ops, error check, fewest bytes
+        ("decode_attention", layers, fused_attention, case.torch_attention,
+         check(fused_attention, lambda: ref.decode_attention_reference(case.q, case.k_cache, case.v_cache,
+                                                                       case.positions, case.kv_len)),
          2 * case.keys_read() * nkv * d * isz + 2 * b * nq * d * isz),
-        ("rope_and_cache_write", cfg.num_layers, fused_rope, case.torch_rope, check_rope,
-         b * (nq + 2 * nkv) * d * isz + b * (nq + 2 * nkv) * d * isz + 2 * b * d * 4),
-        ("add_rms_norm", 2 * cfg.num_layers, lambda: ops.add_rms_norm(case.x, case.delta, case.weight, eps),
-         case.torch_add_rms_norm,
-         check(lambda: ops.add_rms_norm(case.x, case.delta, case.weight, eps),
-               lambda: ref.add_rms_norm_reference(case.x, case.delta, case.weight, eps)),
+        ("rope_and_cache_write", layers, fused_rope, case.torch_rope, check_rope,
+         2 * b * (nq + 2 * nkv) * d * isz + 2 * b * d * 4),
+        ("add_rms_norm", 2 * layers, fused_add_rms_norm, case.torch_add_rms_norm,
+         check(fused_add_rms_norm, lambda: ref.add_rms_norm_reference(x, delta, weight, eps)),
          4 * b * h * isz + h * isz),
-        ("rms_norm", 1, lambda: ops.rms_norm(case.x, case.weight, eps), case.torch_rms_norm,
-         check(lambda: ops.rms_norm(case.x, case.weight, eps), lambda: ref.rms_norm_reference(case.x, case.weight, eps)),
+        ("rms_norm", 1, fused_rms_norm, case.torch_rms_norm,
+         check(fused_rms_norm, lambda: ref.rms_norm_reference(x, weight, eps)),
          2 * b * h * isz + h * isz),
-        ("silu_mul", cfg.num_layers, lambda: ops.silu_mul(case.gate_up), case.torch_silu_mul,
-         check(lambda: ops.silu_mul(case.gate_up), lambda: ref.silu_mul_reference(case.gate_up)),
-         3 * b * inter * isz),
+        ("silu_mul", layers, fused_silu_mul, case.torch_silu_mul,
+         check(fused_silu_mul, lambda: ref.silu_mul_reference(case.gate_up)),
+         3 * b * cfg.intermediate_size * isz),
     ]
     results = []
     for name, count, fused, baseline, check_fn, nbytes in specs:
@@ -216,16 +230,21 @@ def run_ops(case: Case, timer, bandwidth: float, attention_config) -> list[dict]
     return results
 
 
-def sweep_attention(case: Case, timer, bandwidth: float) -> list[dict]:
+def sweep_attention(case: Case, timer, bandwidth: float) -> dict:
+    """Every configuration of SWEEP at this case's batch, fastest first, and the default's."""
     from loraplex.server.ops import decode_attention
-    from loraplex.server.ops.attention import AttentionConfig
+    from loraplex.server.ops.attention import AttentionConfig, attention_config, split_keys
     from loraplex.server.ops.reference import decode_attention_reference
 
+    cfg = case.cfg
     want = decode_attention_reference(case.q, case.k_cache, case.v_cache, case.positions, case.kv_len)
-    nbytes = 2 * case.keys_read() * case.cfg.num_kv_heads * case.cfg.head_dim * case.dtype.itemsize
+    nbytes = 2 * case.keys_read() * cfg.num_kv_heads * cfg.head_dim * case.dtype.itemsize
+    configs = {}
+    for splits, (block_n, num_warps), num_stages in itertools.product(*SWEEP.values()):
+        splits = split_keys(case.kv_len, splits, block_n)[1]  # distinct effective splits only
+        configs[splits, block_n, num_warps, num_stages] = AttentionConfig(splits, block_n, num_warps, num_stages)
     rows = []
-    for splits, block_n, num_warps, num_stages in itertools.product(*SWEEP.values()):
-        config = AttentionConfig(splits=splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    for config in configs.values():
         fn = lambda: decode_attention(case.q, case.k_cache, case.v_cache, case.positions, case.kv_len,  # noqa: E731
                                       config=config)
         try:
@@ -234,12 +253,16 @@ def sweep_attention(case: Case, timer, bandwidth: float) -> list[dict]:
         except Exception as e:  # a configuration that does not compile (shared memory) is recorded
             rows.append({**asdict(config), "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
+        if not error <= TOLERANCE[case.dtype]:
+            rows.append({**asdict(config), "error": f"max error {error:.3g} over the tolerance"})
+            continue
         rows.append({**asdict(config), "us": us, "kv_GBps": nbytes / us / 1e3,
                      "vs_copy_bandwidth": nbytes / us / 1e3 / (bandwidth / 1e9), "max_error": error})
     rows.sort(key=lambda r: r.get("us", float("inf")))
-    for r in rows[:5]:
-        print("sweep", r, flush=True)
-    return rows
+    default = asdict(attention_config(case.batch, cfg.num_kv_heads, case.kv_len, cfg.head_dim, case.q.device))
+    default_row = next((r for r in rows if all(r[k] == v for k, v in default.items())), None)
+    print(f"sweep batch {case.batch}: best {rows[0]}\n  default {default_row}", flush=True)
+    return {"batch": case.batch, "default": default, "configs": rows}
 
 
 def main(argv=None) -> int:
@@ -283,7 +306,8 @@ def main(argv=None) -> int:
     }
     doc["per_step"]["saved_us"] = doc["per_step"]["torch_us"] - doc["per_step"]["fused_us"]
     if args.sweep:
-        doc["attention_sweep"] = sweep_attention(case, timer, bandwidth)
+        doc["attention_sweep"] = [sweep_attention(Case(cfg, int(n), kv_len, max_len, device, dtype), timer, bandwidth)
+                                  for n in args.sweep_batches.split(",")]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"per step: fused {doc['per_step']['fused_us']:.0f} us, torch {doc['per_step']['torch_us']:.0f} us "

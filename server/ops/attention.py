@@ -29,8 +29,11 @@ from loraplex.kernels.configs import multiprocessors
 
 from .common import check_dense_rows, check_dtype, check_index, check_launchable
 
-# Programs wanted per multiprocessor: enough K/V loads in flight to cover DRAM latency.
-PROGRAMS_PER_SM = 4
+# Programs wanted per multiprocessor. At the default tile (64 keys x 128 dims, 4 warps, 2
+# stages: ~100 registers a thread, 38 KB shared) an H100/H200 SM holds 4 programs at once,
+# each with the next K and V tiles (32 KB) in flight, several times what covers DRAM latency;
+# 3 per SM is enough, and more splits only add a second wave and the combine.
+PROGRAMS_PER_SM = 3
 # A split covers no fewer keys than this: shorter chunks cost more in the combine than they
 # gain in parallelism.
 MIN_CHUNK = 128
@@ -48,14 +51,22 @@ def make_attention_config(batch: int, kv_heads: int, kv_len: int, head_dim: int,
                           programs_per_sm: int = PROGRAMS_PER_SM) -> AttentionConfig:
     """Split the keys until the launch has about `programs_per_sm` programs per multiprocessor.
 
-    Llama-3-8B at batch 64, kv_len 576 on an H200 (132 SMs): 64*8 = 512 (row, kv head) pairs
-    against 528 wanted -> 2 splits of 320 and 256 keys, 1024 programs.
+    Llama-3-8B on an H200 (132 SMs, 396 programs wanted), kv_len 576: at batch 64 the 64*8 =
+    512 (row, kv head) pairs are enough, one pass; at batch 16 (128 pairs) 4 splits are
+    wanted, which whole 64-key steps make 3 splits of 192 keys.
     """
     block_n = 64 if head_dim <= 128 else 32
     block_n = min(block_n, max(16, triton.next_power_of_2(kv_len)))
     wanted = programs_per_sm * sms
     splits = max(1, min(triton.cdiv(wanted, batch * kv_heads), triton.cdiv(kv_len, MIN_CHUNK)))
-    return AttentionConfig(splits=splits, block_n=block_n, num_warps=4, num_stages=2)
+    return AttentionConfig(splits=split_keys(kv_len, splits, block_n)[1], block_n=block_n, num_warps=4, num_stages=2)
+
+
+def split_keys(kv_len: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(keys per split, splits): the key range cut into at most `splits` chunks of whole
+    `block_n` steps, e.g. (576, 4, 64) -> (192, 3)."""
+    chunk = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
+    return chunk, triton.cdiv(kv_len, chunk)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -114,7 +125,7 @@ def _attention_split_kernel(
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    n_keys = tl.minimum(tl.load(positions_ptr + b) + 1, kv_len)
+    n_keys = tl.minimum(tl.load(positions_ptr + b).to(tl.int32) + 1, kv_len)
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, n_keys)
 
@@ -245,8 +256,7 @@ def decode_attention(
     kv_heads = k_cache.shape[1]
     if config is None:
         config = attention_config(batch, kv_heads, kv_len, head_dim, q.device)
-    chunk = triton.cdiv(triton.cdiv(kv_len, config.splits), config.block_n) * config.block_n
-    splits = triton.cdiv(kv_len, chunk)
+    chunk, splits = split_keys(kv_len, config.splits, config.block_n)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0:
         return out

@@ -25,7 +25,7 @@ from loraplex.server.config import ModelConfig, named_shape
 from loraplex.server.kv_cache import KVCache
 from loraplex.server.model import LlamaModel
 from loraplex.server.ops import add_rms_norm, decode_attention, rms_norm, rope_and_cache_write, silu_mul
-from loraplex.server.ops.attention import AttentionConfig, make_attention_config
+from loraplex.server.ops.attention import AttentionConfig, make_attention_config, split_keys
 from loraplex.server.ops.reference import (add_rms_norm_reference, decode_attention_reference,
                                            rms_norm_reference, rope_and_cache_write_reference,
                                            silu_mul_reference)
@@ -89,12 +89,18 @@ def test_decode_attention_reads_strided_views_and_int32_positions():
     close(got, decode_attention_reference(q, k, v, positions, 30), torch.float32)
 
 
-def test_attention_config_fills_the_gpu():
-    # Llama-3-8B on an H200: 512 (row, kv head) pairs, 528 programs wanted -> 2 splits.
-    assert make_attention_config(64, 8, 576, 128, sms=132).splits == 2
-    assert make_attention_config(8, 8, 576, 128, sms=132).splits == 5  # capped at kv_len / 128
-    assert make_attention_config(64, 8, 100, 128, sms=132).splits == 1
-    assert make_attention_config(256, 8, 2048, 128, sms=132).splits == 1
+@pytest.mark.parametrize("batch, kv_len, splits", [
+    (64, 576, 1),  # 512 (row, kv head) pairs fill 132 SMs at 3 programs each
+    (32, 576, 2),
+    (16, 576, 3),  # 4 wanted; whole 64-key steps: 3 chunks of 192
+    (8, 576, 5),  # 7 wanted, capped at kv_len / 128
+    (8, 100, 1),
+    (1, 2048, 16),
+])
+def test_attention_config_fills_the_gpu(batch, kv_len, splits):
+    config = make_attention_config(batch, 8, kv_len, 128, sms=132)  # Llama-3-8B on an H200
+    assert config.splits == splits
+    assert split_keys(kv_len, config.splits, config.block_n)[1] == splits
 
 
 @pytest.mark.parametrize("change, error", [
