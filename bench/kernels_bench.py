@@ -173,7 +173,7 @@ def run_case(c, timer, bandwidth, sweep, prev=None):
         "gather_bmm": lambda y: add_lora_torch(y, x, lora_a, lora_b, scaling, slots, None, slices),
         "loop": lambda y: loop_per_adapter(y, x, lora_a, lora_b, scaling, groups, slices, rank),
     }
-    default = sgmv_config(batch.num_blocks, x.shape[1], slices, rank, x.dtype, x.device)
+    default = sgmv_config(batch.num_blocks, batch.block_m, x.shape[1], slices, rank, x.dtype, x.device)
     if default.pdl:
         plain = dataclasses.replace(default, pdl=False)
         variants["ours_no_pdl"] = lambda y: sgmv_lora(y, x, lora_a, lora_b, scaling, batch, None, slices, config=plain)
@@ -199,6 +199,9 @@ def run_case(c, timer, bandwidth, sweep, prev=None):
 
     nbytes = fewest_bytes(c)
     row["fewest_bytes"] = nbytes
+    # The bytes alone, at the copy bandwidth, as a fraction of the base GEMM: no kernel
+    # can go under this ratio on this case.
+    row["bytes_floor_over_base"] = nbytes / bandwidth * 1e6 / row["us"]["base_gemm"]
     if row["us"]["ours"]:
         row["ours_over_base"] = row["us"]["ours"] / row["us"]["base_gemm"]
         row["ours_bandwidth_fraction"] = nbytes / (row["us"]["ours"] * 1e-6) / bandwidth
@@ -218,7 +221,7 @@ def run_case(c, timer, bandwidth, sweep, prev=None):
                 continue
             b = LoRABatch.build(slots, S, block_m=block_m)
             for t in trials if block_m == batch.block_m else [base]:
-                cfg = make_config(b.num_blocks, x.shape[1], slices, rank, 2, sms, **t)
+                cfg = make_config(b.num_blocks, x.shape[1], slices, rank, 2, sms, block_m=block_m, **t)
                 for kind, launch in (("split", sgmv_lora),):
                     y = y0.clone()
                     try:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .batch import DECODE_BLOCK_M
+
 # Programs wanted per multiprocessor: enough loads in flight to cover DRAM latency.
 PROGRAMS_PER_SM = 4
 # Multiprocessor count assumed where there is no CUDA device (the Triton interpreter).
@@ -73,6 +75,7 @@ def make_config(
     num_warps: int = 4,
     num_stages: int = 3,
     pdl: bool = False,
+    block_m: int = DECODE_BLOCK_M,
     add_in_memory: bool | None = None,
 ) -> SGMVConfig:
     """A configuration from the problem size; the keyword arguments override the defaults."""
@@ -87,9 +90,10 @@ def make_config(
     span = triton.cdiv(triton.cdiv(sum(output_slices), spans), block_n) * block_n
     span = max(block_n, min(span, triton.cdiv(max(output_slices), block_n) * block_n))
     if add_in_memory is None:
-        # Decode: a span's column tiles each wait on a read of y before their store, unless
-        # the add is a fire-and-forget reduction in memory.
-        add_in_memory = span > block_n
+        # Measured on an H200 (bench/results/kernels_h200_notes.md): at decode, where a
+        # block's rows are few, reductions in memory beat reading y (up to 1.2x at 32
+        # adapters); at prefill, where y is dense, reading it one tile ahead is faster.
+        add_in_memory = block_m <= DECODE_BLOCK_M
     return SGMVConfig(k_splits=k_splits, block_k=block_k, span=span, block_n=block_n, num_warps=num_warps,
                       num_stages=num_stages, pdl=pdl, add_in_memory=add_in_memory)
 
@@ -99,6 +103,7 @@ _cached_config = functools.lru_cache(maxsize=1024)(make_config)
 
 def sgmv_config(
     num_blocks: int,
+    block_m: int,
     in_features: int,
     output_slices: tuple[int, ...],
     rank: int,
@@ -108,4 +113,4 @@ def sgmv_config(
     """The launch configuration for one call shape (cached)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return _cached_config(num_blocks, in_features, tuple(output_slices), rank, itemsize, multiprocessors(device),
-                          pdl=supports_pdl(device))
+                          pdl=supports_pdl(device), block_m=block_m)

@@ -107,21 +107,28 @@ def _expand_kernel(
 
     b_cols = b_ptr + slot * stride_bs + slice_col * stride_bn
     y_rows = y_ptr + rows[:, None] * stride_yt + slice_col
+    if not ADD_IN_MEMORY:
+        # Read-modify-write: each y tile is read one step ahead, so its read is in flight
+        # while the tile before it is added and stored.
+        offs_n = col_lo + tl.arange(0, BLOCK_N)
+        y_next = tl.load(y_rows + offs_n[None, :], mask=m_mask[:, None] & (offs_n < col_hi)[None, :], other=0.0)
     for n0 in range(col_lo, col_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < col_hi
+        y_mask = m_mask[:, None] & n_mask[None, :]
+        y_ptrs = y_rows + offs_n[None, :]
+        if not ADD_IN_MEMORY:
+            yv = y_next
+            y_next = tl.load(y_ptrs + BLOCK_N, mask=m_mask[:, None] & (offs_n + BLOCK_N < col_hi)[None, :], other=0.0)
         bb = tl.load(b_cols + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_load[:, None] & n_mask[None, :], other=0.0)
         bb = tl.where(r_mask[:, None], bb, 0.0)
         delta = tl.dot(v, bb, input_precision=DOT_PRECISION)
-        y_mask = m_mask[:, None] & n_mask[None, :]
-        y_ptrs = y_rows + offs_n[None, :]
         if ADD_IN_MEMORY:
             # A fire-and-forget reduction: the loop never waits on a read of y. Each element
             # has one writer, so the result is deterministic: y + delta rounded to y's dtype
             # first, as PEFT adds lora_B's output.
             tl.atomic_add(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=y_mask, sem="relaxed")
         else:
-            yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
             tl.store(y_ptrs, (yv.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
