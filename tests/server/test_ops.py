@@ -192,7 +192,11 @@ def test_rms_norm_reference_is_f_rms_norm():
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(16, 256, generator=gen).to(DEVICE, torch.bfloat16)
     weight = torch.rand(256, generator=gen).mul(2).to(DEVICE, torch.bfloat16)
-    assert torch.equal(rms_norm_reference(x, weight, 1e-5), F.rms_norm(x, (256,), weight, 1e-5))
+    got, want = rms_norm_reference(x, weight, 1e-5), F.rms_norm(x, (256,), weight, 1e-5)
+    # HF's rounding (before the weight) differs in ~25% of the elements. On CUDA,
+    # F.rms_norm's kernel may order the float32 products otherwise: a rare one-ulp difference.
+    assert (got != want).float().mean() <= (0 if DEVICE == "cpu" else 0.01)
+    torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -236,21 +240,36 @@ def tiny_model(dtype, fused: bool, cfg: ModelConfig | None = None, device: str =
     return LlamaModel(cfg, weights, kv, lora, fused_ops=fused)
 
 
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
 def decode_both_ways(model: LlamaModel, tokens, positions, slots, kv_len, use_lora):
-    """(logits, caches) of the torch path and of the fused path from the same caches; checks
-    that each path wrote every row's K and V at its position."""
-    start = [t.clone() for t in model.kv.k + model.kv.v]
-    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    """(logits, written K/V entries) of the torch path and of the fused path, each from the
+    same caches; checks that each path changed every row's K and V at its position and
+    nothing else."""
+    caches = model.kv.k + model.kv.v
+    start = [t.clone() for t in caches]
+    written = (torch.arange(tokens.shape[0], device=tokens.device), slice(None), positions)
     results = []
     for fused in (False, True):
-        for t, s in zip(model.kv.k + model.kv.v, start):
+        for t, s in zip(caches, start):
             t.copy_(s)
         model.fused_ops = fused
         logits = model.decode(tokens, positions, slots, kv_len, use_lora)
-        for t, s in zip(model.kv.k + model.kv.v, start):
-            assert not torch.equal(t[rows, :, positions], s[rows, :, positions])
-        results.append((logits, [t.clone() for t in model.kv.k + model.kv.v]))
+        entries = []
+        for t, s in zip(caches, start):
+            entries.append(t[written].clone())
+            assert not torch.equal(entries[-1], s[written])
+            t[written] = s[written]
+            assert torch.equal(t, s)
+        results.append((logits, entries))
     return results
+
+
+# Relative error (norm of the difference over the norm) of the fused path's logits and K/V
+# writes against the torch path's: both round differently after every op, for two layers.
+DECODE_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -262,10 +281,8 @@ def test_fused_decode_matches_torch_path(dtype, use_lora):
     positions = torch.tensor([5, 17, 30, 0, 47], device=DEVICE)
     slots = torch.tensor([0, -1, 1, 0, -1], dtype=torch.int32, device=DEVICE)
     (want, want_kv), (got, got_kv) = decode_both_ways(model, tokens, positions, slots, 32, use_lora)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got[:4], want[:4], atol=tol, rtol=tol)
-    for g, w in zip(got_kv, want_kv):
-        torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+    assert rel_error(got[:4], want[:4]) < DECODE_TOL[dtype]
+    assert max(rel_error(g, w) for g, w in zip(got_kv, want_kv)) < DECODE_TOL[dtype]
 
 
 def test_fused_ops_default_to_cuda_only():
@@ -313,9 +330,9 @@ def test_cuda_bf16_fused_decode_matches_torch_path():
     slots = torch.tensor([0, -1, 1, 0, -1, 1, 1, -1], dtype=torch.int32)
     args = [t.cuda() for t in (tokens, positions, slots)]
     (want, want_kv), (got, got_kv) = decode_both_ways(model, *args, 304, True)
-    torch.testing.assert_close(got[:7], want[:7], atol=5e-2, rtol=5e-2)
-    for g, w in zip(got_kv, want_kv):
-        torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+    assert rel_error(got[:7], want[:7]) < DECODE_TOL[torch.bfloat16]
+    assert max(rel_error(g, w) for g, w in zip(got_kv, want_kv)) < DECODE_TOL[torch.bfloat16]
+    assert (got[:7].argmax(-1) == want[:7].argmax(-1)).float().mean() >= 5 / 7
 
 
 @needs_cuda
