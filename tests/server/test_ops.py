@@ -223,7 +223,7 @@ def test_norm_and_silu_reject_bad_calls():
 
 # -- the model's decode ----------------------------------------------------------------------
 
-def tiny_model(dtype, fused: bool, cfg: ModelConfig | None = None, device: str = "cpu", max_len: int = 48,
+def tiny_model(dtype, fused: bool | None, cfg: ModelConfig | None = None, device: str = "cpu", max_len: int = 48,
                rows: int = 5) -> LlamaModel:
     """Random weights (norm weights too) and caches, two adapters of different ranks in slots 0, 1."""
     cfg = cfg or named_shape("tiny")
