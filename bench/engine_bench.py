@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-block", type=int, default=64, help="KV length granularity of decode (default 64)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF PEFT baseline")
     p.add_argument("--no-cuda-graphs", action="store_true", help="eager decode (for comparison)")
+    p.add_argument("--no-fused-ops", action="store_true",
+                   help="decode's small ops as torch ops, not the server/ops Triton kernels (for comparison)")
     p.add_argument("--profile", action="store_true",
                    help="also record per-kernel GPU time of eager decode steps (torch.profiler)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
@@ -230,6 +232,8 @@ def main(argv=None) -> int:
         max_loras=max(n_max, 1), max_lora_rank=args.rank, cuda_graphs=not args.no_cuda_graphs,
         kv_block=args.kv_block)
     engine = LLMEngine.from_settings(settings)
+    if args.no_fused_ops:
+        engine.model.fused_ops = False  # before the first decode captures a graph
     device, dtype = engine.device, engine.dtype
     bw = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 256 << 20)
     log.info("device %s, %s, copy bandwidth %.0f GB/s", device, dtype, bw / 1e9)
@@ -298,7 +302,7 @@ def main(argv=None) -> int:
                        "prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "rank": args.rank,
                        "targets": "q,k,v,o,gate,up,down", "cuda_graphs": not args.no_cuda_graphs,
                        "kv_block": args.kv_block, "hf_steps": args.hf_steps, "quick": args.quick,
-                       "pdl": os.environ.get("LORAPLEX_PDL", "1") != "0"},
+                       "pdl": os.environ.get("LORAPLEX_PDL", "1") != "0", "fused_ops": engine.model.fused_ops},
             "copy_bandwidth_GBps": bw / 1e9,
             "loraplex": results,
             "hf_peft": hf,

@@ -158,7 +158,7 @@ def load_kernels(path: Path):
     return module
 
 
-def run_case(c, timer, bandwidth, sweep, prev=None):
+def run_case(c, timer, bandwidth, sweep, prev=None, variants_too=True):
     x, y0, lora_a, lora_b, scaling, slots = c["x"], c["y"], c["lora_a"], c["lora_b"], c["scaling"], c["token_slots"]
     slices, rank, S = c["slices"], c["rank"], c["num_adapters"]
     batch = LoRABatch.build(slots, S)
@@ -174,12 +174,13 @@ def run_case(c, timer, bandwidth, sweep, prev=None):
         "loop": lambda y: loop_per_adapter(y, x, lora_a, lora_b, scaling, groups, slices, rank),
     }
     default = sgmv_config(batch.num_blocks, batch.block_m, x.shape[1], slices, rank, x.dtype, x.device)
-    if default.pdl:
+    if default.pdl and variants_too:
         plain = dataclasses.replace(default, pdl=False)
         variants["ours_no_pdl"] = lambda y: sgmv_lora(y, x, lora_a, lora_b, scaling, batch, None, slices, config=plain)
     flipped = dataclasses.replace(default, add_in_memory=not default.add_in_memory)
-    variants["ours_add_in_memory" if flipped.add_in_memory else "ours_load_store"] = (
-        lambda y: sgmv_lora(y, x, lora_a, lora_b, scaling, batch, None, slices, config=flipped))
+    if variants_too:
+            variants["ours_add_in_memory" if flipped.add_in_memory else "ours_load_store"] = (
+            lambda y: sgmv_lora(y, x, lora_a, lora_b, scaling, batch, None, slices, config=flipped))
     if prev is not None:
         prev_batch = prev.LoRABatch.build(slots, S)
         variants["prev"] = lambda y: prev.add_lora(y, x, lora_a, lora_b, scaling, prev_batch, output_slices=slices)
@@ -277,6 +278,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true", help="time configurations around the default")
     parser.add_argument("--layers", default=",".join(LAYERS))
     parser.add_argument("--prev", type=Path, help="another kernels/ folder to time beside ours")
+    parser.add_argument("--ranks", default=",".join(map(str, RANKS)), help="ranks to run (default 8,16,64)")
+    parser.add_argument("--phases", default="decode,prefill", help="decode, prefill or both (default both)")
+    parser.add_argument("--no-variants", action="store_true", help="time ours without its no-PDL / other-add variants")
     args = parser.parse_args(argv)
 
     gen = torch.Generator().manual_seed(0)
@@ -294,7 +298,7 @@ def main(argv=None) -> int:
 
     cases = []
     for layer in args.layers.split(","):
-        for rank in RANKS:
+        for rank in map(int, args.ranks.split(",")):
             for t in DECODE_TOKENS:
                 for adapters in DECODE_ADAPTERS:
                     if adapters != "per-token" and adapters > t:
@@ -304,6 +308,7 @@ def main(argv=None) -> int:
                     cases.append(dict(layer=layer, phase="decode", tokens=t, adapters=adapters, rank=rank))
             for adapters in (1, 8):
                 cases.append(dict(layer=layer, phase="prefill", tokens=PREFILL[0] * PREFILL[1], adapters=adapters, rank=rank))
+    cases = [c for c in cases if c["phase"] in args.phases.split(",")]
     if args.quick:
         cases = [c for c in cases if c["rank"] == 16 and c["tokens"] in (1, 64, 4096)]
     sweep_keys = {("decode", 1, 1), ("decode", 64, 16), ("decode", 256, "per-token"), ("prefill", 4096, 8)}
@@ -315,7 +320,7 @@ def main(argv=None) -> int:
             c = make_case(spec["layer"], spec["tokens"], spec["adapters"], spec["rank"],
                           seqs=PREFILL[0] if spec["phase"] == "prefill" else None, gen=gen)
             sweep = args.sweep and spec["rank"] == 16 and (spec["phase"], spec["tokens"], spec["adapters"]) in sweep_keys
-            row = {**spec, **run_case(c, timer, bandwidth, sweep, prev)}
+            row = {**spec, **run_case(c, timer, bandwidth, sweep, prev, not args.no_variants)}
             del c
         except Exception as exc:  # record and carry on: one broken case must not lose the run
             row = {**spec, "failure": repr(exc)[:500]}
