@@ -12,8 +12,8 @@ For each case (layer x tokens x distinct adapters x rank), in this order:
      its rank, x once, y read and written once, against the measured device-to-device
      copy bandwidth (bytes read + written).
 `--sweep` also times launch configurations around the default on a subset of cases.
-On a GPU with programmatic dependent launch, `ours_no_pdl` times the same kernels launched
-plainly; `ours_add_in_memory` / `ours_load_store` time the expand's other way of adding
+On a GPU with programmatic dependent launch, `ours_no_pdl` / `ours_pdl` time the same
+kernels launched the other way than the default configuration's; `ours_add_in_memory` / `ours_load_store` time the expand's other way of adding
 into y than the default configuration's. `--prev DIR` also times another version of the kernels package (a `kernels/`
 folder, e.g. from `git archive`) as `prev`, for a before/after ratio from one run.
 """
@@ -174,9 +174,10 @@ def run_case(c, timer, bandwidth, sweep, prev=None, variants_too=True):
         "loop": lambda y: loop_per_adapter(y, x, lora_a, lora_b, scaling, groups, slices, rank),
     }
     default = sgmv_config(batch.num_blocks, batch.block_m, x.shape[1], slices, rank, x.dtype, x.device)
-    if default.pdl and variants_too:
-        plain = dataclasses.replace(default, pdl=False)
-        variants["ours_no_pdl"] = lambda y: sgmv_lora(y, x, lora_a, lora_b, scaling, batch, None, slices, config=plain)
+    if supports_pdl(x.device) and variants_too:
+        other = dataclasses.replace(default, pdl=not default.pdl)
+        variants["ours_pdl" if other.pdl else "ours_no_pdl"] = (
+            lambda y: sgmv_lora(y, x, lora_a, lora_b, scaling, batch, None, slices, config=other))
     flipped = dataclasses.replace(default, add_in_memory=not default.add_in_memory)
     if variants_too:
             variants["ours_add_in_memory" if flipped.add_in_memory else "ours_load_store"] = (
@@ -211,7 +212,7 @@ def run_case(c, timer, bandwidth, sweep, prev=None, variants_too=True):
         sms = multiprocessors(x.device)
         row["sweep"] = []
         base = dict(programs_per_sm=4, block_n=None, block_k=None, k_splits=None, num_warps=4, num_stages=3,
-                    pdl=supports_pdl(x.device))
+                    device_pdl=supports_pdl(x.device))
         trials = [dict(base)]
         for key, values in (("programs_per_sm", (1, 2, 8, 16)), ("num_warps", (2, 8)), ("num_stages", (1, 2, 4)),
                             ("block_k", (32, 64, 256, 512)), ("block_n", (64, 256)), ("k_splits", (1, 2, 4, 8, 16, 32))):
@@ -329,7 +330,7 @@ def main(argv=None) -> int:
         fmt = lambda v: f"{v:8.1f}" if isinstance(v, (int, float)) else "       -"
         print(f"{spec['layer']:8s} {spec['phase']:7s} T={spec['tokens']:5d} A={str(spec['adapters']):9s} r={spec['rank']:2d} "
               f"ours {fmt(us.get('ours'))} gather {fmt(us.get('gather_bmm'))} loop {fmt(us.get('loop'))} "
-              f"base {fmt(us.get('base_gemm'))} no-pdl {fmt(us.get('ours_no_pdl'))} red {fmt(us.get('ours_add_in_memory'))} ld-st {fmt(us.get('ours_load_store'))} prev {fmt(us.get('prev'))} ratio {row.get('ours_over_base', float('nan')):.2f} "
+              f"base {fmt(us.get('base_gemm'))} no-pdl {fmt(us.get('ours_no_pdl'))} pdl {fmt(us.get('ours_pdl'))} red {fmt(us.get('ours_add_in_memory'))} ld-st {fmt(us.get('ours_load_store'))} prev {fmt(us.get('prev'))} ratio {row.get('ours_over_base', float('nan')):.2f} "
               f"bw {row.get('ours_bandwidth_fraction', float('nan')):.2f} {row.get('failure', '')}", flush=True)
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     meta["seconds"] = time.time() - started

@@ -289,6 +289,7 @@ def test_fused_ops_default_to_cuda_only():
     assert tiny_model(torch.float32, fused=None).fused_ops is False
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU smoke test runs where the suite runs interpreted")
 def test_ops_bench_quick_on_cpu(tmp_path):
     out = tmp_path / "ops.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "ops_bench.py"), "--quick", "--out", str(out)],
