@@ -124,6 +124,10 @@ class _Entry:
     version: int = 0
     resident: bool = False
     cost: float = 1.0
+    last: int = 0  # access number of its last access
+    epoch: int = 0  # shifts detected at its last access (or insert)
+    deadline: float = math.inf  # set at a shift: overdue after this access number
+    prefetched: bool = False  # prefetched and not requested since: its key is not a rate
 
 
 class AgedLFUPolicy:
@@ -147,13 +151,28 @@ class AgedLFUPolicy:
     Keys are kept as logs (`key = log(count) + log(cost)`), so nothing overflows.
 
     A popularity shift (a campaign: new adapters turn hot at once) makes a long-memory LFU slow
-    to let go of the old hot set. The policy watches its own miss rate: when the miss rate of
-    the last ~`detect_span` requests exceeds the long-run miss rate by `detect_margin`, it ages
-    all history at once by a factor exp(`shift_jump`) (the clock jumps, so counts since the
-    shift decide), takes the short-run rate as the new baseline, and waits `detect_span`
-    requests before it may jump again. Under stationary traffic the short-run rate stays
-    within a few points of the long-run rate, so the jump does not fire (none in any
-    stationary run of bench/cache_sim.py).
+    to let go of the old hot set. The policy watches its own miss rate: it detects a shift when
+    the miss rate of the last ~`detect_span` requests exceeds the long-run rate p by more than
+    max(`detect_margin`, `detect_z` standard deviations of that short-run mean under p), i.e.
+    max(0.05, 6 * sqrt(p (1 - p) / 400)): 0.08 at p = 8%, 0.14 at p = 30% (a fixed margin is
+    either blind to a shift at high hit rates, where a prefetched campaign only doubles a small
+    miss rate, or jumpy at low ones). On a shift it
+    (1) ages all history at once by a factor exp(`shift_jump`) (the clock jumps, so accesses
+        after the shift weigh more: e^4 = 55 old accesses count as one new one);
+    (2) gives every resident adapter a deadline, its last access plus `overdue_z` times its
+        mean gap between accesses (tau / its aged count), and for the next `overdue_window`
+        requests evicts first the residents whose deadline passed with no request since the
+        shift, the highest count first (the old campaign's adapters: hot until the shift, then
+        silent); such an adapter also forgets its history, so a later request for it does not
+        bring the old campaign's counts back.
+    Why both: a jump large enough on its own to drop the old campaign's adapters (hundreds of
+    accesses each) also wipes what the policy knows of the part of the traffic that did not
+    change, which it then relearns slowly against one-off requests; the deadlines find the
+    adapters that went quiet one by one. Then it takes the short-run rate as the new baseline
+    and waits `detect_span` requests before it may fire again. Under stationary traffic the
+    detector does not fire (none in any stationary run of bench/cache_sim.py).
+
+    Recovery after a shift, against LRU, Belady and an oracle: bench/results/cache_sim_notes.md.
     """
 
     name = "lfu-aged"
@@ -164,19 +183,33 @@ class AgedLFUPolicy:
         *,
         min_tau: float = 2_000.0,
         detect_span: int = 200,
-        detect_margin: float = 0.12,
-        shift_jump: float = 8.0,
+        detect_margin: float = 0.05,
+        detect_z: float = 6.0,
+        shift_jump: float = 4.0,
         history_limit: int = 1_000_000,
+        overdue_z: float = 0.5,
+        overdue_window: int = 2_000,
     ) -> None:
-        if min(tau_per_slot, min_tau, detect_span, history_limit) <= 0:
-            raise ValueError("tau_per_slot, min_tau, detect_span and history_limit must be positive")
+        if min(tau_per_slot, min_tau, detect_span, history_limit, overdue_window) <= 0:
+            raise ValueError("tau_per_slot, min_tau, detect_span, history_limit and overdue_window "
+                             "must be positive")
+        if overdue_z < 0 or shift_jump < 0:
+            raise ValueError("overdue_z and shift_jump must not be negative")
         self.tau_per_slot = tau_per_slot
         self.min_tau = min_tau
         self.tau = min_tau  # grows with the peak number of resident adapters
         self.detect_span = detect_span
         self.detect_margin = detect_margin
+        self.detect_z = detect_z
         self.shift_jump = shift_jump
         self.history_limit = history_limit
+        self.overdue_z = overdue_z
+        self.overdue_window = overdue_window
+        self._shift_at = -overdue_window  # access number of the last detected shift
+        # Residents at the last shift: (deadline, name) until the deadline passes, then
+        # (-key, name) in _overdue, so the hottest of the silent adapters goes first.
+        self._pending: list[tuple[float, str]] = []
+        self._overdue: list[tuple[float, str]] = []
         self._v = 0.0  # virtual clock, in units of tau
         self._entries: dict[str, _Entry] = {}
         self._heap: list[tuple[float, int, str]] = []  # (key, version, name), residents only
@@ -200,10 +233,13 @@ class AgedLFUPolicy:
         entry = self._entries.get(name)
         self._watch_misses(miss=entry is None or not entry.resident)
         if entry is None:
-            entry = self._entries[name] = _Entry(key=self._v)
+            entry = self._entries[name] = _Entry(key=self._v, last=self._accesses, epoch=self.shifts_detected)
             if len(self._entries) > self.history_limit:
                 self._prune_history()
         else:
+            entry.last = self._accesses
+            entry.epoch = self.shifts_detected
+            entry.prefetched = False
             entry.key = _logaddexp(entry.key, self._v + math.log(entry.cost))
             entry.version += 1
             if entry.resident:
@@ -216,14 +252,16 @@ class AgedLFUPolicy:
             raise ValueError(f"cost must be positive, got {cost}")
         entry = self._entries.get(name)
         if entry is None:
-            entry = self._entries[name] = _Entry(key=self._v - 1.0)
+            entry = self._entries[name] = _Entry(key=self._v - 1.0, last=self._accesses, epoch=self.shifts_detected)
         if entry.cost != cost:
             entry.key += math.log(cost / entry.cost)
             entry.cost = cost
         if prefetch:
             # As hot as the hottest adapter seen: it survives until its real traffic (or the
-            # lack of it) decides, after about tau * log(hottest / its rate) requests.
+            # lack of it) decides, after about tau * log(hottest / its rate) requests. Its key
+            # is no rate, so it is never overdue before its first request.
             entry.key = max(entry.key, self._max_key)
+            entry.prefetched = True
         entry.version += 1
         if not entry.resident:
             entry.resident = True
@@ -233,6 +271,11 @@ class AgedLFUPolicy:
 
     def record_evict(self, name: str) -> None:
         entry = self._entries.get(name)
+        if entry is not None and entry.resident and self._is_overdue(entry):
+            # Silent since the shift past its deadline: its counts describe the old traffic.
+            self._resident -= 1
+            del self._entries[name]
+            return
         if entry is not None and entry.resident:
             entry.resident = False
             entry.version += 1  # its heap items are stale now
@@ -242,7 +285,13 @@ class AgedLFUPolicy:
         if not candidates:
             return None
         if len(candidates) <= _SCAN_CANDIDATES:
-            return min(candidates, key=self._key_of)
+            return min(candidates, key=self._rank_of)
+        if (self._pending or self._overdue) and self._accesses - self._shift_at >= self.overdue_window:
+            self._pending, self._overdue = [], []
+        if self._pending or self._overdue:
+            victim = self._overdue_victim(candidates)
+            if victim is not None:
+                return victim
         heap = self._heap
         skipped: list[tuple[float, int, str]] = []
         victim = None
@@ -264,6 +313,45 @@ class AgedLFUPolicy:
         return victim
 
     # -- internals --------------------------------------------------------------------------
+
+    def _is_overdue(self, entry: _Entry) -> bool:
+        """Resident, silent since the last shift, past its deadline, within the window."""
+        return (entry.resident and not entry.prefetched and entry.epoch < self.shifts_detected
+                and entry.deadline < self._accesses and self._accesses - self._shift_at < self.overdue_window)
+
+    def _rank_of(self, name: str) -> tuple[int, float]:
+        """Eviction order for the scan path: overdue first (highest key first), then by key;
+        the same order as _overdue_victim followed by the heap walk."""
+        entry = self._entries.get(name)
+        if entry is None:
+            return (0, -math.inf)
+        if self._is_overdue(entry):
+            return (0, -entry.key)
+        return (1, entry.key)
+
+    def _overdue_victim(self, candidates: Collection[str]) -> str | None:
+        """The overdue candidate with the highest key (the most surprising silence), or None."""
+        pending, ready, entries = self._pending, self._overdue, self._entries
+        while pending and pending[0][0] < self._accesses:
+            _, name = heapq.heappop(pending)
+            entry = entries.get(name)
+            if entry is not None and self._is_overdue(entry):
+                heapq.heappush(ready, (-entry.key, name))
+        skipped = []
+        victim = None
+        while ready:
+            neg_key, name = ready[0]
+            entry = entries.get(name)
+            if entry is None or entry.key != -neg_key or not self._is_overdue(entry):
+                heapq.heappop(ready)  # requested since the shift, or gone: not overdue
+                continue
+            if name in candidates:
+                victim = name
+                break
+            skipped.append(heapq.heappop(ready))
+        for item in skipped:
+            heapq.heappush(ready, item)
+        return victim
 
     def _key_of(self, name: str) -> float:
         entry = self._entries.get(name)
@@ -290,14 +378,37 @@ class AgedLFUPolicy:
         if (
             n >= self._quiet_until
             and n > 2 * self.detect_span  # the short-run rate means something by now
-            and self._miss_short > self._miss_long + self.detect_margin
+            and self._miss_short > self._miss_long + self._margin()
         ):
+            if self.overdue_z > 0:
+                self._mark_deadlines()
+                self._shift_at = n
             self._v += self.shift_jump
             self._max_key = self._v  # the hottest adapter is not known yet: one fresh access
             self._quiet_until = n + self.detect_span
             # The new normal: fire again only if misses rise further, not while it relearns.
             self._miss_long = self._miss_short
             self.shifts_detected += 1
+
+    def _margin(self) -> float:
+        if self.detect_z <= 0:
+            return self.detect_margin
+        p = self._miss_long
+        return max(self.detect_margin, self.detect_z * math.sqrt(p * (1 - p) / (2 * self.detect_span)))
+
+    def _mark_deadlines(self) -> None:
+        """Deadline of each resident: last access + overdue_z / (aged count / tau). O(n log n),
+        once per detected shift. Example: tau = 50,000 and an aged count of 250 (one access in
+        200 requests) with overdue_z = 0.5: overdue 100 requests after its last access."""
+        heap = []
+        for name, e in self._entries.items():
+            if not e.resident or e.prefetched:
+                continue
+            rate = math.exp(e.key - self._v) / (e.cost * self.tau)
+            e.deadline = e.last + self.overdue_z / max(rate, 1e-12)
+            heap.append((e.deadline, name))
+        heapq.heapify(heap)
+        self._pending, self._overdue = heap, []
 
     def _prune_history(self) -> None:
         """Forget the coldest non-resident adapters down to half the limit: O(n log n) once

@@ -209,6 +209,70 @@ def test_shift_detection_fires_on_a_shift_only():
     assert _replay(policy, after, 50, resident) > _replay(lru, after, 50, lru_resident) + 0.05
 
 
+def _shifted_policy(overdue_z):
+    """A policy that saw "old" (hot) and "steady" (cold) for 600 requests, then 10
+    misses for new adapters (a detected shift), then one request for "steady" and 100 hits on
+    "hot2"; "old" has been silent since the shift."""
+    policy = AgedLFUPolicy(tau_per_slot=1, min_tau=1_000, detect_span=50, overdue_z=overdue_z)
+    for name in ("old", "steady", "hot2"):
+        apply(policy, miss(name))
+    for i in range(600):
+        policy.record_access("steady" if i % 20 == 0 else ("old" if i % 2 else "hot2"))
+    assert policy.shifts_detected == 0
+    for i in range(10):
+        policy.record_access(f"new-{i}")  # misses: never inserted
+    assert policy.shifts_detected == 1
+    policy.record_access("steady")
+    for _ in range(100):
+        policy.record_access("hot2")
+    return policy
+
+
+@pytest.mark.parametrize("n_candidates", [2, 40])  # the scan path and the heap walk
+@pytest.mark.parametrize("overdue_z,victim", [(0.0, "steady"), (0.5, "old")])
+def test_silent_hot_adapter_goes_first_after_a_shift(overdue_z, victim, n_candidates):
+    # "old" had ~300 accesses, "steady" ~30 and one since the shift. Aging alone (the jump of
+    # e^4) leaves old's count above steady's, so without deadlines "steady" goes; with them,
+    # "old" is overdue (silent for far more than half its usual gap) and goes first.
+    policy = _shifted_policy(overdue_z)
+    fillers = [f"f-{i}" for i in range(n_candidates - 2)]
+    for name in fillers:  # resident, requested since the shift, as hot as can be
+        apply(policy, miss(name) + [("a", name)] * 20)
+    candidates = {"old", "steady", *fillers}
+    assert policy.select_victim(candidates) == victim
+
+
+def test_overdue_adapter_forgets_its_history():
+    policy = _shifted_policy(0.5)
+    policy.record_evict("old")
+    assert "old" not in policy._entries  # a later request finds a first-time adapter
+    apply(policy, miss("old"))
+    assert policy.select_victim({"old", "steady"}) == "old"
+    # Deadlines only hold for overdue_window requests after the shift.
+    policy = _shifted_policy(0.5)
+    for _ in range(policy.overdue_window):
+        policy.record_access("hot2")
+    assert policy.select_victim({"old", "steady"}) == "steady"
+
+
+def test_prefetched_adapter_is_not_overdue():
+    policy = _shifted_policy(0.5)
+    policy.record_insert("campaign", prefetch=True)
+    for _ in range(300):
+        policy.record_access("hot2")
+    assert policy.select_victim({"campaign", "old"}) == "old"
+    assert policy.select_victim({"campaign", "steady"}) == "steady"
+
+
+@pytest.mark.parametrize("p,margin", [(0.0, 0.05), (0.08, 6 * math.sqrt(0.08 * 0.92 / 400)),
+                                      (0.3, 6 * math.sqrt(0.3 * 0.7 / 400))])
+def test_detection_margin_follows_the_miss_rate(p, margin):
+    policy = AgedLFUPolicy()
+    policy._miss_long = p
+    assert policy._margin() == pytest.approx(margin)
+    assert AgedLFUPolicy(detect_z=0, detect_margin=0.12)._margin() == 0.12
+
+
 def test_history_is_bounded():
     policy = AgedLFUPolicy(history_limit=1_000)
     for i in range(5_000):
@@ -220,7 +284,8 @@ def test_history_is_bounded():
     "name,options,error",
     [("lru", {}, None), ("lfu-aged", {}, None), ("lfu-aged", {"tau_per_slot": 50.0}, None),
      ("lru", {"tau_per_slot": 5.0}, ValueError), ("lfu", {}, ValueError), ("LRU", {}, ValueError),
-     ("lfu-aged", {"min_tau": 0.0}, ValueError)],
+     ("lfu-aged", {"min_tau": 0.0}, ValueError), ("lfu-aged", {"overdue_z": -1.0}, ValueError),
+     ("lfu-aged", {"overdue_window": 0}, ValueError)],
 )
 def test_make_policy(name, options, error):
     if error:
@@ -230,12 +295,47 @@ def test_make_policy(name, options, error):
         assert make_policy(name, **options).name == name
 
 
-def test_simulator_quick_mode(tmp_path):
-    """bench/cache_sim.py --quick: lfu-aged beats LRU on stationary Zipf, outputs written."""
+def _load_sim():
     spec = importlib.util.spec_from_file_location("cache_sim", REPO / "bench" / "cache_sim.py")
     sim = importlib.util.module_from_spec(spec)
     sys.modules["cache_sim"] = sim
     spec.loader.exec_module(sim)
+    return sim
+
+
+def test_campaign_traffic_after_the_shift_is_a_relabelling():
+    """The new campaign takes the old one's share; the old campaign's adapters take the new
+    ones' cold ranks, so the popularity distribution is the same on both sides."""
+    np = pytest.importorskip("numpy")
+    sim = _load_sim()
+    rng = np.random.default_rng(1)
+    ranking = rng.permutation(1_000).astype(np.int32)
+    old, new, after = sim.campaign_swap(ranking, 100, rng)
+    assert not set(old.tolist()) & set(new.tolist())
+    cold = set(ranking[500:].tolist())
+    assert set(old.tolist()) <= cold and set(new.tolist()) <= cold
+    before_p = sim.campaign_probs(ranking, old, 1.0, 0.7)
+    after_p = sim.campaign_probs(after, new, 1.0, 0.7)
+    assert np.allclose(np.sort(before_p), np.sort(after_p))
+    assert np.allclose(after_p[new], before_p[old])  # new campaign = old campaign's weight
+    trace = sim.campaign_trace(rng, after, new, 20_000, 1.0, 0.7)
+    assert abs(np.isin(trace, new).mean() - 0.7) < 0.02
+
+
+def test_ideal_frequency_keeps_adapters_that_stay_hot():
+    np = pytest.importorskip("numpy")
+    sim = _load_sim()
+    trace = np.array([1, 2, 1, 2, 3, 1, 3, 2], dtype=np.int32)
+    # From request 4 on the hot set is {1, 3}: 1 stays loaded, 3 pays one first miss, 2 is out.
+    hits = sim.ideal_frequency(trace, {0: {1, 2}, 4: {1, 3}})
+    assert hits.tolist() == [False, False, True, True, False, True, True, False]
+    hits = sim.ideal_frequency(trace, {0: {1, 2}, 4: {1, 3}}, prefetched=frozenset({3}))
+    assert hits.tolist() == [False, False, True, True, True, True, True, False]
+
+
+def test_simulator_quick_mode(tmp_path):
+    """bench/cache_sim.py --quick: lfu-aged beats LRU on stationary Zipf, outputs written."""
+    sim = _load_sim()
     # matplotlib is in the `bench` extra, not in `test`: draw the plots where it is installed.
     plots = importlib.util.find_spec("matplotlib") is not None
     t0 = time.perf_counter()
@@ -248,11 +348,16 @@ def test_simulator_quick_mode(tmp_path):
         assert hr["lfu-aged"] > hr["lru"] + 0.05, run
         assert hr["belady"] >= hr["lfu-aged"], run
         assert run["lfu_aged_shifts_detected"] == 0, run  # no false alarm on stationary traffic
-    # With the campaign prefetched, lfu-aged is at its steady rate within one window.
-    pol = result["shift"]["prefetch"]["policies"]
+    # With the top ranks' new adapters prefetched, lfu-aged is at its steady rate within one window.
+    pol = result["shifts"]["swap"]["prefetch"]["policies"]
     assert pol["lfu-aged"]["recovery_requests"] <= pol["lru"]["recovery_requests"]
+    # The calibrated campaign: a steady rate near 92% that falls by about 30 points.
+    pol = result["shifts"]["campaign-hot"]["no_prefetch"]["policies"]
+    assert 0.89 < pol["lfu-aged"]["steady"] < 0.95
+    assert pol["lfu-aged"]["first_window"] < pol["lfu-aged"]["steady"] - 0.2
+    assert pol["belady"]["steady"] >= pol["lfu-aged"]["steady"] > pol["lru"]["steady"]
     assert "| yes |" in (tmp_path / "cache_sim_notes.md").read_text()  # the hit-rate target row
-    for f in ("cache_sim_zipf.png", "cache_sim_shift.png") if plots else ():
+    for f in ("cache_sim_zipf.png", "cache_sim_shift.png", "cache_sim_campaign.png") if plots else ():
         assert (tmp_path / f).stat().st_size > 0
 
 
