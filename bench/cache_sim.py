@@ -29,7 +29,7 @@ The cache does demand paging: a miss always loads the adapter, evicting the poli
 if no slot is free. Hit rate = hits / requests after a warm-up (the first pass of requests
 is not counted in stationary runs).
 
-    bench/cache_sim.py            full run (about 2 minutes on 2 cores)
+    bench/cache_sim.py            full run (under a minute on 2 cores)
     bench/cache_sim.py --quick    a small run for tests (seconds)
 """
 
