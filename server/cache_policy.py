@@ -253,7 +253,8 @@ class AgedLFUPolicy:
             raise ValueError(f"cost must be positive, got {cost}")
         entry = self._entries.get(name)
         if entry is None:
-            entry = self._entries[name] = _Entry(key=self._v - 1.0, last=self._accesses, epoch=self.shifts_detected)
+            entry = self._entries[name] = _Entry(key=self._v - 1.0, last=self._accesses,
+                                                 epoch=self.shifts_detected)
         if entry.cost != cost:
             entry.key += math.log(cost / entry.cost)
             entry.cost = cost
