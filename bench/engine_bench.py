@@ -234,6 +234,7 @@ def main(argv=None) -> int:
     engine = LLMEngine.from_settings(settings)
     if args.no_fused_ops:
         engine.model.fused_ops = False  # before the first decode captures a graph
+    fused_ops = engine.model.fused_ops
     device, dtype = engine.device, engine.dtype
     bw = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 256 << 20)
     log.info("device %s, %s, copy bandwidth %.0f GB/s", device, dtype, bw / 1e9)
@@ -302,7 +303,7 @@ def main(argv=None) -> int:
                        "prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "rank": args.rank,
                        "targets": "q,k,v,o,gate,up,down", "cuda_graphs": not args.no_cuda_graphs,
                        "kv_block": args.kv_block, "hf_steps": args.hf_steps, "quick": args.quick,
-                       "pdl": os.environ.get("LORAPLEX_PDL", "1") != "0", "fused_ops": engine.model.fused_ops},
+                       "pdl": os.environ.get("LORAPLEX_PDL", "1") != "0", "fused_ops": fused_ops},
             "copy_bandwidth_GBps": bw / 1e9,
             "loraplex": results,
             "hf_peft": hf,

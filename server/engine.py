@@ -20,6 +20,7 @@ import itertools
 import logging
 import queue
 import random
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -49,6 +50,11 @@ from .weights import dummy_weights, load_weights
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# The engine loop shares the GIL with adapter-load workers and HTTP threads. When a step
+# comes back from the GPU it asks for the GIL, and a thread holding it may run for up to
+# the switch interval (5 ms by default, most of a 7 ms decode step) before it lets go.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class RequestError(ValueError):
@@ -89,6 +95,8 @@ class LLMEngine:
     def __init__(self, settings: ServerSettings, cfg: ModelConfig, weights, tokenizer: Tokenizer | None,
                  model_name: str, metrics: EngineMetrics | None = None):
         self.settings = settings
+        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.cfg = cfg
         self.model_name = model_name
         self.tokenizer = tokenizer
