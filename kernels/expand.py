@@ -90,6 +90,11 @@ def _expand_kernel(
     r_mask = offs_r < rank
     r_load = (offs_r < RANK) & ((offs_r // 16) < tl.cdiv(rank, 16))
     scale = tl.load(scaling_ptr + slot * stride_scale_s + slice_idx * stride_scale_n)
+    b_cols = b_ptr + slot * stride_bs + slice_col * stride_bn
+    if ADD_IN_MEMORY:
+        # Decode: a span is a tile or a few. B is a weight, not the shrink's output, so its
+        # first tile is read before the wait, then each next tile one step ahead.
+        b_next = _load_b_tile(b_cols, col_lo + tl.arange(0, BLOCK_N), col_hi, offs_r, r_load, r_mask, stride_bn)
     if USE_PDL:
         # Above: step metadata and weights only. The partials and y are the shrink's (and
         # the base GEMM's before it) to finish.
@@ -105,31 +110,41 @@ def _expand_kernel(
     acc = tl.where(r_mask[None, :], acc, 0.0)
     v = (acc * scale).to(y_ptr.dtype.element_ty)
 
-    b_cols = b_ptr + slot * stride_bs + slice_col * stride_bn
     y_rows = y_ptr + rows[:, None] * stride_yt + slice_col
-    if not ADD_IN_MEMORY:
-        # Read-modify-write: each y tile is read one step ahead, so its read is in flight
-        # while the tile before it is added and stored.
-        offs_n = col_lo + tl.arange(0, BLOCK_N)
-        y_next = tl.load(y_rows + offs_n[None, :], mask=m_mask[:, None] & (offs_n < col_hi)[None, :], other=0.0)
-    for n0 in range(col_lo, col_hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < col_hi
-        y_mask = m_mask[:, None] & n_mask[None, :]
-        y_ptrs = y_rows + offs_n[None, :]
-        if not ADD_IN_MEMORY:
-            yv = y_next
-            y_next = tl.load(y_ptrs + BLOCK_N, mask=m_mask[:, None] & (offs_n + BLOCK_N < col_hi)[None, :], other=0.0)
-        bb = tl.load(b_cols + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_load[:, None] & n_mask[None, :], other=0.0)
-        bb = tl.where(r_mask[:, None], bb, 0.0)
-        delta = tl.dot(v, bb, input_precision=DOT_PRECISION)
-        if ADD_IN_MEMORY:
+    if ADD_IN_MEMORY:
+        for n0 in range(col_lo, col_hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            bb = b_next
+            b_next = _load_b_tile(b_cols, offs_n + BLOCK_N, col_hi, offs_r, r_load, r_mask, stride_bn)
+            delta = tl.dot(v, bb, input_precision=DOT_PRECISION)
             # A fire-and-forget reduction: the loop never waits on a read of y. Each element
             # has one writer, so the result is deterministic: y + delta rounded to y's dtype
             # first, as PEFT adds lora_B's output.
-            tl.atomic_add(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=y_mask, sem="relaxed")
-        else:
+            y_mask = m_mask[:, None] & (offs_n < col_hi)[None, :]
+            tl.atomic_add(y_rows + offs_n[None, :], delta.to(y_ptr.dtype.element_ty), mask=y_mask, sem="relaxed")
+    else:
+        # Prefill: y is dense. Read-modify-write, each y tile read one step ahead so its read
+        # is in flight while the tile before it is added and stored; B's tiles are pipelined
+        # by the compiler (num_stages).
+        offs_n = col_lo + tl.arange(0, BLOCK_N)
+        y_next = tl.load(y_rows + offs_n[None, :], mask=m_mask[:, None] & (offs_n < col_hi)[None, :], other=0.0)
+        for n0 in range(col_lo, col_hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            y_mask = m_mask[:, None] & (offs_n < col_hi)[None, :]
+            y_ptrs = y_rows + offs_n[None, :]
+            yv = y_next
+            y_next = tl.load(y_ptrs + BLOCK_N, mask=m_mask[:, None] & (offs_n + BLOCK_N < col_hi)[None, :], other=0.0)
+            bb = _load_b_tile(b_cols, offs_n, col_hi, offs_r, r_load, r_mask, stride_bn)
+            delta = tl.dot(v, bb, input_precision=DOT_PRECISION)
             tl.store(y_ptrs, (yv.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _load_b_tile(b_cols, offs_n, col_hi, offs_r, r_load, r_mask, stride_bn):
+    """B^T tile [BLOCK_R, BLOCK_N] of columns offs_n (< col_hi), zero past the slot's rank."""
+    bb = tl.load(b_cols + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_load[:, None] & (offs_n < col_hi)[None, :],
+                 other=0.0)
+    return tl.where(r_mask[:, None], bb, 0.0)
 
 
 def sgmv_expand(
