@@ -34,7 +34,7 @@ import torch
 from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, BaseSpec, read_adapter
 from .adapter_sources import AdapterLoadError, fetch_adapter, load_error
 from .adapters import AdapterId, LoRABuffers
-from .host_tier import HostCopy, HostTier, read_into_host, slot_views
+from .host_tier import HostCopy, HostTier, read_into_host
 from .slot_table import CachedAdapter
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,6 @@ class AdapterLoader:
         # Held by a load thread around its CUDA calls, and by the engine while it captures a
         # CUDA graph: a global-mode capture forbids other threads' allocations and syncs.
         self.cuda_lock = threading.Lock()
-        self._views = [slot_views(buffers, s) for s in range(buffers.num_slots)]  # copy targets, per slot
-        self._staging: HostCopy | None = None  # CUDA: the device side of a host -> slot copy
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -140,16 +138,14 @@ class AdapterLoader:
         """Host -> slot. On CUDA: a side stream and an event this worker waits on, so the decode
         loop never waits on PCIe; the slot is not in any batch until the load is marked ready."""
         if self.buffers.device.type != "cuda":
-            copy.copy_to(self.buffers, slot, self._views[slot])
+            copy.copy_to(self.buffers, slot)
             return
         with self.cuda_lock:  # ~bytes / PCIe bandwidth: a graph capture waits at most that long
             stream = getattr(self._local, "stream", None)
             if stream is None:
                 stream = self._local.stream = torch.cuda.Stream(self.buffers.device)
-            if self._staging is None:  # one slot's bytes on the device; loads copy one at a time (the lock)
-                self._staging = HostCopy(self.buffers, pin=False, device=self.buffers.device)
             with torch.cuda.stream(stream):
-                copy.copy_to(self.buffers, slot, self._views[slot], staging=self._staging)
+                copy.copy_to(self.buffers, slot)
                 done = torch.cuda.Event()
                 done.record(stream)
             done.synchronize()

@@ -11,6 +11,12 @@ Buffers, per layer and per fused group (S slots, R = max LoRA rank)::
 An adapter of rank r < R, or one that skips a projection, is written zero-padded: padded
 rows/columns and untargeted projections (scaling 0, zero weights) add nothing.
 
+Memory is slot-major: all of one slot's A and B (every layer and group, in the order
+above, each view 128-byte aligned) are one contiguous run of `flat` [S, slot_elems], and its
+scalings one row of `scales` [S, n_scales]; the per-group tensors are strided views of
+them (stride(0) = slot_elems). A HostCopy (host_tier.py) has the same layout, so loading
+an adapter into a slot is three DMAs (flat, scales, rank), with no scatter.
+
 Which adapter sits in which slot, and when it is loaded or evicted, is the adapter cache's
 business (adapter_cache.py); this module only owns the buffers' layout and how one
 adapter's tensors are written into a slot.
@@ -31,9 +37,64 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
+# View offsets inside a slot are multiples of this many elements (128 bytes in bf16), so
+# every view is aligned for the kernels' vectorised loads.
+ALIGN_ELEMS = 64
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where one (layer, group)'s tensors sit inside a slot (in elements / scale entries)."""
+
+    a_off: int
+    a_shape: tuple[int, int]  # [n*R, in]
+    b_off: int
+    b_shape: tuple[int, int]  # [sum(slices), R]
+    s_off: int
+    slices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """One slot's layout: layers[l][group] -> GroupLayout; slot_elems and n_scales in all."""
+
+    layers: tuple[dict[str, GroupLayout], ...]
+    slot_elems: int
+    n_scales: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, max_rank: int) -> "SlotLayout":
+        shapes = cfg.module_shapes()
+        align = lambda n: -(-n // ALIGN_ELEMS) * ALIGN_ELEMS  # noqa: E731
+        layers, off, s_off = [], 0, 0
+        for _ in range(cfg.num_layers):
+            groups = {}
+            for name, projs in GROUPS.items():
+                in_f = shapes[projs[0]][0]
+                slices = tuple(shapes[p][1] for p in projs)
+                a_shape, b_shape = (len(projs) * max_rank, in_f), (sum(slices), max_rank)
+                a_off = off
+                b_off = align(a_off + a_shape[0] * a_shape[1])
+                off = align(b_off + b_shape[0] * b_shape[1])
+                groups[name] = GroupLayout(a_off, a_shape, b_off, b_shape, s_off, slices)
+                s_off += len(projs)
+            layers.append(groups)
+        return cls(tuple(layers), off, s_off)
+
+    def views(self, flat: torch.Tensor, scales: torch.Tensor) -> list[dict[str, "LoRAGroup"]]:
+        """Per-group views of `flat` [..., slot_elems] and `scales` [..., n_scales] (a leading
+        slot dimension, or none for one slot)."""
+        lead = flat.shape[:-1]
+        return [{name: LoRAGroup(
+                    a=flat[..., g.a_off: g.a_off + g.a_shape[0] * g.a_shape[1]].view(*lead, *g.a_shape),
+                    b=flat[..., g.b_off: g.b_off + g.b_shape[0] * g.b_shape[1]].view(*lead, *g.b_shape),
+                    scaling=scales[..., g.s_off: g.s_off + len(g.slices)], slices=g.slices)
+                 for name, g in groups.items()} for groups in self.layers]
+
+
 @dataclass
 class LoRAGroup:
-    a: torch.Tensor  # [S, n*R, in]
+    a: torch.Tensor  # [S, n*R, in] (a strided view of LoRABuffers.flat)
     b: torch.Tensor  # [S, sum(slices), R]
     scaling: torch.Tensor  # float32 [S, n]
     slices: tuple[int, ...]  # output columns of each fused projection
@@ -48,40 +109,28 @@ class LoRABuffers:
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
-        shapes = cfg.module_shapes()
-        self.layers: list[dict[str, LoRAGroup]] = []
-        for _ in range(cfg.num_layers):
-            groups = {}
-            for name, projs in GROUPS.items():
-                in_f = shapes[projs[0]][0]
-                slices = tuple(shapes[p][1] for p in projs)
-                groups[name] = LoRAGroup(
-                    a=torch.zeros(num_slots, len(projs) * max_rank, in_f, device=device, dtype=dtype),
-                    b=torch.zeros(num_slots, sum(slices), max_rank, device=device, dtype=dtype),
-                    scaling=torch.zeros(num_slots, len(projs), device=device, dtype=torch.float32),
-                    slices=slices)
-            self.layers.append(groups)
+        self.layout = SlotLayout.of(cfg, max_rank)
+        self.flat = torch.zeros(num_slots, self.layout.slot_elems, device=device, dtype=dtype)
+        self.scales = torch.zeros(num_slots, self.layout.n_scales, device=device, dtype=torch.float32)
+        self.layers: list[dict[str, LoRAGroup]] = self.layout.views(self.flat, self.scales)
         self.ranks = torch.zeros(num_slots, device=device, dtype=torch.int32)
 
     def nbytes(self) -> int:
-        return sum(g.a.numel() * g.a.element_size() + g.b.numel() * g.b.element_size()
-                   for layer in self.layers for g in layer.values())
+        return self.flat.numel() * self.flat.element_size()
 
     @staticmethod
     def slot_bytes(cfg: ModelConfig, max_rank: int, dtype: torch.dtype) -> int:
-        """Device bytes of one slot (A and B of all seven projections at max rank)."""
-        per_layer = sum(i + o for i, o in cfg.module_shapes().values()) * max_rank
-        return per_layer * cfg.num_layers * torch.empty((), dtype=dtype).element_size()
+        """Device bytes of one slot (A and B of all seven projections at max rank, aligned)."""
+        return SlotLayout.of(cfg, max_rank).slot_elems * torch.empty((), dtype=dtype).element_size()
 
     def write(self, slot: int, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> None:
         """Copy an adapter's tensors (keys as in its safetensors) into `slot`, zero-padded."""
         r_max = self.max_rank
+        self.flat[slot].zero_()
+        self.scales[slot].zero_()
         for layer, groups in enumerate(self.layers):
             for name, projs in GROUPS.items():
                 g = groups[name]
-                g.a[slot].zero_()
-                g.b[slot].zero_()
-                g.scaling[slot].zero_()
                 off = 0
                 for i, (proj, width) in enumerate(zip(projs, g.slices)):
                     m = spec.module(layer, proj)
@@ -94,9 +143,7 @@ class LoRABuffers:
         self.ranks[slot] = spec.max_rank
 
     def clear(self, slot: int) -> None:
-        for groups in self.layers:
-            for g in groups.values():
-                g.scaling[slot].zero_()
+        self.scales[slot].zero_()
         self.ranks[slot] = 0
 
 

@@ -24,7 +24,7 @@ from loraplex.server.adapter_format import BaseSpec, read_adapter, write_adapter
 from loraplex.server.adapter_sources import AdapterLoadError
 from loraplex.server.adapters import LoRABuffers, random_adapter
 from loraplex.server.config import named_shape
-from loraplex.server.host_tier import HostCopy, read_into_host
+from loraplex.server.host_tier import read_into_host
 from loraplex.server.plan_watch import PlanWatcher
 from loraplex.server.slot_sizing import max_loras_from_memory
 
@@ -119,25 +119,42 @@ def test_slot_loaded_through_host_tier_equals_a_direct_write(disk, monkeypatch, 
     assert cache.tier_of("a") == "gpu"
 
 
-def test_staged_copy_scatters_into_the_slot_as_the_direct_copy_does(disk):
-    """The CUDA path's layout logic on the CPU: whole buffers into a staging copy of the same
-    layout, then a scatter into the slot's views, fill the slot exactly as per-view copies do."""
+def test_a_host_copy_lands_in_its_slot_as_written_view_by_view(disk):
+    """A load is three whole-buffer copies into the slot's rows (the slot-major layout): it
+    must fill the slot exactly as writing each tensor into its view does, alignment gaps
+    and rank padding included, and touch no other slot."""
+    from safetensors.torch import load_file
+
     spec = read_adapter(disk / "a", base_spec())
     buffers = LoRABuffers(CFG, 3, RANK, torch.device("cpu"), torch.float32)
+    buffers.write(0, spec, load_file(str(disk / "a" / "adapter_model.safetensors")))
     host = read_into_host(disk / "a", spec, buffers, pin=False)
-    host.copy_to(buffers, 0)
-    for layer in buffers.layers:  # poison slot 2: every element must be overwritten
-        for g in layer.values():
-            g.a[2].normal_(), g.b[2].normal_(), g.scaling[2].normal_()
+    buffers.flat[1:].normal_(), buffers.scales[1:].normal_()  # poison: slot 2 must be overwritten whole
     buffers.ranks[2] = -7
-    staging = HostCopy(buffers, pin=False, device="cpu")
-    host.copy_to(buffers, 2, staging=staging)
+    untouched = buffers.flat[1].clone()
+    host.copy_to(buffers, 2)
+    assert torch.equal(buffers.flat[2], buffers.flat[0]) and torch.equal(buffers.scales[2], buffers.scales[0])
+    assert torch.equal(buffers.flat[1], untouched)
     for layer in buffers.layers:
         for name, g in layer.items():
             assert torch.equal(g.a[2], g.a[0]) and torch.equal(g.b[2], g.b[0]), name
-            assert torch.equal(g.scaling[2], g.scaling[0]), name
     assert sum(float(g.a[0].abs().sum()) for layer in buffers.layers for g in layer.values()) > 0
     assert buffers.ranks[2] == buffers.ranks[0] == spec.max_rank
+
+
+def test_slot_views_are_aligned_and_disjoint():
+    buffers = LoRABuffers(CFG, 2, RANK, torch.device("cpu"), torch.float16)
+    spans = []
+    for layer in buffers.layers:
+        for g in layer.values():
+            for t in (g.a, g.b):
+                assert t.stride(0) == buffers.layout.slot_elems and t[1].is_contiguous()
+                start = t.data_ptr() - buffers.flat.data_ptr()
+                assert start % 128 == 0
+                spans.append((start, start + t[0].numel() * t.element_size()))
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= buffers.layout.slot_elems * 2
 
 
 def test_pinned_adapter_is_never_evicted(disk):
