@@ -31,7 +31,7 @@ import torch
 # Rows per block: small for decode (each request's row is its own segment, so a larger
 # block would mostly compute padding), larger for prefill (long segments share weights).
 # 32 rather than 64 for prefill: measured faster on every Llama-3-8B layer on an H200
-# (bench/results/kernels_h200.json, sweep of 4096-token prefill: q/k/v 51 vs 60 us).
+# (bench/results/kernels_h200_v1.json, sweep of 4096-token prefill: q/k/v 51 vs 60 us).
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 32
 PREFILL_MIN_TOKENS = 512
