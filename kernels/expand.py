@@ -5,6 +5,15 @@ up the shrink's partial planes for its rows and its slice's rank columns once, s
 rounds them to y's dtype (as PEFT's lora_B sees them), then walks its span of columns.
 Spans of one row block are adjacent in launch order (span index = grid axis 0), so the
 block's partial sums come from L2 after the first read.
+
+Two ways to walk the span, chosen by the batch (configs.make_config):
+
+- decode (few rows a block, a span of one to a few tiles): B's first tile is read before
+  the wait on the shrink (with PDL it loads while the shrink runs), and each tile is added
+  into y with a fire-and-forget reduction (``red.global.add``), so no step waits on a read
+  of y;
+- prefill (dense rows, long spans): read-modify-write of y, each y tile read one step
+  ahead, B's tiles pipelined by the compiler.
 """
 
 from __future__ import annotations

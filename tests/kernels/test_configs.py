@@ -1,0 +1,48 @@
+"""make_config: the launch heuristics the H200 runs chose (bench/results/kernels_h200_notes.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.kernels.batch import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoRABatch, max_blocks
+from loraplex.kernels.configs import MIN_K_CHUNK, make_config
+
+QKV = (4096, (4096, 1024, 1024))
+SMS = 132
+
+
+def config(num_tokens: int, num_adapters: int, **kw):
+    block_m = DECODE_BLOCK_M if num_tokens < 512 else PREFILL_BLOCK_M
+    blocks = max_blocks(num_tokens, num_adapters, block_m)
+    return make_config(blocks, QKV[0], QKV[1], 16, 2, SMS, block_m=block_m, **kw)
+
+
+def test_decode_adds_in_memory_and_uses_pdl_where_the_device_has_it():
+    c = config(64, 16, device_pdl=True)
+    assert c.pdl and c.add_in_memory
+    assert not config(64, 16, device_pdl=False).pdl
+
+
+def test_prefill_reads_y_and_launches_plainly():
+    c = config(4096, 8, device_pdl=True)
+    assert not c.pdl and not c.add_in_memory
+
+
+@pytest.mark.parametrize("num_tokens,num_adapters", [(1, 1), (64, 16), (256, 256), (4096, 8)])
+def test_the_grid_covers_k_and_the_columns(num_tokens, num_adapters):
+    c = config(num_tokens, num_adapters)
+    assert 1 <= c.k_splits <= -(-QKV[0] // MIN_K_CHUNK)
+    assert c.span % c.block_n == 0 and c.span >= c.block_n
+    assert c.span <= -(-max(QKV[1]) // c.block_n) * c.block_n
+
+
+def test_overrides_win():
+    c = config(64, 16, device_pdl=True, pdl=False, add_in_memory=False, k_splits=3)
+    assert (c.pdl, c.add_in_memory, c.k_splits) == (False, False, 3)
+
+
+def test_a_decode_batch_uses_decode_blocks():
+    import torch
+
+    assert LoRABatch.build(torch.zeros(64, dtype=torch.int32), 4).block_m == DECODE_BLOCK_M
+    assert LoRABatch.build(torch.zeros(4096, dtype=torch.int32), 4).block_m == PREFILL_BLOCK_M
