@@ -117,27 +117,32 @@ def rel_error(got: torch.Tensor, before: torch.Tensor, expected: torch.Tensor) -
     return float((delta - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def make_case(layer, num_tokens, adapters, rank, seqs=None, gen=None):
+def make_case(layer, num_tokens, adapters, rank, seqs=None, gen=None, slots=0):
+    """One case's tensors. With `slots` above the adapters in use, the buffers hold that many
+    slots (as an engine's do) and the adapters sit in a random subset of them."""
     in_features, slices = LAYERS[layer]
     out_features = sum(slices)
     n = len(slices)
     num_adapters = num_tokens if adapters == "per-token" else adapters
+    num_slots = max(num_adapters, slots)
     if seqs:  # prefill: contiguous sequences, adapter i % num_adapters for sequence i
         per_seq = num_tokens // seqs
         token_slots = torch.arange(num_tokens) // per_seq % num_adapters
     else:  # decode: one row per request, adapters interleaved in a random order
         token_slots = torch.arange(num_tokens) % num_adapters
         token_slots = token_slots[torch.randperm(num_tokens, generator=gen)]
+    if num_slots > num_adapters:
+        token_slots = torch.randperm(num_slots, generator=gen)[:num_adapters][token_slots]
     dev = "cuda"
     x = torch.randn(num_tokens, in_features, generator=gen).to(dev, DTYPE)
     y = torch.randn(num_tokens, out_features, generator=gen).to(dev, DTYPE)
-    lora_a = (torch.randn(num_adapters, n * rank, in_features, generator=gen) / math.sqrt(in_features)).to(dev, DTYPE)
-    lora_b = (torch.randn(num_adapters, out_features, rank, generator=gen) / math.sqrt(rank)).to(dev, DTYPE)
-    scaling = (torch.rand(num_adapters, n, generator=gen) + 0.5).to(dev)
+    lora_a = (torch.randn(num_slots, n * rank, in_features, generator=gen) / math.sqrt(in_features)).to(dev, DTYPE)
+    lora_b = (torch.randn(num_slots, out_features, rank, generator=gen) / math.sqrt(rank)).to(dev, DTYPE)
+    scaling = (torch.rand(num_slots, n, generator=gen) + 0.5).to(dev)
     weight = (torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)).to(dev, DTYPE)
     token_slots = token_slots.to(torch.int32).to(dev)
     return dict(x=x, y=y, lora_a=lora_a, lora_b=lora_b, scaling=scaling, weight=weight, token_slots=token_slots,
-                slices=slices, num_adapters=num_adapters, rank=rank)
+                slices=slices, num_adapters=num_adapters, num_slots=num_slots, rank=rank)
 
 
 def fewest_bytes(c) -> int:
@@ -160,7 +165,7 @@ def load_kernels(path: Path):
 
 def run_case(c, timer, bandwidth, sweep, prev=None, variants_too=True):
     x, y0, lora_a, lora_b, scaling, slots = c["x"], c["y"], c["lora_a"], c["lora_b"], c["scaling"], c["token_slots"]
-    slices, rank, S = c["slices"], c["rank"], c["num_adapters"]
+    slices, rank, S = c["slices"], c["rank"], c["num_slots"]
     batch = LoRABatch.build(slots, S)
     groups = [(s, torch.nonzero(slots == s).flatten()) for s in range(S)]
     groups = [(s, rows) for s, rows in groups if rows.numel()]
@@ -282,6 +287,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", default=",".join(map(str, RANKS)), help="ranks to run (default 8,16,64)")
     parser.add_argument("--phases", default="decode,prefill", help="decode, prefill or both (default both)")
     parser.add_argument("--no-variants", action="store_true", help="time ours without its no-PDL / other-add variants")
+    parser.add_argument("--slots", type=int, default=0,
+                        help="adapter slots in the buffers when more than the adapters in use (an engine's --max-loras)")
     args = parser.parse_args(argv)
 
     gen = torch.Generator().manual_seed(0)
@@ -291,7 +298,7 @@ def main(argv=None) -> int:
     meta = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "copy_bandwidth_bytes_per_s": bandwidth,
-        "graph_capture_without_sync": check_no_sync(), "dtype": str(DTYPE), "reps": args.reps,
+        "graph_capture_without_sync": check_no_sync(), "dtype": str(DTYPE), "reps": args.reps, "slots": args.slots,
         "timing": "median CUDA-graph replay, L2 flushed before each",
     }
     meta["launch_floor"] = launch_floor(timer)
@@ -319,7 +326,7 @@ def main(argv=None) -> int:
     for spec in cases:
         try:
             c = make_case(spec["layer"], spec["tokens"], spec["adapters"], spec["rank"],
-                          seqs=PREFILL[0] if spec["phase"] == "prefill" else None, gen=gen)
+                          seqs=PREFILL[0] if spec["phase"] == "prefill" else None, gen=gen, slots=args.slots)
             sweep = args.sweep and spec["rank"] == 16 and (spec["phase"], spec["tokens"], spec["adapters"]) in sweep_keys
             row = {**spec, **run_case(c, timer, bandwidth, sweep, prev, not args.no_variants)}
             del c
