@@ -136,8 +136,8 @@ class ServerSettings:
                           ("max_concurrent_loads", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least {low}")
-        if self.eviction_policy not in ("lru", "lfu-aged"):
-            raise ValueError(f"--eviction-policy {self.eviction_policy!r}: use lru or lfu-aged")
+        if self.eviction_policy not in ("lru", "lfu-aged", "wtinylfu"):
+            raise ValueError(f"--eviction-policy {self.eviction_policy!r}: use lru, lfu-aged or wtinylfu")
         if not 0 < self.port < 65536 and self.port != 0:
             raise ValueError(f"--port {self.port} is not a TCP port")
         bad = sorted(set(self.lora_target_modules) - set(TARGET_MODULES))
