@@ -6,7 +6,7 @@ One step::
     scheduler admits waiting requests             (each gets a KV row)
     prefill the admitted prompts                  -> first token of each
     decode every running row, one token each      (CUDA graph on the GPU)
-    sample (one host sync: the sampled tokens), detokenize, check stops -> RequestOutputs
+    penalise, sample, logprobs (one host sync), detokenize, check stops -> RequestOutputs
 
 `AsyncEngine` runs steps in one background thread; requests, aborts and adapter installs
 reach it through a command queue and are applied between steps, so the model's buffers are
@@ -227,10 +227,11 @@ class LLMEngine:
         return outputs
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, rows: list[int] | None = None) -> None:
-        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
-                                     [len(r.output_ids) for r in reqs], rows)
-        for req, tok in zip(reqs, tokens):
-            req.append(tok, self.eos_ids, self.max_model_len)
+        tokens, logprobs = self.sampler.sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
+                                               [len(r.output_ids) for r in reqs], rows,
+                                               [r.output_ids for r in reqs])
+        for req, tok, lp in zip(reqs, tokens, logprobs):
+            req.append(tok, self.eos_ids, self.max_model_len, lp)
         self.metrics.generation_tokens.inc(len(reqs))
 
     def _reap(self) -> list[RequestOutput]:

@@ -13,7 +13,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprobs
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -35,6 +35,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None  # why the request failed (finish_reason "error"), e.g. its adapter's load
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when the request asked
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Request:
     state: State = State.WAITING
     row: int = -1  # KV row while RUNNING
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if asked
     finish_reason: str | None = None
     error: str | None = None  # set with finish_reason "error"
     detok: IncrementalDetokenizer | None = None
@@ -73,9 +75,12 @@ class Request:
     def finished(self) -> bool:
         return self.state is State.FINISHED
 
-    def append(self, token: int, eos_ids: tuple[int, ...], max_len: int) -> None:
-        """Record a sampled token and decide whether the request is done."""
+    def append(self, token: int, eos_ids: tuple[int, ...], max_len: int,
+               logprobs: TokenLogprobs | None = None) -> None:
+        """Record a sampled token (and its logprobs) and decide whether the request is done."""
         self.output_ids.append(token)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         p = self.params
         if self.detok is not None:
             self.detok.add(token)
@@ -126,6 +131,7 @@ class Request:
     def take_output(self) -> RequestOutput:
         """The new tokens and text since the last call."""
         new_ids = self.output_ids[self._emitted_ids:]
+        logprobs = self.output_logprobs[self._emitted_ids:] if self.params.logprobs is not None else None
         self._emitted_ids = len(self.output_ids)
         text = ""
         if self.detok is not None:
@@ -140,4 +146,4 @@ class Request:
                 text = full[self._emitted_chars:end]
                 self._emitted_chars = end
         return RequestOutput(self.request_id, new_ids, text, self.finished, self.finish_reason,
-                             len(self.prompt_ids), len(self.output_ids), self.error)
+                             len(self.prompt_ids), len(self.output_ids), self.error, logprobs)

@@ -1,19 +1,27 @@
-"""Per-request sampling for a whole batch at once: greedy, temperature, top-k, top-p, seed.
+"""Per-request sampling for a whole batch at once: presence/frequency penalties, greedy,
+temperature, top-k, top-p, seed; and the logprobs a request asks for.
 
 Randomness is counter-based: the noise for row r, vocabulary entry v at output step n is a
 hash of (request seed, n, v). A seeded request therefore draws the same tokens whichever
 batch it shares, on any device, and no generator state lives between steps. Sampling uses
 the Gumbel-max form: token = argmax(log p_masked + g) with g = -log(-log u) (exactly a draw
 from p_masked), so masks never renumber the noise.
+
+Order, per row: raw logits -> penalties -> greedy argmax, or temperature -> top-k -> top-p
+-> Gumbel draw. Logprobs are of the raw logits (log_softmax in float32 before penalties,
+temperature and masks: vLLM's default "raw_logprobs"), so they describe the model, not the
+sampler.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 _M32 = 0xFFFFFFFF
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
 
 
 @dataclass
@@ -26,6 +34,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
+    presence_penalty: float = 0.0  # subtracted from a token's logit once it appears in the output
+    frequency_penalty: float = 0.0  # subtracted once per appearance in the output
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -36,10 +47,27 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < -1:
             raise ValueError("top_k must be -1, 0 or positive")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One sampled token's logprob and the `logprobs` most likely tokens, e.g. for k = 2:
+    TokenLogprobs(logprob=-1.7, top=((17, -0.4), (301, -1.2)))  # sampled token not in the top 2."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -81,18 +109,51 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, generated: list[list[int]],
+                    presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties, for the rows that use them; a new tensor.
+
+    logits float32 [N, V]; rows int64 [n] (distinct), the logits row of each penalised
+    request; generated[j] the output tokens of request j so far; presence, frequency float32
+    [n]. Row rows[j] gets, for every token t:
+        logits[t] -= frequency[j] * count(t in generated[j]) + presence[j] * (count > 0)
+    The counts are one scatter of all rows' tokens into a [n, V] tensor."""
+    n, vocab = rows.shape[0], logits.shape[-1]
+    device = logits.device
+    flat = torch.tensor(list(itertools.chain.from_iterable(generated)), dtype=torch.int64, device=device)
+    which = torch.repeat_interleave(torch.arange(n, device=device),
+                                    torch.tensor([len(g) for g in generated], device=device))
+    counts = torch.zeros(n * vocab, dtype=torch.float32, device=device)
+    counts.index_add_(0, which * vocab + flat, torch.ones_like(flat, dtype=torch.float32))
+    counts = counts.view(n, vocab)
+    penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0).float()
+    return logits.index_add(0, rows, penalty, alpha=-1)
+
+
 class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-               counters: list[int], rows: list[int] | None = None) -> list[int]:
-        """One token per request (one host synchronisation for the whole batch).
+               counters: list[int], rows: list[int] | None = None,
+               generated: list[list[int]] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per request, and its logprobs where the request asks for them (None where
+        it does not). All device work is queued before the first copy to the host.
 
         logits float32 [n, V]; request i reads row rows[i] (default i); `seeds` and
-        `counters` (the request's output-token index) feed the noise."""
+        `counters` (the request's output-token index) feed the noise; generated[i] (its
+        output tokens so far) feeds the penalties. `logits` is read, never written (on CUDA
+        it is the decode graph's output buffer)."""
         rows = list(range(len(params))) if rows is None else rows
+        device = logits.device
+        raw = logits
+        penalised = [i for i, p in enumerate(params) if p.penalised and generated and generated[i]]
+        if penalised:  # no row uses them: no count tensor, no copy of the logits
+            logits = apply_penalties(
+                logits, torch.tensor([rows[i] for i in penalised], device=device),
+                [generated[i] for i in penalised],
+                torch.tensor([params[i].presence_penalty for i in penalised], device=device, dtype=torch.float32),
+                torch.tensor([params[i].frequency_penalty for i in penalised], device=device, dtype=torch.float32))
         tokens = logits.argmax(dim=-1)
         picked = [i for i, p in enumerate(params) if not p.greedy]
         if picked:
-            device = logits.device
             idx = torch.tensor([rows[i] for i in picked], device=device)
             sub = logits[idx]
             temps = torch.tensor([params[i].temperature for i in picked], device=device, dtype=torch.float32)
@@ -106,5 +167,20 @@ class Sampler:
                               logits.shape[-1])
             gumbel = -torch.log(-torch.log(u))
             tokens[idx] = (torch.log_softmax(sub, dim=-1) + gumbel).argmax(dim=-1)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            idx = torch.tensor([rows[i] for i in wanted], device=device)
+            lp = torch.log_softmax(raw[idx].float(), dim=-1)  # [w, V]
+            chosen = lp.gather(1, tokens[idx][:, None])[:, 0]
+            k = max(params[i].logprobs for i in wanted)
+            top = lp.topk(k, dim=-1) if k else None  # sorted, most likely first
         out = tokens.tolist()
-        return [out[r] for r in rows]
+        logprobs: list[TokenLogprobs | None] = [None] * len(params)
+        if wanted:
+            chosen_h = chosen.tolist()
+            top_v = top.values.tolist() if top is not None else [[] for _ in wanted]
+            top_i = top.indices.tolist() if top is not None else [[] for _ in wanted]
+            for j, i in enumerate(wanted):
+                n = params[i].logprobs
+                logprobs[i] = TokenLogprobs(chosen_h[j], tuple(zip(top_i[j][:n], top_v[j][:n])))
+        return [out[r] for r in rows], logprobs

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from ..engine import AsyncEngine
 from .deps import get_engine, merged, open_streams, resolve_adapter, until_disconnected
 from .errors import APIError
+from .logprobs import CompletionLogprobs
 from .schemas import CompletionRequest, new_id, now, usage
 from .sse import sse_response
 
@@ -36,15 +37,16 @@ def _prompts(engine: AsyncEngine, body: CompletionRequest) -> list[list[int]]:
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, engine: AsyncEngine = Depends(get_engine)):
-    why = body.unsupported() or ("echo is not supported" if body.echo else None) or (
-        "suffix is not supported" if body.suffix else None)
-    if why:
-        raise APIError(400, why)
+    refusal = body.refusal()
+    if refusal:
+        raise APIError(400, refusal[0], param=refusal[1])
     adapter = resolve_adapter(engine, body.model)
     prompts = _prompts(engine, body)
     params = body.sampling(body.max_tokens or 16)
     streams = open_streams(engine, prompts, params, adapter, body.model)
     rid, created = new_id("cmpl"), now()
+    want_logprobs = params.logprobs is not None
+    builders = [CompletionLogprobs(engine.engine.tokenizer) for _ in prompts]
 
     def chunk(choices: list[dict], usage_: dict | None = None) -> dict:
         return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
@@ -57,8 +59,10 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
             counts = [(len(p), 0) for p in prompts]
             async for i, out in merged(streams):
                 counts[i] = (out.prompt_tokens, out.completion_tokens)
-                if out.text or out.finished:
-                    yield chunk([{"index": i, "text": out.text, "logprobs": None,
+                # Tokens whose text is held back (a possible stop string) still bring their logprobs.
+                if out.text or out.finished or (want_logprobs and out.token_ids):
+                    lp = builders[i].chunk(out.token_ids, out.logprobs) if want_logprobs else None
+                    yield chunk([{"index": i, "text": out.text, "logprobs": lp,
                                   "finish_reason": out.finish_reason if out.finished else None}])
             if include_usage:
                 yield chunk([], usage(sum(c[0] for c in counts), sum(c[1] for c in counts)))
@@ -69,13 +73,19 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
         texts = [""] * len(prompts)
         reasons: list[str | None] = [None] * len(prompts)
         counts = [(len(p), 0) for p in prompts]
+        ids: list[list[int]] = [[] for _ in prompts]
+        lps: list[list] = [[] for _ in prompts]
         async for i, out in merged(streams):
             texts[i] += out.text
             counts[i] = (out.prompt_tokens, out.completion_tokens)
+            if want_logprobs:
+                ids[i] += out.token_ids
+                lps[i] += out.logprobs
             if out.finished:
                 reasons[i] = out.finish_reason
-        choices = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]}
-                   for i in range(len(prompts))]
+        choices = [{"index": i, "text": texts[i],
+                    "logprobs": builders[i].chunk(ids[i], lps[i]) if want_logprobs else None,
+                    "finish_reason": reasons[i]} for i in range(len(prompts))]
         return chunk(choices, usage(sum(c[0] for c in counts), sum(c[1] for c in counts)))
 
     return await until_disconnected(request, collect())

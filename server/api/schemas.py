@@ -1,6 +1,9 @@
 """OpenAI request and response bodies (the subset a completions server needs), plus vLLM's
 adapter-admin bodies. Extra fields that vLLM accepts (top_k, ignore_eos, stop_token_ids)
 are accepted here too; unknown fields are ignored, as vLLM does.
+
+Values out of OpenAI's bounds that a client is likely to send on purpose (logprobs,
+top_logprobs, penalties) are refused with a 400 naming the parameter, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..sampling import SamplingParams
+from ..sampling import MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -32,19 +35,28 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
-    logprobs: int | bool | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     user: str | None = None
 
-    def unsupported(self) -> str | None:
-        """Why this request asks for something this server does not do (None: it does not)."""
+    def top_logprobs_k(self) -> int | None:
+        """How many alternatives per token the response lists (None: no logprobs)."""
+        raise NotImplementedError
+
+    def refusal(self) -> tuple[str, str | None] | None:
+        """(why, parameter) when this request cannot be served as asked; None when it can."""
         if self.n != 1:
-            return "n > 1 is not supported"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs are not supported"
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty and frequency_penalty are not supported"
+            return "n > 1 is not supported", "n"
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -2.0 <= value <= 2.0:
+                return f"{name} must be between -2 and 2, got {value}", name
+        return None
+
+    @staticmethod
+    def _logprobs_bound(name: str, value: int | None) -> tuple[str, str] | None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            return f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name
         return None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
@@ -58,6 +70,9 @@ class _SamplingFields(BaseModel):
             stop=[s for s in stop if s],
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            logprobs=self.top_logprobs_k(),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
         )
 
 
@@ -66,6 +81,15 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = None  # the sampled token's logprob plus this many most likely ones
+
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    def refusal(self) -> tuple[str, str | None] | None:
+        return (super().refusal() or self._logprobs_bound("logprobs", self.logprobs)
+                or (("echo is not supported", "echo") if self.echo else None)
+                or (("suffix is not supported", "suffix") if self.suffix else None))
 
 
 class TextContent(BaseModel):
@@ -89,6 +113,16 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None  # alternatives per token; needs logprobs: true
+
+    def top_logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def refusal(self) -> tuple[str, str | None] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs needs logprobs: true", "top_logprobs"
+        return super().refusal() or self._logprobs_bound("top_logprobs", self.top_logprobs)
 
 
 class LoadAdapterRequest(BaseModel):

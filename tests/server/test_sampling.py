@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loraplex.server.request import Request
-from loraplex.server.sampling import Sampler, SamplingParams, apply_top_k_top_p, uniform_noise
+from loraplex.server.sampling import Sampler, SamplingParams, apply_penalties, apply_top_k_top_p, uniform_noise
 
 
 def test_noise_is_a_pure_function_of_seed_counter_and_index():
@@ -43,10 +43,11 @@ def test_greedy_rows_take_the_argmax_and_seeded_rows_repeat():
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=5),
               SamplingParams(top_k=1, temperature=0.7), SamplingParams(temperature=1.0, top_p=0.9, seed=5)]
     seeds = [1, 5, 2, 5]
-    t1 = s.sample(logits, params, seeds, [0, 0, 0, 0])
+    t1, lps = s.sample(logits, params, seeds, [0, 0, 0, 0])
+    assert lps == [None] * 4  # nobody asked
     assert t1[0] == logits[0].argmax() and t1[2] == logits[2].argmax()
     # The same seeded row alone, or in another batch, draws the same token.
-    alone = s.sample(logits[1:2], params[1:2], seeds[1:2], [0])
+    alone, _ = s.sample(logits[1:2], params[1:2], seeds[1:2], [0])
     assert alone[0] == t1[1]
 
 
@@ -58,8 +59,8 @@ def test_sampling_follows_the_distribution_and_respects_top_k():
     counts = torch.zeros(5)
     topk_seen = set()
     for seed in range(n):
-        counts[s.sample(logits, [SamplingParams(temperature=1.0)], [seed], [0])[0]] += 1
-        topk_seen.add(int(s.sample(logits, [SamplingParams(temperature=1.0, top_k=2)], [seed], [1])[0]))
+        counts[s.sample(logits, [SamplingParams(temperature=1.0)], [seed], [0])[0][0]] += 1
+        topk_seen.add(s.sample(logits, [SamplingParams(temperature=1.0, top_k=2)], [seed], [1])[0][0])
     assert torch.allclose(counts / n, probs, atol=0.03)
     assert topk_seen == {0, 1}
 
@@ -111,7 +112,95 @@ def test_stop_token_ids_eos_and_length():
     assert req.finish_reason == "length" and len(req.output_ids) == 3
 
 
-@pytest.mark.parametrize("kw", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2)])
+@pytest.mark.parametrize("kw", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
+                                dict(logprobs=21), dict(logprobs=-1), dict(presence_penalty=2.5),
+                                dict(frequency_penalty=-3)])
 def test_invalid_params(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def reference_penalties(logits, generated, presence, frequency):
+    """The OpenAI definition as a plain loop over tokens."""
+    out = logits.clone()
+    for t in set(generated):
+        out[t] -= frequency * generated.count(t) + presence
+    return out
+
+
+@pytest.mark.parametrize(
+    "generated, presence, frequency",
+    [
+        ([[3, 3, 3, 1], [], [0, 4]], [0.5, 1.0, -1.0], [1.5, 2.0, 0.0]),
+        ([[7], [2, 2, 9, 2]], [0.0, -2.0], [-0.5, 2.0]),  # negative penalties encourage repeats
+    ],
+)
+def test_penalties_match_the_definition(generated, presence, frequency):
+    torch.manual_seed(1)
+    logits = torch.randn(5, 10)
+    rows = [4, 0, 2][:len(generated)]
+    got = apply_penalties(logits, torch.tensor(rows), generated, torch.tensor(presence), torch.tensor(frequency))
+    want = logits.clone()
+    for r, g, p, f in zip(rows, generated, presence, frequency):
+        want[r] = reference_penalties(logits[r], g, p, f)
+    assert torch.allclose(got, want, atol=1e-6)
+    untouched = [r for r in range(5) if r not in rows]
+    assert torch.equal(got[untouched], logits[untouched])
+
+
+def test_penalties_stop_a_repeated_token_and_zero_penalties_change_nothing():
+    logits = torch.tensor([[0.0, 3.0, 2.5, 1.0]])  # greedy: token 1, again and again
+    s = Sampler()
+    greedy = SamplingParams(temperature=0)
+    assert s.sample(logits, [greedy], [0], [3], generated=[[1, 1, 1]])[0] == [1]
+    # 3 repeats * 0.3 = 0.9 pulls token 1 below token 2 (3.0 - 0.9 = 2.1 < 2.5).
+    freq = SamplingParams(temperature=0, frequency_penalty=0.3)
+    assert s.sample(logits, [freq], [0], [3], generated=[[1, 1, 1]])[0] == [2]
+    assert s.sample(logits, [freq], [0], [1], generated=[[1]])[0] == [1]  # one repeat is not enough
+    pres = SamplingParams(temperature=0, presence_penalty=0.6)  # once, however many repeats
+    assert s.sample(logits, [pres], [0], [3], generated=[[1, 1, 1]])[0] == [2]
+    # Zero penalties: the same tokens and logprobs, bit for bit, sampled rows included.
+    torch.manual_seed(2)
+    big = torch.randn(3, 64)
+    gen = [[5, 5, 6], [7], [8, 8]]
+    plain = [SamplingParams(temperature=0.8, seed=1, logprobs=2), SamplingParams(temperature=0),
+             SamplingParams(temperature=1.0, top_p=0.9, logprobs=0)]
+    zeros = [SamplingParams(temperature=0.8, seed=1, logprobs=2, presence_penalty=0.0, frequency_penalty=0.0),
+             SamplingParams(temperature=0, presence_penalty=0.0), SamplingParams(temperature=1.0, top_p=0.9, logprobs=0)]
+    a = s.sample(big, plain, [1, 2, 3], [3, 1, 2], generated=gen)
+    b = s.sample(big, zeros, [1, 2, 3], [3, 1, 2], generated=gen)
+    assert a == b
+
+
+def test_logprobs_are_of_the_raw_logits_and_mix_with_other_rows():
+    torch.manual_seed(3)
+    logits = torch.randn(6, 100)
+    before = logits.clone()
+    s = Sampler()
+    params = [SamplingParams(temperature=0, logprobs=5),
+              SamplingParams(temperature=0),  # no logprobs
+              SamplingParams(temperature=0.5, top_k=3, seed=9, logprobs=0, frequency_penalty=2.0),
+              SamplingParams(temperature=0, logprobs=20, presence_penalty=2.0)]
+    rows = [5, 0, 3, 1]  # decode rows: request i reads logits row rows[i]
+    gen = [[1, 2], [], [4, 4], [int(logits[1].argmax())]]
+    tokens, lps = s.sample(logits, params, [0, 0, 9, 0], [2, 0, 2, 1], rows, gen)
+    assert torch.equal(logits, before)  # read, never written
+    assert lps[1] is None
+    for i in (0, 2, 3):
+        want = torch.log_softmax(logits[rows[i]], -1)  # raw: before penalties and temperature
+        lp = lps[i]
+        assert lp.logprob == pytest.approx(want[tokens[i]].item(), abs=1e-6)
+        assert len(lp.top) == params[i].logprobs
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+        top_ids = want.topk(params[i].logprobs).indices.tolist()
+        assert [t for t, _ in lp.top] == top_ids
+        assert all(v == pytest.approx(want[t].item(), abs=1e-6) for t, v in lp.top)
+    # Greedy without penalties: the sampled token is the most likely one.
+    assert lps[0].top[0] == (tokens[0], pytest.approx(lps[0].logprob))
+    # The presence penalty moved row 3 off its argmax, and the logprob still describes the raw logits.
+    assert tokens[3] != int(logits[1].argmax()) and lps[3].top[0][0] == int(logits[1].argmax())
+    # Row 2 drew from the top 3 of its penalised logits (token 4 lowered by 2 * 2.0).
+    penalised = logits[3].clone()
+    penalised[4] -= 4.0
+    assert tokens[2] in penalised.topk(3).indices.tolist()

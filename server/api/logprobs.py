@@ -1,0 +1,79 @@
+"""Logprobs in the two OpenAI response shapes, from the engine's `TokenLogprobs`.
+
+/v1/completions with `logprobs: 1`, one choice that wrote " the fox"::
+
+    {"tokens": [" the", " fox"], "token_logprobs": [-0.4, -2.1],
+     "top_logprobs": [{" the": -0.4}, {" dog": -1.0, " fox": -2.1}],  # the top 1, plus the sampled token
+     "text_offset": [0, 4]}                                          # where each token starts in the text
+
+/v1/chat/completions with `logprobs: true, top_logprobs: 1`::
+
+    {"content": [{"token": " the", "logprob": -0.4, "bytes": [32, 116, 104, 101],
+                  "top_logprobs": [{"token": " the", "logprob": -0.4, "bytes": [32, 116, 104, 101]}]}, ...]}
+
+The values are the model's own distribution: log_softmax of the raw logits in float32,
+before penalties, temperature, top-k and top-p (vLLM's default "raw_logprobs"). A token's
+string is that token decoded alone ("\\ufffd" for a piece of a UTF-8 character; "" for a
+special token, which the tokenizer skips), or "token_id:N" on a server without a tokenizer
+(vLLM's spelling for ids).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..sampling import TokenLogprobs
+from ..tokenizer import Tokenizer
+
+# A logprob of -inf has no JSON spelling; vLLM sends this floor instead.
+MIN_LOGPROB = -9999.0
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id])
+
+
+def _value(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+class CompletionLogprobs:
+    """The `logprobs` object of one /v1/completions choice, a chunk at a time; text_offset
+    runs on across chunks, so a stream's chunks join into the non-streamed object."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self.offset = 0  # characters of token text so far
+
+    def chunk(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, lp in zip(token_ids, logprobs):
+            text = token_text(self.tokenizer, token_id)
+            top: dict[str, float] = {}
+            # Tokens that decode alike (pieces of UTF-8 characters: "\ufffd") share a key: the
+            # most likely keeps it. OpenAI lists the sampled token too.
+            for t, v in (*lp.top, (token_id, lp.logprob)):
+                top.setdefault(token_text(self.tokenizer, t), _value(v))
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_value(lp.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def _entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": _value(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tokenizer: Tokenizer | None, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict:
+    """The `logprobs` object of a /v1/chat/completions choice (or of one streamed chunk)."""
+    content = []
+    for token_id, lp in zip(token_ids, logprobs):
+        entry = _entry(token_text(tokenizer, token_id), lp.logprob)
+        entry["top_logprobs"] = [_entry(token_text(tokenizer, t), v) for t, v in lp.top]
+        content.append(entry)
+    return {"content": content}
