@@ -361,6 +361,12 @@ def test_simulator_quick_mode(tmp_path):
     assert pol["lfu-aged"]["first_window"] < pol["lfu-aged"]["steady"] - 0.2
     assert pol["belady"]["steady"] >= pol["lfu-aged"]["steady"] > pol["lru"]["steady"]
     assert "| yes |" in (tmp_path / "cache_sim_notes.md").read_text()  # the hit-rate target row
+    # wtinylfu's settings: a window of 90% is LRU-like, it recovers from the campaign much sooner.
+    variants = {v["label"]: v for v in result["wtinylfu_variants"]}
+    assert len(variants) == len(sim.WTINYLFU_VARIANTS)
+    rec = {k: variants[k]["shifts"]["campaign-hot"]["wtinylfu"]["recovery_requests"]
+           for k in ("window fixed at 1%", "window fixed at 90%")}
+    assert rec["window fixed at 90%"] < rec["window fixed at 1%"], rec
     for f in ("cache_sim_zipf.png", "cache_sim_shift.png", "cache_sim_campaign.png") if plots else ():
         assert (tmp_path / f).stat().st_size > 0
 
