@@ -204,3 +204,20 @@ def test_logprobs_are_of_the_raw_logits_and_mix_with_other_rows():
     penalised = logits[3].clone()
     penalised[4] -= 4.0
     assert tokens[2] in penalised.topk(3).indices.tolist()
+
+
+def test_logprobs_ride_with_their_tokens_through_held_back_text():
+    from loraplex.server.sampling import TokenLogprobs
+
+    req = make(SamplingParams(max_tokens=100, stop=["END"], logprobs=1))
+    outs = []
+    for i, ch in enumerate("aEN!END"):
+        if req.finished:
+            break
+        req.append(ord(ch), (), 1000, TokenLogprobs(-float(i), ((ord(ch), -float(i)),)))
+        outs.append(req.take_output())
+    # "E" and "EN" are held back as text, but each token's logprobs come with the token.
+    assert [o.text for o in outs[:4]] == ["a", "", "", "EN!"]
+    assert all(len(o.logprobs) == len(o.token_ids) == 1 for o in outs)
+    assert [o.logprobs[0].logprob for o in outs] == [-float(i) for i in range(len(outs))]
+    assert make(SamplingParams()).take_output().logprobs is None  # not asked: None, not []
