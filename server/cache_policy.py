@@ -555,7 +555,6 @@ class WTinyLFUPolicy:
             # Straight to protected: through the window it would duel with probation's oldest,
             # and a campaign larger than probation would duel with itself (ties lose).
             self._move(name, region, _PROTECTED)
-            self._balance_protected()
         elif region is not None:  # already resident: just touch it
             self._move(name, region, region)
             return
@@ -564,6 +563,7 @@ class WTinyLFUPolicy:
         if len(self._where) > self.capacity:
             self.capacity = len(self._where)
         self._balance_window()
+        self._balance_protected()
 
     def record_evict(self, name: str) -> None:
         region = self._where.pop(name, None)

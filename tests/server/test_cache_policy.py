@@ -484,6 +484,33 @@ def test_wtinylfu_counts_saturate_and_halve():
     assert len(policy._count) <= 10 * policy.sample_factor  # one-offs are dropped at resets
 
 
+def test_wtinylfu_regions_stay_consistent():
+    """Random traffic with pins, in-use adapters and prefetches: the regions partition the
+    residents, window and protected stay within their sizes, the counts stay bounded."""
+    rng = random.Random(9)
+    policy = WTinyLFUPolicy(climb_factor=1.0)  # many climbs: the window moves both ways
+    resident: set[str] = set()
+    pinned = {f"ad-{i}" for i in range(5)}
+    for i in range(20_000):
+        a = f"ad-{rng.randrange(40 if rng.random() < 0.6 else 400)}"
+        policy.record_access(a)
+        if a not in resident:
+            if len(resident) >= 60:
+                in_use = set(rng.sample(sorted(resident), 10))
+                v = policy.select_victim(resident - pinned - in_use)
+                assert v in resident and v not in pinned and v not in in_use
+                resident.remove(v)
+                policy.record_evict(v)
+            resident.add(a)
+            policy.record_insert(a, prefetch=rng.random() < 0.02)
+        window, probation, protected = (set(r) for r in policy._regions)
+        assert window | probation | protected == resident == set(policy._where)
+        assert len(window) + len(probation) + len(protected) == len(resident)
+        assert len(window) <= policy._window_max() and len(protected) <= policy._protected_max()
+    assert 1 <= len(policy.window_history) and len({round(w, 3) for w in policy.window_history}) > 2
+    assert len(policy._count) <= policy.sample_factor * policy.capacity + policy.capacity
+
+
 def _replay_wtinylfu(requests, slots):
     policy = WTinyLFUPolicy()
     return policy, _replay(policy, requests, slots, set())
