@@ -89,7 +89,8 @@ class ServerSettings:
     """Adapter loads (disk -> host -> slot) running at once; more wait their turn. Default: 4."""
 
     eviction_policy: str = "lru"
-    """GPU slot eviction policy: lru, or lfu-aged (frequency-aware). Default: lru."""
+    """GPU slot eviction policy: lru, lfu-aged (aged frequency counts that forget on a
+    popularity shift) or wtinylfu (W-TinyLFU, adaptive window). Default: lru."""
 
     adapter_cache_dir: str | None = None
     """Local disk tier: a folder of PEFT adapters, <dir>/<name>/ (the node agent's cache);
