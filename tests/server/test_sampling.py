@@ -166,7 +166,8 @@ def test_penalties_stop_a_repeated_token_and_zero_penalties_change_nothing():
     plain = [SamplingParams(temperature=0.8, seed=1, logprobs=2), SamplingParams(temperature=0),
              SamplingParams(temperature=1.0, top_p=0.9, logprobs=0)]
     zeros = [SamplingParams(temperature=0.8, seed=1, logprobs=2, presence_penalty=0.0, frequency_penalty=0.0),
-             SamplingParams(temperature=0, presence_penalty=0.0), SamplingParams(temperature=1.0, top_p=0.9, logprobs=0)]
+             SamplingParams(temperature=0, presence_penalty=0.0),
+             SamplingParams(temperature=1.0, top_p=0.9, logprobs=0, frequency_penalty=0.0)]
     a = s.sample(big, plain, [1, 2, 3], [3, 1, 2], generated=gen)
     b = s.sample(big, zeros, [1, 2, 3], [3, 1, 2], generated=gen)
     assert a == b
