@@ -4,7 +4,7 @@ One step::
 
     aborted/finished requests leave the batch     (KV rows and adapter refs freed)
     scheduler admits waiting requests             (each gets a KV row)
-    prefill the admitted prompts                  -> first token of each
+    prefill the admitted prompts                  -> first token of each (and prompt logprobs: echo)
     decode every running row, one token each      (CUDA graph on the GPU)
     penalise, sample, logprobs (one host sync), detokenize, check stops -> RequestOutputs
 
@@ -211,8 +211,19 @@ class LLMEngine:
         decoding = {row: r for row, r in self.scheduler.running.items() if r.output_ids}
         if admitted:
             tokens, slots, seqs = build_prefill(admitted, self.device)
-            logits = self.model.prefill(tokens, slots, seqs, use_lora=any(r.slot >= 0 for r in admitted))
-            self._sample(admitted, logits)
+            use_lora = any(r.slot >= 0 for r in admitted)
+            # echo with logprobs: those prompts' own logprobs come out of the prefill too.
+            wanted = {i: r.params.prompt_logprobs for i, r in enumerate(admitted)
+                      if r.params.prompt_logprobs is not None}
+            if wanted:
+                logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, use_lora, wanted)
+            else:
+                logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, use_lora), {}
+            for i, req in enumerate(admitted):
+                req.prefilled(prompt_logprobs.get(i))
+            rows = [i for i, r in enumerate(admitted) if not r.finished]  # max_tokens 0: done already
+            if rows:
+                self._sample([admitted[i] for i in rows], logits, rows=rows)
             self.metrics.prompt_tokens.inc(tokens.shape[0])
         if decoding:
             logits = self.decoder.run(decoding, self.kv.span())

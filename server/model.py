@@ -3,7 +3,8 @@
 Two entry points, as in gpt-fast, so decode can be captured as a CUDA graph:
 
 - `prefill(...)`: new sequences' prompts packed into one [T] token vector; writes their K/V
-  into their cache rows from position 0 and returns the logits of each prompt's last token.
+  into their cache rows from position 0 and returns the logits of each prompt's last token
+  (and, for the prompts that ask, the logprob of every prompt token: /v1/completions echo).
 - `decode(...)`: one token per KV row for rows 0..B-1 (a row's batch index is its KV row);
   static shapes for a given (B, kv_len, use_lora), no host synchronisation.
 
@@ -28,7 +29,12 @@ from loraplex.kernels import LoRABatch, add_lora
 
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .sampling import TokenLogprobs
 from .weights import BaseWeights
+
+# Positions whose logits a prompt-logprobs pass holds at once: 512 rows of a 128k vocabulary
+# are 256 MB in float32, where a 4k-token prompt's all at once would be 2 GB.
+PROMPT_LOGPROBS_CHUNK = 512
 
 
 @dataclass
@@ -145,9 +151,13 @@ class LlamaModel:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, token_slots: torch.Tensor, seqs: list[PrefillSeq],
-                use_lora: bool = True) -> torch.Tensor:
+                use_lora: bool = True, prompt_logprobs: dict[int, int] | None = None):
         """tokens int64 [T] (prompts packed back to back), token_slots int32 [T].
-        Returns float32 logits [len(seqs), vocab] of each prompt's last token."""
+        Returns float32 logits [len(seqs), vocab] of each prompt's last token.
+
+        With `prompt_logprobs` ({index into seqs: k}, the prompts that want them) returns
+        (logits, {index: logprobs}) instead, logprobs as `_prompt_logprobs` gives them; the
+        other prompts cost nothing more."""
         cfg = self.cfg
         positions = torch.cat([torch.arange(s.length, device=self.device) for s in seqs])
         batch = self._lora_batch(token_slots, use_lora)
@@ -170,7 +180,46 @@ class LlamaModel:
             x = x + self._linear(attn.reshape(x.shape[0], cfg.q_size), lw.o, None, i, "o", batch)
             x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, batch)
         last = torch.tensor([s.start + s.length - 1 for s in seqs], device=self.device)
-        return self._logits(x[last])
+        logits = self._logits(x[last])
+        if prompt_logprobs is None:
+            return logits
+        return logits, self._prompt_logprobs(x, tokens, seqs, prompt_logprobs)
+
+    def _prompt_logprobs(self, x: torch.Tensor, tokens: torch.Tensor, seqs: list[PrefillSeq],
+                         wanted: dict[int, int]) -> dict[int, list[TokenLogprobs | None]]:
+        """Per wanted prompt, one entry per token: None for the first (nothing predicts it),
+        then each token's logprob given the tokens before it and the k most likely there.
+        Prompt [1, 7, 9], k = 1 -> [None, (lp(7 | 1), top 1), (lp(9 | 1 7), top 1)].
+
+        x [T, hidden] the last layer's output. Position p scores token p + 1: log_softmax in
+        float32 over the logits of every position but the last, of the wanted prompts only,
+        PROMPT_LOGPROBS_CHUNK positions at a time; one copy to the host at the end."""
+        order = sorted(wanted)
+        host = [p for i in order for p in range(seqs[i].start, seqs[i].start + seqs[i].length - 1)]
+        k = max(wanted.values(), default=0)
+        chosen, top_v, top_i = [], [], []
+        if host:
+            positions = torch.tensor(host, device=self.device)
+            for c in range(0, len(host), PROMPT_LOGPROBS_CHUNK):
+                rows = positions[c:c + PROMPT_LOGPROBS_CHUNK]
+                lp = torch.log_softmax(self._logits(x[rows]), dim=-1)  # [chunk, vocab]
+                chosen.append(lp.gather(1, tokens[rows + 1][:, None])[:, 0])
+                if k:
+                    top = lp.topk(k, dim=-1)  # sorted, most likely first
+                    top_v.append(top.values)
+                    top_i.append(top.indices)
+            chosen = torch.cat(chosen).tolist()
+            top_v = torch.cat(top_v).tolist() if k else [[]] * len(host)
+            top_i = torch.cat(top_i).tolist() if k else [[]] * len(host)
+        out, j = {}, 0
+        for i in order:
+            n = wanted[i]
+            entries: list[TokenLogprobs | None] = [None]
+            for _ in range(seqs[i].length - 1):
+                entries.append(TokenLogprobs(chosen[j], tuple(zip(top_i[j][:n], top_v[j][:n]))))
+                j += 1
+            out[i] = entries
+        return out
 
     # -- decode ----------------------------------------------------------------------------
 

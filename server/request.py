@@ -36,6 +36,9 @@ class RequestOutput:
     completion_tokens: int
     error: str | None = None  # why the request failed (finish_reason "error"), e.g. its adapter's load
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when the request asked
+    # With echo and logprobs, in the request's first output only: one per prompt token, the
+    # first None (see LlamaModel.prefill).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -51,12 +54,14 @@ class Request:
     row: int = -1  # KV row while RUNNING
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, with echo + logprobs
     finish_reason: str | None = None
     error: str | None = None  # set with finish_reason "error"
     detok: IncrementalDetokenizer | None = None
     _emitted_ids: int = 0
     _emitted_chars: int = 0
     _text_end: int | None = None  # where a stop string cut the text
+    _emitted_prompt: bool = False  # the prompt logprobs went out (with the first output)
 
     @classmethod
     def new(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
@@ -92,6 +97,13 @@ class Request:
             return self._finish("stop")
         if len(self.output_ids) >= p.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= max_len:
             return self._finish("length")
+
+    def prefilled(self, prompt_logprobs: list[TokenLogprobs | None] | None) -> None:
+        """The prompt is in the KV cache: keep its logprobs; with max_tokens 0 (echo only)
+        the request is done, nothing to generate."""
+        self.prompt_logprobs = prompt_logprobs
+        if self.params.max_tokens == 0:
+            self._finish("length")
 
     def abort(self) -> None:
         self._finish("abort")
@@ -133,6 +145,9 @@ class Request:
         new_ids = self.output_ids[self._emitted_ids:]
         logprobs = self.output_logprobs[self._emitted_ids:] if self.params.logprobs is not None else None
         self._emitted_ids = len(self.output_ids)
+        prompt_logprobs = None
+        if not self._emitted_prompt and self.prompt_logprobs is not None:
+            prompt_logprobs, self._emitted_prompt = self.prompt_logprobs, True
         text = ""
         if self.detok is not None:
             full = self.detok.text
@@ -146,4 +161,4 @@ class Request:
                 text = full[self._emitted_chars:end]
                 self._emitted_chars = end
         return RequestOutput(self.request_id, new_ids, text, self.finished, self.finish_reason,
-                             len(self.prompt_ids), len(self.output_ids), self.error, logprobs)
+                             len(self.prompt_ids), len(self.output_ids), self.error, logprobs, prompt_logprobs)

@@ -38,10 +38,14 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
     presence_penalty: float = 0.0  # subtracted from a token's logit once it appears in the output
     frequency_penalty: float = 0.0  # subtracted once per appearance in the output
+    # The output starts with the prompt (/v1/completions `echo`): with `logprobs` k, each
+    # prompt token's logprob and the k most likely there too (the first token's is None).
+    # Only then may max_tokens be 0: score the prompt, generate nothing.
+    echo: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+        if self.max_tokens < (0 if self.echo else 1):
+            raise ValueError("max_tokens must be at least 1 (0 only with echo)")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -60,6 +64,11 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the request wants (None: no prompt logprobs)."""
+        return self.logprobs if self.echo else None
 
 
 @dataclass(frozen=True, slots=True)

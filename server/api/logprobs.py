@@ -6,6 +6,12 @@
      "top_logprobs": [{" the": -0.4}, {" dog": -1.0, " fox": -2.1}],  # the top 1, plus the sampled token
      "text_offset": [0, 4]}                                          # where each token starts in the text
 
+With `echo: true` the prompt's tokens come first, the first one with null for its logprob
+and its top_logprobs (nothing predicts it)::
+
+    {"tokens": ["The", " quick", " the", ...], "token_logprobs": [null, -7.5, -0.4, ...],
+     "top_logprobs": [null, {",": -1.2, " quick": -7.5}, {" the": -0.4}, ...], ...}
+
 /v1/chat/completions with `logprobs: true, top_logprobs: 1`::
 
     {"content": [{"token": " the", "logprob": -0.4, "bytes": [32, 116, 104, 101],
@@ -48,17 +54,20 @@ class CompletionLogprobs:
         self.tokenizer = tokenizer
         self.offset = 0  # characters of token text so far
 
-    def chunk(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict:
+    def chunk(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> dict:
+        """None in `logprobs`: a token nothing scored (an echoed prompt's first), null in JSON."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, lp in zip(token_ids, logprobs):
             text = token_text(self.tokenizer, token_id)
-            top: dict[str, float] = {}
-            # Tokens that decode alike (pieces of UTF-8 characters: "\ufffd") share a key: the
-            # most likely keeps it. OpenAI lists the sampled token too.
-            for t, v in (*lp.top, (token_id, lp.logprob)):
-                top.setdefault(token_text(self.tokenizer, t), _value(v))
+            top: dict[str, float] | None = None
+            if lp is not None:
+                top = {}
+                # Tokens that decode alike (pieces of UTF-8 characters: "\ufffd") share a key:
+                # the most likely keeps it. OpenAI lists the sampled (or prompt) token too.
+                for t, v in (*lp.top, (token_id, lp.logprob)):
+                    top.setdefault(token_text(self.tokenizer, t), _value(v))
             out["tokens"].append(text)
-            out["token_logprobs"].append(_value(lp.logprob))
+            out["token_logprobs"].append(None if lp is None else _value(lp.logprob))
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(text)

@@ -59,7 +59,7 @@ class _SamplingFields(BaseModel):
             return f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name
         return None
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, echo: bool = False) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -73,13 +73,14 @@ class _SamplingFields(BaseModel):
             logprobs=self.top_logprobs_k(),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
+            echo=echo,
         )
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
+    max_tokens: int | None = Field(default=16, ge=0)  # 0 only with echo: score the prompt
+    echo: bool = False  # the text starts with the prompt, and with logprobs so do the logprobs
     suffix: str | None = None
     logprobs: int | None = None  # the sampled token's logprob plus this many most likely ones
 
@@ -88,7 +89,8 @@ class CompletionRequest(_SamplingFields):
 
     def refusal(self) -> tuple[str, str | None] | None:
         return (super().refusal() or self._logprobs_bound("logprobs", self.logprobs)
-                or (("echo is not supported", "echo") if self.echo else None)
+                or (("max_tokens 0 needs echo: true", "max_tokens")
+                    if self.max_tokens == 0 and not self.echo else None)
                 or (("suffix is not supported", "suffix") if self.suffix else None))
 
 

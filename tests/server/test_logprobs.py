@@ -214,7 +214,7 @@ def error_of(r: httpx.Response) -> dict:
     ("/v1/completions", {"logprobs": -1}, "logprobs"),
     ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"frequency_penalty": -2.01}, "frequency_penalty"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
     ("/v1/chat/completions", {"frequency_penalty": 3}, "frequency_penalty"),
