@@ -111,3 +111,17 @@ class LiveServer:
 @pytest.fixture
 def live_server():
     return LiveServer
+
+
+@pytest.fixture(scope="module")
+def served(hf_llama, llama_adapters):
+    """The tiny Llama and its PEFT adapters behind a live server (model name "tiny-llama")."""
+    from loraplex.server.api.app import create_app
+    from loraplex.server.engine import LLMEngine
+    from loraplex.server.settings import ServerSettings
+
+    settings = ServerSettings(model=str(hf_llama), served_model_name="tiny-llama", device="cpu", dtype="float32",
+                              max_num_seqs=8, max_model_len=256, max_loras=4, max_lora_rank=16,
+                              lora_modules=[f"{n}={p}" for n, p in llama_adapters.items()])
+    with LiveServer(create_app(LLMEngine.from_settings(settings))) as server:
+        yield server

@@ -17,7 +17,7 @@ from loraplex.server.model import PrefillSeq
 from loraplex.server.sampling import SamplingParams
 from loraplex.server.tokenizer import Tokenizer
 
-from .test_logprobs import ATOL, error_of, prompt, served  # noqa: F401 - served is a fixture
+from .test_logprobs import ATOL, error_of, prompt
 from .test_ops import CUDA_CFG, needs_cuda, tiny_model
 from .test_parity import engine_for, hf_greedy
 
@@ -156,7 +156,7 @@ TEXT = "the quick brown fox jumps"
 
 
 @pytest.mark.parametrize("model, adapter", [("tiny-llama", None), ("all-r16", "all-r16")])
-def test_score_a_text_as_lm_eval_does(served, hf_llama, llama_adapters, model, adapter):  # noqa: F811
+def test_score_a_text_as_lm_eval_does(served, hf_llama, llama_adapters, model, adapter):
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
     c = client.completions.create(model=model, prompt=TEXT, max_tokens=0, echo=True, logprobs=2, temperature=0)
     choice = c.choices[0]
@@ -179,7 +179,7 @@ def test_score_a_text_as_lm_eval_does(served, hf_llama, llama_adapters, model, a
         assert {tok.decode([t]) for t in best} <= set(top) and len(top) <= 3
 
 
-def test_echo_with_generation_streamed_and_not(served, hf_llama):  # noqa: F811
+def test_echo_with_generation_streamed_and_not(served, hf_llama):
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
     prompts = [prompt(6), prompt(7, 10)]  # token ids: echo decodes them
     kw = dict(model="tiny-llama", prompt=prompts, max_tokens=5, temperature=0, logprobs=1,
@@ -216,7 +216,7 @@ def test_echo_with_generation_streamed_and_not(served, hf_llama):  # noqa: F811
         assert mine[-1].finish_reason == "length"
 
 
-def test_echo_without_logprobs_and_score_only_stream(served):  # noqa: F811
+def test_echo_without_logprobs_and_score_only_stream(served):
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
     c = client.completions.create(model="qv-r8", prompt=TEXT, max_tokens=3, echo=True, temperature=0,
                                   extra_body={"ignore_eos": True})
@@ -237,7 +237,7 @@ def test_echo_without_logprobs_and_score_only_stream(served):  # noqa: F811
     assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])  # logprobs 0: the token itself
 
 
-def test_max_tokens_zero_without_echo_is_a_400(served):  # noqa: F811
+def test_max_tokens_zero_without_echo_is_a_400(served):
     r = httpx.post(served.url + "/v1/completions", timeout=30,
                    json={"model": "tiny-llama", "prompt": TEXT, "max_tokens": 0, "logprobs": 1})
     assert r.status_code == 400

@@ -11,13 +11,10 @@ import openai
 import pytest
 import torch
 
-from loraplex.server.api.app import create_app
 from loraplex.server.engine import LLMEngine
 from loraplex.server.sampling import SamplingParams
-from loraplex.server.settings import ServerSettings
 from loraplex.server.tokenizer import Tokenizer
 
-from .conftest import LiveServer
 from .test_parity import engine_for, hf_greedy
 
 MAX_NEW = 12
@@ -120,15 +117,6 @@ def test_zero_penalties_leave_outputs_bit_identical(hf_llama, llama_adapters):
 
 
 # -- over HTTP --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def served(hf_llama, llama_adapters):
-    settings = ServerSettings(model=str(hf_llama), served_model_name="tiny-llama", device="cpu", dtype="float32",
-                              max_num_seqs=8, max_model_len=256, max_loras=4, max_lora_rank=16,
-                              lora_modules=[f"{n}={p}" for n, p in llama_adapters.items()])
-    with LiveServer(create_app(LLMEngine.from_settings(settings))) as server:
-        yield server
 
 
 def test_completions_logprobs_shape_and_values(served, hf_llama):
