@@ -115,6 +115,11 @@ class ServerSettings:
     """Replay decode steps as CUDA graphs (CUDA devices only; --no-cuda-graphs turns
     them off). Default: on."""
 
+    fused_ops: bool = True
+    """Run the decode step's small ops (attention, RoPE + K/V write, add + RMSNorm,
+    silu*mul) as the Triton kernels of server/ops (CUDA devices only; --no-fused-ops
+    runs them as torch ops). Default: on."""
+
     kv_block: int = 256
     """Granularity, in tokens, of the KV length that a decode step reads (and of its
     CUDA-graph buckets). Default: 256."""

@@ -27,8 +27,9 @@ def test_every_field_has_a_flag_and_a_docstring():
 
 def test_flags_env_and_validation(monkeypatch):
     s = ServerSettings.from_env_and_args(["--dummy-weights", "tiny", "--max-loras", "3", "--no-cuda-graphs",
-                                          "--lora-modules", "a=/x", "b=/y", "--lora-modules", "c=/z"])
-    assert (s.max_loras, s.cuda_graphs, s.lora_modules) == (3, False, ["a=/x", "b=/y", "c=/z"])
+                                          "--no-fused-ops", "--lora-modules", "a=/x", "b=/y", "--lora-modules", "c=/z"])
+    assert (s.max_loras, s.cuda_graphs, s.fused_ops, s.lora_modules) == (3, False, False, ["a=/x", "b=/y", "c=/z"])
+    assert ServerSettings.from_env_and_args(["--demo"]).fused_ops
     monkeypatch.setenv("LORAPLEX_MAX_NUM_SEQS", "5")
     assert ServerSettings.from_env_and_args(["--demo"]).max_num_seqs == 5
     for bad in (["--dummy-weights", "tiny", "--dtype", "int8"], [], ["--demo", "--max-loras", "-1"],
