@@ -230,10 +230,8 @@ def main(argv=None) -> int:
         dummy_weights=args.shape, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
         max_model_len=args.prompt_len + args.decode_steps + 8, max_prefill_tokens=args.batch * args.prompt_len,
         max_loras=max(n_max, 1), max_lora_rank=args.rank, cuda_graphs=not args.no_cuda_graphs,
-        kv_block=args.kv_block)
+        kv_block=args.kv_block, fused_ops=not args.no_fused_ops)
     engine = LLMEngine.from_settings(settings)
-    if args.no_fused_ops:
-        engine.model.fused_ops = False  # before the first decode captures a graph
     fused_ops = engine.model.fused_ops
     device, dtype = engine.device, engine.dtype
     bw = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 256 << 20)
