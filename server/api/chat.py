@@ -1,5 +1,8 @@
 """POST /v1/chat/completions: messages through the tokenizer's chat template (a plain
-"role: content" template when it has none), SSE when streaming."""
+"role: content" template when it has none), `n` choices (index 0..n-1), SSE when streaming.
+
+Streamed, each choice first gets a chunk with its role, then the chunks of all choices
+interleave, each naming its `index`; each choice ends with its own finish_reason."""
 
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 
 from ..engine import AsyncEngine
-from .deps import get_engine, merged, open_streams, resolve_adapter, until_disconnected
+from .completions import open_choices
+from .deps import get_engine, merged, resolve_adapter, until_disconnected
 from .errors import APIError
 from .logprobs import chat_logprobs
 from .schemas import ChatCompletionRequest, new_id, now, usage
@@ -35,7 +39,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     # Without max_tokens a chat reply may use the rest of the context (as vLLM does).
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, eng.max_model_len - len(prompt))
     params = body.sampling(max_tokens)
-    streams = open_streams(engine, [prompt], params, adapter, body.model)
+    streams = open_choices(engine, [prompt], body, params, adapter)
     rid, created = new_id("chatcmpl"), now()
     want_logprobs = params.logprobs is not None
 
@@ -43,40 +47,48 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         return {"id": rid, "object": object_, "created": created, "model": body.model, "choices": choices,
                 **({"usage": usage_} if usage_ is not None else {})}
 
+    def total(completion_tokens: list[int]) -> dict:
+        """The prompt counts once, however many choices."""
+        return usage(len(prompt), sum(completion_tokens))
+
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events() -> AsyncIterator[dict]:
-            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}], "chat.completion.chunk")
-            last = None
-            async for _, out in merged(streams):
-                last = out
+            for j in range(len(streams)):
+                yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}], "chat.completion.chunk")
+            counts = [0] * len(streams)
+            async for j, out in merged(streams):
+                counts[j] = out.completion_tokens
                 # Tokens whose text is held back (a possible stop string) still bring their logprobs.
                 if out.text or out.finished or (want_logprobs and out.token_ids):
                     lp = chat_logprobs(eng.tokenizer, out.token_ids, out.logprobs) if want_logprobs else None
-                    yield chunk([{"index": 0, "delta": {"content": out.text} if out.text else {},
+                    yield chunk([{"index": j, "delta": {"content": out.text} if out.text else {},
                                   "logprobs": lp, "finish_reason": out.finish_reason if out.finished else None}],
                                 "chat.completion.chunk")
-            if include_usage and last is not None:
-                yield chunk([], "chat.completion.chunk", usage(last.prompt_tokens, last.completion_tokens))
+            if include_usage:
+                yield chunk([], "chat.completion.chunk", total(counts))
 
         return sse_response(events())
 
     async def collect() -> dict:
-        text, reason, last = "", None, None
-        ids, lps = [], []
-        async for _, out in merged(streams):
-            text += out.text
-            last = out
+        texts = [""] * len(streams)
+        reasons: list[str | None] = [None] * len(streams)
+        counts = [0] * len(streams)
+        ids: list[list[int]] = [[] for _ in streams]
+        lps: list[list] = [[] for _ in streams]
+        async for j, out in merged(streams):
+            texts[j] += out.text
+            counts[j] = out.completion_tokens
             if want_logprobs:
-                ids += out.token_ids
-                lps += out.logprobs
+                ids[j] += out.token_ids
+                lps[j] += out.logprobs
             if out.finished:
-                reason = out.finish_reason
-        return chunk([{"index": 0, "message": {"role": "assistant", "content": text},
-                       "logprobs": chat_logprobs(eng.tokenizer, ids, lps) if want_logprobs else None,
-                       "finish_reason": reason}], "chat.completion",
-                     usage(last.prompt_tokens, last.completion_tokens))
+                reasons[j] = out.finish_reason
+        return chunk([{"index": j, "message": {"role": "assistant", "content": texts[j]},
+                       "logprobs": chat_logprobs(eng.tokenizer, ids[j], lps[j]) if want_logprobs else None,
+                       "finish_reason": reasons[j]} for j in range(len(streams))], "chat.completion",
+                     total(counts))
 
     return await until_disconnected(request, collect())

@@ -1,4 +1,8 @@
-"""POST /v1/completions: text (or token-id) prompts, one choice per prompt, SSE when streaming.
+"""POST /v1/completions: text (or token-id) prompts, `n` choices per prompt, SSE when streaming.
+
+With several prompts the choices run prompt-major, as OpenAI and vLLM number them: prompts
+["a", "b"] with n=2 give choices 0, 1 (of "a") and 2, 3 (of "b"). Streamed, the chunks of all
+choices interleave, each naming its `index`; each choice ends with its own finish_reason.
 
 `echo: true` (what lm-eval-harness sends to score a text, with `max_tokens` 0 or 1 and
 `logprobs`): the choice's text is the prompt followed by the completion, and its logprobs
@@ -11,11 +15,12 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
-from ..engine import AsyncEngine
+from ..engine import AsyncEngine, RequestStream
+from ..sampling import SamplingParams
 from .deps import get_engine, merged, open_streams, resolve_adapter, until_disconnected
 from .errors import APIError
 from .logprobs import CompletionLogprobs
-from .schemas import CompletionRequest, new_id, now, usage
+from .schemas import ChatCompletionRequest, CompletionRequest, new_id, now, usage
 from .sse import sse_response
 
 router = APIRouter(tags=["completions"])
@@ -44,6 +49,25 @@ def _prompts(engine: AsyncEngine, body: CompletionRequest) -> tuple[list[list[in
     return [tok.encode(t) for t in texts], texts
 
 
+def open_choices(engine: AsyncEngine, prompts: list[list[int]], body: CompletionRequest | ChatCompletionRequest,
+                 params: SamplingParams, adapter: str | None) -> list[RequestStream]:
+    """Queue `body.n` requests per prompt and return their streams prompt-major: stream k is
+    choice k % n of prompt k // n, and k is that choice's `index`. Each choice is a request
+    of its own (its own batch row, its own seed; see `choice_params`); the n copies of a
+    prompt share no prefix and each prefills it (no prefix sharing yet). On any error,
+    abort the ones already queued."""
+    per_choice: list[list[RequestStream]] = []  # [n][prompts]
+    try:
+        for p in body.choice_params(params):
+            per_choice.append(open_streams(engine, prompts, p, adapter, body.model))
+    except BaseException:
+        for streams in per_choice:
+            for s in streams:
+                s.close()
+        raise
+    return [per_choice[j][i] for i in range(len(prompts)) for j in range(body.n)]
+
+
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, engine: AsyncEngine = Depends(get_engine)):
     refusal = body.refusal()
@@ -52,22 +76,26 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
     adapter = resolve_adapter(engine, body.model)
     prompts, prompt_texts = _prompts(engine, body)
     params = body.sampling(16 if body.max_tokens is None else body.max_tokens, echo=body.echo)
-    streams = open_streams(engine, prompts, params, adapter, body.model)
-    rid, created = new_id("cmpl"), now()
+    streams = open_choices(engine, prompts, body, params, adapter)
+    n, rid, created = body.n, new_id("cmpl"), now()
     want_logprobs = params.logprobs is not None
-    builders = [CompletionLogprobs(engine.engine.tokenizer) for _ in prompts]
-    echoed = [not body.echo] * len(prompts)
+    builders = [CompletionLogprobs(engine.engine.tokenizer) for _ in streams]
+    echoed = [not body.echo] * len(streams)
 
-    def delta(i: int, out) -> tuple[str, list[int], list]:
-        """An output's text, token ids and logprobs; a choice's first one starts with its
+    def delta(k: int, out) -> tuple[str, list[int], list]:
+        """Choice k's output's text, token ids and logprobs; a choice's first one starts with its
         prompt when echoing (the engine sends the prompt's logprobs with its first output)."""
         text, ids, lps = out.text, out.token_ids, out.logprobs or []
-        if not echoed[i]:
-            echoed[i] = True
-            text = prompt_texts[i] + text
+        if not echoed[k]:
+            echoed[k] = True
+            text = prompt_texts[k // n] + text
             if out.prompt_logprobs is not None:
-                ids, lps = prompts[i] + ids, out.prompt_logprobs + lps
+                ids, lps = prompts[k // n] + ids, out.prompt_logprobs + lps
         return text, ids, lps
+
+    def total(counts: list[tuple[int, int]]) -> dict:
+        """Usage from each choice's (prompt tokens, completion tokens): a prompt counts once, however many choices."""
+        return usage(sum(c[0] for c in counts[::n]), sum(c[1] for c in counts))
 
     def chunk(choices: list[dict], usage_: dict | None = None) -> dict:
         return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
@@ -77,39 +105,39 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events() -> AsyncIterator[dict]:
-            counts = [(len(p), 0) for p in prompts]
-            async for i, out in merged(streams):
-                counts[i] = (out.prompt_tokens, out.completion_tokens)
-                first = not echoed[i]
-                text, ids, lps = delta(i, out)
+            counts = [(len(prompts[k // n]), 0) for k in range(len(streams))]
+            async for k, out in merged(streams):
+                counts[k] = (out.prompt_tokens, out.completion_tokens)
+                first = not echoed[k]
+                text, ids, lps = delta(k, out)
                 # Tokens whose text is held back (a possible stop string) still bring their logprobs.
                 if text or out.finished or first or (want_logprobs and ids):
-                    lp = builders[i].chunk(ids, lps) if want_logprobs else None
-                    yield chunk([{"index": i, "text": text, "logprobs": lp,
+                    lp = builders[k].chunk(ids, lps) if want_logprobs else None
+                    yield chunk([{"index": k, "text": text, "logprobs": lp,
                                   "finish_reason": out.finish_reason if out.finished else None}])
             if include_usage:
-                yield chunk([], usage(sum(c[0] for c in counts), sum(c[1] for c in counts)))
+                yield chunk([], total(counts))
 
         return sse_response(events())
 
     async def collect() -> dict:
-        texts = [""] * len(prompts)
-        reasons: list[str | None] = [None] * len(prompts)
-        counts = [(len(p), 0) for p in prompts]
-        ids: list[list[int]] = [[] for _ in prompts]
-        lps: list[list] = [[] for _ in prompts]
-        async for i, out in merged(streams):
-            text, new_ids, new_lps = delta(i, out)
-            texts[i] += text
-            counts[i] = (out.prompt_tokens, out.completion_tokens)
+        texts = [""] * len(streams)
+        reasons: list[str | None] = [None] * len(streams)
+        counts = [(len(prompts[k // n]), 0) for k in range(len(streams))]
+        ids: list[list[int]] = [[] for _ in streams]
+        lps: list[list] = [[] for _ in streams]
+        async for k, out in merged(streams):
+            text, new_ids, new_lps = delta(k, out)
+            texts[k] += text
+            counts[k] = (out.prompt_tokens, out.completion_tokens)
             if want_logprobs:
-                ids[i] += new_ids
-                lps[i] += new_lps
+                ids[k] += new_ids
+                lps[k] += new_lps
             if out.finished:
-                reasons[i] = out.finish_reason
-        choices = [{"index": i, "text": texts[i],
-                    "logprobs": builders[i].chunk(ids[i], lps[i]) if want_logprobs else None,
-                    "finish_reason": reasons[i]} for i in range(len(prompts))]
-        return chunk(choices, usage(sum(c[0] for c in counts), sum(c[1] for c in counts)))
+                reasons[k] = out.finish_reason
+        choices = [{"index": k, "text": texts[k],
+                    "logprobs": builders[k].chunk(ids[k], lps[k]) if want_logprobs else None,
+                    "finish_reason": reasons[k]} for k in range(len(streams))]
+        return chunk(choices, total(counts))
 
     return await until_disconnected(request, collect())

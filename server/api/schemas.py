@@ -8,6 +8,7 @@ top_logprobs, penalties) are refused with a 400 naming the parameter, as OpenAI 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Literal
@@ -15,6 +16,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16  # the most choices one request may ask for (`n`); each is a batch row of its own
 
 
 class StreamOptions(BaseModel):
@@ -34,7 +37,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1)  # choices per prompt, each an independent sample
+    best_of: int | None = None  # accepted only equal to n (vLLM's meaning: keep the n best of best_of)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
@@ -45,8 +49,10 @@ class _SamplingFields(BaseModel):
 
     def refusal(self) -> tuple[str, str | None] | None:
         """(why, parameter) when this request cannot be served as asked; None when it can."""
-        if self.n != 1:
-            return "n > 1 is not supported", "n"
+        if self.n > MAX_N:
+            return f"n must be at most {MAX_N}, got {self.n}", "n"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of is not supported (other than best_of equal to n)", "best_of"
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and not -2.0 <= value <= 2.0:
@@ -75,6 +81,14 @@ class _SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             echo=echo,
         )
+
+    def choice_params(self, params: SamplingParams) -> list[SamplingParams]:
+        """`params` for each of the n choices. With a seed, choice j samples with seed + j
+        (vLLM's rule): the choices differ, the response is reproducible, and choice 0 is what
+        n=1 gives. Without one, each choice's request gets its own seed from the engine."""
+        if params.seed is None:
+            return [params] * self.n
+        return [dataclasses.replace(params, seed=params.seed + j) for j in range(self.n)]
 
 
 class CompletionRequest(_SamplingFields):

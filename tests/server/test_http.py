@@ -111,7 +111,7 @@ def test_error_shapes(served):
         assert r.status_code == 400 and "maximum context length" in error_of(r)["message"]
         r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": [5] * 10, "max_tokens": 509})
         assert r.status_code == 400
-        r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x", "n": 2})
+        r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x", "n": 17})
         assert r.status_code == 400
         assert c.get("/healthz").status_code == 200 and c.get("/readyz").json()["status"] == "ready"
         metrics = c.get("/metrics").text
