@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 
 from ..engine import AsyncEngine
-from .completions import open_choices
-from .deps import get_engine, merged, resolve_adapter, until_disconnected
+from .deps import get_engine, merged, open_choices, resolve_adapter, until_disconnected
 from .errors import APIError
 from .logprobs import chat_logprobs
 from .schemas import ChatCompletionRequest, new_id, now, usage

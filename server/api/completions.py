@@ -15,12 +15,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
-from ..engine import AsyncEngine, RequestStream
-from ..sampling import SamplingParams
-from .deps import get_engine, merged, open_streams, resolve_adapter, until_disconnected
+from ..engine import AsyncEngine
+from .deps import get_engine, merged, open_choices, resolve_adapter, until_disconnected
 from .errors import APIError
 from .logprobs import CompletionLogprobs
-from .schemas import ChatCompletionRequest, CompletionRequest, new_id, now, usage
+from .schemas import CompletionRequest, new_id, now, usage
 from .sse import sse_response
 
 router = APIRouter(tags=["completions"])
@@ -47,25 +46,6 @@ def _prompts(engine: AsyncEngine, body: CompletionRequest) -> tuple[list[list[in
     if tok is None:
         raise APIError(400, "this server has no tokenizer: send the prompt as token ids", param="prompt")
     return [tok.encode(t) for t in texts], texts
-
-
-def open_choices(engine: AsyncEngine, prompts: list[list[int]], body: CompletionRequest | ChatCompletionRequest,
-                 params: SamplingParams, adapter: str | None) -> list[RequestStream]:
-    """Queue `body.n` requests per prompt and return their streams prompt-major: stream k is
-    choice k % n of prompt k // n, and k is that choice's `index`. Each choice is a request
-    of its own (its own batch row, its own seed; see `choice_params`); the n copies of a
-    prompt share no prefix and each prefills it (no prefix sharing yet). On any error,
-    abort the ones already queued."""
-    per_choice: list[list[RequestStream]] = []  # [n][prompts]
-    try:
-        for p in body.choice_params(params):
-            per_choice.append(open_streams(engine, prompts, p, adapter, body.model))
-    except BaseException:
-        for streams in per_choice:
-            for s in streams:
-                s.close()
-        raise
-    return [per_choice[j][i] for i in range(len(prompts)) for j in range(body.n)]
 
 
 @router.post("/v1/completions")

@@ -1,5 +1,6 @@
 """Small dependencies the routers share: the engine, the adapter a `model` names, and
-opening engine streams with engine errors turned into API errors."""
+opening engine streams (one per prompt and choice) with engine errors turned into API
+errors."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from ..engine import AsyncEngine, RequestError, UnknownModelError
+from ..engine import AsyncEngine, RequestError, RequestStream, UnknownModelError
 from ..request import RequestOutput
 from ..sampling import SamplingParams
 from .errors import APIError, model_not_found
+from .schemas import ChatCompletionRequest, CompletionRequest
 
 
 def get_engine(request: Request) -> AsyncEngine:
@@ -48,6 +50,25 @@ def open_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sampling
             raise APIError(503, str(e), type="service_unavailable") from None
         raise
     return streams
+
+
+def open_choices(engine: AsyncEngine, prompts: list[list[int]], body: CompletionRequest | ChatCompletionRequest,
+                 params: SamplingParams, adapter: str | None) -> list[RequestStream]:
+    """Queue `body.n` requests per prompt and return their streams prompt-major: stream k is
+    choice k % n of prompt k // n, and k is that choice's `index`. Each choice is a request
+    of its own (its own batch row, its own seed; see `choice_params`); the n copies of a
+    prompt share no prefix and each prefills it (no prefix sharing yet). On any error,
+    abort the ones already queued."""
+    per_choice: list[list[RequestStream]] = []  # [n][prompts]
+    try:
+        for p in body.choice_params(params):
+            per_choice.append(open_streams(engine, prompts, p, adapter, body.model))
+    except BaseException:
+        for streams in per_choice:
+            for s in streams:
+                s.close()
+        raise
+    return [per_choice[j][i] for i in range(len(prompts)) for j in range(body.n)]
 
 
 async def merged(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
