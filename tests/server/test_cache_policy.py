@@ -16,9 +16,9 @@ from loraplex.server.cache_policy import (
     POLICY_NAMES,
     AgedLFUPolicy,
     LRUPolicy,
-    WTinyLFUPolicy,
     make_policy,
 )
+from loraplex.server.wtinylfu_policy import WTinyLFUPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 
