@@ -26,6 +26,7 @@ import torch
 
 from .model import LlamaModel, PrefillSeq
 from .request import Request
+from .scheduler import PrefillChunk
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +44,18 @@ def bucket(n: int, buckets: list[int]) -> int:
     raise ValueError(f"{n} rows exceed the largest bucket {buckets[-1]}")
 
 
-def build_prefill(reqs: list[Request], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[PrefillSeq]]:
-    """Pack the prompts of newly admitted requests: tokens int64 [T], token_slots int32 [T]."""
+def build_prefill(chunks: list[PrefillChunk],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[PrefillSeq]]:
+    """Pack the step's prompt chunks (whole prompts, without chunked prefill): tokens int64 [T],
+    token_slots int32 [T] (each chunk carries its request's adapter slot)."""
     tokens: list[int] = []
     slots: list[int] = []
     seqs = []
-    for req in reqs:
-        seqs.append(PrefillSeq(row=req.row, start=len(tokens), length=len(req.prompt_ids)))
-        tokens += req.prompt_ids
-        slots += [req.slot] * len(req.prompt_ids)
+    for c in chunks:
+        req = c.req
+        seqs.append(PrefillSeq(row=req.row, start=len(tokens), length=c.length, pos=c.pos))
+        tokens += req.prompt_ids[c.pos: c.pos + c.length]
+        slots += [req.slot] * c.length
     return (torch.tensor(tokens, dtype=torch.int64, device=device),
             torch.tensor(slots, dtype=torch.int32, device=device), seqs)
 

@@ -5,6 +5,8 @@ One step::
     aborted/finished requests leave the batch     (KV rows and adapter refs freed)
     scheduler admits waiting requests             (each gets a KV row)
     prefill the admitted prompts                  -> first token of each (and prompt logprobs: echo)
+      (--enable-chunked-prefill: at most max_prefill_tokens of them, a long prompt in chunks
+       over several steps; only its last chunk samples its first token)
     decode every running row, one token each      (CUDA graph on the GPU)
     penalise, sample, logprobs (one host sync), detokenize, check stops -> RequestOutputs
 
@@ -117,7 +119,8 @@ class LLMEngine:
                                 fused_ops=settings.fused_ops and self.device.type == "cuda")
         self.decoder = DecodeRunner(self.model, settings.max_num_seqs, settings.kv_block, settings.cuda_graphs)
         self.decoder.capture_guard = self.adapters.cuda_lock
-        self.scheduler = Scheduler(self.kv, settings.max_prefill_tokens)
+        self.scheduler = Scheduler(self.kv, settings.max_prefill_tokens,
+                                   chunked_prefill=settings.enable_chunked_prefill)
         log.info("KV cache %.2f GB (%d rows x %d tokens), adapter slots %.2f GB (%d x rank %d)",
                  self.kv.nbytes() / 1e9, self.kv.rows, self.kv.max_len, self.lora.nbytes() / 1e9,
                  self.lora.num_slots, self.lora.max_rank)
@@ -206,32 +209,42 @@ class LLMEngine:
         outputs = self._reap() + self._fail_loads()
         # Requests whose adapter is still loading stay queued; the batch goes on without them.
         running = {r.adapter for r in self.scheduler.running.values() if r.adapter}
-        admitted = self.scheduler.admit(self.adapters.ready_slots(running))
-        for req in admitted:
-            self.metrics.queue_seconds.observe(time.monotonic() - req.arrival)
+        # Whole prompts of the admitted requests, or (chunked prefill) chunks of them.
+        chunks = self.scheduler.schedule(self.adapters.ready_slots(running))
+        for c in chunks:
+            if c.pos == 0:
+                self.metrics.queue_seconds.observe(time.monotonic() - c.req.arrival)
+        # Rows mid chunked prefill have no token yet: they are not decoded.
         decoding = {row: r for row, r in self.scheduler.running.items() if r.output_ids}
-        if admitted:
-            tokens, slots, seqs = build_prefill(admitted, self.device)
-            use_lora = any(r.slot >= 0 for r in admitted)
-            # echo with logprobs: those prompts' own logprobs come out of the prefill too.
-            wanted = {i: r.params.prompt_logprobs for i, r in enumerate(admitted)
+        prefilled: list[Request] = []  # prompts completed this step
+        if chunks:
+            tokens, slots, seqs = build_prefill(chunks, self.device)
+            reqs = [c.req for c in chunks]
+            use_lora = any(r.slot >= 0 for r in reqs)
+            # echo with logprobs: those prompts' own logprobs come out of the prefill too (such a
+            # prompt is never chunked: the scheduler prefills it whole).
+            wanted = {i: r.params.prompt_logprobs for i, r in enumerate(reqs)
                       if r.params.prompt_logprobs is not None}
             if wanted:
                 logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, use_lora, wanted)
             else:
                 logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, use_lora), {}
-            for i, req in enumerate(admitted):
-                req.prefilled(prompt_logprobs.get(i))
-            rows = [i for i, r in enumerate(admitted) if not r.finished]  # max_tokens 0: done already
+            last = [i for i, c in enumerate(chunks) if c.last]  # only these sample a first token
+            for c in chunks:
+                c.req.num_computed = c.pos + c.length
+            for i in last:
+                reqs[i].prefilled(prompt_logprobs.get(i))
+                prefilled.append(reqs[i])
+            rows = [i for i in last if not reqs[i].finished]  # max_tokens 0: done already
             if rows:
-                self._sample([admitted[i] for i in rows], logits, rows=rows)
+                self._sample([reqs[i] for i in rows], logits, rows=rows)
             self.metrics.prompt_tokens.inc(tokens.shape[0])
         if decoding:
             logits = self.decoder.run(decoding, self.kv.span())
             self._sample(list(decoding.values()), logits, rows=list(decoding))
-        outputs += [r.take_output() for r in itertools.chain(admitted, decoding.values())]
+        outputs += [r.take_output() for r in itertools.chain(prefilled, decoding.values())]
         outputs += self._reap()
-        self.stalled = not admitted and not decoding
+        self.stalled = not chunks and not decoding
         m = self.metrics
         m.step_seconds.observe(time.perf_counter() - t0)
         m.running.set(len(self.scheduler.running))

@@ -2,9 +2,10 @@
 
 Two entry points, as in gpt-fast, so decode can be captured as a CUDA graph:
 
-- `prefill(...)`: new sequences' prompts packed into one [T] token vector; writes their K/V
-  into their cache rows from position 0 and returns the logits of each prompt's last token
-  (and, for the prompts that ask, the logprob of every prompt token: /v1/completions echo).
+- `prefill(...)`: new sequences' prompts (or chunks of them, `PrefillSeq.pos`) packed into
+  one [T] token vector; writes their K/V into their cache rows and returns the logits of
+  each sequence's last token (and, for whole prompts that ask, the logprob of every prompt
+  token: /v1/completions echo).
 - `decode(...)`: one token per KV row for rows 0..B-1 (a row's batch index is its KV row);
   static shapes for a given (B, kv_len, use_lora), no host synchronisation.
 
@@ -39,11 +40,17 @@ PROMPT_LOGPROBS_CHUNK = 512
 
 @dataclass
 class PrefillSeq:
-    """One prompt inside a packed prefill: tokens[start:start+length] go to KV row `row`."""
+    """One prompt (or a chunk of one) inside a packed prefill: tokens[start:start+length]
+    go to KV row `row` at positions pos..pos+length-1. pos > 0 is a later chunk of a
+    chunked prefill: positions 0..pos-1 of the row already hold the prompt's earlier tokens.
+
+    Running example, a 20-token prompt in chunks of 8: PrefillSeq(row, start, 8, pos=0),
+    then (.., 8, pos=8), then (.., 4, pos=16); only the last one's logits are sampled."""
 
     row: int
     start: int
     length: int
+    pos: int = 0
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -157,10 +164,21 @@ class LlamaModel:
 
         With `prompt_logprobs` ({index into seqs: k}, the prompts that want them) returns
         (logits, {index: logprobs}) instead, logprobs as `_prompt_logprobs` gives them; the
-        other prompts cost nothing more."""
+        other prompts cost nothing more. Prompt logprobs need the whole prompt in this call
+        (pos 0): the engine never chunks a prompt that asks for them.
+
+        A sequence with pos > 0 (a later chunk) attends to its row's cached keys 0..pos-1 as
+        well as causally within the chunk."""
         cfg = self.cfg
-        positions = torch.cat([torch.arange(s.length, device=self.device) for s in seqs])
+        if prompt_logprobs and any(seqs[i].pos for i in prompt_logprobs):
+            raise ValueError("prompt logprobs need the whole prompt in one prefill (pos 0)")
+        positions = torch.cat([torch.arange(s.pos, s.pos + s.length, device=self.device) for s in seqs])
         batch = self._lora_batch(token_slots, use_lora)
+        # Later chunks read the row's keys 0..end-1. is_causal would align the triangle top-left
+        # (query i sees keys 0..i), so their mask is explicit: query i (position pos + i) sees
+        # key j iff j <= pos + i.  {seq start: bool [n, pos + n]}, built once for every layer.
+        visible = {s.start: torch.arange(s.pos + s.length, device=self.device)[None, :]
+                   <= positions[s.start: s.start + s.length, None] for s in seqs if s.pos}
         x = self.w.embed[tokens]
         rope = self._rope_tables(positions, x.dtype)
         for i, lw in enumerate(self.w.layers):
@@ -171,11 +189,18 @@ class LlamaModel:
             for s in seqs:
                 sl = slice(s.start, s.start + s.length)
                 ks, vs = k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # [kv_heads, n, d]
-                kc[s.row, :, : s.length] = ks
-                vc[s.row, :, : s.length] = vs
-                out = F.scaled_dot_product_attention(
-                    q[sl].transpose(0, 1).unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
-                    is_causal=True, scale=1.0, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+                end = s.pos + s.length
+                kc[s.row, :, s.pos: end] = ks
+                vc[s.row, :, s.pos: end] = vs
+                if s.pos == 0:
+                    out = F.scaled_dot_product_attention(
+                        q[sl].transpose(0, 1).unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
+                        is_causal=True, scale=1.0, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+                else:
+                    out = F.scaled_dot_product_attention(
+                        q[sl].transpose(0, 1).unsqueeze(0), kc[s.row, :, :end].unsqueeze(0),
+                        vc[s.row, :, :end].unsqueeze(0), attn_mask=visible[s.start], scale=1.0,
+                        enable_gqa=cfg.num_heads != cfg.num_kv_heads)
                 attn[sl] = out[0].transpose(0, 1)
             x = x + self._linear(attn.reshape(x.shape[0], cfg.q_size), lw.o, None, i, "o", batch)
             x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, batch)

@@ -52,6 +52,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     state: State = State.WAITING
     row: int = -1  # KV row while RUNNING
+    num_computed: int = 0  # prompt tokens in its KV row; < len(prompt_ids) mid chunked prefill
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, with echo + logprobs

@@ -4,11 +4,20 @@ Every step, finished and aborted requests leave the batch (their KV rows and ada
 references are freed) and waiting requests join it while KV rows are free, up to a budget
 of prompt tokens per step. Which waiting requests go first is an `AdmissionPolicy`, a small
 strategy object (first come, first served by default), testable without a model.
+
+`schedule` plans a step's prefill as `PrefillChunk`s. Without chunked prefill each is a
+newly admitted request's whole prompt. With it, a step prefills at most max_prefill_tokens
+prompt tokens: first the next chunks of requests admitted earlier whose prompts are not
+complete (they hold their KV row and adapter but are not decoded yet), then new requests,
+the last one cut to what is left of the budget. Budget 8, a running 20-token prompt with 16
+done and a new 30-token one queued -> [chunk(a, pos 16, 4), chunk(b, pos 0, 4)].
 """
 
 from __future__ import annotations
 
+import sys
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 from .kv_cache import KVCache
@@ -39,11 +48,27 @@ class FcfsPolicy:
         return picked
 
 
+@dataclass
+class PrefillChunk:
+    """Prompt tokens pos..pos+length-1 of one request, prefilled this step."""
+
+    req: Request
+    pos: int
+    length: int
+
+    @property
+    def last(self) -> bool:
+        """The chunk completes the prompt: its logits give the request's first token."""
+        return self.pos + self.length == len(self.req.prompt_ids)
+
+
 class Scheduler:
-    def __init__(self, kv: KVCache, max_prefill_tokens: int, policy: AdmissionPolicy | None = None):
+    def __init__(self, kv: KVCache, max_prefill_tokens: int, policy: AdmissionPolicy | None = None,
+                 chunked_prefill: bool = False):
         self.kv = kv
         self.max_prefill_tokens = max_prefill_tokens
         self.policy = policy or FcfsPolicy()
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # KV row -> request
 
@@ -65,20 +90,58 @@ class Scheduler:
         `ready_slots` ({adapter: slot} of the resident adapters, from the adapter cache): a
         request whose adapter is not in it is still loading and stays in the queue, not the
         batch; the others get their slot. None: every adapter is resident."""
+        picked = self.policy.select(self._ready(ready_slots), self.kv.num_free, self.max_prefill_tokens)
+        self._start(picked)
+        return picked
+
+    def schedule(self, ready_slots: dict[str, int] | None = None) -> list[PrefillChunk]:
+        """This step's prefill (`ready_slots` as in `admit`): the whole prompts of the admitted
+        requests, or with chunked prefill the chunks described in the module docstring."""
+        if not self.chunked_prefill:
+            return [PrefillChunk(r, 0, len(r.prompt_ids)) for r in self.admit(ready_slots)]
+        budget = self.max_prefill_tokens
+        chunks = []
+        for req in self.running.values():  # in admission order (dict insertion order)
+            left = len(req.prompt_ids) - req.num_computed
+            if left > 0 and budget > 0:
+                chunks.append(PrefillChunk(req, req.num_computed, min(left, budget)))
+                budget -= chunks[-1].length
+        # The policy orders the queue; the budget is cut here, chunk by chunk.
+        new = []
+        for req in self.policy.select(self._ready(ready_slots), self.kv.num_free, sys.maxsize):
+            n = len(req.prompt_ids)
+            if req.params.prompt_logprobs is not None:
+                # Never chunked (its prompt logprobs come out of one whole prefill): it waits for
+                # a step with room for it, or goes alone, however long, when nothing else prefills.
+                if n > budget and (chunks or new):
+                    break
+            else:
+                n = min(n, budget)
+            if n <= 0:
+                break
+            new.append(PrefillChunk(req, 0, n))
+            budget -= n
+        self._start([c.req for c in new])
+        return chunks + new
+
+    def _ready(self, ready_slots: dict[str, int] | None) -> deque[Request]:
+        """The waiting requests whose adapter is resident, each given its slot."""
         waiting = self.waiting
         if ready_slots is not None:
             waiting = deque(r for r in waiting if r.adapter is None or r.adapter in ready_slots)
             for req in waiting:
                 if req.adapter is not None:
                     req.slot = ready_slots[req.adapter]
-        picked = self.policy.select(waiting, self.kv.num_free, self.max_prefill_tokens)
+        return waiting
+
+    def _start(self, picked: list[Request]) -> None:
+        """Move `picked` from the queue into the batch, each with a KV row."""
         chosen = set(map(id, picked))
         self.waiting = deque(r for r in self.waiting if id(r) not in chosen)
         for req in picked:
             req.row = self.kv.alloc()
             req.state = State.RUNNING
             self.running[req.row] = req
-        return picked
 
     def remove(self, req: Request) -> None:
         """Take a finished (or aborted) request out of the queue or the batch."""

@@ -74,6 +74,11 @@ class ServerSettings:
     """Prompt tokens prefilled in one step, at most (one prompt may exceed it alone).
     Default: 4096."""
 
+    enable_chunked_prefill: bool = False
+    """Prefill a prompt longer than the step's --max-prefill-tokens budget in chunks over
+    several steps, decoding the running requests between chunks, so a long prompt does not
+    stall them; a prompt that asks for prompt logprobs (echo) is never chunked. Default: off."""
+
     max_loras: int = 0
     """Adapter slots in the device buffers (the GPU tier): adapters resident at once; 0 sizes
     them from the device's free memory after weights and KV cache (8 on the CPU). Default: 0."""
