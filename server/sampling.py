@@ -130,8 +130,8 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, generated: list[li
     The counts are one scatter of all rows' tokens into a [n, V] tensor."""
     n, vocab = rows.shape[0], logits.shape[-1]
     lengths = [len(g) for g in generated]
-    # Flat indices into counts [n * V], built on the host: numpy reads the lists ~10x faster
-    # than torch.tensor (64 rows x 2,000 tokens: 2 ms, not 20), and one copy sends them.
+    # Flat indices into counts [n * V], built on the host with numpy (it reads Python lists
+    # faster than torch.tensor does), and one copy sends them.
     tokens = np.fromiter(itertools.chain.from_iterable(generated), dtype=np.int64, count=sum(lengths))
     flat = torch.from_numpy(np.repeat(np.arange(n, dtype=np.int64) * vocab, lengths) + tokens)
     flat = flat.to(logits.device, non_blocking=True)

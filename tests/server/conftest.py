@@ -115,7 +115,8 @@ def live_server():
 
 @pytest.fixture(scope="module")
 def served(hf_llama, llama_adapters):
-    """The tiny Llama and its PEFT adapters behind a live server (model name "tiny-llama")."""
+    """The tiny Llama and its PEFT adapters behind a live server (model name "tiny-llama"),
+    its engine at hand as `.engine`."""
     from loraplex.server.api.app import create_app
     from loraplex.server.engine import LLMEngine
     from loraplex.server.settings import ServerSettings
@@ -123,5 +124,7 @@ def served(hf_llama, llama_adapters):
     settings = ServerSettings(model=str(hf_llama), served_model_name="tiny-llama", device="cpu", dtype="float32",
                               max_num_seqs=8, max_model_len=256, max_loras=4, max_lora_rank=16,
                               lora_modules=[f"{n}={p}" for n, p in llama_adapters.items()])
-    with LiveServer(create_app(LLMEngine.from_settings(settings))) as server:
+    engine = LLMEngine.from_settings(settings)
+    with LiveServer(create_app(engine)) as server:
+        server.engine = engine
         yield server

@@ -28,18 +28,6 @@ GREEDY = dict(max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
-def served(hf_llama, llama_adapters):
-    """The tiny Llama and its adapters behind a live server, its engine at hand."""
-    settings = ServerSettings(model=str(hf_llama), served_model_name="tiny-llama", device="cpu", dtype="float32",
-                              max_num_seqs=8, max_model_len=256, max_loras=4, max_lora_rank=16,
-                              lora_modules=[f"{n}={p}" for n, p in llama_adapters.items()])
-    engine = LLMEngine.from_settings(settings)
-    with LiveServer(create_app(engine)) as server:
-        server.engine = engine
-        yield server
-
-
-@pytest.fixture(scope="module")
 def client(served) -> openai.OpenAI:
     return openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
 
