@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="decode's small ops as torch ops, not the server/ops Triton kernels (for comparison)")
     p.add_argument("--profile", action="store_true",
                    help="also record per-kernel GPU time of eager decode steps (torch.profiler)")
+    p.add_argument("--every-slot-too", action="store_true",
+                   help="also time each adapter count with the LoRA grid sized for every slot, not for the "
+                        "step's adapters (the before/after of that change, in one run)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     a = p.parse_args(argv)
     if a.quick:
@@ -242,10 +245,19 @@ def main(argv=None) -> int:
     prompts = make_requests(args, cfg.vocab_size)
 
     results = []
+    every_slot = []
     for n in args.adapter_counts:
         r = run_loraplex(args, engine, prompts, assignment(args.batch, n)) | {"adapters": n}
         results.append(r)
         log.info("loraplex adapters=%3d  %9.1f tok/s  step %.2f ms", n, r["decode_tok_s"], r["step_ms_median"])
+        if args.every_slot_too and n:
+            engine.decoder.bound_adapters = False
+            e = run_loraplex(args, engine, prompts, assignment(args.batch, n)) | {"adapters": n}
+            engine.decoder.bound_adapters = True
+            e["vs_step_adapters_grid"] = r["decode_tok_s"] / e["decode_tok_s"]
+            every_slot.append(e)
+            log.info("  grid for every slot: %9.1f tok/s  step %.2f ms (ours %.3fx)", e["decode_tok_s"],
+                     e["step_ms_median"], e["vs_step_adapters_grid"])
     profiles = {}
     if args.profile:
         for n in sorted({0, min(32, n_max)}):
@@ -304,6 +316,7 @@ def main(argv=None) -> int:
                        "pdl": os.environ.get("LORAPLEX_PDL", "1") != "0", "fused_ops": fused_ops},
             "copy_bandwidth_GBps": bw / 1e9,
             "loraplex": results,
+            "loraplex_grid_for_every_slot": every_slot,
             "hf_peft": hf,
             "floor": floor,
             "checks": checks,

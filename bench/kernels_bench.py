@@ -14,7 +14,9 @@ For each case (layer x tokens x distinct adapters x rank), in this order:
 `--sweep` also times launch configurations around the default on a subset of cases.
 On a GPU with programmatic dependent launch, `ours_no_pdl` / `ours_pdl` time the same
 kernels launched the other way than the default configuration's; `ours_add_in_memory` / `ours_load_store` time the expand's other way of adding
-into y than the default configuration's. `--prev DIR` also times another version of the kernels package (a `kernels/`
+into y than the default configuration's. With `--slots N` above the adapters in use, ours
+sizes its grid for the adapters in use (as the engine does) and `ours_every_slot` times the
+grid sized for all N slots. `--prev DIR` also times another version of the kernels package (a `kernels/`
 folder, e.g. from `git archive`) as `prev`, for a before/after ratio from one run.
 """
 
@@ -166,9 +168,11 @@ def load_kernels(path: Path):
 def run_case(c, timer, bandwidth, sweep, prev=None, variants_too=True):
     x, y0, lora_a, lora_b, scaling, slots = c["x"], c["y"], c["lora_a"], c["lora_b"], c["scaling"], c["token_slots"]
     slices, rank, S = c["slices"], c["rank"], c["num_slots"]
-    batch = LoRABatch.build(slots, S)
     groups = [(s, torch.nonzero(slots == s).flatten()) for s in range(S)]
     groups = [(s, rows) for s, rows in groups if rows.numel()]
+    # The grid sized for the adapters in use, as the engine sizes it (a power of two there;
+    # the adapter counts here are powers of two or one per token).
+    batch = LoRABatch.build(slots, S, max_adapters=len(groups))
     # The float32 reference, one adapter at a time (a per-row gather would not fit at prefill).
     expected = y0.float()
     loop_per_adapter(expected, x.float(), lora_a.float(), lora_b.float(), scaling, groups, slices, rank)
@@ -187,6 +191,9 @@ def run_case(c, timer, bandwidth, sweep, prev=None, variants_too=True):
     if variants_too:
             variants["ours_add_in_memory" if flipped.add_in_memory else "ours_load_store"] = (
             lambda y: sgmv_lora(y, x, lora_a, lora_b, scaling, batch, None, slices, config=flipped))
+    if S > len(groups) and variants_too:
+        every_slot = LoRABatch.build(slots, S)  # the grid sized for every slot
+        variants["ours_every_slot"] = lambda y: add_lora(y, x, lora_a, lora_b, scaling, every_slot, output_slices=slices)
     if prev is not None:
         prev_batch = prev.LoRABatch.build(slots, S)
         variants["prev"] = lambda y: prev.add_lora(y, x, lora_a, lora_b, scaling, prev_batch, output_slices=slices)
@@ -226,7 +233,7 @@ def run_case(c, timer, bandwidth, sweep, prev=None, variants_too=True):
         for block_m in sorted({16, 32, 64, default_block_m(x.shape[0])}):
             if block_m > 16 and x.shape[0] < 64:
                 continue
-            b = LoRABatch.build(slots, S, block_m=block_m)
+            b = LoRABatch.build(slots, S, block_m=block_m, max_adapters=len(groups))
             for t in trials if block_m == batch.block_m else [base]:
                 cfg = make_config(b.num_blocks, x.shape[1], slices, rank, 2, sms, block_m=block_m, **t)
                 for kind, launch in (("split", sgmv_lora),):
@@ -337,7 +344,7 @@ def main(argv=None) -> int:
         fmt = lambda v: f"{v:8.1f}" if isinstance(v, (int, float)) else "       -"
         print(f"{spec['layer']:8s} {spec['phase']:7s} T={spec['tokens']:5d} A={str(spec['adapters']):9s} r={spec['rank']:2d} "
               f"ours {fmt(us.get('ours'))} gather {fmt(us.get('gather_bmm'))} loop {fmt(us.get('loop'))} "
-              f"base {fmt(us.get('base_gemm'))} no-pdl {fmt(us.get('ours_no_pdl'))} pdl {fmt(us.get('ours_pdl'))} red {fmt(us.get('ours_add_in_memory'))} ld-st {fmt(us.get('ours_load_store'))} prev {fmt(us.get('prev'))} ratio {row.get('ours_over_base', float('nan')):.2f} "
+              f"base {fmt(us.get('base_gemm'))} no-pdl {fmt(us.get('ours_no_pdl'))} pdl {fmt(us.get('ours_pdl'))} red {fmt(us.get('ours_add_in_memory'))} ld-st {fmt(us.get('ours_load_store'))} every-slot {fmt(us.get('ours_every_slot'))} prev {fmt(us.get('prev'))} ratio {row.get('ours_over_base', float('nan')):.2f} "
               f"bw {row.get('ours_bandwidth_fraction', float('nan')):.2f} {row.get('failure', '')}", flush=True)
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     meta["seconds"] = time.time() - started

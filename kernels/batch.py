@@ -11,13 +11,16 @@ Worked example, 7 tokens, 3 slots, block_m = 2::
     token_slots   = [ 1, -1,  1,  0,  1,  2, -1]
     sorted_tokens = [ 3,  0,  2,  4,  5,  1,  6]   # slot 0 | slot 1 x3 | slot 2 | base rows last
     slot_counts   = [ 1,  3,  1]
-    block_slot    = [ 0,  1,  1,  2, -1, -1, ...]   # blocks: {3}, {0, 2}, {4}, {5}; -1 = no block
-    block_start   = [ 0,  1,  3,  4,  .., ..]       # offsets into sorted_tokens
-    block_len     = [ 1,  2,  1,  1,  0,  0]
-    block_rows    = [[3, -1], [0, 2], [4, -1], [5, -1], [-1, -1], ...]   # what the kernels read
+    block_slot    = [ 0,  1,  1,  2, -1, -1]        # blocks: {3}, {0, 2}, {4}, {5}; -1 = no block
+    block_rows    = [[3, -1], [0, 2], [4, -1], [5, -1], [-1, -1], [-1, -1]]   # -1 padded
 
-The kernels read a block's slot and its rows (``block_rows``, padded with -1) in one round
-trip to memory, rather than a start and a length, then the rows.
+The kernels read a block's slot and its rows in one round trip to memory.
+
+The grid (the number of blocks, here 6) is fixed per shape, so that a CUDA graph can replay
+it: ``max_blocks`` bounds the blocks of any assignment of T rows to the slots. A caller that
+knows more, such as an engine that knows how many distinct adapters its running rows use,
+passes ``max_adapters``: the grid shrinks to that many adapters' blocks, and the launch
+configuration spreads each block's work over more programs (``configs.make_config``).
 
 Rows with slot -1 belong to no block: they cost the kernels nothing.
 """
@@ -42,13 +45,14 @@ def default_block_m(num_tokens: int) -> int:
     return PREFILL_BLOCK_M if num_tokens >= PREFILL_MIN_TOKENS else DECODE_BLOCK_M
 
 
-def max_blocks(num_tokens: int, num_slots: int, block_m: int) -> int:
-    """An upper bound on the blocks of any slot assignment: the grid size, fixed per shape.
+def max_blocks(num_tokens: int, num_adapters: int, block_m: int) -> int:
+    """An upper bound on the blocks of any assignment of ``num_tokens`` rows to at most
+    ``num_adapters`` distinct slots: the grid size, fixed per shape.
 
     sum_s ceil(c_s / m) <= floor(T / m) + (number of non-empty slots), over counts c_s
     summing to at most T.
     """
-    return max(1, num_tokens // block_m + min(num_slots, num_tokens))
+    return max(1, num_tokens // block_m + min(num_adapters, num_tokens))
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,6 @@ class LoRABatch:
     sorted_tokens: torch.Tensor  # [T]: row indices grouped by slot, ascending slots, -1 rows last
     slot_counts: torch.Tensor  # [S]: rows per slot
     block_slot: torch.Tensor  # [B]: slot of each block of rows, -1 past the last block
-    block_start: torch.Tensor  # [B]: first position of the block in sorted_tokens
-    block_len: torch.Tensor  # [B]: rows in the block, 1..block_m (0 past the last block)
     block_rows: torch.Tensor  # [B, block_m]: the block's row indices, -1 padded
     num_slots: int  # S
     block_m: int  # rows per block at most
@@ -75,10 +77,14 @@ class LoRABatch:
         return self.block_slot.shape[0]
 
     @classmethod
-    def build(cls, token_slots: torch.Tensor, num_slots: int, block_m: int | None = None) -> "LoRABatch":
+    def build(cls, token_slots: torch.Tensor, num_slots: int, block_m: int | None = None,
+              max_adapters: int | None = None) -> "LoRABatch":
         """Group ``token_slots`` (int32 [T], -1 = no adapter) into blocks of one slot each.
 
-        Device ops only (sort, scatter, scan, searchsorted): no host synchronisation.
+        ``max_adapters``: an upper bound on the distinct slots in ``token_slots``, known to the
+        caller (default: ``num_slots``). It sizes the grid, so it is a contract: rows of
+        adapters past it would fall outside the grid. Device ops only (sort, scatter, scan,
+        searchsorted): no host synchronisation, so the bound cannot be checked here.
         """
         if token_slots.dim() != 1:
             raise ValueError(f"token_slots must be 1-D [num_tokens], got shape {tuple(token_slots.shape)}")
@@ -86,6 +92,8 @@ class LoRABatch:
             raise TypeError(f"token_slots must be int32, got {token_slots.dtype}")
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if max_adapters is not None and max_adapters < 1:
+            raise ValueError(f"max_adapters must be >= 1 (build no batch for a step without adapters), got {max_adapters}")
         num_tokens = token_slots.shape[0]
         block_m = block_m or default_block_m(num_tokens)
         device = token_slots.device
@@ -103,7 +111,8 @@ class LoRABatch:
         blocks = (counts + block_m - 1) // block_m  # [S] blocks of each slot
         blocks_end = torch.cumsum(blocks, 0)  # [S] one past each slot's last block
 
-        block_ids = torch.arange(max_blocks(num_tokens, num_slots, block_m), device=device)
+        adapters = num_slots if max_adapters is None else min(max_adapters, num_slots)
+        block_ids = torch.arange(max_blocks(num_tokens, adapters, block_m), device=device)
         block_slot = torch.searchsorted(blocks_end, block_ids, right=True)  # [B] in 0..S
         valid = block_slot < num_slots
         s = block_slot.clamp(max=num_slots - 1)
@@ -129,8 +138,6 @@ class LoRABatch:
             sorted_tokens=i32(sorted_tokens),
             slot_counts=i32(counts),
             block_slot=i32(torch.where(valid, block_slot, -1)),
-            block_start=i32(block_start),
-            block_len=i32(block_len),
             block_rows=i32(block_rows),
             num_slots=num_slots,
             block_m=block_m,

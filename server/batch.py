@@ -13,8 +13,11 @@ Running example, max_rows 8, two requests in KV rows 0 and 2, span 3 -> bucket 4
     token_slots [   3,  -1,  -1,  -1]     row 0 uses the adapter in slot 3, row 2 the base
     kv_len      256                       keys read: round_up(max position + 1, kv_block)
 
-`DecodeRunner.run` replays a CUDA graph per (bucket, kv_len, uses LoRA) on CUDA devices,
-captured the first time that key is seen, and calls `model.decode` eagerly elsewhere.
+`DecodeRunner.run` replays a CUDA graph per (bucket, kv_len, adapter bucket) on CUDA devices,
+captured the first time that key is seen, and calls `model.decode` eagerly elsewhere. The
+adapter bucket bounds the distinct adapters of the running rows (0, 1, 2, 4, 8, ...): the
+LoRA kernels' grid is sized for that many adapters rather than for every slot, which spreads
+each adapter's work over more programs (32 adapters in 64 slots: the grid of 32, not 64).
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ def bucket(n: int, buckets: list[int]) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} rows exceed the largest bucket {buckets[-1]}")
+
+
+def adapter_bucket(distinct: int) -> int:
+    """The bound on distinct adapters a step is run with: 0, or the next power of two."""
+    return 0 if distinct <= 0 else 1 << (distinct - 1).bit_length()
 
 
 def build_prefill(chunks: list[PrefillChunk],
@@ -76,7 +84,10 @@ class DecodeRunner:
         }
         self._np = {k: v.numpy() for k, v in self._host.items()}
         self._dev = {k: torch.zeros_like(v, device=self.device) for k, v in self._host.items()}
-        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Size the LoRA grid for the step's adapters (adapter_bucket), or for every slot (the
+        # bench's before/after switch).
+        self.bound_adapters = True
         self._pool = None
         self.last_args: tuple | None = None
         # Held while a graph is captured: the adapter cache's CUDA lock, so no load thread makes
@@ -100,21 +111,25 @@ class DecodeRunner:
         positions[:b] = self.model.kv.max_len - 1
         slots[:b] = -1
         max_pos = 0
-        use_lora = False
+        adapters = set()
         for row, req in running.items():
             tokens[row] = req.output_ids[-1]
             positions[row] = p = req.position
             slots[row] = req.slot
             max_pos = max(max_pos, p)
-            use_lora |= req.slot >= 0
+            if req.slot >= 0:
+                adapters.add(req.slot)
         for k, host in self._host.items():
             self._dev[k][:b].copy_(host[:b], non_blocking=True)
         kv_len = self.kv_len_for(max_pos)
-        args = (self._dev["tokens"][:b], self._dev["positions"][:b], self._dev["token_slots"][:b], kv_len, use_lora)
+        max_adapters = adapter_bucket(len(adapters))
+        if max_adapters and not self.bound_adapters:
+            max_adapters = None
+        args = (self._dev["tokens"][:b], self._dev["positions"][:b], self._dev["token_slots"][:b], kv_len, max_adapters)
         self.last_args = args
         if not self.use_graphs:
             return self.model.decode(*args)[:span]
-        key = (b, kv_len, use_lora)
+        key = (b, kv_len, -1 if max_adapters is None else max_adapters)
         if key not in self._graphs:
             self._graphs[key] = self._capture(args)
         graph, out = self._graphs[key]
@@ -139,5 +154,5 @@ class DecodeRunner:
         graph = torch.cuda.CUDAGraph()
         with self.capture_guard, torch.cuda.graph(graph, pool=self._pool):
             out = self.model.decode(*args)
-        log.debug("captured decode graph: batch %d, kv_len %d, lora %s", args[0].shape[0], args[3], args[4])
+        log.debug("captured decode graph: batch %d, kv_len %d, adapters %s", args[0].shape[0], args[3], args[4])
         return graph, out

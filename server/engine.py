@@ -34,7 +34,7 @@ import torch
 from .adapter_format import AdapterError, BaseSpec
 from .adapter_cache import AdapterCache
 from .adapters import LoRABuffers
-from .batch import DecodeRunner, build_prefill
+from .batch import DecodeRunner, adapter_bucket, build_prefill
 from .cache_metrics import CacheMetrics
 from .config import ModelConfig, named_shape
 from .kv_cache import KVCache
@@ -220,15 +220,15 @@ class LLMEngine:
         if chunks:
             tokens, slots, seqs = build_prefill(chunks, self.device)
             reqs = [c.req for c in chunks]
-            use_lora = any(r.slot >= 0 for r in reqs)
+            max_adapters = adapter_bucket(len({r.slot for r in reqs if r.slot >= 0}))
             # echo with logprobs: those prompts' own logprobs come out of the prefill too (such a
             # prompt is never chunked: the scheduler prefills it whole).
             wanted = {i: r.params.prompt_logprobs for i, r in enumerate(reqs)
                       if r.params.prompt_logprobs is not None}
             if wanted:
-                logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, use_lora, wanted)
+                logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, max_adapters, wanted)
             else:
-                logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, use_lora), {}
+                logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, max_adapters), {}
             last = [i for i, c in enumerate(chunks) if c.last]  # only these sample a first token
             for c in chunks:
                 c.req.num_computed = c.pos + c.length

@@ -7,10 +7,11 @@ Two entry points, as in gpt-fast, so decode can be captured as a CUDA graph:
   each sequence's last token (and, for whole prompts that ask, the logprob of every prompt
   token: /v1/completions echo).
 - `decode(...)`: one token per KV row for rows 0..B-1 (a row's batch index is its KV row);
-  static shapes for a given (B, kv_len, use_lora), no host synchronisation.
+  static shapes for a given (B, kv_len, max_adapters), no host synchronisation.
 
-Both take `token_slots` (int32 [T], -1 = base only); the LoRABatch is built from it once per
-call and shared by every layer. q/k/v and gate/up are one fused base GEMM and one fused
+Both take `token_slots` (int32 [T], -1 = base only) and `max_adapters`, a bound the caller
+knows on the distinct adapters among them (0: base only, no LoRA work at all); the LoRABatch
+is built from them once per call and shared by every layer. q/k/v and gate/up are one fused base GEMM and one fused
 `add_lora` call each (output_slices), o and down one each.
 
 With `fused_ops` (the default on CUDA) the small ops between those GEMMs run as the Triton
@@ -146,10 +147,14 @@ class LlamaModel:
         v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
         return qk[:, :nq], qk[:, nq:], v
 
-    def _lora_batch(self, token_slots: torch.Tensor, use_lora: bool) -> LoRABatch | None:
-        if not use_lora or self.lora is None:
+    def _lora_batch(self, token_slots: torch.Tensor, max_adapters: int | None) -> LoRABatch | None:
+        """The step's batch metadata; `max_adapters` as LoRABatch.build takes it (None: up to
+        every slot), 0 for a step of base rows only."""
+        if isinstance(max_adapters, bool):
+            raise TypeError("max_adapters is a count of distinct adapters (0: base only), not a flag")
+        if max_adapters == 0 or self.lora is None:
             return None
-        return LoRABatch.build(token_slots, self.lora.num_slots)
+        return LoRABatch.build(token_slots, self.lora.num_slots, max_adapters=max_adapters)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self._rms_norm(h, self.w.norm), self.w.lm_head).float()
@@ -158,7 +163,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, token_slots: torch.Tensor, seqs: list[PrefillSeq],
-                use_lora: bool = True, prompt_logprobs: dict[int, int] | None = None):
+                max_adapters: int | None = None, prompt_logprobs: dict[int, int] | None = None):
         """tokens int64 [T] (prompts packed back to back), token_slots int32 [T].
         Returns float32 logits [len(seqs), vocab] of each prompt's last token.
 
@@ -173,7 +178,7 @@ class LlamaModel:
         if prompt_logprobs and any(seqs[i].pos for i in prompt_logprobs):
             raise ValueError("prompt logprobs need the whole prompt in one prefill (pos 0)")
         positions = torch.cat([torch.arange(s.pos, s.pos + s.length, device=self.device) for s in seqs])
-        batch = self._lora_batch(token_slots, use_lora)
+        batch = self._lora_batch(token_slots, max_adapters)
         # Later chunks read the row's keys 0..end-1. is_causal would align the triangle top-left
         # (query i sees keys 0..i), so their mask is explicit: query i (position pos + i) sees
         # key j iff j <= pos + i.  {seq start: bool [n, pos + n]}, built once for every layer.
@@ -250,11 +255,11 @@ class LlamaModel:
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
-               kv_len: int, use_lora: bool = True) -> torch.Tensor:
+               kv_len: int, max_adapters: int | None = None) -> torch.Tensor:
         """One token for each KV row 0..B-1: tokens int64 [B], positions int64 [B] (where the
         token goes; it attends to positions 0..p of its row), token_slots int32 [B].
         kv_len (> max position) bounds the keys read. Returns float32 logits [B, vocab]."""
-        batch = self._lora_batch(token_slots, use_lora)
+        batch = self._lora_batch(token_slots, max_adapters)
         x = self.w.embed[tokens]
         if self.fused_ops:
             h = self._decode_fused(x, positions, kv_len, batch)

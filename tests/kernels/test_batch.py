@@ -12,18 +12,16 @@ def blocks_of(batch: LoRABatch) -> list[tuple[int, list[int]]]:
     """[(slot, rows)] of the real blocks, read back from the batch."""
     out = []
     for b in range(batch.num_blocks):
-        slot = int(batch.block_slot[b])
+        slot, padded = int(batch.block_slot[b]), batch.block_rows[b].tolist()
         if slot < 0:
-            assert int(batch.block_len[b]) == 0
+            assert padded == [-1] * batch.block_m
             continue
-        start, length = int(batch.block_start[b]), int(batch.block_len[b])
-        rows = batch.sorted_tokens[start : start + length].tolist()
-        # block_rows (what the kernels read) says the same, padded with -1.
-        assert batch.block_rows[b].tolist() == rows + [-1] * (batch.block_m - length)
+        rows = [r for r in padded if r >= 0]
+        assert rows and padded == rows + [-1] * (batch.block_m - len(rows))
         out.append((slot, rows))
-    for b in range(batch.num_blocks):
-        if int(batch.block_slot[b]) < 0:
-            assert batch.block_rows[b].tolist() == [-1] * batch.block_m
+    # The real blocks, in order, are the adapter rows of sorted_tokens, in order.
+    adapter_rows = int((batch.token_slots >= 0).sum())
+    assert [r for _, rows in out for r in rows] == batch.sorted_tokens[:adapter_rows].tolist()
     return out
 
 
@@ -73,6 +71,21 @@ def test_random_assignments_never_exceed_the_grid():
         slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen).to(torch.int32)
         batch = LoRABatch.build(slots, num_slots)
         assert sum(len(rows) for _, rows in blocks_of(batch)) == int((slots >= 0).sum())
+
+
+def test_a_bound_on_distinct_adapters_shrinks_the_grid_not_the_blocks():
+    """An engine knows how many distinct adapters its rows use; the grid is sized for those."""
+    gen = torch.Generator().manual_seed(1)
+    for used in (1, 3, 8, 32):
+        chosen = torch.randperm(64, generator=gen)[:used]
+        slots = chosen[torch.randint(0, used, (64,), generator=gen)].to(torch.int32)
+        slots[::5] = -1
+        distinct = len(set(slots[slots >= 0].tolist()))
+        bounded = LoRABatch.build(slots, 64, max_adapters=distinct)
+        assert bounded.num_blocks == max_blocks(64, distinct, bounded.block_m) < LoRABatch.build(slots, 64).num_blocks
+        assert blocks_of(bounded) == blocks_of(LoRABatch.build(slots, 64))
+    with pytest.raises(ValueError, match="max_adapters"):
+        LoRABatch.build(slots, 64, max_adapters=0)
 
 
 @pytest.mark.parametrize("bad,error", [(torch.zeros(2, 2, dtype=torch.int32), ValueError), (torch.zeros(3), TypeError)])

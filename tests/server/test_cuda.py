@@ -49,9 +49,65 @@ def test_cuda_graph_decode_matches_eager(dtype, tol):
         span = engine.kv.span()
         graphed = engine.decoder.run(running, span).clone()
         eager = engine.decoder.rerun_eager()[:span]
+        # The graph's LoRA grid is sized for the step's adapters; one sized for every slot
+        # computes the same.
+        every_slot = engine.model.decode(*engine.decoder.last_args[:4], None)[:span]
         rows = list(running)
         assert torch.allclose(graphed[rows], eager[rows], atol=tol, rtol=tol), steps
+        assert torch.allclose(every_slot[rows], eager[rows], atol=tol, rtol=tol), steps
         engine.step()
         steps += 1
     assert engine.decoder.num_graphs >= 3 and steps >= 30
 
+
+
+def run_to_end(engine: LLMEngine, requests) -> None:
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work():
+        engine.step()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_chunked_prefill_logprobs_and_echo_match_whole_prefill(dtype):
+    """The request features, on CUDA graphs and the fused ops: a long prompt prefilled in chunks
+    while other rows decode (with logprobs and penalties, mixed adapters), and an echo request
+    that scores its prompt, give what one engine without chunked prefill gives."""
+    outputs = {}
+    for chunked in (False, True):
+        settings = ServerSettings(dummy_weights="tiny", device="cuda", dtype=dtype, max_num_seqs=8,
+                                  max_model_len=256, max_loras=4, max_lora_rank=16, kv_block=16, seed=3,
+                                  max_prefill_tokens=48, enable_chunked_prefill=chunked)
+        engine = LLMEngine.from_settings(settings)
+        assert engine.model.fused_ops
+        for i in range(3):
+            spec, tensors = random_adapter(engine.cfg, rank=8 + 4 * i, seed=i, device="cuda", dtype=engine.dtype)
+            engine.adapters.install(AdapterId(f"a{i}", str(i), "memory"), spec, tensors)
+        gen = torch.Generator().manual_seed(1)
+        prompt = lambda n: torch.randint(3, engine.cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+        greedy = dict(temperature=0, ignore_eos=True)
+        early = [engine.make_request(prompt(9 + i), SamplingParams(max_tokens=30, logprobs=2, **greedy),
+                                     [None, "a0", "a1"][i]) for i in range(3)]
+        run = early + [
+            engine.make_request(prompt(150), SamplingParams(max_tokens=12, frequency_penalty=0.5, **greedy), "a2"),
+            engine.make_request(prompt(20), SamplingParams(max_tokens=0, echo=True, logprobs=1, **greedy), "a1"),
+        ]
+        for r in early:
+            engine.add_request(r)
+        engine.step()
+        engine.step()  # the early rows are decoding when the long prompt arrives
+        run_to_end(engine, run[3:])
+        assert all(r.finished and r.error is None for r in run)
+        outputs[chunked] = run
+    tol = 1e-3 if dtype == "float32" else 0.25
+    whole, chunked = outputs[False], outputs[True]
+    for a, b in zip(whole, chunked):
+        if dtype == "float32":
+            assert a.output_ids == b.output_ids
+        for x, y in zip(a.output_logprobs, b.output_logprobs):
+            if x.top[0][0] == y.top[0][0]:
+                assert abs(x.top[0][1] - y.top[0][1]) < tol
+    echo_a, echo_b = whole[4].prompt_logprobs, chunked[4].prompt_logprobs
+    assert echo_a[0] is None and len(echo_a) == 20
+    assert all(abs(x.logprob - y.logprob) < tol for x, y in zip(echo_a[1:], echo_b[1:]))
+    assert len(whole[0].output_logprobs) == 30 and len(whole[0].output_logprobs[0].top) == 2

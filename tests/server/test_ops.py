@@ -244,7 +244,7 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
-def decode_both_ways(model: LlamaModel, tokens, positions, slots, kv_len, use_lora):
+def decode_both_ways(model: LlamaModel, tokens, positions, slots, kv_len, max_adapters):
     """(logits, written K/V entries) of the torch path and of the fused path, each from the
     same caches; checks that each path changed every row's K and V at its position and
     nothing else."""
@@ -256,7 +256,7 @@ def decode_both_ways(model: LlamaModel, tokens, positions, slots, kv_len, use_lo
         for t, s in zip(caches, start):
             t.copy_(s)
         model.fused_ops = fused
-        logits = model.decode(tokens, positions, slots, kv_len, use_lora)
+        logits = model.decode(tokens, positions, slots, kv_len, max_adapters)
         entries = []
         for t, s in zip(caches, start):
             entries.append(t[written].clone())
@@ -273,14 +273,14 @@ DECODE_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("use_lora", [True, False])
-def test_fused_decode_matches_torch_path(dtype, use_lora):
+@pytest.mark.parametrize("max_adapters", [None, 2, 0])  # every slot, the exact bound, base only
+def test_fused_decode_matches_torch_path(dtype, max_adapters):
     model = tiny_model(dtype, fused=False, device=DEVICE)
     # Rows 0-3 at mixed positions with mixed adapters; row 4 empty (position max_len - 1).
     tokens = torch.tensor([7, 300, 42, 5, 0], device=DEVICE)
     positions = torch.tensor([5, 17, 30, 0, 47], device=DEVICE)
     slots = torch.tensor([0, -1, 1, 0, -1], dtype=torch.int32, device=DEVICE)
-    (want, want_kv), (got, got_kv) = decode_both_ways(model, tokens, positions, slots, 32, use_lora)
+    (want, want_kv), (got, got_kv) = decode_both_ways(model, tokens, positions, slots, 32, max_adapters)
     assert rel_error(got[:4], want[:4]) < DECODE_TOL[dtype]
     assert max(rel_error(g, w) for g, w in zip(got_kv, want_kv)) < DECODE_TOL[dtype]
 
@@ -330,7 +330,7 @@ def test_cuda_bf16_fused_decode_matches_torch_path():
     tokens = torch.randint(0, 1024, (8,), generator=gen)
     slots = torch.tensor([0, -1, 1, 0, -1, 1, 1, -1], dtype=torch.int32)
     args = [t.cuda() for t in (tokens, positions, slots)]
-    (want, want_kv), (got, got_kv) = decode_both_ways(model, *args, 304, True)
+    (want, want_kv), (got, got_kv) = decode_both_ways(model, *args, 304, 2)
     assert rel_error(got[:7], want[:7]) < DECODE_TOL[torch.bfloat16]
     assert max(rel_error(g, w) for g, w in zip(got_kv, want_kv)) < DECODE_TOL[torch.bfloat16]
     assert (got[:7].argmax(-1) == want[:7].argmax(-1)).float().mean() >= 5 / 7
@@ -345,11 +345,11 @@ def test_cuda_graph_captures_fused_decode():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        model.decode(tokens, positions, slots, 256, True)
+        model.decode(tokens, positions, slots, 256, 2)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = model.decode(tokens, positions, slots, 256, True)
+        out = model.decode(tokens, positions, slots, 256, 2)
     graph.replay()
     first = out.clone()
     # New inputs in the same buffers: the replay computes what an eager call computes.
@@ -357,6 +357,6 @@ def test_cuda_graph_captures_fused_decode():
     positions.add_(5)
     graph.replay()
     replayed = out.clone()
-    eager = model.decode(tokens, positions, slots, 256, True)
+    eager = model.decode(tokens, positions, slots, 256, 2)
     torch.testing.assert_close(replayed, eager, atol=1e-2, rtol=1e-2)
     assert not torch.equal(replayed, first)

@@ -8,6 +8,7 @@ from collections import deque
 import pytest
 import torch
 
+from loraplex.server.batch import adapter_bucket, batch_buckets, bucket
 from loraplex.server.config import ModelConfig, ModelConfigError, named_shape
 from loraplex.server.kv_cache import KVCache
 from loraplex.server.request import Request
@@ -91,3 +92,12 @@ def test_scheduler_rows_are_reused_lowest_first():
     assert kv.span() == 2
     assert [r.row for r in sched.admit()] == [0]
     assert sched.find("r3") is reqs[3] and sched.has_work()
+
+
+def test_decode_graph_buckets():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert bucket(9, batch_buckets(64)) == 16
+    with pytest.raises(ValueError, match="largest bucket"):
+        bucket(65, batch_buckets(64))
+    # Distinct adapters of a step -> the bound its LoRA grid is sized for.
+    assert [adapter_bucket(n) for n in (0, 1, 2, 3, 4, 5, 17, 32, 33)] == [0, 1, 2, 4, 4, 8, 32, 32, 64]
