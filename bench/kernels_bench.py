@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     cases = [c for c in cases if c["phase"] in args.phases.split(",")]
     if args.quick:
         cases = [c for c in cases if c["rank"] == 16 and c["tokens"] in (1, 64, 4096)]
-    sweep_keys = {("decode", 1, 1), ("decode", 64, 16), ("decode", 256, "per-token"), ("prefill", 4096, 8)}
+    sweep_keys = {("decode", 1, 1), ("decode", 64, 16), ("decode", 64, 32), ("decode", 256, "per-token"), ("prefill", 4096, 8)}
 
     results = []
     started = time.time()

@@ -12,10 +12,14 @@ import os
 import pytest
 import torch
 
+from loraplex.server import model as model_module
 from loraplex.server.adapters import AdapterId, random_adapter
 from loraplex.server.engine import LLMEngine
+from loraplex.server.model import PrefillSeq
 from loraplex.server.sampling import SamplingParams
 from loraplex.server.settings import ServerSettings
+
+from .test_ops import CUDA_CFG, tiny_model
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -111,3 +115,21 @@ def test_cuda_chunked_prefill_logprobs_and_echo_match_whole_prefill(dtype):
     assert echo_a[0] is None and len(echo_a) == 20
     assert all(abs(x.logprob - y.logprob) < tol for x, y in zip(echo_a[1:], echo_b[1:]))
     assert len(whole[0].output_logprobs) == 30 and len(whole[0].output_logprobs[0].top) == 2
+
+
+def test_cuda_bf16_prompt_logprobs_by_chunks(monkeypatch):
+    """bf16 with the fused ops: a 300-token prompt's logprobs by chunks of 64 equal those in one
+    chunk, and entry p + 1 is the log_softmax of the last-token logits of the prefix 0..p."""
+    model = tiny_model(torch.bfloat16, fused=True, cfg=CUDA_CFG, device="cuda", max_len=320, rows=8)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, CUDA_CFG.vocab_size, (300,), generator=gen).cuda()
+    slots = torch.full((300,), 0, dtype=torch.int32, device="cuda")
+    whole = model.prefill(ids, slots, [PrefillSeq(0, 0, 300)], prompt_logprobs={0: 5})[1][0]
+    monkeypatch.setattr(model_module, "PROMPT_LOGPROBS_CHUNK", 64)
+    chunked = model.prefill(ids, slots, [PrefillSeq(0, 0, 300)], prompt_logprobs={0: 5})[1][0]
+    assert whole[0] is None and chunked[0] is None and len(whole) == len(chunked) == 300
+    assert [lp.logprob for lp in chunked[1:]] == pytest.approx([lp.logprob for lp in whole[1:]], abs=1e-2)
+    for p in (0, 63, 64, 200, 298):
+        prefix = model.prefill(ids[:p + 1], slots[:p + 1], [PrefillSeq(1, 0, p + 1)])[0]
+        want = torch.log_softmax(prefix, -1)
+        assert chunked[p + 1].logprob == pytest.approx(want[ids[p + 1]].item(), abs=0.1), p

@@ -18,7 +18,7 @@ from loraplex.server.sampling import SamplingParams
 from loraplex.server.tokenizer import Tokenizer
 
 from .test_logprobs import ATOL, error_of, prompt
-from .test_ops import CUDA_CFG, needs_cuda, tiny_model
+from .test_ops import tiny_model
 from .test_parity import engine_for, hf_greedy
 
 
@@ -121,25 +121,6 @@ def test_prefill_outputs_unchanged_and_fused_path_agrees():
     for want, got in zip(lps[0][1:], fused[0][1:]):
         assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
         assert [t for t, _ in got.top] == [t for t, _ in want.top]
-
-
-@needs_cuda
-def test_cuda_bf16_prompt_logprobs_by_chunks(monkeypatch):
-    """bf16 with the fused ops: a 300-token prompt's logprobs by chunks of 64 equal those in one
-    chunk, and entry p + 1 is the log_softmax of the last-token logits of the prefix 0..p."""
-    model = tiny_model(torch.bfloat16, fused=True, cfg=CUDA_CFG, device="cuda", max_len=320, rows=8)
-    gen = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, CUDA_CFG.vocab_size, (300,), generator=gen).cuda()
-    slots = torch.full((300,), 0, dtype=torch.int32, device="cuda")
-    whole = model.prefill(ids, slots, [PrefillSeq(0, 0, 300)], prompt_logprobs={0: 5})[1][0]
-    monkeypatch.setattr(model_module, "PROMPT_LOGPROBS_CHUNK", 64)
-    chunked = model.prefill(ids, slots, [PrefillSeq(0, 0, 300)], prompt_logprobs={0: 5})[1][0]
-    assert whole[0] is None and chunked[0] is None and len(whole) == len(chunked) == 300
-    assert [lp.logprob for lp in chunked[1:]] == pytest.approx([lp.logprob for lp in whole[1:]], abs=1e-2)
-    for p in (0, 63, 64, 200, 298):
-        prefix = model.prefill(ids[:p + 1], slots[:p + 1], [PrefillSeq(1, 0, p + 1)])[0]
-        want = torch.log_softmax(prefix, -1)
-        assert chunked[p + 1].logprob == pytest.approx(want[ids[p + 1]].item(), abs=0.1), p
 
 
 def test_max_tokens_zero_needs_echo():
