@@ -3,9 +3,9 @@
 The kernels are bound by memory, not arithmetic: what matters is enough programs in
 flight to hide DRAM latency, with each adapter's weights read from DRAM once. The shrink
 splits the input width into ``k_splits`` chunks and the expand cuts the output columns
-into spans until a launch has about ``PROGRAMS_PER_SM`` programs per multiprocessor (the
-expand twice as many at decode); a prefill step has enough row blocks on its own and is
-hardly split.
+into spans until a launch has about ``PROGRAMS_PER_SM`` programs per multiprocessor (at
+decode, spans of at most ``MAX_DECODE_SPAN`` columns); a prefill step has enough row blocks
+on its own and is hardly split.
 
 At decode, on Hopper and later, the expand is launched as a programmatic dependent of the
 shrink (PDL), and the shrink of the base GEMM before it: each reads its step metadata,
@@ -26,11 +26,12 @@ from .batch import DECODE_BLOCK_M
 
 # Programs wanted per multiprocessor: enough loads in flight to cover DRAM latency.
 PROGRAMS_PER_SM = 4
-# The expand at decode wants twice as many: its programs stream B with little else to do.
-# Measured on an H200 (bench/results/kernels_h200_decode_sweep.json, 64 tokens): gate/up
-# with 32 adapters 23.1 against 26.2 us, with 16 adapters 16.5 against 18.0; q/k/v within
-# 0.5 us either way.
-DECODE_EXPAND_PROGRAMS_FACTOR = 2
+# At decode an expand program streams at most this many output columns of B. Measured on
+# an H200 (bench/results/kernels_h200_decode_sweep.json, 64 tokens): gate/up with 32
+# adapters 23.1 us with spans of 1024 columns against 26.2 with 1920. Cutting spans finer
+# everywhere (twice the programs) lost up to 40% where blocks hold many rows: each span's
+# program re-reads its rows' split-K partials (kernels_h200_expand_x2_vs_prev.json).
+MAX_DECODE_SPAN = 1024
 # Multiprocessor count assumed where there is no CUDA device (the Triton interpreter).
 _INTERPRETER_SMS = 4
 
@@ -93,8 +94,9 @@ def make_config(
     k_splits = k_splits or max(1, min(triton.cdiv(wanted, num_blocks), triton.cdiv(in_features, MIN_K_CHUNK)))
     block_n = block_n or (64 if rank >= 64 else 128)
     column_tiles = sum(triton.cdiv(w, block_n) for w in output_slices)
-    expand_wanted = wanted * (DECODE_EXPAND_PROGRAMS_FACTOR if block_m <= DECODE_BLOCK_M else 1)
-    spans = max(len(output_slices), min(column_tiles, triton.cdiv(expand_wanted, num_blocks)))
+    spans = max(len(output_slices), min(column_tiles, triton.cdiv(wanted, num_blocks)))
+    if block_m <= DECODE_BLOCK_M:
+        spans = max(spans, triton.cdiv(sum(output_slices), MAX_DECODE_SPAN))
     span = triton.cdiv(triton.cdiv(sum(output_slices), spans), block_n) * block_n
     span = max(block_n, min(span, triton.cdiv(max(output_slices), block_n) * block_n))
     if pdl is None:
