@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from checkout import use_checkout  # bench/ is sys.path[0]
+from checkout import engine_parser, use_checkout  # bench/ is sys.path[0]
 
 use_checkout()
 
@@ -58,12 +58,7 @@ BATCH_ADAPTERS = 8
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--shape", default="llama-3-8b", help="dummy-weights shape (default llama-3-8b)")
-    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default auto)")
-    p.add_argument("--dtype", default="auto", help="bfloat16 on CUDA, float32 on CPU by default")
-    p.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
+    p = engine_parser(__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=9, help="cold loads timed per tier (default 9)")
     p.add_argument("--batch", type=int, default=64, help="decode batch rows (default 64)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from checkout import use_checkout  # bench/ is sys.path[0]
+from checkout import engine_parser, use_checkout  # bench/ is sys.path[0]
 
 use_checkout()
 
@@ -50,16 +50,11 @@ TARGETS = {"adapters32_vs_base": 0.9, "speedup_vs_hf_peft": 100.0, "base_step_vs
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--shape", default="llama-3-8b", help="dummy-weights shape (default llama-3-8b)")
-    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default auto)")
-    p.add_argument("--dtype", default="auto", help="bfloat16 on CUDA, float32 on CPU by default")
+    p = engine_parser(__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64, help="concurrent requests (default 64)")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (default 512)")
     p.add_argument("--decode-steps", type=int, default=64, help="timed decode steps (default 64)")
     p.add_argument("--adapters", default="0,1,8,32,64", help="distinct adapter counts (default 0,1,8,32,64)")
-    p.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
     p.add_argument("--hf-steps", type=int, default=8, help="decode steps timed for HF PEFT (default 8)")
     p.add_argument("--kv-block", type=int, default=64, help="KV length granularity of decode (default 64)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF PEFT baseline")
