@@ -91,7 +91,13 @@ def make_config(
     block_nr = max(16, triton.next_power_of_2(len(output_slices) * rank))
     # Keep the [BLOCK_K, n*R] tile of A near 16 KB.
     block_k = block_k or max(16, min(128, 16384 // (block_nr * itemsize)))
-    k_splits = k_splits or max(1, min(triton.cdiv(wanted, num_blocks), triton.cdiv(in_features, MIN_K_CHUNK)))
+    if not k_splits:
+        k_splits = max(1, min(triton.cdiv(wanted, num_blocks), triton.cdiv(in_features, MIN_K_CHUNK)))
+        if block_m > DECODE_BLOCK_M:
+            # Prefill: a power of two, so the chunks are even and the grid a whole number of
+            # waves. Measured on an H200 (kernels_h200_prefill_split.json): q/k/v, 4096
+            # tokens, one adapter: the shrink in 19.1 us with 4 splits against 24.0 with 5.
+            k_splits = 1 << (k_splits.bit_length() - 1)
     block_n = block_n or (64 if rank >= 64 else 128)
     column_tiles = sum(triton.cdiv(w, block_n) for w in output_slices)
     spans = max(len(output_slices), min(column_tiles, triton.cdiv(wanted, num_blocks)))

@@ -58,3 +58,10 @@ def test_decode_expand_spans_are_capped():
     # Prefill is not spread further: a 4096-token step has 136 blocks of 32 rows.
     p = make_config(max_blocks(4096, 8, PREFILL_BLOCK_M), 4096, (14336, 14336), 16, 2, SMS, block_m=PREFILL_BLOCK_M)
     assert p.span == 7168
+
+
+@pytest.mark.parametrize("num_adapters", [1, 3, 8, 40])
+def test_prefill_splits_k_into_a_power_of_two_of_even_chunks(num_adapters):
+    c = config(4096, num_adapters)
+    assert c.k_splits & (c.k_splits - 1) == 0 and QKV[0] % c.k_splits == 0
+    assert config(4096, 1).k_splits == 4  # 129 blocks: 5 splits before, the uneven 896-column chunks
