@@ -38,7 +38,10 @@ from loraplex.kernels.configs import sgmv_config  # noqa: E402
 from loraplex.kernels.expand import sgmv_expand  # noqa: E402
 from loraplex.kernels.shrink import sgmv_shrink  # noqa: E402
 
-SHRINK_GRID = dict(k_splits=(1, 2, 4, 8), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3,))
+SHRINK_GRID = dict(k_splits=(1, 2, 4, 8), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3,), block_m=(32,))
+# --shrink-block-m: the shrink's rows per program apart from the expand's (the partials are
+# indexed by row, so the two kernels may block the rows differently).
+SHRINK_BLOCK_M_GRID = dict(k_splits=(2, 4, 8), block_k=(128,), num_warps=(4, 8), num_stages=(3,), block_m=(32, 64, 128))
 EXPAND_GRID = dict(spans=(2, 4, 8, 16), block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(3,))
 
 
@@ -53,6 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--layers", default="qkv,o")
     p.add_argument("--adapters", default="1,8")
+    p.add_argument("--shrink-block-m", action="store_true",
+                   help="sweep the shrink's rows per program (32, 64, 128) and skip the expand")
     args = p.parse_args(argv)
     bw = copy_bandwidth()
     timer = GraphTimer(args.reps)
@@ -69,8 +74,12 @@ def main(argv=None) -> int:
             weights_a = adapters * n * rank * x.shape[1] * elt
             weights_b = adapters * sum(slices) * rank * elt
 
-            def shrink(k_splits, block_k, num_warps, num_stages):
-                return sgmv_shrink(x, lora_a, batch, None, rank, k_splits, block_k, num_warps, num_stages, False)
+            batches = {m: LoRABatch.build(c["token_slots"], c["num_slots"], block_m=m, max_adapters=adapters)
+                       for m in (32, 64, 128)}
+
+            def shrink(k_splits, block_k, num_warps, num_stages, block_m=batch.block_m):
+                return sgmv_shrink(x, lora_a, batches[block_m], None, rank, k_splits, block_k, num_warps, num_stages,
+                                   False)
 
             row = {"layer": layer, "adapters": adapters, "tokens": t, "default": dataclasses.asdict(cfg)}
             y = y0.clone()
@@ -79,19 +88,26 @@ def main(argv=None) -> int:
             # Shrink: the default first, then the grid; each checked against the default's sum.
             want = shrink(cfg.k_splits, cfg.block_k, cfg.num_warps, cfg.num_stages).sum(0)
             shrinks = []
-            for ks, bk, nw, ns in itertools.product(*SHRINK_GRID.values()):
+            grid = SHRINK_BLOCK_M_GRID if args.shrink_block_m else SHRINK_GRID
+            for ks, bk, nw, ns, bm in itertools.product(*grid.values()):
                 try:
-                    got = shrink(ks, bk, nw, ns).sum(0)
+                    got = shrink(ks, bk, nw, ns, bm).sum(0)
                     ok = torch.allclose(got, want, rtol=1e-2, atol=1e-2)
-                    us = timer(lambda: shrink(ks, bk, nw, ns)) if ok else None
+                    us = timer(lambda: shrink(ks, bk, nw, ns, bm)) if ok else None
                 except Exception as exc:  # a configuration the compiler refuses: record it, go on
                     ok, us = repr(exc)[:120], None
                 nbytes = x.numel() * elt + weights_a + ks * t * n * rank * 4
-                shrinks.append({"k_splits": ks, "block_k": bk, "num_warps": nw, "num_stages": ns, "ok": ok, "us": us,
+                shrinks.append({"k_splits": ks, "block_k": bk, "num_warps": nw, "num_stages": ns, "block_m": bm,
+                                "ok": ok, "us": us,
                                 "bandwidth": nbytes / (us * 1e-6) / bw if us else None})
             row["shrink_default_us"] = timer(lambda: shrink(cfg.k_splits, cfg.block_k, cfg.num_warps, cfg.num_stages))
             row["shrink"] = sorted(shrinks, key=lambda s: s["us"] or 1e9)
 
+            if args.shrink_block_m:
+                results.append(row)
+                print(f"{layer} A={adapters}: shrink default {row['shrink_default_us']:.1f} best {row['shrink'][0]}",
+                      flush=True)
+                continue
             # Expand, on the default's partials.
             partial = shrink(cfg.k_splits, cfg.block_k, cfg.num_warps, cfg.num_stages)
             ref = y0.clone()
