@@ -93,7 +93,8 @@ class LoRABatch:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if max_adapters is not None and max_adapters < 1:
-            raise ValueError(f"max_adapters must be >= 1 (build no batch for a step without adapters), got {max_adapters}")
+            raise ValueError(f"max_adapters must be >= 1 (a step without adapters needs no batch), "
+                             f"got {max_adapters}")
         num_tokens = token_slots.shape[0]
         block_m = block_m or default_block_m(num_tokens)
         device = token_slots.device

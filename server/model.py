@@ -11,8 +11,8 @@ Two entry points, as in gpt-fast, so decode can be captured as a CUDA graph:
 
 Both take `token_slots` (int32 [T], -1 = base only) and `max_adapters`, a bound the caller
 knows on the distinct adapters among them (0: base only, no LoRA work at all); the LoRABatch
-is built from them once per call and shared by every layer. q/k/v and gate/up are one fused base GEMM and one fused
-`add_lora` call each (output_slices), o and down one each.
+is built from them once per call and shared by every layer. q/k/v and gate/up are one fused
+base GEMM and one fused `add_lora` call each (output_slices), o and down one each.
 
 With `fused_ops` (the default on CUDA) the small ops between those GEMMs run as the Triton
 kernels of server/ops: in decode RoPE + KV write, attention, residual add + RMSNorm and
