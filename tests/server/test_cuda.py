@@ -1,5 +1,8 @@
 """On a CUDA device only: CUDA-graph decode computes what eager decode computes, step after
-step, in a batch that mixes adapters and the base, as rows leave and KV lengths cross buckets.
+step, in a batch that mixes adapters and the base, as rows leave and KV lengths cross buckets
+(and what a LoRA grid sized for every slot computes); chunked prefill, logprobs, penalties
+and echo under graphs and the fused ops give what whole prefills give; prompt logprobs in
+chunks in bf16.
 
 tests/conftest.py sends Triton through its interpreter (for the CPU); on a GPU run these as
 `TRITON_INTERPRET=0 pytest tests/server/test_cuda.py`.
@@ -62,7 +65,6 @@ def test_cuda_graph_decode_matches_eager(dtype, tol):
         engine.step()
         steps += 1
     assert engine.decoder.num_graphs >= 3 and steps >= 30
-
 
 
 def run_to_end(engine: LLMEngine, requests) -> None:
