@@ -4,6 +4,7 @@ made by peft itself (random non-zero A and B), and a live server on a loopback p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -113,18 +114,24 @@ def live_server():
     return LiveServer
 
 
-@pytest.fixture(scope="module")
-def served(hf_llama, llama_adapters):
+@contextlib.contextmanager
+def serve_tiny_llama(hf_llama, llama_adapters, **overrides):
     """The tiny Llama and its PEFT adapters behind a live server (model name "tiny-llama"),
-    its engine at hand as `.engine`."""
+    its engine at hand as `.engine`; `overrides` change the ServerSettings."""
     from loraplex.server.api.app import create_app
     from loraplex.server.engine import LLMEngine
     from loraplex.server.settings import ServerSettings
 
-    settings = ServerSettings(model=str(hf_llama), served_model_name="tiny-llama", device="cpu", dtype="float32",
-                              max_num_seqs=8, max_model_len=256, max_loras=4, max_lora_rank=16,
-                              lora_modules=[f"{n}={p}" for n, p in llama_adapters.items()])
-    engine = LLMEngine.from_settings(settings)
+    fields = dict(model=str(hf_llama), served_model_name="tiny-llama", device="cpu", dtype="float32",
+                  max_num_seqs=8, max_model_len=256, max_loras=4, max_lora_rank=16,
+                  lora_modules=[f"{n}={p}" for n, p in llama_adapters.items()])
+    engine = LLMEngine.from_settings(ServerSettings(**(fields | overrides)))
     with LiveServer(create_app(engine)) as server:
         server.engine = engine
+        yield server
+
+
+@pytest.fixture(scope="module")
+def served(hf_llama, llama_adapters):
+    with serve_tiny_llama(hf_llama, llama_adapters) as server:
         yield server

@@ -11,12 +11,9 @@ import httpx
 import openai
 import pytest
 
-from loraplex.server.api.app import create_app
-from loraplex.server.engine import LLMEngine
-from loraplex.server.settings import ServerSettings
 from loraplex.server.tokenizer import Tokenizer
 
-from .conftest import ADAPTERS, LiveServer, make_hf_base, make_peft_adapter
+from .conftest import ADAPTERS, make_hf_base, make_peft_adapter, serve_tiny_llama
 from .test_parity import hf_greedy, prompts_for
 
 MAX_NEW = 6
@@ -24,12 +21,8 @@ MAX_NEW = 6
 
 @pytest.fixture(scope="module")
 def served(hf_llama, llama_adapters):
-    settings = ServerSettings(model=str(hf_llama), served_model_name="tiny-llama", device="cpu", dtype="float32",
-                              max_num_seqs=8, max_model_len=512, max_loras=8, max_lora_rank=16,
-                              lora_modules=[f"{n}={p}" for n, p in llama_adapters.items()])
-    engine = LLMEngine.from_settings(settings)
-    with LiveServer(create_app(engine)) as server:
-        server.engine = engine
+    """conftest's server, with room for the adapters these tests load and longer prompts."""
+    with serve_tiny_llama(hf_llama, llama_adapters, max_model_len=512, max_loras=8) as server:
         yield server
 
 
