@@ -41,7 +41,7 @@ from checkout import use_checkout  # bench/ is sys.path[0]
 use_checkout()
 
 from loraplex.kernels import LoRABatch, add_lora  # noqa: E402
-from loraplex.kernels.batch import default_block_m  # noqa: E402
+from loraplex.kernels.batch import DECODE_BLOCK_M, default_block_m  # noqa: E402
 from loraplex.kernels.configs import make_config, multiprocessors, sgmv_config, supports_pdl  # noqa: E402
 from loraplex.kernels.reference import add_lora_torch  # noqa: E402
 from loraplex.kernels.add_lora import sgmv_lora  # noqa: E402
@@ -191,6 +191,12 @@ def run_case(c, timer, bandwidth, sweep, prev=None, variants_too=True):
     if variants_too:
             variants["ours_add_in_memory" if flipped.add_in_memory else "ours_load_store"] = (
             lambda y: sgmv_lora(y, x, lora_a, lora_b, scaling, batch, None, slices, config=flipped))
+    if batch.block_m > DECODE_BLOCK_M and variants_too:
+        # Prefill with more rows a block: A and B are re-read from L2 once per block.
+        for block_m in (64, 128):
+            wide = LoRABatch.build(slots, S, block_m=block_m, max_adapters=len(groups))
+            variants[f"ours_block_m{block_m}"] = (
+                lambda y, wide=wide: add_lora(y, x, lora_a, lora_b, scaling, wide, output_slices=slices))
     if S > len(groups) and variants_too:
         every_slot = LoRABatch.build(slots, S)  # the grid sized for every slot
         variants["ours_every_slot"] = lambda y: add_lora(y, x, lora_a, lora_b, scaling, every_slot, output_slices=slices)
@@ -343,8 +349,8 @@ def main(argv=None) -> int:
         us = row.get("us", {})
         fmt = lambda v: f"{v:8.1f}" if isinstance(v, (int, float)) else "       -"
         print(f"{spec['layer']:8s} {spec['phase']:7s} T={spec['tokens']:5d} A={str(spec['adapters']):9s} r={spec['rank']:2d} "
-              f"ours {fmt(us.get('ours'))} gather {fmt(us.get('gather_bmm'))} loop {fmt(us.get('loop'))} "
-              f"base {fmt(us.get('base_gemm'))} no-pdl {fmt(us.get('ours_no_pdl'))} pdl {fmt(us.get('ours_pdl'))} red {fmt(us.get('ours_add_in_memory'))} ld-st {fmt(us.get('ours_load_store'))} every-slot {fmt(us.get('ours_every_slot'))} prev {fmt(us.get('prev'))} ratio {row.get('ours_over_base', float('nan')):.2f} "
+              + " ".join(f"{name} {fmt(v)}" for name, v in us.items())
+              + f" ratio {row.get('ours_over_base', float('nan')):.2f} "
               f"bw {row.get('ours_bandwidth_fraction', float('nan')):.2f} {row.get('failure', '')}", flush=True)
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     meta["seconds"] = time.time() - started

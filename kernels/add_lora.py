@@ -111,6 +111,7 @@ def sgmv_lora(y, x, lora_a, lora_b, scaling, batch, ranks, slices, config=None) 
     if config is None:
         config = sgmv_config(batch.num_blocks, batch.block_m, x.shape[1], slices, rank, x.dtype, x.device)
     partial = sgmv_shrink(x, lora_a, batch, ranks, rank, config.k_splits, config.block_k, config.num_warps,
-                          config.num_stages, config.pdl)
+                          config.num_stages, wait_before=config.pdl and config.pdl_early,
+                          trigger=(1 if config.pdl_early else 2) if config.pdl else 0)
     sgmv_expand(y, partial, lora_b, scaling, batch, ranks, slices, config.span, config.block_n, config.num_warps,
                 config.num_stages, config.pdl, config.add_in_memory)

@@ -1,4 +1,4 @@
-"""Device helpers the SGMV kernels share: a row block's rows, and a slot's rank."""
+"""Helpers the SGMV kernels share: a row block's rows, a slot's rank, a stride's alignment."""
 
 from __future__ import annotations
 
@@ -22,3 +22,15 @@ def slot_rank(ranks_ptr, slot, RANK, HAS_RANKS: tl.constexpr):
     if HAS_RANKS:
         rank = tl.minimum(tl.load(ranks_ptr + slot), RANK)
     return rank
+
+
+def alignment(stride: int, cap: int = 16) -> int:
+    """The largest power of two (at most ``cap``) that divides ``stride``: a launch-time
+    promise to the compiler (``tl.multiple_of``) that rows start on vector boundaries.
+
+    Triton finds divisibility by 16 itself; a stride of 8 or 24 (rank 8) it cannot see, and
+    read such rows one element at a time. Measured on an H200 with the hint
+    (kernels_h200_prefill_align.json, kernels_h200_decode_r8_align.json): rank-8 prefill
+    1.07-1.23x faster, rank-8 decode 1.02x at the median and up to 1.34x (gate/up, many
+    adapters)."""
+    return min(cap, stride & -stride) if stride else cap

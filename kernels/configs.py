@@ -7,10 +7,13 @@ into spans until a launch has about ``PROGRAMS_PER_SM`` programs per multiproces
 decode, spans of at most ``MAX_DECODE_SPAN`` columns); a prefill step has enough row blocks
 on its own and is hardly split.
 
-At decode, on Hopper and later, the expand is launched as a programmatic dependent of the
-shrink (PDL), and the shrink of the base GEMM before it: each reads its step metadata,
-rows, scales (and the expand its first tile of B) while the kernel before it finishes,
-then waits (``griddepcontrol.wait``) for the data that kernel writes. ``LORAPLEX_PDL=0`` in the environment launches them plainly.
+On Hopper and later the expand is launched as a programmatic dependent of the shrink
+(PDL). At decode the shrink lets it launch at once, and is itself a dependent of the base
+GEMM before it: each reads its step metadata, rows, scales (and the expand its first tile
+of B) while the kernel before it finishes, then waits (``griddepcontrol.wait``) for the
+data that kernel writes. At prefill the shrink lets the expand launch only once all its
+programs are past their loops, and is launched plainly. ``LORAPLEX_PDL=0`` in the
+environment launches them all plainly.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ class SGMVConfig:
     block_n: int  # output columns per inner step of the expand
     num_warps: int
     num_stages: int
-    pdl: bool = False  # programmatic dependent launch (Hopper and later)
+    pdl: bool = False  # the expand is a programmatic dependent of the shrink (Hopper and later)
+    pdl_early: bool = True  # with pdl: the expand may launch at the shrink's start, and the shrink
+    # is a dependent of the kernel before it (decode); else the expand launches in the shrink's tail
     add_in_memory: bool = False  # the expand adds into y with reductions (red.add), not load + store
 
 
@@ -105,11 +110,13 @@ def make_config(
         spans = max(spans, triton.cdiv(sum(output_slices), MAX_DECODE_SPAN))
     span = triton.cdiv(triton.cdiv(sum(output_slices), spans), block_n) * block_n
     span = max(block_n, min(span, triton.cdiv(max(output_slices), block_n) * block_n))
+    # Measured on an H200: PDL with the expand launched at the shrink's start saves ~1 us a
+    # call at decode, and costs up to 21% at prefill (gate/up 4096 tokens: 173 vs 143 us),
+    # where the expand's early programs hold SM resources the shrink's last wave wants. At
+    # prefill the expand launches once the shrink's programs are past their loops.
+    pdl_early = block_m <= DECODE_BLOCK_M
     if pdl is None:
-        # Measured on an H200: PDL saves ~1 us a call at decode, and costs up to 21% at
-        # prefill (gate/up 4096 tokens: 173 vs 143 us), where the expand's early programs
-        # hold SM resources the shrink's last wave wants.
-        pdl = device_pdl and block_m <= DECODE_BLOCK_M
+        pdl = device_pdl
     if add_in_memory is None:
         # Measured on an H200 (bench/results/kernels_h200_variants.json): at decode, where a
         # block's rows are few, reductions in memory beat reading y (gate/up, 64 tokens, 32
@@ -117,7 +124,7 @@ def make_config(
         # is faster (q/k/v, 4096 tokens: 48.2 vs 60.6 us).
         add_in_memory = block_m <= DECODE_BLOCK_M
     return SGMVConfig(k_splits=k_splits, block_k=block_k, span=span, block_n=block_n, num_warps=num_warps,
-                      num_stages=num_stages, pdl=pdl, add_in_memory=add_in_memory)
+                      num_stages=num_stages, pdl=pdl, pdl_early=pdl_early, add_in_memory=add_in_memory)
 
 
 _cached_config = functools.lru_cache(maxsize=1024)(make_config)

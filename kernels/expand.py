@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .batch import LoRABatch
-from .block_rows import load_block_rows, slot_rank
+from .block_rows import alignment, load_block_rows, slot_rank
 
 MAX_SLICES = 3
 
@@ -43,7 +43,7 @@ def _expand_kernel(
     N1,
     N2,  # slice widths; 0 for absent slices
     SPAN,  # output columns per program
-    RANK,
+    RANK: tl.constexpr,  # rank columns per slot in lora_b; constexpr, so masks on it come in whole vectors
     # strides (last dimensions contiguous)
     stride_yt,
     stride_pk,
@@ -57,6 +57,8 @@ def _expand_kernel(
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent of the shrink
     ADD_IN_MEMORY: tl.constexpr,  # y += delta as a reduction in memory, not a load and a store
     K_SPLITS: tl.constexpr,  # partial planes to add up
+    B_ALIGN: tl.constexpr,  # a power of two that divides stride_bn (so B's rows load as vectors)
+    P_ALIGN: tl.constexpr,  # a power of two that divides stride_pt
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -103,7 +105,8 @@ def _expand_kernel(
     if ADD_IN_MEMORY:
         # Decode: a span is a tile or a few. B is a weight, not the shrink's output, so its
         # first tile is read before the wait, then each next tile one step ahead.
-        b_next = _load_b_tile(b_cols, col_lo + tl.arange(0, BLOCK_N), col_hi, offs_r, r_load, r_mask, stride_bn)
+        b_next = _load_b_tile(b_cols, col_lo + tl.arange(0, BLOCK_N), col_hi, offs_r, r_load, r_mask, stride_bn,
+                              B_ALIGN)
     if USE_PDL:
         # Above: step metadata and weights only. The partials and y are the shrink's (and
         # the base GEMM's before it) to finish.
@@ -111,7 +114,8 @@ def _expand_kernel(
 
     # v = the shrink's partial planes added up, for this slice's rank columns. The planes
     # are read in one unrolled burst: every load is in flight before the first add.
-    v_ptrs = partial_ptr + rows[:, None] * stride_pt + (slice_idx * RANK + offs_r)[None, :]
+    v_rows = tl.multiple_of(rows * stride_pt, P_ALIGN)
+    v_ptrs = partial_ptr + v_rows[:, None] + (slice_idx * RANK + offs_r)[None, :]
     v_mask = m_mask[:, None] & r_load[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in tl.static_range(K_SPLITS):
@@ -124,7 +128,7 @@ def _expand_kernel(
         for n0 in range(col_lo, col_hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             bb = b_next
-            b_next = _load_b_tile(b_cols, offs_n + BLOCK_N, col_hi, offs_r, r_load, r_mask, stride_bn)
+            b_next = _load_b_tile(b_cols, offs_n + BLOCK_N, col_hi, offs_r, r_load, r_mask, stride_bn, B_ALIGN)
             delta = tl.dot(v, bb, input_precision=DOT_PRECISION)
             # A fire-and-forget reduction: the loop never waits on a read of y. Each element
             # has one writer, so the result is deterministic: y + delta rounded to y's dtype
@@ -143,15 +147,18 @@ def _expand_kernel(
             y_ptrs = y_rows + offs_n[None, :]
             yv = y_next
             y_next = tl.load(y_ptrs + BLOCK_N, mask=m_mask[:, None] & (offs_n + BLOCK_N < col_hi)[None, :], other=0.0)
-            bb = _load_b_tile(b_cols, offs_n, col_hi, offs_r, r_load, r_mask, stride_bn)
+            bb = _load_b_tile(b_cols, offs_n, col_hi, offs_r, r_load, r_mask, stride_bn, B_ALIGN)
             delta = tl.dot(v, bb, input_precision=DOT_PRECISION)
             tl.store(y_ptrs, (yv.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
-def _load_b_tile(b_cols, offs_n, col_hi, offs_r, r_load, r_mask, stride_bn):
+def _load_b_tile(b_cols, offs_n, col_hi, offs_r, r_load, r_mask, stride_bn, B_ALIGN: tl.constexpr):
     """B^T tile [BLOCK_R, BLOCK_N] of columns offs_n (< col_hi), zero past the slot's rank."""
-    bb = tl.load(b_cols + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_load[:, None] & (offs_n < col_hi)[None, :],
+    # Without the hint a row stride that is not a multiple of 16 (rank 8) reads B one
+    # element at a time.
+    b_offs = tl.multiple_of(offs_n * stride_bn, B_ALIGN)
+    bb = tl.load(b_cols + b_offs[None, :] + offs_r[:, None], mask=r_load[:, None] & (offs_n < col_hi)[None, :],
                  other=0.0)
     return tl.where(r_mask[:, None], bb, 0.0)
 
@@ -201,6 +208,8 @@ def sgmv_expand(
         USE_PDL=pdl,
         ADD_IN_MEMORY=add_in_memory,
         K_SPLITS=partial.shape[0],
+        B_ALIGN=alignment(lora_b.stride(1)),
+        P_ALIGN=alignment(partial.stride(1)),
         BLOCK_M=batch.block_m,
         BLOCK_N=block_n,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),

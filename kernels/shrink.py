@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .batch import LoRABatch
-from .block_rows import load_block_rows, slot_rank
+from .block_rows import alignment, load_block_rows, slot_rank
 
 
 @triton.jit
@@ -33,8 +33,8 @@ def _shrink_kernel(
     # sizes
     K,
     K_CHUNK,  # input columns per split (a multiple of BLOCK_K)
-    RANK,  # rank rows per slice in lora_a
-    NR,  # n * RANK: rank rows of all slices
+    RANK: tl.constexpr,  # rank rows per slice in lora_a
+    NR: tl.constexpr,  # n * RANK: rank rows of all slices
     # strides (last dimensions contiguous)
     stride_pk,
     stride_pt,
@@ -43,7 +43,9 @@ def _shrink_kernel(
     stride_ar,
     # meta-parameters
     HAS_RANKS: tl.constexpr,
-    USE_PDL: tl.constexpr,  # launched as a programmatic dependent of the kernel before
+    WAIT_BEFORE: tl.constexpr,  # launched as a programmatic dependent of the kernel before
+    TRIGGER: tl.constexpr,  # lets the expand launch (PDL): 0 never, 1 at the start, 2 after the loop
+    P_ALIGN: tl.constexpr,  # a power of two that divides stride_pt (so the stores are vectors)
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_NR: tl.constexpr,  # >= NR, a power of two >= 16
@@ -71,10 +73,13 @@ def _shrink_kernel(
     rank = slot_rank(ranks_ptr, slot, RANK, HAS_RANKS)
     offs_j = tl.arange(0, BLOCK_NR)
     j_mask = (offs_j < NR) & ((offs_j % RANK) < rank)
-    if USE_PDL:
-        # Everything above reads step metadata and weights, written long before; x is the
-        # kernel before's output, so wait for it here. The expand may launch meanwhile.
+    if TRIGGER == 1:
+        # Decode: the expand may launch at once; its programs read their metadata and first
+        # tile of B while this grid runs.
         tl.extra.cuda.gdc_launch_dependents()
+    if WAIT_BEFORE:
+        # Everything above reads step metadata and weights, written long before; x is the
+        # kernel before's output, so wait for it here.
         tl.extra.cuda.gdc_wait()
 
     x_rows = x_ptr + rows[:, None] * stride_xt
@@ -88,8 +93,13 @@ def _shrink_kernel(
         xb = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         ab = tl.load(a_rows + offs_k[:, None], mask=k_mask[:, None] & j_mask[None, :], other=0.0)
         acc = tl.dot(xb, ab, acc, input_precision=DOT_PRECISION)
+    if TRIGGER == 2:
+        # Prefill: the expand launches once every program is past its loop, in the last
+        # wave's tail, so its programs never take a place a program of this grid waits for.
+        tl.extra.cuda.gdc_launch_dependents()
 
-    out = partial_ptr + pid_k * stride_pk + rows[:, None] * stride_pt + offs_j[None, :]
+    out_rows = tl.multiple_of(rows * stride_pt, P_ALIGN)
+    out = partial_ptr + pid_k * stride_pk + out_rows[:, None] + offs_j[None, :]
     tl.store(out, acc, mask=m_mask[:, None] & (offs_j < NR)[None, :])
 
 
@@ -103,9 +113,14 @@ def sgmv_shrink(
     block_k: int,
     num_warps: int = 4,
     num_stages: int = 3,
-    pdl: bool = False,
+    wait_before: bool = False,
+    trigger: int = 0,
 ) -> torch.Tensor:
     """Returns float32 partial sums [k_splits, T, n*R]: sum over axis 0 is x @ A^T per row.
+
+    With programmatic dependent launch (Hopper and later): ``wait_before`` launches this
+    grid as a dependent of the kernel before it, ``trigger`` lets the expand launched after
+    it as a dependent start early (1: at once, 2: once every program is past its loop).
 
     Only rows of adapter blocks are written; rows of slot -1 are left as they were.
     """
@@ -132,13 +147,15 @@ def sgmv_shrink(
         lora_a.stride(0),
         lora_a.stride(1),
         HAS_RANKS=ranks is not None,
-        USE_PDL=pdl,
+        WAIT_BEFORE=wait_before,
+        TRIGGER=trigger,
+        P_ALIGN=alignment(partial.stride(1)),
         BLOCK_M=batch.block_m,
         BLOCK_K=block_k,
         BLOCK_NR=max(16, triton.next_power_of_2(nr)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
-        **({"launch_pdl": True} if pdl else {}),
+        **({"launch_pdl": True} if wait_before else {}),
     )
     return partial

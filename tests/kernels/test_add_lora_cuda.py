@@ -75,3 +75,20 @@ def test_captured_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(replayed, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_tokens", [64, 1024], ids=["decode", "prefill"])
+@pytest.mark.parametrize("rank,row_stride", [(8, 8), (8, 12), (4, 4), (24, 24)])
+def test_weight_rows_off_vector_boundaries_on_cuda(num_tokens, rank, row_stride):
+    """lora_b rows of 4, 8, 12 or 24 elements (views into wider buffers too): the kernels
+    promise the compiler only the alignment the strides have."""
+    slices = (896, 128, 128)
+    token_slots, ranks, lora_a, lora_b, x, y, scaling = inputs(num_tokens, 8, rank, 896, slices, torch.bfloat16, rank)
+    wide_b = torch.full((8, sum(slices), row_stride), float("nan"), dtype=lora_b.dtype, device="cuda")
+    wide_b[:, :, :rank] = lora_b
+    lora_b = wide_b[:, :, :rank]
+    expected = add_lora_reference(y, x, lora_a.nan_to_num(), lora_b.nan_to_num(), scaling, token_slots, ranks, slices)
+    before = y.clone()
+    add_lora(y, x, lora_a, lora_b, scaling, LoRABatch.build(token_slots, 8), ranks=ranks, output_slices=slices)
+    delta, want = y.double() - before.double(), expected - before.double()
+    assert ((delta - want).norm() / want.norm()).item() < TOLERANCE[torch.bfloat16]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loraplex.kernels.batch import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoRABatch, max_blocks
+from loraplex.kernels.block_rows import alignment
 from loraplex.kernels.configs import MIN_K_CHUNK, make_config
 
 QKV = (4096, (4096, 1024, 1024))
@@ -23,9 +24,19 @@ def test_decode_adds_in_memory_and_uses_pdl_where_the_device_has_it():
     assert not config(64, 16, device_pdl=False).pdl
 
 
-def test_prefill_reads_y_and_launches_plainly():
+def test_decode_launches_the_expand_at_the_shrinks_start():
+    assert config(64, 16, device_pdl=True).pdl_early
+
+
+def test_prefill_reads_y_and_launches_the_expand_in_the_shrinks_tail():
     c = config(4096, 8, device_pdl=True)
-    assert not c.pdl and not c.add_in_memory
+    assert c.pdl and not c.pdl_early and not c.add_in_memory
+    assert not config(4096, 8, device_pdl=False).pdl
+
+
+@pytest.mark.parametrize("stride,expected", [(16, 16), (4096, 16), (8, 8), (24, 8), (12, 4), (3, 1), (0, 16)])
+def test_alignment_is_the_largest_power_of_two_dividing_the_stride(stride, expected):
+    assert alignment(stride) == expected
 
 
 @pytest.mark.parametrize("num_tokens,num_adapters", [(1, 1), (64, 16), (256, 256), (4096, 8)])
