@@ -35,6 +35,8 @@ PROGRAMS_PER_SM = 4
 # everywhere (twice the programs) lost up to 40% where blocks hold many rows: each span's
 # program re-reads its rows' split-K partials (kernels_h200_expand_x2_vs_prev.json).
 MAX_DECODE_SPAN = 1024
+# At prefill the expand adds into y with reductions from this rank up (below it, it reads y).
+PREFILL_ADD_IN_MEMORY_RANK = 64
 # Multiprocessor count assumed where there is no CUDA device (the Triton interpreter).
 _INTERPRETER_SMS = 4
 
@@ -51,6 +53,7 @@ class SGMVConfig:
     pdl_early: bool = True  # with pdl: the expand may launch at the shrink's start, and the shrink
     # is a dependent of the kernel before it (decode); else the expand launches in the shrink's tail
     add_in_memory: bool = False  # the expand adds into y with reductions (red.add), not load + store
+    one_launch: bool = False  # shrink and expand programs in one grid (handoff.py), not two launches
 
 
 # The shrink splits the input width no finer than this many columns per program.
@@ -90,6 +93,7 @@ def make_config(
     device_pdl: bool = False,
     pdl: bool | None = None,
     add_in_memory: bool | None = None,
+    one_launch: bool = False,
 ) -> SGMVConfig:
     """A configuration from the problem size; the keyword arguments override the defaults."""
     wanted = programs_per_sm * sms
@@ -121,10 +125,15 @@ def make_config(
         # Measured on an H200 (bench/results/kernels_h200_variants.json): at decode, where a
         # block's rows are few, reductions in memory beat reading y (gate/up, 64 tokens, 32
         # adapters: 24.6 vs 28.1 us); at prefill, where y is dense, reading it one tile ahead
-        # is faster (q/k/v, 4096 tokens: 48.2 vs 60.6 us).
-        add_in_memory = block_m <= DECODE_BLOCK_M
+        # is faster (q/k/v, 4096 tokens: 48.2 vs 60.6 us), except at rank 64, where the
+        # reductions win again: kernels_h200_prefill_align.json, q/k/v one adapter 92.2 vs
+        # 101.8 us, o 43.5 vs 48.5, down 70.6 vs 77.4; kernels_h200_prefill_one_launch.json,
+        # 7 of 8 rank-64 cases faster, gate/up 8 adapters 1.4% slower. At rank 32 it is mixed
+        # (q/k/v and down faster, gate/up up to 1.26x slower), so the line stays at 64.
+        add_in_memory = block_m <= DECODE_BLOCK_M or rank >= PREFILL_ADD_IN_MEMORY_RANK
     return SGMVConfig(k_splits=k_splits, block_k=block_k, span=span, block_n=block_n, num_warps=num_warps,
-                      num_stages=num_stages, pdl=pdl, pdl_early=pdl_early, add_in_memory=add_in_memory)
+                      num_stages=num_stages, pdl=pdl, pdl_early=pdl_early, add_in_memory=add_in_memory,
+                      one_launch=one_launch)
 
 
 _cached_config = functools.lru_cache(maxsize=1024)(make_config)

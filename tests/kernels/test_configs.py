@@ -34,6 +34,12 @@ def test_prefill_reads_y_and_launches_the_expand_in_the_shrinks_tail():
     assert not config(4096, 8, device_pdl=False).pdl
 
 
+def test_prefill_adds_in_memory_from_rank_64():
+    blocks = max_blocks(4096, 8, PREFILL_BLOCK_M)
+    assert make_config(blocks, QKV[0], QKV[1], 64, 2, SMS, block_m=PREFILL_BLOCK_M).add_in_memory
+    assert not make_config(blocks, QKV[0], QKV[1], 16, 2, SMS, block_m=PREFILL_BLOCK_M).add_in_memory
+
+
 @pytest.mark.parametrize("stride,expected", [(16, 16), (4096, 16), (8, 8), (24, 8), (12, 4), (3, 1), (0, 16)])
 def test_alignment_is_the_largest_power_of_two_dividing_the_stride(stride, expected):
     assert alignment(stride) == expected
