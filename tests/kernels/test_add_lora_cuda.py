@@ -92,3 +92,40 @@ def test_weight_rows_off_vector_boundaries_on_cuda(num_tokens, rank, row_stride)
     add_lora(y, x, lora_a, lora_b, scaling, LoRABatch.build(token_slots, 8), ranks=ranks, output_slices=slices)
     delta, want = y.double() - before.double(), expected - before.double()
     assert ((delta - want).norm() / want.norm()).item() < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("num_tokens,num_slots,rank,slices", [
+    (64, 16, 16, (4096, 1024, 1024)),  # decode q/k/v
+    (4096, 8, 16, (4096, 1024, 1024)),  # prefill q/k/v
+    (4096, 8, 64, (4096,)),  # prefill o, rank 64 (reductions into y)
+])
+def test_one_launch_matches_two_and_replays(num_tokens, num_slots, rank, slices):
+    """Shrink and expand in one grid (handoff.py) give the two launches' result, and its
+    counters come back to zero, so a CUDA graph replays it."""
+    import dataclasses
+
+    from loraplex.kernels.add_lora import sgmv_lora
+    from loraplex.kernels.configs import sgmv_config
+
+    token_slots, ranks, lora_a, lora_b, x, y, scaling = inputs(num_tokens, num_slots, rank, 4096, slices,
+                                                                torch.bfloat16, seed=num_tokens)
+    batch = LoRABatch.build(token_slots, num_slots)
+    config = sgmv_config(batch.num_blocks, batch.block_m, 4096, slices, rank, x.dtype, x.device)
+    two, one = y.clone(), y.clone()
+    sgmv_lora(two, x, lora_a, lora_b, scaling, batch, ranks, slices, config=dataclasses.replace(config, one_launch=False))
+    one_launch = dataclasses.replace(config, one_launch=True)
+    sgmv_lora(one, x, lora_a, lora_b, scaling, batch, ranks, slices, config=one_launch)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(one, two, rtol=0, atol=0)
+    assert not batch.block_done.any()
+
+    replayed = y.clone()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        sgmv_lora(replayed, x, lora_a, lora_b, scaling, batch, ranks, slices, config=one_launch)
+    for _ in range(3):
+        replayed.copy_(y)
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(replayed, two, rtol=0, atol=0)
+    assert not batch.block_done.any()
