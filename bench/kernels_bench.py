@@ -191,10 +191,6 @@ def run_case(c, timer, bandwidth, sweep, prev=None, variants_too=True):
     if variants_too:
             variants["ours_add_in_memory" if flipped.add_in_memory else "ours_load_store"] = (
             lambda y: sgmv_lora(y, x, lora_a, lora_b, scaling, batch, None, slices, config=flipped))
-    if variants_too:
-        one_launch = dataclasses.replace(default, one_launch=True)
-        variants["ours_one_launch"] = (
-            lambda y: sgmv_lora(y, x, lora_a, lora_b, scaling, batch, None, slices, config=one_launch))
     if batch.block_m > DECODE_BLOCK_M and variants_too:
         # Prefill with more rows a block: A and B are re-read from L2 once per block.
         for block_m in (64, 128):

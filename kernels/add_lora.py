@@ -105,17 +105,11 @@ def sgmv_lora(y, x, lora_a, lora_b, scaling, batch, ranks, slices, config=None) 
     """The Triton path: shrink over split K into float32 partials, then expand into y."""
     from .configs import sgmv_config  # imports triton only when the Triton path is used
     from .expand import sgmv_expand
-    from .handoff import sgmv_handoff
     from .shrink import sgmv_shrink
 
     rank = lora_b.shape[2]
     if config is None:
         config = sgmv_config(batch.num_blocks, batch.block_m, x.shape[1], slices, rank, x.dtype, x.device)
-    if config.one_launch:
-        sgmv_handoff(y, x, lora_a, lora_b, scaling, batch, ranks, slices, config.k_splits, config.block_k, config.span,
-                     config.block_n, config.num_warps, config.num_stages, config.add_in_memory,
-                     wait_before=config.pdl and config.pdl_early)
-        return
     partial = sgmv_shrink(x, lora_a, batch, ranks, rank, config.k_splits, config.block_k, config.num_warps,
                           config.num_stages, wait_before=config.pdl and config.pdl_early,
                           trigger=(1 if config.pdl_early else 2) if config.pdl else 0)

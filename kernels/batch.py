@@ -64,7 +64,6 @@ class LoRABatch:
     slot_counts: torch.Tensor  # [S]: rows per slot
     block_slot: torch.Tensor  # [B]: slot of each block of rows, -1 past the last block
     block_rows: torch.Tensor  # [B, block_m]: the block's row indices, -1 padded
-    block_done: torch.Tensor  # [B]: zeros; the one-launch kernel's per-block counters, zero between calls
     num_slots: int  # S
     block_m: int  # rows per block at most
 
@@ -141,7 +140,6 @@ class LoRABatch:
             slot_counts=i32(counts),
             block_slot=i32(torch.where(valid, block_slot, -1)),
             block_rows=i32(block_rows),
-            block_done=torch.zeros(block_ids.shape, dtype=torch.int32, device=device),
             num_slots=num_slots,
             block_m=block_m,
         )

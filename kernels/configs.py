@@ -53,7 +53,6 @@ class SGMVConfig:
     pdl_early: bool = True  # with pdl: the expand may launch at the shrink's start, and the shrink
     # is a dependent of the kernel before it (decode); else the expand launches in the shrink's tail
     add_in_memory: bool = False  # the expand adds into y with reductions (red.add), not load + store
-    one_launch: bool = False  # shrink and expand programs in one grid (handoff.py), not two launches
 
 
 # The shrink splits the input width no finer than this many columns per program.
@@ -93,7 +92,6 @@ def make_config(
     device_pdl: bool = False,
     pdl: bool | None = None,
     add_in_memory: bool | None = None,
-    one_launch: bool = False,
 ) -> SGMVConfig:
     """A configuration from the problem size; the keyword arguments override the defaults."""
     wanted = programs_per_sm * sms
@@ -132,8 +130,7 @@ def make_config(
         # (q/k/v and down faster, gate/up up to 1.26x slower), so the line stays at 64.
         add_in_memory = block_m <= DECODE_BLOCK_M or rank >= PREFILL_ADD_IN_MEMORY_RANK
     return SGMVConfig(k_splits=k_splits, block_k=block_k, span=span, block_n=block_n, num_warps=num_warps,
-                      num_stages=num_stages, pdl=pdl, pdl_early=pdl_early, add_in_memory=add_in_memory,
-                      one_launch=one_launch)
+                      num_stages=num_stages, pdl=pdl, pdl_early=pdl_early, add_in_memory=add_in_memory)
 
 
 _cached_config = functools.lru_cache(maxsize=1024)(make_config)

@@ -80,26 +80,8 @@ def _expand_kernel(
     rows, m_mask = load_block_rows(block_rows_ptr, pid_block, BLOCK_M)
     if slot < 0:
         return
-    WAIT: tl.constexpr = 1 if USE_PDL else 0
-    expand_span(y_ptr, partial_ptr, b_ptr, scaling_ptr, ranks_ptr, slot.to(tl.int64), rows, m_mask, pid_span, N0, N1,
-                N2, SPAN, RANK, stride_yt, stride_pk, stride_pt, stride_bs, stride_bn, stride_scale_s, stride_scale_n,
-                HAS_RANKS, WAIT, y_ptr, ADD_IN_MEMORY, K_SPLITS, B_ALIGN, P_ALIGN, BLOCK_M, BLOCK_N,
-                BLOCK_R, DOT_PRECISION)
+    slot = slot.to(tl.int64)
 
-
-@triton.jit
-def expand_span(y_ptr, partial_ptr, b_ptr, scaling_ptr, ranks_ptr, slot, rows, m_mask, pid_span, N0, N1, N2, SPAN,
-                RANK: tl.constexpr, stride_yt, stride_pk, stride_pt, stride_bs, stride_bn, stride_scale_s,
-                stride_scale_n, HAS_RANKS: tl.constexpr, WAIT: tl.constexpr, done_ptr, ADD_IN_MEMORY: tl.constexpr,
-                K_SPLITS: tl.constexpr, B_ALIGN: tl.constexpr, P_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One expand program's work, for a block of slot ``slot`` (>= 0) and span ``pid_span``.
-    Shared by the expand kernel and the one-launch kernel (``handoff``).
-
-    WAIT, where the partials come from: 0, a kernel that finished before this one; 1, the
-    kernel this one is a programmatic dependent of (``griddepcontrol.wait``); 2, the shrink
-    programs of this same grid, which count the block's finished splits at ``done_ptr``.
-    """
     # Which slice this span is in, and its columns [col_lo, col_hi) inside the slice.
     spans0 = tl.cdiv(N0, SPAN)
     spans01 = spans0 + tl.cdiv(N1, SPAN)
@@ -125,15 +107,10 @@ def expand_span(y_ptr, partial_ptr, b_ptr, scaling_ptr, ranks_ptr, slot, rows, m
         # first tile is read before the wait, then each next tile one step ahead.
         b_next = _load_b_tile(b_cols, col_lo + tl.arange(0, BLOCK_N), col_hi, offs_r, r_load, r_mask, stride_bn,
                               B_ALIGN)
-    if WAIT == 1:
+    if USE_PDL:
         # Above: step metadata and weights only. The partials and y are the shrink's (and
         # the base GEMM's before it) to finish.
         tl.extra.cuda.gdc_wait()
-    if WAIT == 2:
-        # The block's shrink programs come earlier in this grid, so they run or have run:
-        # spin until all K_SPLITS have published their planes (release/acquire).
-        while tl.atomic_add(done_ptr, 0, sem="acquire") < K_SPLITS:
-            pass
 
     # v = the shrink's partial planes added up, for this slice's rank columns. The planes
     # are read in one unrolled burst: every load is in flight before the first add.
@@ -145,11 +122,6 @@ def expand_span(y_ptr, partial_ptr, b_ptr, scaling_ptr, ranks_ptr, slot, rows, m
         acc += tl.load(v_ptrs + k * stride_pk, mask=v_mask, other=0.0)
     acc = tl.where(r_mask[None, :], acc, 0.0)
     v = (acc * scale).to(y_ptr.dtype.element_ty)
-    if WAIT == 2:
-        # The block's last span to read its planes sets the count back to zero for the next call.
-        spans = spans01 + tl.cdiv(N2, SPAN)
-        if tl.atomic_add(done_ptr, 1, sem="relaxed") == K_SPLITS + spans - 1:
-            tl.atomic_xchg(done_ptr, 0, sem="relaxed")
 
     y_rows = y_ptr + rows[:, None] * stride_yt + slice_col
     if ADD_IN_MEMORY:

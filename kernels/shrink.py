@@ -67,19 +67,8 @@ def _shrink_kernel(
     rows, m_mask = load_block_rows(block_rows_ptr, pid_block, BLOCK_M)
     if slot < 0:
         return
-    shrink_split(partial_ptr, x_ptr, a_ptr, ranks_ptr, slot.to(tl.int64), rows, m_mask, pid_k, K, K_CHUNK, RANK, NR,
-                 stride_pk, stride_pt, stride_xt, stride_as, stride_ar, HAS_RANKS, WAIT_BEFORE, TRIGGER, P_ALIGN,
-                 BLOCK_M, BLOCK_K, BLOCK_NR, DOT_PRECISION)
+    slot = slot.to(tl.int64)
 
-
-@triton.jit
-def shrink_split(partial_ptr, x_ptr, a_ptr, ranks_ptr, slot, rows, m_mask, pid_k, K, K_CHUNK, RANK: tl.constexpr,
-                 NR: tl.constexpr, stride_pk, stride_pt, stride_xt, stride_as, stride_ar, HAS_RANKS: tl.constexpr,
-                 WAIT_BEFORE: tl.constexpr, TRIGGER: tl.constexpr, P_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_NR: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One shrink program's work, for a block of slot ``slot`` (>= 0) and K split ``pid_k``:
-    its partial sums stored into plane ``pid_k``. Shared by the shrink kernel and the
-    one-launch kernel (``handoff``)."""
     # Rank rows inside the slot's rank; rows past it are never read.
     rank = slot_rank(ranks_ptr, slot, RANK, HAS_RANKS)
     offs_j = tl.arange(0, BLOCK_NR)
