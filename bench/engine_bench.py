@@ -111,6 +111,7 @@ def run_loraplex(args, engine: LLMEngine, prompts, names) -> dict:
     """One untimed pass (captures the CUDA graphs), then a timed pass on the same requests."""
     max_tokens = args.decode_steps + 2
     result = {}
+    before = engine.decoder.num_graphs
     for timed in (False, True):
         for prompt, name in zip(prompts, names):
             engine.add_request(engine.make_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
@@ -126,6 +127,12 @@ def run_loraplex(args, engine: LLMEngine, prompts, names) -> dict:
             times.append(time.perf_counter() - t0)
         # Only full-batch steps count (the last one may be partial).
         times, positions = times[: args.decode_steps], positions[: args.decode_steps]
+        if not timed:
+            # The untimed pass captures each decode graph the first time its key is seen: the
+            # steps that capture stall every running request for that long.
+            graphs = engine.decoder.num_graphs
+            first_pass = {"step_ms_max": 1e3 * max(times), "step_ms_median": 1e3 * statistics.median(times),
+                          "graphs_captured": graphs - before}
         if timed:
             total = sum(times)
             result = {"decode_tok_s": len(prompts) * len(times) / total,
@@ -133,7 +140,9 @@ def run_loraplex(args, engine: LLMEngine, prompts, names) -> dict:
                       "step_ms_mean": 1e3 * total / len(times),
                       "steps": len(times),
                       "kv_tokens_per_step_mean": sum(positions) / len(positions),
-                      "cuda_graphs": engine.decoder.num_graphs}
+                      "cuda_graphs": engine.decoder.num_graphs,
+                      "graphs_captured_while_timed": engine.decoder.num_graphs - graphs,
+                      "first_pass": first_pass}
     return result
 
 
@@ -244,7 +253,8 @@ def main(argv=None) -> int:
     for n in args.adapter_counts:
         r = run_loraplex(args, engine, prompts, assignment(args.batch, n)) | {"adapters": n}
         results.append(r)
-        log.info("loraplex adapters=%3d  %9.1f tok/s  step %.2f ms", n, r["decode_tok_s"], r["step_ms_median"])
+        log.info("loraplex adapters=%3d  %9.1f tok/s  step %.2f ms  (first pass: %d graphs, slowest step %.1f ms)", n,
+                 r["decode_tok_s"], r["step_ms_median"], r["first_pass"]["graphs_captured"], r["first_pass"]["step_ms_max"])
         if args.every_slot_too and n:
             engine.decoder.bound_adapters = False
             e = run_loraplex(args, engine, prompts, assignment(args.batch, n)) | {"adapters": n}
