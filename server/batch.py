@@ -14,7 +14,8 @@ Running example, max_rows 8, two requests in KV rows 0 and 2, span 3 -> bucket 4
     kv_len      256                       keys read: round_up(max position + 1, kv_block)
 
 `DecodeRunner.run` replays a CUDA graph per (bucket, kv_len, adapter bucket) on CUDA devices,
-captured the first time that key is seen, and calls `model.decode` eagerly elsewhere. The
+captured the first time that key is seen, and calls `model.decode` eagerly elsewhere. With
+graphs, kv_len is kv_block times a power of two (`kv_bucket`), so few keys are ever seen. The
 adapter bucket bounds the distinct adapters of the running rows (0, 1, 2, 4, 8, ...): the
 LoRA kernels' grid is sized for that many adapters rather than for every slot, which spreads
 each adapter's work over more programs (32 adapters in 64 slots: the grid of 32, not 64).
@@ -45,6 +46,25 @@ def bucket(n: int, buckets: list[int]) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} rows exceed the largest bucket {buckets[-1]}")
+
+
+def kv_bucket(max_position: int, kv_block: int, max_len: int, graphs: bool) -> int:
+    """Keys a decode step reads: max_position + 1 rounded up to whole ``kv_block``s, and with
+    CUDA graphs on to ``kv_block`` times a power of two (kv_block 256: 256, 512, 1024, ...),
+    capped at ``max_len``.
+
+    Each KV length is a graph key, and a new key stalls every running row while its graph is
+    captured (70-180 ms a graph for Llama-3-8B on an H200, 1-2 s when its kernels compile
+    too). Powers of two make log2(max_len / kv_block) + 1 keys where whole blocks made
+    max_len / kv_block. The attention kernel stops at each row's own last key, so a longer
+    bucket reads no more keys: measured on an H200 (bench/results/engine_h200_kv_buckets_notes.md),
+    a 1024-key bucket for 513-579 keys costs nothing at batch 64 or 16. Eager decode (CPU,
+    no graphs) keeps whole blocks: its torch attention does read every key of the bucket.
+    """
+    blocks = (max_position + 1 + kv_block - 1) // kv_block
+    if graphs:
+        blocks = 1 << (blocks - 1).bit_length()
+    return min(blocks * kv_block, max_len)
 
 
 def adapter_bucket(distinct: int) -> int:
@@ -99,8 +119,7 @@ class DecodeRunner:
         return len(self._graphs)
 
     def kv_len_for(self, max_position: int) -> int:
-        blocks = (max_position + 1 + self.kv_block - 1) // self.kv_block
-        return min(blocks * self.kv_block, self.model.kv.max_len)
+        return kv_bucket(max_position, self.kv_block, self.model.kv.max_len, self.use_graphs)
 
     def run(self, running: dict[int, Request], span: int) -> torch.Tensor:
         """Logits float32 [span, vocab] for KV rows 0..span-1 (rows without a request: garbage)."""

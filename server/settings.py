@@ -126,8 +126,8 @@ class ServerSettings:
     runs them as torch ops). Default: on."""
 
     kv_block: int = 256
-    """Granularity, in tokens, of the KV length that a decode step reads (and of its
-    CUDA-graph buckets). Default: 256."""
+    """Granularity, in tokens, of the KV length that a decode step reads. With CUDA graphs the
+    length is kv_block times a power of two (256, 512, 1024, ...), one graph each. Default: 256."""
 
     log_level: str = "info"
     """Logging level: debug, info, warning, error. Default: info."""

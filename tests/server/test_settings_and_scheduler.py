@@ -8,7 +8,7 @@ from collections import deque
 import pytest
 import torch
 
-from loraplex.server.batch import adapter_bucket, batch_buckets, bucket
+from loraplex.server.batch import adapter_bucket, batch_buckets, bucket, kv_bucket
 from loraplex.server.config import ModelConfig, ModelConfigError, named_shape
 from loraplex.server.kv_cache import KVCache
 from loraplex.server.request import Request
@@ -101,3 +101,15 @@ def test_decode_graph_buckets():
         bucket(65, batch_buckets(64))
     # Distinct adapters of a step -> the bound its LoRA grid is sized for.
     assert [adapter_bucket(n) for n in (0, 1, 2, 3, 4, 5, 17, 32, 33)] == [0, 1, 2, 4, 4, 8, 32, 32, 64]
+
+
+def test_kv_buckets_are_powers_of_two_blocks_with_graphs_and_whole_blocks_without():
+    # max_position p needs p + 1 keys.
+    with_graphs = [kv_bucket(p, 256, 8192, graphs=True) for p in (0, 255, 256, 700, 1023, 1024, 5000, 8191)]
+    assert with_graphs == [256, 256, 512, 1024, 1024, 2048, 8192, 8192]
+    eager = [kv_bucket(p, 256, 8192, graphs=False) for p in (0, 255, 256, 700, 1024, 8191)]
+    assert eager == [256, 256, 512, 768, 1280, 8192]
+    assert kv_bucket(700, 256, 1000, graphs=True) == 1000  # capped at the cache
+    assert kv_bucket(200, 96, 4096, graphs=True) == 384  # any block size: 96 x 4
+    keys = {kv_bucket(p, 256, 8192, graphs=True) for p in range(8192)}
+    assert len(keys) == 6
