@@ -18,12 +18,17 @@ median), and checked against torch first.
 - stream_indexed_dot: the same, summed with ``tl.dot`` against a tile of ones, as the
   shrink multiplies x by A (through shared memory and the tensor cores);
 - shrink_qkv_a1 / shrink_qkv_a8 / shrink_o_a1: ``sgmv_shrink`` at its default
-  configuration, rank 16 (A read as well, partials written).
+  configuration, rank 16 (A read as well, partials written);
+- copy_half: ``out.copy_(x[:half])``, 16 MB read and 16 MB written, for the fixed cost.
+
+``--sweep`` also times the streaming kernel over its tile, splits, warps and stages (rows
+contiguous, summed without tl.dot): the fastest way found for one launch to read x.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import sys
@@ -75,20 +80,26 @@ def _stream_kernel(x_ptr, rows_ptr, out_ptr, T, K, K_CHUNK, stride_xt, INDEXED: 
     tl.store(out_ptr + pid_k * T + rows, total)
 
 
-def stream(x: torch.Tensor, rows: torch.Tensor | None, dot: bool) -> torch.Tensor:
+def stream(x: torch.Tensor, rows: torch.Tensor | None, dot: bool, block_m: int = BLOCK_M, block_k: int = BLOCK_K,
+           k_splits: int = K_SPLITS, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     t, k = x.shape
-    out = torch.empty((K_SPLITS, t), dtype=torch.float32, device=x.device)
-    grid = (K_SPLITS, t // BLOCK_M)
-    _stream_kernel[grid](x, rows if rows is not None else out, out, t, k, k // K_SPLITS, x.stride(0),
-                         INDEXED=rows is not None, DOT=dot, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=4,
-                         num_stages=3)
+    out = torch.empty((k_splits, t), dtype=torch.float32, device=x.device)
+    grid = (k_splits, t // block_m)
+    _stream_kernel[grid](x, rows if rows is not None else out, out, t, k, k // k_splits, x.stride(0),
+                         INDEXED=rows is not None, DOT=dot, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
+                         num_stages=num_stages)
     return out
+
+
+SWEEP = dict(block_m=(16, 32, 64), block_k=(64, 128, 256), k_splits=(1, 4, 16), num_warps=(4, 8),
+             num_stages=(2, 4))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--sweep", action="store_true", help="time the streaming kernel over its parameters")
     args = p.parse_args(argv)
     bw = copy_bandwidth()
     timer = GraphTimer(args.reps)
@@ -101,6 +112,7 @@ def main(argv=None) -> int:
 
     variants = {
         "copy": (lambda: out.copy_(x), 2 * x.numel() * 2, None),
+        "copy_half": (lambda: out[: t // 2].copy_(x[: t // 2]), x.numel() * 2, None),
         "torch_sum": (lambda: x.sum(dim=1), x.numel() * 2, lambda r: r.float()),
         "stream": (lambda: stream(x, None, False), x.numel() * 2, lambda r: r.sum(0)),
         "stream_indexed": (lambda: stream(x, rows, False), x.numel() * 2, lambda r: r.sum(0)),
@@ -132,6 +144,25 @@ def main(argv=None) -> int:
                          "block_k": cfg.block_k}
         print(f"{name:20s} {us:7.1f} us  {results[name]['bandwidth']:.2f} of copy bandwidth", flush=True)
         del c
+
+    if args.sweep:
+        sweep = []
+        for values in itertools.product(*SWEEP.values()):
+            params = dict(zip(SWEEP, values))
+            if params["block_k"] * params["k_splits"] > x.shape[1]:
+                continue
+            try:
+                got = stream(x, None, False, **params)
+                error = ((got.sum(0) - want).norm() / want.norm()).item()
+                us = timer(lambda: stream(x, None, False, **params)) if error < 2e-2 else None
+            except Exception as exc:  # a configuration the compiler refuses: record it, go on
+                error, us = repr(exc)[:120], None
+            sweep.append({**params, "error": error, "us": us,
+                          "bandwidth": x.numel() * 2 / (us * 1e-6) / bw if us else None})
+        sweep.sort(key=lambda r: r["us"] or 1e9)
+        results["stream_sweep"] = sweep
+        for r in sweep[:8]:
+            print("sweep", r, flush=True)
 
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "copy_bandwidth_bytes_per_s": bw, "reps": args.reps,
