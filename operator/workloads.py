@@ -34,6 +34,12 @@ PLAIN_PLAN_LIMIT = 900_000
 PLAN_DIR = "/etc/loraplex/plan"
 PLAN_FILE = f"{PLAN_DIR}/{PLAN_KEY}"
 ADAPTER_CACHE_DIR = "/var/lib/loraplex/adapters"
+# Triton's compiled kernels, kept on the node so that a restarted or rescheduled server
+# does not compile them again while serving. Measured on an H200 (bench/results/
+# engine_h200_kv_buckets_notes.md): a decode step that meets a new kernel configuration
+# stalls 0.8-1.9 s when it compiles, 73-184 ms when the compiled kernels are in the cache.
+# Triton writes each entry to a temporary file and renames it, so servers on one node share it.
+KERNEL_CACHE_DIR = "/var/lib/loraplex/kernel-cache"
 SERVER_PORT = 8000
 # The node agent's API on each node (the DaemonSet's hostPort), reached at the node's IP.
 NODE_AGENT_PORT = 8081
@@ -120,8 +126,9 @@ def server_args(base: BaseModelSpec, slots: int) -> list[str]:
 
 
 def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
-    """The serving Deployment: the plan ConfigMap mounted read-only at /etc/loraplex/plan, and
-    the node's adapter cache (where the node agent stages adapters) from the host, read-only.
+    """The serving Deployment: the plan ConfigMap mounted read-only at /etc/loraplex/plan, the
+    node's adapter cache (where the node agent stages adapters) from the host, read-only, and
+    the node's compiled-kernel cache (TRITON_CACHE_DIR), read-write.
     With no room for adapters (slots 0) the server still gets --max-loras 1; the BaseModel's
     status says Failed / NoRoom."""
     serving = base.serving
@@ -130,7 +137,8 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
         "image": serving.image,
         "command": ["loraplex-server"],
         "args": server_args(base, slots),
-        "env": [{"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}],
+        "env": [{"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+                {"name": "TRITON_CACHE_DIR", "value": KERNEL_CACHE_DIR}],
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
@@ -138,6 +146,7 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
         "volumeMounts": [
             {"name": "plan", "mountPath": PLAN_DIR, "readOnly": True},
             {"name": "adapters", "mountPath": ADAPTER_CACHE_DIR, "readOnly": True},
+            {"name": "kernel-cache", "mountPath": KERNEL_CACHE_DIR},
             *copy.deepcopy(list(serving.volume_mounts)),
         ],
     }
@@ -148,6 +157,7 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
         "volumes": [
             {"name": "plan", "configMap": {"name": plan_config_map_name(base.name)}},
             {"name": "adapters", "hostPath": {"path": ADAPTER_CACHE_DIR, "type": "DirectoryOrCreate"}},
+            {"name": "kernel-cache", "hostPath": {"path": KERNEL_CACHE_DIR, "type": "DirectoryOrCreate"}},
             *copy.deepcopy(list(serving.volumes)),
         ],
     }

@@ -49,6 +49,13 @@ def test_deployment_runs_the_server_with_the_plan_mounted():
     assert settings.plan_file == "/etc/loraplex/plan/plan.json"
     assert {"name": "plan", "mountPath": "/etc/loraplex/plan", "readOnly": True} in container["volumeMounts"]
     assert {"name": "plan", "configMap": {"name": "llama-3-8b-plan"}} in pod["volumes"]
+    # Compiled kernels outlive the pod on its node: Triton's cache on a hostPath.
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["kernel-cache"]["mountPath"] == env["TRITON_CACHE_DIR"] == "/var/lib/loraplex/kernel-cache"
+    assert not mounts["kernel-cache"].get("readOnly")
+    assert volumes["kernel-cache"]["hostPath"] == {"path": "/var/lib/loraplex/kernel-cache", "type": "DirectoryOrCreate"}
     assert container["resources"] == {"limits": {"nvidia.com/gpu": 1}}
     assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
     assert dep["spec"]["replicas"] == 2
