@@ -66,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--every-slot-too", action="store_true",
                    help="also time each adapter count with the LoRA grid sized for every slot, not for the "
                         "step's adapters (the before/after of that change, in one run)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the start-up warm-up that compiles every decode kernel (for comparison)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     a = p.parse_args(argv)
     if a.quick:
@@ -237,8 +239,13 @@ def main(argv=None) -> int:
         dummy_weights=args.shape, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
         max_model_len=args.prompt_len + args.decode_steps + 8, max_prefill_tokens=args.batch * args.prompt_len,
         max_loras=max(n_max, 1), max_lora_rank=args.rank, cuda_graphs=not args.no_cuda_graphs,
-        kv_block=args.kv_block, fused_ops=not args.no_fused_ops)
+        kv_block=args.kv_block, fused_ops=not args.no_fused_ops, warmup=False)
     engine = LLMEngine.from_settings(settings)
+    warmup = {"steps": 0, "seconds": 0.0}
+    if not args.no_warmup:  # what the server's start-up does (settings.warmup), timed here
+        t0 = time.perf_counter()
+        warmup = {"steps": engine.decoder.warm_up(), "seconds": time.perf_counter() - t0}
+        log.info("warm-up: %d eager decode steps in %.1f s", warmup["steps"], warmup["seconds"])
     fused_ops = engine.model.fused_ops
     device, dtype = engine.device, engine.dtype
     bw = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 256 << 20)
@@ -319,6 +326,7 @@ def main(argv=None) -> int:
                        "targets": "q,k,v,o,gate,up,down", "cuda_graphs": not args.no_cuda_graphs,
                        "kv_block": args.kv_block, "hf_steps": args.hf_steps, "quick": args.quick,
                        "pdl": os.environ.get("LORAPLEX_PDL", "1") != "0", "fused_ops": fused_ops},
+            "warmup": warmup,
             "copy_bandwidth_GBps": bw / 1e9,
             "loraplex": results,
             "loraplex_grid_for_every_slot": every_slot,

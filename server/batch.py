@@ -72,6 +72,19 @@ def adapter_bucket(distinct: int) -> int:
     return 0 if distinct <= 0 else 1 << (distinct - 1).bit_length()
 
 
+def warmup_plan(buckets: list[int], num_slots: int, kv_lens: list[int]) -> list[tuple[int, int, int]]:
+    """The decode steps (batch bucket, adapter bucket, KV length) that between them launch
+    every decode kernel configuration: each batch bucket with each adapter bucket it can
+    hold (the LoRA kernels' configurations) at the shortest KV length, and base-only at each
+    KV length (the attention's). The other ops depend on the batch bucket alone."""
+    steps = []
+    for b in buckets:
+        adapters = sorted({0} | {adapter_bucket(n) for n in range(1, min(b, num_slots) + 1)})
+        steps += [(b, a, kv_lens[0]) for a in adapters]
+        steps += [(b, 0, kv) for kv in kv_lens[1:]]
+    return steps
+
+
 def build_prefill(chunks: list[PrefillChunk],
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[PrefillSeq]]:
     """Pack the step's prompt chunks (whole prompts, without chunked prefill): tokens int64 [T],
@@ -154,6 +167,30 @@ class DecodeRunner:
         graph, out = self._graphs[key]
         graph.replay()
         return out[:span]
+
+    def warm_up(self) -> int:
+        """Before the first request, on CUDA: run `warmup_plan`'s decode steps eagerly, so every
+        decode kernel compiles now and not in a serving step (a step that compiles stalls every
+        running request 0.8-1.9 s on an H200, bench/results/engine_h200_kv_buckets_notes.md).
+        The steps write K/V into cache rows no request holds yet. Returns the steps run."""
+        if not self.use_graphs:
+            return 0
+        max_len = self.model.kv.max_len
+        # A sequence feeds positions up to max_len - 2 (the last one is the empty rows').
+        kv_lens = sorted({kv_bucket(p, self.kv_block, max_len, True) for p in range(0, max_len - 1, self.kv_block)})
+        num_slots = self.model.lora.num_slots
+        plan = warmup_plan(self.buckets, num_slots, kv_lens)
+        for b, adapters, kv_len in plan:
+            tokens = torch.zeros(b, dtype=torch.int64, device=self.device)
+            positions = torch.full((b,), min(kv_len, max_len - 1) - 1, dtype=torch.int64, device=self.device)
+            # Rows spread over min(adapters, slots) distinct slots; -1 (base) when none.
+            slots = torch.arange(b, device=self.device, dtype=torch.int32) % max(min(adapters, num_slots), 1)
+            if not adapters:
+                slots.fill_(-1)
+            self.model.decode(tokens, positions, slots, kv_len, adapters)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return len(plan)
 
     def rerun_eager(self) -> torch.Tensor:
         """The last step's decode again, eagerly (for checking graphs: it rewrites the same K/V)."""

@@ -159,6 +159,12 @@ class LLMEngine:
         for item in settings.lora_modules:
             lora_name, lora_path = item.split("=", 1)
             engine.adapters.load(lora_name, lora_path)
+        if settings.warmup:
+            t0 = time.perf_counter()
+            steps = engine.decoder.warm_up()
+            if steps:
+                log.info("warm-up: %d eager decode steps (every decode kernel compiled) in %.1fs", steps,
+                         time.perf_counter() - t0)
         return engine
 
     # -- requests --------------------------------------------------------------------------

@@ -120,6 +120,11 @@ class ServerSettings:
     """Replay decode steps as CUDA graphs (CUDA devices only; --no-cuda-graphs turns
     them off). Default: on."""
 
+    warmup: bool = True
+    """Before serving, run one eager decode step per batch, adapter and KV-length bucket, so
+    every decode kernel compiles at start and no serving step stalls on a compile (CUDA with
+    graphs only; --no-warmup skips it). Default: on."""
+
     fused_ops: bool = True
     """Run the decode step's small ops (attention, RoPE + K/V write, add + RMSNorm,
     silu*mul) as the Triton kernels of server/ops (CUDA devices only; --no-fused-ops

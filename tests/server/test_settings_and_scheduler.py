@@ -8,7 +8,7 @@ from collections import deque
 import pytest
 import torch
 
-from loraplex.server.batch import adapter_bucket, batch_buckets, bucket, kv_bucket
+from loraplex.server.batch import adapter_bucket, batch_buckets, bucket, kv_bucket, warmup_plan
 from loraplex.server.config import ModelConfig, ModelConfigError, named_shape
 from loraplex.server.kv_cache import KVCache
 from loraplex.server.request import Request
@@ -113,3 +113,17 @@ def test_kv_buckets_are_powers_of_two_blocks_with_graphs_and_whole_blocks_withou
     assert kv_bucket(200, 96, 4096, graphs=True) == 384  # any block size: 96 x 4
     keys = {kv_bucket(p, 256, 8192, graphs=True) for p in range(8192)}
     assert len(keys) == 6
+
+
+def test_warmup_plan_covers_every_lora_and_attention_configuration():
+    buckets, kv_lens = batch_buckets(16), [256, 512, 1024]
+    plan = warmup_plan(buckets, 6, kv_lens)
+    assert len(plan) == len(set(plan))
+    # Every batch bucket with every adapter bucket a step of it can reach (at most 6 distinct
+    # adapters in 6 slots), at the shortest KV length: the LoRA kernels' configurations.
+    for b in buckets:
+        reachable = {adapter_bucket(n) for n in range(0, min(b, 6) + 1)}
+        assert {a for bb, a, kv in plan if bb == b and kv == 256} == reachable
+        # Base only at every KV length: the attention's configurations.
+        assert {kv for bb, a, kv in plan if bb == b and a == 0} == set(kv_lens)
+    assert (1, 2, 256) not in plan and (16, 8, 256) in plan
