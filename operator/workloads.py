@@ -35,10 +35,11 @@ PLAN_DIR = "/etc/loraplex/plan"
 PLAN_FILE = f"{PLAN_DIR}/{PLAN_KEY}"
 ADAPTER_CACHE_DIR = "/var/lib/loraplex/adapters"
 # Triton's compiled kernels, kept on the node so that a restarted or rescheduled server
-# does not compile them again while serving. Measured on an H200 (bench/results/
-# engine_h200_kv_buckets_notes.md): a decode step that meets a new kernel configuration
-# stalls 0.8-1.9 s when it compiles, 73-184 ms when the compiled kernels are in the cache.
-# Triton writes each entry to a temporary file and renames it, so servers on one node share it.
+# does not compile them again. Measured on an H200 (bench/results/
+# engine_h200_kv_buckets_notes.md): the start-up warm-up that compiles every decode kernel
+# takes 18.6 s with an empty cache, and a step that compiles (without warm-up) stalls
+# 1.2-2.9 s. Triton writes each entry to a temporary file and renames it, so servers on one
+# node share it.
 KERNEL_CACHE_DIR = "/var/lib/loraplex/kernel-cache"
 SERVER_PORT = 8000
 # The node agent's API on each node (the DaemonSet's hostPort), reached at the node's IP.
