@@ -70,6 +70,13 @@ def copy_bandwidth() -> float:
     return 2 * n / (ms * 1e-3)
 
 
+def timing_meta(reps: int, **extra) -> dict:
+    """What every GPU bench records of its run: device, versions, the timer, and `extra`."""
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "reps": reps,
+            "timing": "median CUDA-graph replay, L2 flushed before each", **extra}
+
+
 class GraphTimer:
     """Times a callable as CUDA-graph replays with L2 flushed before each replay."""
 
@@ -308,12 +315,8 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth()
     timer = GraphTimer(args.reps)
     prev = load_kernels(args.prev) if args.prev else None
-    meta = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "copy_bandwidth_bytes_per_s": bandwidth,
-        "graph_capture_without_sync": check_no_sync(), "dtype": str(DTYPE), "reps": args.reps, "slots": args.slots,
-        "timing": "median CUDA-graph replay, L2 flushed before each",
-    }
+    meta = timing_meta(args.reps, copy_bandwidth_bytes_per_s=bandwidth, graph_capture_without_sync=check_no_sync(),
+                       dtype=str(DTYPE), slots=args.slots)
     meta["launch_floor"] = launch_floor(timer)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; launch floor {meta['launch_floor']}", flush=True)
 

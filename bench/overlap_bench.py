@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
 import torch
-import triton
 
 from checkout import use_checkout  # bench/ is sys.path[0]
 
 use_checkout()
 
-from kernels_bench import LAYERS, GraphTimer, make_case  # noqa: E402
+from kernels_bench import LAYERS, GraphTimer, make_case, timing_meta  # noqa: E402
 from loraplex.kernels import LoRABatch, add_lora  # noqa: E402
 from loraplex.kernels.configs import sgmv_config  # noqa: E402
 from loraplex.kernels.expand import sgmv_expand  # noqa: E402
@@ -121,9 +119,7 @@ def main(argv=None) -> int:
             print(f"{layer:8s} A={adapters:3d} " + " ".join(f"{k} {v:7.1f}" if v else f"{k} -" for k, v in us.items()),
                   flush=True)
             del c
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "reps": args.reps, "slots": 64,
-            "timing": "median CUDA-graph replay, L2 flushed before each"}
+    meta = timing_meta(args.reps, slots=64)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
 

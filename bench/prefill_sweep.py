@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from checkout import use_checkout  # bench/ is sys.path[0]
 
 use_checkout()
 
-from kernels_bench import PREFILL, GraphTimer, copy_bandwidth, make_case  # noqa: E402
+from kernels_bench import PREFILL, GraphTimer, copy_bandwidth, make_case, timing_meta  # noqa: E402
 from loraplex.kernels import LoRABatch, add_lora  # noqa: E402
 from loraplex.kernels.configs import sgmv_config  # noqa: E402
 from loraplex.kernels.expand import sgmv_expand  # noqa: E402
@@ -143,9 +142,7 @@ def main(argv=None) -> int:
                   f" {best_e['us']:.1f} {best_e}", flush=True)
             args.out.write_text(json.dumps({"results": results}, indent=1))
             del c
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "copy_bandwidth_bytes_per_s": bw, "reps": args.reps,
-            "timing": "median CUDA-graph replay, L2 flushed before each"}
+    meta = timing_meta(args.reps, copy_bandwidth_bytes_per_s=bw)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
 

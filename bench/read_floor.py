@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from checkout import use_checkout  # bench/ is sys.path[0]
 
 use_checkout()
 
-from kernels_bench import PREFILL, GraphTimer, copy_bandwidth, make_case  # noqa: E402
+from kernels_bench import PREFILL, GraphTimer, copy_bandwidth, make_case, timing_meta  # noqa: E402
 from loraplex.kernels import LoRABatch  # noqa: E402
 from loraplex.kernels.configs import sgmv_config  # noqa: E402
 from loraplex.kernels.shrink import sgmv_shrink  # noqa: E402
@@ -164,9 +163,7 @@ def main(argv=None) -> int:
         for r in sweep[:8]:
             print("sweep", r, flush=True)
 
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "copy_bandwidth_bytes_per_s": bw, "reps": args.reps,
-            "timing": "CUDA-graph replay, L2 flushed before each, median"}
+    meta = timing_meta(args.reps, copy_bandwidth_bytes_per_s=bw)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
 
