@@ -11,7 +11,7 @@ Running example, max_rows 8, two requests in KV rows 0 and 2, span 3 -> bucket 4
     tokens      [ 901,   0, 417,   0]     last sampled token of each row
     positions   [  12, 2047,  40, 2047]   where that token goes (max_len - 1: an empty row)
     token_slots [   3,  -1,  -1,  -1]     row 0 uses the adapter in slot 3, row 2 the base
-    kv_len      256                       keys read: round_up(max position + 1, kv_block)
+    kv_len      256                       keys read: kv_bucket(max position = 40), kv_block 256
 
 `DecodeRunner.run` replays a CUDA graph per (bucket, kv_len, adapter bucket) on CUDA devices,
 captured the first time that key is seen, and calls `model.decode` eagerly elsewhere. With
@@ -54,8 +54,7 @@ def kv_bucket(max_position: int, kv_block: int, max_len: int, graphs: bool) -> i
     capped at ``max_len``.
 
     Each KV length is a graph key, and a new key stalls every running row while its graph is
-    captured (70-180 ms a graph for Llama-3-8B on an H200, 1-2 s when its kernels compile
-    too). Powers of two make log2(max_len / kv_block) + 1 keys where whole blocks made
+    captured (50-180 ms a graph for Llama-3-8B on an H200). Powers of two make log2(max_len / kv_block) + 1 keys where whole blocks made
     max_len / kv_block. The attention kernel stops at each row's own last key, so a longer
     bucket reads no more keys: measured on an H200 (bench/results/engine_h200_kv_buckets_notes.md),
     a 1024-key bucket for 513-579 keys costs nothing at batch 64 or 16. Eager decode (CPU,
@@ -171,7 +170,7 @@ class DecodeRunner:
     def warm_up(self) -> int:
         """Before the first request, on CUDA: run `warmup_plan`'s decode steps eagerly, so every
         decode kernel compiles now and not in a serving step (a step that compiles stalls every
-        running request 0.8-1.9 s on an H200, bench/results/engine_h200_kv_buckets_notes.md).
+        running request 0.8-2.9 s on an H200, bench/results/engine_h200_kv_buckets_notes.md).
         The steps write K/V into cache rows no request holds yet. Returns the steps run."""
         if not self.use_graphs:
             return 0
