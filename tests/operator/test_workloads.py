@@ -49,6 +49,12 @@ def test_deployment_runs_the_server_with_the_plan_mounted():
     assert settings.plan_file == "/etc/loraplex/plan/plan.json"
     assert {"name": "plan", "mountPath": "/etc/loraplex/plan", "readOnly": True} in container["volumeMounts"]
     assert {"name": "plan", "configMap": {"name": "llama-3-8b-plan"}} in pod["volumes"]
+    # The port opens after the weights load and the warm-up: liveness waits for a startup
+    # probe that allows minutes, not the liveness probe's one.
+    startup, liveness = container["startupProbe"], container["livenessProbe"]
+    assert startup["httpGet"] == liveness["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] < 600
     # Compiled kernels outlive the pod on its node: Triton's cache on a hostPath.
     env = {e["name"]: e.get("value") for e in container["env"]}
     mounts = {m["name"]: m for m in container["volumeMounts"]}
