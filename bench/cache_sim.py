@@ -23,7 +23,9 @@ adapters (rank r has weight 1 / r^s). Two kinds of popularity shift:
 - swap: the top `slots` ranks swap places with as many adapters from the cold half.
 
 With prefetch, the new hot adapters are inserted (record_insert(prefetch=True)) just before
-the shift, as the node agent / server do when a warm-up window opens.
+the shift, as the node agent / server do when a warm-up window opens. "Prefetch ahead" inserts
+them `lead` requests before the shift, as a warm-up window that opens before the campaign
+(`warmupLeadSeconds`) does: they sit in slots, unrequested, while the old traffic goes on.
 
 The cache does demand paging: a miss always loads the adapter, evicting the policy's victim
 if no slot is free. Hit rate = hits / requests after a warm-up (the first pass of requests
@@ -308,6 +310,18 @@ class Shift:
     s: float = 1.0
     campaign: int = 0
     share: float = 0.0
+    lead: int = 0  # with prefetch: inserted this many requests before the shift
+
+    @property
+    def mode(self) -> str:
+        """The results key: no_prefetch, prefetch (at the shift) or prefetch_ahead."""
+        return "no_prefetch" if not self.prefetch else ("prefetch_ahead" if self.lead else "prefetch")
+
+
+# Requests between a warm-up prefetch and the shift in the "prefetch ahead" runs: several
+# times the requests a campaign adapter waits between two uses (229 in campaign-hot).
+PREFETCH_LEAD = 2_000
+NO_CARRY = "lfu-aged, no carry"
 
 
 def stationary_trace(cfg: Stationary) -> np.ndarray:
@@ -366,8 +380,11 @@ def run_shift(cfg: Shift) -> dict:
     """Per-request hits of each policy around one popularity shift (one seed)."""
     trace, campaign, hot_sets = shift_trace(cfg)
     names = [f"adapter-{i}" for i in range(cfg.n_adapters)]
-    prefetch = {cfg.pre: campaign} if cfg.prefetch else None
+    prefetch = {cfg.pre - cfg.lead: campaign} if cfg.prefetch else None
     hits = {p: replay(make_policy(p), trace, cfg.slots, names, prefetch) for p in POLICIES}
+    if cfg.lead:
+        # lfu-aged as it was before prefetched adapters moved with a detected shift's jump.
+        hits[NO_CARRY] = replay(make_policy("lfu-aged", carry_prefetched=False), trace, cfg.slots, names, prefetch)
     hits["belady"] = belady(trace, cfg.slots, prefetch)
     prefetched = frozenset(campaign.tolist()) if cfg.prefetch else frozenset()
     hits["ideal-frequency"] = ideal_frequency(trace, hot_sets, prefetched)
@@ -396,13 +413,15 @@ def run_variant(job: tuple[dict, Stationary | Shift]) -> np.ndarray:
     if isinstance(cfg, Stationary):
         return np.packbits(replay(policy, stationary_trace(cfg), cfg.slots, names))
     trace, campaign, _ = shift_trace(cfg)
-    return np.packbits(replay(policy, trace, cfg.slots, names, {cfg.pre: campaign} if cfg.prefetch else None))
+    return np.packbits(replay(policy, trace, cfg.slots, names,
+                              {cfg.pre - cfg.lead: campaign} if cfg.prefetch else None))
 
 
-def summarize_shift(runs: list[dict], n: int, pre: int, window: int, steady_from: int) -> dict:
+def summarize_shift(runs: list[dict], n: int, pre: int, window: int, steady_from: int,
+                    steady_to: int | None = None) -> dict:
     """Mean hit curves over seeds, each policy's steady rate and its recovery time.
 
-    steady: mean hit rate over requests [steady_from, pre).
+    steady: mean hit rate over requests [steady_from, steady_to) (default: up to the shift).
     recovery: the first r (requests after the shift) such that the mean hit rate over the
     window of requests [r - window, r) after the shift is at least steady - 0.02.
     ahead_of_lru_from: the first r from which on the policy's hits since the shift are at
@@ -413,7 +432,7 @@ def summarize_shift(runs: list[dict], n: int, pre: int, window: int, steady_from
     lru_cum = np.cumsum(curves["lru"][pre:])
     out: dict = {}
     for label, h in curves.items():
-        steady = float(h[steady_from:pre].mean())
+        steady = float(h[steady_from:steady_to or pre].mean())
         post = h[pre:]
         c = np.convolve(post, np.ones(window) / window, mode="valid")  # c[j] = mean post[j:j+window]
         ok = np.nonzero(c >= steady - 0.02)[0]
@@ -468,18 +487,21 @@ def make_plan(quick: bool) -> Plan:
     shares = (0.01, 0.02, 0.05, 0.1, 0.2)
     seeds = range(2) if quick else range(8)
     pre, post = (30_000, 8_000) if quick else (80_000, 20_000)
-    shifts = [Shift(name, n, slots, pre, post, pf, seed, s=s, campaign=k, share=f)
+    modes = ((False, 0), (True, 0), (True, PREFETCH_LEAD))
+    shifts = [Shift(name, n, slots, pre, post, pf, seed, s=s, campaign=k, share=f, lead=lead)
               for name, n, slots, s, k, f in CAMPAIGNS[: 1 if quick else None]
-              for pf in (False, True) for seed in seeds]
+              for pf, lead in modes for seed in seeds]
     if quick:
         stationary = [Stationary(1_000, sh, 30_000) for sh in (0.02, 0.1)]
-        shifts += [Shift("swap", 1_000, 100, 20_000, 8_000, pf, seed) for pf in (False, True) for seed in seeds]
+        shifts += [Shift("swap", 1_000, 100, 20_000, 8_000, pf, seed, lead=lead) for pf, lead in modes
+                   for seed in seeds]
         return Plan(stationary, shifts, 500, stationary[1], 10_000, quick=True)
     stationary = [Stationary(100_000, sh, 1_000_000) for sh in shares]
     stationary += [Stationary(1_000, sh, 100_000) for sh in shares]
     # Less and more skew than Zipf(1.0), at the headline size.
     stationary += [Stationary(1_000, 0.1, 100_000, s=s) for s in (0.6, 0.8, 1.2)]
-    shifts += [Shift("swap", 1_000, 100, 60_000, 30_000, pf, seed) for pf in (False, True) for seed in seeds]
+    shifts += [Shift("swap", 1_000, 100, 60_000, 30_000, pf, seed, lead=lead) for pf, lead in modes
+               for seed in seeds]
     return Plan(stationary, shifts, 500, Stationary(1_000, 0.1, 100_000), 20_000)
 
 
@@ -499,15 +521,17 @@ def run_plan(plan: Plan, workers: int) -> dict:
     result: dict = {"quick": plan.quick, "policies": list(POLICIES), "stationary": stationary, "shifts": {}}
     for scenario in dict.fromkeys(c.scenario for c in plan.shifts):
         out = result["shifts"][scenario] = {}
-        for pf in (False, True):
-            runs = [r for c, r in zip(plan.shifts, shifts) if c.scenario == scenario and c.prefetch == pf]
-            cfg = next(c for c in plan.shifts if c.scenario == scenario and c.prefetch == pf)
-            out["prefetch" if pf else "no_prefetch"] = {
+        for mode in ("no_prefetch", "prefetch", "prefetch_ahead"):
+            runs = [r for c, r in zip(plan.shifts, shifts) if c.scenario == scenario and c.mode == mode]
+            cfg = next(c for c in plan.shifts if c.scenario == scenario and c.mode == mode)
+            # Steady: before anything of the shift, the early prefetch included.
+            steady_to = cfg.pre - cfg.lead
+            out[mode] = {
                 "n_adapters": cfg.n_adapters, "slots": cfg.slots, "s": cfg.s, "campaign": cfg.campaign,
-                "share": cfg.share, "pre": cfg.pre, "post": cfg.post, "seeds": len(runs),
+                "share": cfg.share, "pre": cfg.pre, "post": cfg.post, "lead": cfg.lead, "seeds": len(runs),
                 "window": plan.window, "steady_from": plan.shift_steady_from,
                 "policies": summarize_shift(runs, cfg.pre + cfg.post, cfg.pre, plan.window,
-                                            plan.shift_steady_from),
+                                            plan.shift_steady_from, steady_to),
             }
     h = plan.headline
     result["headline"] = next(
@@ -654,6 +678,7 @@ def write_notes(result: dict, path: str) -> None:
                      and lru is not None and v["recovery_requests"] <= lru]
             lines.append(f"- `{name}`, {label} prefetch, back within 2 points no later than LRU: "
                          f"{', '.join(first) or 'none'}.")
+    lines += ["", *_prefetch_ahead_notes(result)]
     lines += ["", *_wtinylfu_notes(result)]
     lines += [
         "",
@@ -683,16 +708,49 @@ def write_notes(result: dict, path: str) -> None:
               "| hits since the shift >= LRU's from |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, sh in shifts.items():
-        for key in ("no_prefetch", "prefetch"):
+        for key in ("no_prefetch", "prefetch", "prefetch_ahead"):
+            label = {"no_prefetch": "no", "prefetch": "yes", "prefetch_ahead": f"{sh[key]['lead']:,} ahead"}[key]
             for p, v in sh[key]["policies"].items():
                 ahead = v["ahead_of_lru_from"]
                 lines.append(
-                    f"| {name} | {'yes' if key == 'prefetch' else 'no'} | {p} | {100 * v['steady']:.1f}% | "
+                    f"| {name} | {label} | {p} | {100 * v['steady']:.1f}% | "
                     f"{100 * v['first_window']:.1f}% | {_req(v['recovery_requests'])} | "
                     f"{100 * v['post_first_5000']:.1f}% | {'-' if p == 'lru' else _req(ahead)} |"
                 )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _prefetch_ahead_notes(result: dict) -> list[str]:
+    """The warm-up prefetch some requests before the campaign starts, with this run's numbers."""
+    shifts = result["shifts"]
+    lead = next(iter(shifts.values()))["prefetch_ahead"]["lead"]
+    lines = [
+        "## Warm-up ahead of the campaign",
+        "",
+        f"A warm-up window opens before its campaign (`warmupLeadSeconds`). Here the new hot adapters are "
+        f"prefetched {lead:,} requests before the shift, and sit in slots unrequested while the old traffic "
+        "goes on. Steady: the hit rate before that prefetch. lfu-aged keeps them as hot as its hottest "
+        "adapter until they are requested, also through a shift its detector finds meanwhile (the "
+        "prefetch takes slots, so misses rise); LRU lets them age out. `lfu-aged, no carry` is lfu-aged "
+        "as it was before that shift's jump carried the prefetched adapters along "
+        "(`carry_prefetched=False`): the jump left them the coldest residents, and it lost most of "
+        "them before the campaign began. With the carry lfu-aged's first window and its first 5,000 "
+        "requests after the shift are the best of the online policies in all three scenarios, but in "
+        "`campaign-hot` it takes longer to get the last points back than without: the new campaign's "
+        "hits keep the miss rate low, so no shift is detected when the old campaign goes quiet, and its "
+        "adapters hold their slots until aging wears their counts down.",
+        "",
+        "| scenario | policy | steady | first window after the shift | hit rate, first 5,000 after | recovery |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, sh in shifts.items():
+        pol = sh["prefetch_ahead"]["policies"]
+        for p in ("lru", *CHALLENGERS, NO_CARRY, "belady"):
+            v = pol[p]
+            lines.append(f"| {name} | {p} | {100 * v['steady']:.1f}% | {100 * v['first_window']:.1f}% | "
+                         f"{100 * v['post_first_5000']:.1f}% | {_req(v['recovery_requests'])} |")
+    return lines
 
 
 def _wtinylfu_notes(result: dict) -> list[str]:

@@ -355,6 +355,10 @@ def test_simulator_quick_mode(tmp_path):
     # With the top ranks' new adapters prefetched, lfu-aged is at its steady rate within one window.
     pol = result["shifts"]["swap"]["prefetch"]["policies"]
     assert pol["lfu-aged"]["recovery_requests"] <= pol["lru"]["recovery_requests"]
+    # Warmed up ahead of the campaign: lfu-aged keeps the prefetched adapters (LRU ages them
+    # out; without the carry through the shift its prefetch sets off, lfu-aged lost them too).
+    pol = result["shifts"]["campaign-hot"]["prefetch_ahead"]["policies"]
+    assert pol["lfu-aged"]["first_window"] > max(pol["lru"]["first_window"], pol[sim.NO_CARRY]["first_window"]) + 0.1
     # The calibrated campaign: a steady rate near 92% that falls by about 30 points.
     pol = result["shifts"]["campaign-hot"]["no_prefetch"]["policies"]
     assert 0.89 < pol["lfu-aged"]["steady"] < 0.95
@@ -588,3 +592,27 @@ def test_wtinylfu_in_the_adapter_cache(tmp_path):
         cache.release("b")
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("n_candidates", [2, 40])  # the scan path and the heap walk
+@pytest.mark.parametrize("carry,victim", [(True, "f"), (False, "pf")])
+def test_prefetched_adapter_keeps_its_place_through_a_detected_shift(n_candidates, carry, victim):
+    """A campaign warmed up ahead of its start: "pf" is prefetched, then misses rise (the
+    prefetch took slots) and the detector fires. The jump must not leave "pf" the coldest
+    resident before its first request: "f", requested 30 times since, goes first (without
+    carry_prefetched, as before, "pf" went)."""
+    policy = AgedLFUPolicy(tau_per_slot=1, min_tau=1_000, detect_span=50, overdue_z=0.0, carry_prefetched=carry)
+    for name in ("hot", "f"):
+        apply(policy, miss(name))
+    for _ in range(600):
+        policy.record_access("hot")
+    policy.record_insert("pf", prefetch=True)
+    for i in range(10):
+        policy.record_access(f"new-{i}")  # misses: never inserted
+    assert policy.shifts_detected == 1
+    for _ in range(30):
+        policy.record_access("f")
+    fillers = [f"x-{i}" for i in range(n_candidates - 2)]
+    for name in fillers:  # resident, hotter than both since the shift
+        apply(policy, miss(name) + [("a", name)] * 60)
+    assert policy.select_victim({"pf", "f", *fillers}) == victim
