@@ -136,16 +136,23 @@ def replay(
     slots: int,
     names: list[str],
     prefetch: dict[int, np.ndarray] | None = None,
+    expire: dict[int, np.ndarray] | None = None,
 ) -> np.ndarray:
     """Replay `trace` through a demand-paged cache of `slots` slots ranked by `policy`.
 
     prefetch: {request index: adapter ids to insert (prefetch=True) just before it}.
+    expire: {request index: adapter ids whose warm-up window ends just before it}: as the
+    server's slot table does, they are evicted before the policy's pick until requested again.
     Returns hits: [len(trace)] bool.
     """
     resident: set[str] = set()
+    expired: set[str] = set()
     hits = np.zeros(len(trace), dtype=bool)
     prefetch = prefetch or {}
+    expire = expire or {}
     for i, a in enumerate(trace.tolist()):
+        if i in expire:
+            expired.update(names[e] for e in expire[i].tolist())
         if i in prefetch:
             for p in prefetch[i].tolist():
                 name = names[p]
@@ -153,26 +160,29 @@ def replay(
                     policy.record_insert(name, prefetch=True)
                     continue
                 if len(resident) >= slots:
-                    _evict(policy, resident)
+                    _evict(policy, resident, expired)
                 resident.add(name)
                 policy.record_insert(name, prefetch=True)
         name = names[a]
         policy.record_access(name)
+        expired.discard(name)
         if name in resident:
             hits[i] = True
             continue
         if len(resident) >= slots:
-            _evict(policy, resident)
+            _evict(policy, resident, expired)
         resident.add(name)
         policy.record_insert(name)
     return hits
 
 
-def _evict(policy: EvictionPolicy, resident: set[str]) -> None:
-    victim = policy.select_victim(resident)
+def _evict(policy: EvictionPolicy, resident: set[str], expired: set[str] = frozenset()) -> None:
+    gone = expired & resident
+    victim = min(gone) if gone else policy.select_victim(resident)
     if victim is None or victim not in resident:
         raise RuntimeError(f"policy {policy.name} chose {victim!r}, not a resident adapter")
     resident.remove(victim)
+    expired.discard(victim)
     policy.record_evict(victim)
 
 
@@ -311,11 +321,15 @@ class Shift:
     campaign: int = 0
     share: float = 0.0
     lead: int = 0  # with prefetch: inserted this many requests before the shift
+    end: bool = False  # the old campaign's warm-up window ends at the shift (campaigns only)
 
     @property
     def mode(self) -> str:
-        """The results key: no_prefetch, prefetch (at the shift) or prefetch_ahead."""
-        return "no_prefetch" if not self.prefetch else ("prefetch_ahead" if self.lead else "prefetch")
+        """The results key: no_prefetch, prefetch (at the shift), prefetch_ahead, and the
+        latter two with `_end` when the old campaign's window ends at the shift."""
+        if not self.prefetch:
+            return "no_prefetch"
+        return ("prefetch_ahead" if self.lead else "prefetch") + ("_end" if self.end else "")
 
 
 # Requests between a warm-up prefetch and the shift in the "prefetch ahead" runs: several
@@ -353,8 +367,9 @@ def run_stationary(cfg: Stationary) -> dict:
     return out
 
 
-def shift_trace(cfg: Shift) -> tuple[np.ndarray, np.ndarray, dict[int, set[int]]]:
-    """(trace [pre + post] int32, the new hot ids [k], the oracle's hot sets) of one shift."""
+def shift_trace(cfg: Shift) -> tuple[np.ndarray, np.ndarray, dict[int, set[int]], np.ndarray]:
+    """(trace [pre + post] int32, the new hot ids [k], the oracle's hot sets, the old hot ids)
+    of one shift."""
     rng = np.random.default_rng(cfg.seed)
     ranking = rng.permutation(cfg.n_adapters).astype(np.int32)
     if cfg.campaign == 0:
@@ -364,6 +379,7 @@ def shift_trace(cfg: Shift) -> tuple[np.ndarray, np.ndarray, dict[int, set[int]]
             zipf_trace(rng, new_ranking, cfg.post, cfg.s),
         ])
         hot_sets = {0: set(ranking[: cfg.slots].tolist()), cfg.pre: set(campaign.tolist())}
+        old = ranking[: cfg.slots]
     else:
         old, campaign, new_ranking = campaign_swap(ranking, cfg.campaign, rng)
         trace = np.concatenate([
@@ -373,16 +389,17 @@ def shift_trace(cfg: Shift) -> tuple[np.ndarray, np.ndarray, dict[int, set[int]]
         top = lambda p: set(np.argsort(-p, kind="stable")[: cfg.slots].tolist())  # noqa: E731
         hot_sets = {0: top(campaign_probs(ranking, old, cfg.s, cfg.share)),
                     cfg.pre: top(campaign_probs(new_ranking, campaign, cfg.s, cfg.share))}
-    return trace, campaign, hot_sets
+    return trace, campaign, hot_sets, old
 
 
 def run_shift(cfg: Shift) -> dict:
     """Per-request hits of each policy around one popularity shift (one seed)."""
-    trace, campaign, hot_sets = shift_trace(cfg)
+    trace, campaign, hot_sets, old = shift_trace(cfg)
     names = [f"adapter-{i}" for i in range(cfg.n_adapters)]
     prefetch = {cfg.pre - cfg.lead: campaign} if cfg.prefetch else None
-    hits = {p: replay(make_policy(p), trace, cfg.slots, names, prefetch) for p in POLICIES}
-    if cfg.lead:
+    expire = {cfg.pre: old} if cfg.end else None
+    hits = {p: replay(make_policy(p), trace, cfg.slots, names, prefetch, expire) for p in POLICIES}
+    if cfg.lead and not cfg.end:
         # lfu-aged as it was before prefetched adapters moved with a detected shift's jump.
         hits[NO_CARRY] = replay(make_policy("lfu-aged", carry_prefetched=False), trace, cfg.slots, names, prefetch)
     hits["belady"] = belady(trace, cfg.slots, prefetch)
@@ -412,7 +429,7 @@ def run_variant(job: tuple[dict, Stationary | Shift]) -> np.ndarray:
     names = [f"adapter-{i}" for i in range(cfg.n_adapters)]
     if isinstance(cfg, Stationary):
         return np.packbits(replay(policy, stationary_trace(cfg), cfg.slots, names))
-    trace, campaign, _ = shift_trace(cfg)
+    trace, campaign, _, _ = shift_trace(cfg)
     return np.packbits(replay(policy, trace, cfg.slots, names,
                               {cfg.pre - cfg.lead: campaign} if cfg.prefetch else None))
 
@@ -488,9 +505,11 @@ def make_plan(quick: bool) -> Plan:
     seeds = range(2) if quick else range(8)
     pre, post = (30_000, 8_000) if quick else (80_000, 20_000)
     modes = ((False, 0), (True, 0), (True, PREFETCH_LEAD))
-    shifts = [Shift(name, n, slots, pre, post, pf, seed, s=s, campaign=k, share=f, lead=lead)
+    # Campaigns have windows: also with the old campaign's window ending at the shift.
+    campaign_modes = modes + ((True, 0, True), (True, PREFETCH_LEAD, True))
+    shifts = [Shift(name, n, slots, pre, post, m[0], seed, s=s, campaign=k, share=f, lead=m[1], end=m[2:] == (True,))
               for name, n, slots, s, k, f in CAMPAIGNS[: 1 if quick else None]
-              for pf, lead in modes for seed in seeds]
+              for m in campaign_modes for seed in seeds]
     if quick:
         stationary = [Stationary(1_000, sh, 30_000) for sh in (0.02, 0.1)]
         shifts += [Shift("swap", 1_000, 100, 20_000, 8_000, pf, seed, lead=lead) for pf, lead in modes
@@ -521,7 +540,7 @@ def run_plan(plan: Plan, workers: int) -> dict:
     result: dict = {"quick": plan.quick, "policies": list(POLICIES), "stationary": stationary, "shifts": {}}
     for scenario in dict.fromkeys(c.scenario for c in plan.shifts):
         out = result["shifts"][scenario] = {}
-        for mode in ("no_prefetch", "prefetch", "prefetch_ahead"):
+        for mode in dict.fromkeys(c.mode for c in plan.shifts if c.scenario == scenario):
             runs = [r for c, r in zip(plan.shifts, shifts) if c.scenario == scenario and c.mode == mode]
             cfg = next(c for c in plan.shifts if c.scenario == scenario and c.mode == mode)
             # Steady: before anything of the shift, the early prefetch included.
@@ -577,7 +596,10 @@ def targets(result: dict, policy: str = "lfu-aged") -> list[tuple[str, bool, str
         f"Belady {100 * hl['belady']:.1f}%",
     )]
     for scenario, shift in result["shifts"].items():
-        for key, label in (("no_prefetch", "without prefetch"), ("prefetch", "with warm-up prefetch")):
+        for key, label in (("no_prefetch", "without prefetch"), ("prefetch", "with warm-up prefetch"),
+                           ("prefetch_end", "with warm-up prefetch and the old campaign's window ending")):
+            if key not in shift:
+                continue
             pol = shift[key]["policies"]
             lru, mine = pol["lru"]["recovery_requests"], pol[policy]["recovery_requests"]
             met = mine is not None and lru is not None and mine <= lru
@@ -671,14 +693,18 @@ def write_notes(result: dict, path: str) -> None:
         )
     lines.append("")
     for name, sh in shifts.items():
-        for key, label in (("no_prefetch", "without"), ("prefetch", "with")):
+        for key, label in (("no_prefetch", "without prefetch"), ("prefetch", "with prefetch"),
+                           ("prefetch_end", "with prefetch and the old campaign's window ending")):
+            if key not in sh:
+                continue
             pol = sh[key]["policies"]
             lru = pol["lru"]["recovery_requests"]
             first = [p for p, v in pol.items() if p != "lru" and v["recovery_requests"] is not None
                      and lru is not None and v["recovery_requests"] <= lru]
-            lines.append(f"- `{name}`, {label} prefetch, back within 2 points no later than LRU: "
+            lines.append(f"- `{name}`, {label}, back within 2 points no later than LRU: "
                          f"{', '.join(first) or 'none'}.")
     lines += ["", *_prefetch_ahead_notes(result)]
+    lines += ["", *_campaign_end_notes(result)]
     lines += ["", *_wtinylfu_notes(result)]
     lines += [
         "",
@@ -708,8 +734,8 @@ def write_notes(result: dict, path: str) -> None:
               "| hits since the shift >= LRU's from |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, sh in shifts.items():
-        for key in ("no_prefetch", "prefetch", "prefetch_ahead"):
-            label = {"no_prefetch": "no", "prefetch": "yes", "prefetch_ahead": f"{sh[key]['lead']:,} ahead"}[key]
+        for key in sh:
+            label = _mode_label(key, sh[key])
             for p, v in sh[key]["policies"].items():
                 ahead = v["ahead_of_lru_from"]
                 lines.append(
@@ -719,6 +745,41 @@ def write_notes(result: dict, path: str) -> None:
                 )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _mode_label(key: str, sh: dict) -> str:
+    label = {"no_prefetch": "no", "prefetch": "yes"}.get(key.removesuffix("_end"), f"{sh['lead']:,} ahead")
+    return label + (", old campaign's window ends" if key.endswith("_end") else "")
+
+
+def _campaign_end_notes(result: dict) -> list[str]:
+    """The old campaign's warm-up window ending at the shift, with this run's numbers."""
+    lines = [
+        "## The end of a campaign",
+        "",
+        "Campaigns have windows (a LoRAAdapter's `warmup`), and the operator's plan lists the open ones. "
+        "When an adapter leaves that list, the server's slot table evicts it before the policy's pick "
+        "until it is requested again (`AdapterCache.apply_plan`). Here the old campaign's windows end "
+        "at the shift, in the two prefetch modes of the campaign scenarios; the rows without the end "
+        "are the same traces without that signal. Belady and the oracle need no signal.",
+        "",
+        "| scenario | prefetch | policy | first window: without end / with | hit rate, first 5,000 after: "
+        "without / with | recovery: without / with |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, sh in result["shifts"].items():
+        for key in ("prefetch", "prefetch_ahead"):
+            if key + "_end" not in sh:
+                continue
+            without, with_end = sh[key]["policies"], sh[key + "_end"]["policies"]
+            for p in ("lru", *CHALLENGERS):
+                a, b = without[p], with_end[p]
+                lines.append(
+                    f"| {name} | {_mode_label(key, sh[key])} | {p} | {100 * a['first_window']:.1f}% / "
+                    f"{100 * b['first_window']:.1f}% | {100 * a['post_first_5000']:.1f}% / "
+                    f"{100 * b['post_first_5000']:.1f}% | {_req(a['recovery_requests'])} / "
+                    f"{_req(b['recovery_requests'])} |")
+    return lines
 
 
 def _prefetch_ahead_notes(result: dict) -> list[str]:

@@ -84,6 +84,7 @@ class AdapterCache:
                              on_evict=lambda name: self.metrics.evictions.labels("host").inc())
         self.wake: Callable[[], None] = lambda: None  # the engine loop's wake-up (set by AsyncEngine)
         self._lock = threading.RLock()
+        self._plan_prefetch: set[str] = set()  # the last plan's prefetch list (open warm-up windows)
         self.loader = AdapterLoader(buffers, base, self.host, lock=self._lock, done=self._loaded,
                                     max_concurrent_loads=max_concurrent_loads, cache_dir=cache_dir,
                                     node_agent_url=node_agent_url, clock=clock)
@@ -164,6 +165,7 @@ class AdapterCache:
             if e is None:
                 raise KeyError(name)
             e.refs += 1
+            e.expired = False
             self.policy.record_access(name)
             tier = self._tier(e)
             self.metrics.record_lookup(tier)
@@ -250,7 +252,21 @@ class AdapterCache:
 
     def apply_plan(self, plan: dict) -> None:
         """Follow the operator's plan: register its adapters (source, sha256), pin its pinned set
-        and unpin what left it. Plan format: operator/plan.py."""
+        and unpin what left it. An adapter that leaves the plan's prefetch list (its warm-up
+        window ended: the campaign is over) is evicted before any other until it is requested
+        again, so an ended campaign does not hold slots until its counts age out
+        (bench/results/cache_sim_notes.md, "The end of a campaign"). Plan format:
+        operator/plan.py."""
+        prefetch = {p["name"] for p in plan.get("prefetch") or [] if p.get("name")}
+        with self._lock:
+            ended = self._plan_prefetch - prefetch
+            self._plan_prefetch = prefetch
+            for name in sorted(ended):
+                e = self.table.entries.get(name)
+                if e is not None and not e.pinned:
+                    e.expired = True
+        if ended:
+            log.info("plan: warm-up window ended for %s", ", ".join(sorted(ended)))
         pinned = set(plan.get("pinned") or [])
         for a in plan.get("adapters") or []:
             try:

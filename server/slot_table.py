@@ -66,6 +66,7 @@ class CachedAdapter:
     error: str | None = None  # the last load's error
     unloading: bool = False
     draining: bool = False  # no new admissions; evicted once its running requests finish
+    expired: bool = False  # its warm-up window ended with no request since: evicted before any other
     pending_since: float = 0.0  # when its load was asked for (clock seconds)
     waiters: list[concurrent.futures.Future] = field(default_factory=list)
 
@@ -136,12 +137,14 @@ class SlotTable:
         self.metrics.loads_pending.set(len(self.pending))
 
     def take_slot(self, e: CachedAdapter) -> int | None:
-        """A free slot, or one taken from an evictable adapter (the policy's pick)."""
+        """A free slot, or one taken from an evictable adapter: an expired one first (its
+        campaign ended), else the policy's pick."""
         if self.free:
             return self.free.pop(0)
         evictable = {n for n, o in self.entries.items()
                      if o.ready and o.refs == 0 and not o.pinned}
-        victim = self.policy.select_victim(evictable)
+        expired = sorted(n for n in evictable if self.entries[n].expired)
+        victim = expired[0] if expired else self.policy.select_victim(evictable)
         if victim is None:
             return None
         v = self.entries[victim]

@@ -340,6 +340,28 @@ def test_lfu_policy_keeps_the_frequent_adapter(disk):
         assert "a" in cache.ready_slots()
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu-aged"])
+def test_an_ended_warm_up_window_is_evicted_first_until_requested(disk, policy):
+    """The plan's prefetch list holds open warm-up windows: "a" and "b" are a campaign, warm
+    and much used. When their windows end (they leave the list), the next loads take their
+    slots before the policy's pick ("c": used once, least recently); a request for "b" makes
+    it ordinary again."""
+    cache = make_cache(disk, slots=3, policy=policy)
+    window = {"name": "a", "start": "2026-05-01T08:00:00Z", "end": "2026-05-02T08:00:00Z"}
+    cache.apply_plan({"prefetch": [window, window | {"name": "b"}]})
+    use(cache, "c")
+    for _ in range(5):
+        use(cache, "a")
+        use(cache, "b")
+    cache.apply_plan({"prefetch": []})  # the campaign is over
+    use(cache, "b")  # requested again: no longer expired
+    use(cache, "d")
+    assert set(cache.ready_slots()) == {"b", "c", "d"}  # "a" went, not the policy's pick "c"
+    use(cache, "e")
+    assert set(cache.ready_slots()) == {"b", "d", "e"}  # back to the policy: "c"
+    check_invariants(cache)
+
+
 def test_plan_file_pins_follow_a_symlink_swap(disk, tmp_path, tmp_path_factory):
     cache = make_cache(disk, slots=3)
     mount = tmp_path / "mount"

@@ -359,6 +359,10 @@ def test_simulator_quick_mode(tmp_path):
     # out; without the carry through the shift its prefetch sets off, lfu-aged lost them too).
     pol = result["shifts"]["campaign-hot"]["prefetch_ahead"]["policies"]
     assert pol["lfu-aged"]["first_window"] > max(pol["lru"]["first_window"], pol[sim.NO_CARRY]["first_window"]) + 0.1
+    # The old campaign's windows ending at the shift: the slot table evicts its adapters first.
+    with_end = result["shifts"]["campaign-hot"]["prefetch_end"]["policies"]["lfu-aged"]
+    without = result["shifts"]["campaign-hot"]["prefetch"]["policies"]["lfu-aged"]
+    assert with_end["first_window"] > without["first_window"] + 0.05
     # The calibrated campaign: a steady rate near 92% that falls by about 30 points.
     pol = result["shifts"]["campaign-hot"]["no_prefetch"]["policies"]
     assert 0.89 < pol["lfu-aged"]["steady"] < 0.95
