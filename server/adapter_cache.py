@@ -214,6 +214,7 @@ class AdapterCache:
             if e is None:
                 raise KeyError(name)
             fut: concurrent.futures.Future = concurrent.futures.Future()
+            e.expired = False  # wanted again (a new window, a session)
             if e.ready:
                 fut.set_result(e.slot)
                 return fut
@@ -265,6 +266,10 @@ class AdapterCache:
                 e = self.table.entries.get(name)
                 if e is not None and not e.pinned:
                     e.expired = True
+            for name in prefetch:  # a window open (again)
+                e = self.table.entries.get(name)
+                if e is not None:
+                    e.expired = False
         if ended:
             log.info("plan: warm-up window ended for %s", ", ".join(sorted(ended)))
         pinned = set(plan.get("pinned") or [])

@@ -359,6 +359,16 @@ def test_an_ended_warm_up_window_is_evicted_first_until_requested(disk, policy):
     assert set(cache.ready_slots()) == {"b", "c", "d"}  # "a" went, not the policy's pick "c"
     use(cache, "e")
     assert set(cache.ready_slots()) == {"b", "d", "e"}  # back to the policy: "c"
+    # A window that opens again, or a prefetch (a session), makes an adapter wanted again.
+    cache.apply_plan({"prefetch": [window | {"name": "d"}]})
+    cache.apply_plan({"prefetch": []})
+    assert cache.table.entries["d"].expired
+    cache.apply_plan({"prefetch": [window | {"name": "d"}]})
+    assert not cache.table.entries["d"].expired
+    cache.apply_plan({"prefetch": []})
+    assert cache.table.entries["d"].expired
+    cache.prefetch("d").result(5)
+    assert not cache.table.entries["d"].expired
     check_invariants(cache)
 
 
