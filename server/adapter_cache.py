@@ -415,7 +415,7 @@ class AdapterCache:
                 state = e.state if e.state != "cold" else ("failed" if e.error else "idle")
                 rows.append({
                     "name": e.name, "tier": self._tier(e), "state": state, "slot": e.slot if e.ready else None,
-                    "pinned": e.pinned, "pin_pending": e.pinned and not e.ready,
+                    "pinned": e.pinned, "pin_pending": e.pinned and not e.ready, "expired": e.expired,
                     "rank": e.spec.max_rank if e.spec else None, "bytes": self._size(e),
                     "hits": e.hits, "misses": e.misses, "requests": e.refs,
                     "path": str(e.path) if e.path else None, "source": redact(e.source), "sha256": e.sha256,

@@ -354,6 +354,8 @@ def test_an_ended_warm_up_window_is_evicted_first_until_requested(disk, policy):
         use(cache, "a")
         use(cache, "b")
     cache.apply_plan({"prefetch": []})  # the campaign is over
+    rows = {r["name"]: r for r in cache.describe()}
+    assert rows["a"]["expired"] and rows["b"]["expired"] and not rows["c"]["expired"]
     use(cache, "b")  # requested again: no longer expired
     use(cache, "d")
     assert set(cache.ready_slots()) == {"b", "c", "d"}  # "a" went, not the policy's pick "c"
