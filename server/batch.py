@@ -54,11 +54,12 @@ def kv_bucket(max_position: int, kv_block: int, max_len: int, graphs: bool) -> i
     capped at ``max_len``.
 
     Each KV length is a graph key, and a new key stalls every running row while its graph is
-    captured (50-180 ms a graph for Llama-3-8B on an H200). Powers of two make log2(max_len / kv_block) + 1 keys where whole blocks made
-    max_len / kv_block. The attention kernel stops at each row's own last key, so a longer
-    bucket reads no more keys: measured on an H200 (bench/results/engine_h200_kv_buckets_notes.md),
-    a 1024-key bucket for 513-579 keys costs nothing at batch 64 or 16. Eager decode (CPU,
-    no graphs) keeps whole blocks: its torch attention does read every key of the bucket.
+    captured (50-180 ms a graph for Llama-3-8B on an H200). Powers of two make
+    log2(max_len / kv_block) + 1 keys where whole blocks made max_len / kv_block. The
+    attention kernel stops at each row's own last key, so a longer bucket reads no more keys:
+    measured on an H200 (bench/results/engine_h200_kv_buckets_notes.md), a 1024-key bucket
+    for 513-579 keys costs nothing at batch 64 or 16. Eager decode (CPU, no graphs) keeps
+    whole blocks: its torch attention does read every key of the bucket.
     """
     blocks = (max_position + 1 + kv_block - 1) // kv_block
     if graphs:
