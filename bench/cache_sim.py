@@ -504,22 +504,23 @@ def make_plan(quick: bool) -> Plan:
     shares = (0.01, 0.02, 0.05, 0.1, 0.2)
     seeds = range(2) if quick else range(8)
     pre, post = (30_000, 8_000) if quick else (80_000, 20_000)
-    modes = ((False, 0), (True, 0), (True, PREFETCH_LEAD))
+    # (prefetch, lead, the old campaign's window ends at the shift)
+    modes = ((False, 0, False), (True, 0, False), (True, PREFETCH_LEAD, False))
     # Campaigns have windows: also with the old campaign's window ending at the shift.
     campaign_modes = modes + ((True, 0, True), (True, PREFETCH_LEAD, True))
-    shifts = [Shift(name, n, slots, pre, post, m[0], seed, s=s, campaign=k, share=f, lead=m[1], end=m[2:] == (True,))
+    shifts = [Shift(name, n, slots, pre, post, pf, seed, s=s, campaign=k, share=f, lead=lead, end=end)
               for name, n, slots, s, k, f in CAMPAIGNS[: 1 if quick else None]
-              for m in campaign_modes for seed in seeds]
+              for pf, lead, end in campaign_modes for seed in seeds]
     if quick:
         stationary = [Stationary(1_000, sh, 30_000) for sh in (0.02, 0.1)]
-        shifts += [Shift("swap", 1_000, 100, 20_000, 8_000, pf, seed, lead=lead) for pf, lead in modes
+        shifts += [Shift("swap", 1_000, 100, 20_000, 8_000, pf, seed, lead=lead) for pf, lead, _ in modes
                    for seed in seeds]
         return Plan(stationary, shifts, 500, stationary[1], 10_000, quick=True)
     stationary = [Stationary(100_000, sh, 1_000_000) for sh in shares]
     stationary += [Stationary(1_000, sh, 100_000) for sh in shares]
     # Less and more skew than Zipf(1.0), at the headline size.
     stationary += [Stationary(1_000, 0.1, 100_000, s=s) for s in (0.6, 0.8, 1.2)]
-    shifts += [Shift("swap", 1_000, 100, 60_000, 30_000, pf, seed, lead=lead) for pf, lead in modes
+    shifts += [Shift("swap", 1_000, 100, 60_000, 30_000, pf, seed, lead=lead) for pf, lead, _ in modes
                for seed in seeds]
     return Plan(stationary, shifts, 500, Stationary(1_000, 0.1, 100_000), 20_000)
 
