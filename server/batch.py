@@ -54,7 +54,7 @@ def kv_bucket(max_position: int, kv_block: int, max_len: int, graphs: bool) -> i
     capped at ``max_len``.
 
     Each KV length is a graph key, and a new key stalls every running row while its graph is
-    captured (50-180 ms a graph for Llama-3-8B on an H200). Powers of two make
+    captured (52-184 ms a graph for Llama-3-8B on an H200). Powers of two make
     log2(max_len / kv_block) + 1 keys where whole blocks made max_len / kv_block. The
     attention kernel stops at each row's own last key, so a longer bucket reads no more keys:
     measured on an H200 (bench/results/engine_h200_kv_buckets_notes.md), a 1024-key bucket
