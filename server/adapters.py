@@ -25,6 +25,7 @@ adapter's tensors are written into a slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -80,6 +81,19 @@ class SlotLayout:
                 s_off += len(projs)
             layers.append(groups)
         return cls(tuple(layers), off, s_off)
+
+    @cached_property
+    def gaps(self) -> tuple[tuple[int, int], ...]:
+        """[start, end) element ranges of a slot that no view covers: the alignment padding
+        after an A or a B whose size is not a multiple of ALIGN_ELEMS (none for Llama-3-8B)."""
+        spans = sorted((off, off + rows * cols) for groups in self.layers for g in groups.values()
+                       for off, (rows, cols) in ((g.a_off, g.a_shape), (g.b_off, g.b_shape)))
+        gaps, pos = [], 0
+        for start, end in spans + [(self.slot_elems, self.slot_elems)]:
+            if start > pos:
+                gaps.append((pos, start))
+            pos = max(pos, end)
+        return tuple(gaps)
 
     def views(self, flat: torch.Tensor, scales: torch.Tensor) -> list[dict[str, "LoRAGroup"]]:
         """Per-group views of `flat` [..., slot_elems] and `scales` [..., n_scales] (a leading

@@ -40,34 +40,47 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
 
 
 class HostCopy:
-    """One adapter in the slot layout, in host memory (pinned when `pin`)."""
+    """One adapter in the slot layout, in host memory (pinned when `pin`).
+
+    Allocated uninitialised (a recycled pinned block holds an earlier adapter's bytes):
+    `fill` writes every element once, the adapter's tensors through `put` and zeros
+    elsewhere, where zeroing the whole buffer first wrote most of its bytes twice."""
 
     def __init__(self, buffers: LoRABuffers, pin: bool, lock: threading.Lock | None = None):
         self.max_rank = buffers.max_rank
-        layout = buffers.layout
+        self.layout = buffers.layout
         with lock or contextlib.nullcontext():  # pinned allocations are CUDA calls
-            self.flat = torch.zeros(layout.slot_elems, dtype=buffers.dtype, pin_memory=pin)
-            self.scales = torch.zeros(layout.n_scales, dtype=torch.float32, pin_memory=pin)
-            self.rank = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+            self.flat = torch.empty(self.layout.slot_elems, dtype=buffers.dtype, pin_memory=pin)
+            self.scales = torch.empty(self.layout.n_scales, dtype=torch.float32, pin_memory=pin)
+            self.rank = torch.empty(1, dtype=torch.int32, pin_memory=pin)
         self.nbytes = self.flat.numel() * self.flat.element_size()
-        self.layers: list[dict[str, LoRAGroup]] = layout.views(self.flat, self.scales)
+        self.layers: list[dict[str, LoRAGroup]] = self.layout.views(self.flat, self.scales)
 
     def fill(self, spec: AdapterSpec, put) -> None:
-        """Write the adapter's tensors into the layout: `put(key, view)` writes the tensor saved
-        under `key` into `view` (zero padding stays where the rank is below the max)."""
+        """Write the adapter into the layout: `put(key, view)` writes the tensor saved under
+        `key` into `view`; everything else is zeroed here: rows of A past a module's rank,
+        columns of B past it, the projections the adapter does not target (scaling 0), the
+        alignment gaps between views. Together they cover the buffer exactly once."""
         r_max = self.max_rank
         modules = {(m.layer, m.proj): m for m in spec.modules}
+        self.scales.zero_()
         for layer, groups in enumerate(self.layers):
             for name, projs in GROUPS.items():
                 g = groups[name]
                 off = 0
                 for i, (proj, width) in enumerate(zip(projs, g.slices)):
                     m = modules.get((layer, proj))
+                    r = m.rank if m is not None else 0
+                    if r < r_max:
+                        g.a[i * r_max + r: (i + 1) * r_max].zero_()  # [R - r, in]
+                        g.b[off: off + width, r:].zero_()  # [out, R - r]
                     if m is not None:
-                        put(m.key_a, g.a[i * r_max: i * r_max + m.rank])  # [r, in]
-                        put(m.key_b, g.b[off: off + width, : m.rank])  # [out, r]
+                        put(m.key_a, g.a[i * r_max: i * r_max + r])  # [r, in]
+                        put(m.key_b, g.b[off: off + width, :r])  # [out, r]
                         g.scaling[i] = m.scaling
                     off += width
+        for start, end in self.layout.gaps:
+            self.flat[start:end].zero_()
         self.rank[0] = spec.max_rank
 
     def copy_to(self, buffers: LoRABuffers, slot: int) -> None:
