@@ -11,7 +11,8 @@ One load, fastest tier that holds the adapter first::
 
     host     the row's in-memory copy, or the HostTier's       -> straight to the slot
     disk     a registered PEFT directory, or --adapter-cache-dir/<name>/ (the node agent's cache)
-             -> read_into_host (safetensors into pinned memory) -> kept in the HostTier if it fits
+             -> read_into_host (safetensors into pinned memory, chunks on the read threads)
+             -> kept in the HostTier if it fits
     source   fetch_adapter (through the node agent, or here) onto disk, then as disk
     slot     copy_to_slot: on CUDA a side stream and an event, so the decode loop never waits on PCIe
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import re
 import threading
 from collections.abc import Callable
@@ -48,11 +50,12 @@ LoadDone = Callable[[CachedAdapter, int, str, AdapterLoadError | None, float], N
 
 
 class AdapterLoader:
-    """Load workers (at most `max_concurrent_loads`) and the tier walk each of them runs."""
+    """Load workers (at most `max_concurrent_loads`) and the tier walk each of them runs; read
+    threads (`read_threads`, default min(8, CPUs)) that the loads' disk reads share."""
 
     def __init__(self, buffers: LoRABuffers, base: BaseSpec, host: HostTier, *, lock: threading.RLock,
                  done: LoadDone, max_concurrent_loads: int = 4, cache_dir: str | Path | None = None,
-                 node_agent_url: str | None = None, clock: Callable[[], float]):
+                 node_agent_url: str | None = None, clock: Callable[[], float], read_threads: int | None = None):
         self.buffers = buffers
         self.base = base
         self.host = host
@@ -64,6 +67,10 @@ class AdapterLoader:
         self.pin_memory = buffers.device.type == "cuda"
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, max_concurrent_loads),
                                                            thread_name_prefix="loraplex-load")
+        # One file is read as a few MB-sized chunks at once: a single thread copies from the page
+        # cache at well under the host's memory bandwidth.
+        self.read_pool = concurrent.futures.ThreadPoolExecutor(read_threads or min(8, os.cpu_count() or 1),
+                                                               thread_name_prefix="loraplex-read")
         self._local = threading.local()  # a side CUDA stream per load worker
         # Held by a load thread around its CUDA calls, and by the engine while it captures a
         # CUDA graph: a global-mode capture forbids other threads' allocations and syncs.
@@ -71,6 +78,7 @@ class AdapterLoader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.read_pool.shutdown(wait=True)
 
     # -- the disk tier: where an adapter's files are ------------------------------------------------
 
@@ -126,7 +134,7 @@ class AdapterLoader:
                                        missing=e.path), "source"
         spec = read_adapter(path, self.base)
         digest = e.sha256 or _stat_digest(path / WEIGHTS_FILE)
-        copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock)
+        copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock, self.read_pool)
         with self._lock:
             e.spec = spec
             e.id = AdapterId(name=e.name, digest=digest, uri=str(path))

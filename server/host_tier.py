@@ -13,7 +13,8 @@ On CUDA the flat buffer is page-locked (pinned), so the copy is a DMA that overl
 decode kernels; on the CPU it is plain memory and the same copies run synchronously.
 
 `read_into_host` fills a HostCopy straight from `adapter_model.safetensors`: the tensors are
-read (`preadv`) into their views of the pinned buffer, no intermediate copy of the adapter.
+read (`preadv`, a few MB-sized chunks of the file at once on the loader's read threads) into
+their views of the pinned buffer, no intermediate copy of the adapter.
 `HostTier` keeps copies in a byte budget, least recently used first out.
 """
 
@@ -27,6 +28,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from pathlib import Path
 
 import torch
@@ -93,20 +95,34 @@ class HostCopy:
         buffers.ranks[slot: slot + 1].copy_(self.rank, non_blocking=True)
 
 
-def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pin: bool,
-                   lock: threading.Lock | None = None) -> HostCopy:
-    """Read `adapter_model.safetensors` under `path` straight into a new HostCopy.
+# Bytes one `preadv` call reads at most: an 84 MB adapter is 21 calls, a few per read thread.
+READ_CHUNK_BYTES = 4 << 20
 
-    Each tensor whose dtype is the slots' dtype lands in its (pinned) view of the layout; the
-    others (an F32 adapter for bf16 slots, a rank below the max) land in a small temporary and
-    are converted after. The data section is one run of tensors sorted by offset, so the whole
-    read is one `preadv` per run (up to IOV_MAX views each): one copy from the page cache, a
-    handful of system calls, the GIL released throughout. Raises AdapterError on a file cut
-    short. `lock` is held while pinned memory is allocated (see AdapterCache.cuda_lock)."""
+
+def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pin: bool,
+                   lock: threading.Lock | None = None, pool: Executor | None = None,
+                   chunk_bytes: int | None = None) -> HostCopy:
+    """Read `adapter_model.safetensors` under `path` straight into a new HostCopy: allocate
+    it (holding `lock`, see AdapterCache.cuda_lock: pinned allocations are CUDA calls), fill
+    its padding with zeros, read the tensors into their views (`read_tensors`, on `pool`)."""
     copy = HostCopy(buffers, pin, lock)
     targets: list[tuple[str, torch.Tensor]] = []
     copy.fill(spec, lambda key, dst: targets.append((key, dst)))
-    weights = Path(path) / WEIGHTS_FILE
+    read_tensors(Path(path) / WEIGHTS_FILE, targets, pool, chunk_bytes)
+    return copy
+
+
+def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: Executor | None = None,
+                 chunk_bytes: int | None = None) -> None:
+    """Read each (key, view) of `targets` from the safetensors file `weights` into its view.
+
+    A tensor whose dtype and shape are the view's, in a contiguous view, is read straight
+    into it; the others (an F32 adapter for bf16 slots, B below the max rank: strided) land in
+    a temporary and are converted after. The data section is read as chunk_bytes-aligned
+    chunks of the file (default READ_CHUNK_BYTES), one `preadv` each into the buffers its bytes
+    belong to (a buffer that straddles two chunks is split), the chunks on `pool`'s threads at
+    once when given (preadv releases the GIL), else one after another here. One copy from the
+    page cache; raises AdapterError on a file cut short, once no read it started is running."""
     with weights.open("rb", buffering=0) as f:
         fd = f.fileno()
         if hasattr(os, "posix_fadvise"):
@@ -114,7 +130,7 @@ def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pi
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
         size = os.fstat(fd).st_size
-        reads = []  # (start, end, key, dst, buffer read into)
+        reads = []  # (file offset, view, buffer read into)
         for key, dst in targets:
             info = header[key]
             start, end = (8 + n + o for o in info["data_offsets"])
@@ -122,29 +138,54 @@ def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pi
                 raise AdapterError(f"{WEIGHTS_FILE}: tensor {key!r} ends past the file's {size} bytes (cut short?)")
             dtype = SAFETENSORS_DTYPES[info["dtype"]]
             direct = dtype == dst.dtype and dst.is_contiguous() and list(dst.shape) == info["shape"]
-            reads.append((start, end, key, dst, dst if direct else torch.empty(info["shape"], dtype=dtype)))
+            reads.append((start, dst, dst if direct else torch.empty(info["shape"], dtype=dtype)))
         reads.sort(key=lambda r: r[0])
-        run: list = []
-        for r in reads + [None]:
-            if run and (r is None or r[0] != run[-1][1] or len(run) == _IOV_MAX):
-                _read_run(fd, run)
-                run = []
-            if r is not None:
-                run.append(r)
-    for _, _, _, dst, buf in reads:
+        calls = plan_reads([(start, memoryview(buf.view(-1).view(torch.uint8).numpy())) for start, _, buf in reads],
+                           chunk_bytes or READ_CHUNK_BYTES)
+        if pool is None or len(calls) < 2:
+            for offset, views in calls:
+                _preadv_all(fd, views, offset)
+        else:
+            futures = [pool.submit(_preadv_all, fd, views, offset) for offset, views in calls]
+            _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in pending:
+                future.cancel()
+            wait(futures)  # no read may outlive the file descriptor
+            for future in futures:
+                if not future.cancelled() and future.exception() is not None:
+                    raise future.exception()
+    for _, dst, buf in reads:
         if buf is not dst:
             dst.copy_(buf)
-    return copy
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
-def _read_run(fd: int, run: list) -> None:
-    """Read tensors that lie back to back in the file into their buffers (a read may return
-    short: Linux caps one at ~2 GiB; go on from where it stopped)."""
-    views = [memoryview(buf.view(-1).view(torch.uint8).numpy()) for *_, buf in run]
-    offset = run[0][0]
+def plan_reads(reads: list[tuple[int, memoryview]], chunk_bytes: int) -> list[tuple[int, list[memoryview]]]:
+    """(file offset, buffer) reads, sorted by offset -> `preadv` calls (file offset, buffers).
+
+    A call reads bytes that lie back to back in the file, within one chunk_bytes-aligned
+    chunk of it, into at most IOV_MAX buffers; a buffer across a chunk boundary is split
+    there. E.g. chunk 10, buffers of 6, 6 and 4 bytes at offsets 8, 14 and 20::
+
+        [(8, [2 bytes]), (10, [4 bytes, 6 bytes]), (20, [4 bytes])]
+    """
+    calls: list[tuple[int, list[memoryview]]] = []
+    end = -1
+    for offset, view in reads:
+        while len(view):
+            n = min(len(view), chunk_bytes - offset % chunk_bytes)
+            if offset != end or offset % chunk_bytes == 0 or len(calls[-1][1]) == _IOV_MAX:
+                calls.append((offset, []))
+            calls[-1][1].append(view[:n])
+            offset, end, view = offset + n, offset + n, view[n:]
+    return calls
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int) -> None:
+    """Read the file from `offset` into `views`, back to back (a read may return short: Linux
+    caps one at ~2 GiB, a signal may cut it; go on from where it stopped)."""
     while views:
         got = os.preadv(fd, views, offset) if hasattr(os, "preadv") else _pread_into(fd, views[0], offset)
         if got <= 0:

@@ -3,22 +3,31 @@
 Rules under test: a HostCopy starts as garbage (torch.empty; on CUDA a recycled pinned block)
 and `fill` leaves no element of it untouched: every padding element is exactly zero and
 every real element equals the file's tensor, at any rank below the max, for any subset of
-target modules, with alignment gaps in the layout.
+target modules, with alignment gaps in the layout. A file read as many chunks on a thread
+pool lands byte for byte as a read in one go; a file cut short (before or during the read)
+raises AdapterError once no read is left running, and a load of it leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.server.adapter_format import WEIGHTS_FILE, BaseSpec, read_adapter, write_adapter_config
+from loraplex.server import host_tier
+from loraplex.server.adapter_cache import AdapterCache
+from loraplex.server.adapter_format import WEIGHTS_FILE, AdapterError, BaseSpec, read_adapter, write_adapter_config
+from loraplex.server.adapter_sources import AdapterLoadError
 from loraplex.server.adapters import GROUPS, LoRABuffers, random_adapter
 from loraplex.server.config import named_shape
-from loraplex.server.host_tier import host_copy_from_tensors, read_into_host
+from loraplex.server.host_tier import host_copy_from_tensors, plan_reads, read_into_host
 
 # Sizes that are not multiples of ALIGN_ELEMS, so the layout has gaps between views.
 ODD = dataclasses.replace(named_shape("tiny"), hidden_size=40, intermediate_size=72, head_dim=10)
@@ -99,3 +108,120 @@ def test_a_poisoned_allocation_is_filled_whole(tmp_path, monkeypatch, dtype, sou
     reference = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), dtype)  # torch.zeros, then the views
     reference.write(0, spec, tensors)
     assert torch.equal(host.flat, reference.flat[0]) and torch.equal(host.scales, reference.scales[0])
+
+
+@pytest.mark.parametrize("reads, chunk, iov_max, want", [
+    # buffers as (file offset, bytes); chunk bytes; IOV_MAX; calls as (file offset, [bytes of each buffer])
+    ([(8, 6), (14, 6), (20, 4)], 10, 1024, [(8, [2]), (10, [4, 6]), (20, [4])]),  # the docstring's example
+    ([(0, 4), (4, 4), (8, 4)], 1 << 20, 1024, [(0, [4, 4, 4])]),  # one chunk: one call
+    ([(0, 4), (4, 4), (8, 4)], 1 << 20, 2, [(0, [4, 4]), (8, [4])]),  # IOV_MAX buffers per call
+    ([(0, 4), (6, 4)], 1 << 20, 1024, [(0, [4]), (6, [4])]),  # bytes not read between: two calls
+    ([(3, 25)], 10, 1024, [(3, [7]), (10, [10]), (20, [8])]),  # one buffer over three chunks
+    ([(0, 0), (0, 5)], 10, 1024, [(0, [5])]),  # an empty tensor reads nothing
+])
+def test_plan_reads(monkeypatch, reads, chunk, iov_max, want):
+    monkeypatch.setattr(host_tier, "_IOV_MAX", iov_max)
+    buffers = [(off, bytearray(n)) for off, n in reads]
+    calls = plan_reads([(off, memoryview(b)) for off, b in buffers], chunk)
+    assert [(off, [len(v) for v in views]) for off, views in calls] == want
+    file = bytes(range(256))
+    for off, views in calls:  # what preadv does with them
+        for v in views:
+            v[:] = file[off: off + len(v)]
+            off += len(v)
+    assert all(b == file[off: off + len(b)] for off, b in buffers)
+
+
+class PreadvSpy:
+    """os.preadv, counting the calls running now, the most at once and the threads that made them."""
+
+    def __init__(self, monkeypatch, delay: float = 0.0, before=None):
+        self.real = os.preadv
+        self.delay, self.before = delay, before
+        self.lock = threading.Lock()
+        self.running = self.peak = self.calls = 0
+        self.threads: set[str] = set()
+        monkeypatch.setattr(os, "preadv", self)
+
+    def __call__(self, fd, views, offset):
+        with self.lock:
+            self.running += 1
+            self.calls += 1
+            self.peak = max(self.peak, self.running)
+            self.threads.add(threading.current_thread().name)
+            first = self.calls == 1
+        try:
+            if self.before is not None and first:
+                self.before()
+            time.sleep(self.delay)
+            return self.real(fd, views, offset)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+@pytest.fixture
+def pool():
+    with concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="test-read") as p:
+        yield p
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16: every tensor through a temporary
+def test_a_read_in_many_chunks_on_threads_is_byte_identical(tmp_path, monkeypatch, pool, dtype):
+    path = write_mixed_adapter(tmp_path / "a")
+    spec = read_adapter(path, base_spec())
+    buffers = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), dtype)
+    whole = read_into_host(path, spec, buffers, pin=False)  # one thread, chunks larger than the file
+    spy = PreadvSpy(monkeypatch, delay=0.002)
+    poison_allocations(monkeypatch)
+    chunk = 512
+    host = read_into_host(path, spec, buffers, pin=False, pool=pool, chunk_bytes=chunk)
+    data_bytes = (path / WEIGHTS_FILE).stat().st_size
+    assert spy.calls >= data_bytes // chunk - 1 and spy.peak > 1 and len(spy.threads) > 1
+    assert all(name.startswith("test-read") for name in spy.threads)
+    assert torch.equal(host.flat.view(torch.uint8), whole.flat.view(torch.uint8))
+    assert torch.equal(host.scales, whole.scales) and torch.equal(host.rank, whole.rank)
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    for layer, groups in enumerate(host.layers):
+        g, m = groups["qkv"], spec.module(layer, "v_proj")  # v_proj: at the max rank, read in place
+        assert torch.equal(g.a[2 * R_MAX: 3 * R_MAX], tensors[m.key_a].to(dtype))
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_file_cut_short_raises_once_no_read_is_left(tmp_path, monkeypatch, pool, when):
+    path = write_mixed_adapter(tmp_path / "a")
+    spec = read_adapter(path, base_spec())  # the header still checked out
+    weights = path / WEIGHTS_FILE
+    cut = lambda: os.truncate(weights, weights.stat().st_size // 2)  # noqa: E731
+    if when == "before":
+        cut()
+    list(pool.map(len, "abcd"))  # the pool's threads started: they hold no file open
+    fds = open_fds()
+    spy = PreadvSpy(monkeypatch, delay=0.005, before=cut if when == "during" else None)
+    buffers = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), torch.float32)
+    with pytest.raises(AdapterError, match="cut short"):
+        read_into_host(path, spec, buffers, pin=False, pool=pool, chunk_bytes=512)
+    assert spy.running == 0 and open_fds() == fds
+    assert (when == "before") == (spy.calls == 0)  # before: the header's offsets are checked first
+
+
+def test_a_load_of_a_file_cut_during_the_read_leaves_nothing_behind(tmp_path, monkeypatch):
+    write_mixed_adapter(tmp_path / "a")
+    write_mixed_adapter(tmp_path / "b")
+    buffers = LoRABuffers(ODD, 2, R_MAX, torch.device("cpu"), torch.float32)
+    cache = AdapterCache(buffers, base_spec(), cache_dir=tmp_path)
+    monkeypatch.setattr(host_tier, "READ_CHUNK_BYTES", 512)
+    weights = tmp_path / "a" / WEIGHTS_FILE
+    spy = PreadvSpy(monkeypatch, delay=0.002, before=lambda: os.truncate(weights, weights.stat().st_size // 2))
+    with pytest.raises(AdapterLoadError, match="cut short") as err:
+        cache.prefetch("a").result(10)
+    assert err.value.reason == "corrupt" and spy.calls > 1 and spy.running == 0
+    assert cache.host.names() == [] and cache.num_free == 2 and "a" not in cache.ready_slots()
+    spy.before = None
+    assert cache.prefetch("b").result(10) in (0, 1)  # the next load reads as usual
+    cache.close()
