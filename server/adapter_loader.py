@@ -69,8 +69,8 @@ class AdapterLoader:
                                                            thread_name_prefix="loraplex-load")
         # One file is read as a few MB-sized chunks at once: a single thread copies from the page
         # cache at well under the host's memory bandwidth.
-        self.read_pool = concurrent.futures.ThreadPoolExecutor(read_threads or min(8, os.cpu_count() or 1),
-                                                               thread_name_prefix="loraplex-read")
+        self.read_threads = read_threads or min(8, os.cpu_count() or 1)
+        self.read_pool = concurrent.futures.ThreadPoolExecutor(self.read_threads, thread_name_prefix="loraplex-read")
         self._local = threading.local()  # a side CUDA stream per load worker
         # Held by a load thread around its CUDA calls, and by the engine while it captures a
         # CUDA graph: a global-mode capture forbids other threads' allocations and syncs.

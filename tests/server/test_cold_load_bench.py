@@ -25,5 +25,10 @@ def test_cold_load_bench_quick_on_cpu(tmp_path):
     for phase in ("none", "loads"):
         assert decode[phase]["steps"] == 8 and 0 < decode[phase]["p50_ms"] <= decode[phase]["p99_ms"]
     assert decode["loads_started"] > 0 and decode["loads_in_flight_mean"] > 0
-    assert set(doc["checks"]) == {"host_load_vs_floor", "decode_p99_with_loads"}
-    assert "cold load from host" in r.stderr
+    stages = doc["disk_load_breakdown"]
+    for stage in ("alloc", "fill", "read", "copy_to_slot"):
+        assert stages[stage]["n"] == 3 and 0 < stages[stage]["min_ms"] <= stages[stage]["median_ms"]
+    assert stages["read_threads"] >= 1 and stages["chunk_bytes"] > 0 and stages["flat_pinned"] is False
+    assert set(doc["checks"]) == {"host_load_vs_floor", "decode_p99_with_loads", "disk_warm_load_vs_floor"}
+    assert doc["checks"]["disk_warm_load_vs_floor"]["value"] == doc["cold_load"]["disk_page_cache_warm"]["vs_floor"]
+    assert "cold load from host" in r.stderr and "stage: read the file" in r.stderr
