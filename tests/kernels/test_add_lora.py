@@ -225,3 +225,52 @@ def test_launch_configurations_agree(k_splits, block_k, span_tiles, block_m, add
     batch = LoRABatch.build(token_slots, num_slots, block_m=block_m)
     sgmv_lora(y, x, lora_a, lora_b, scaling, batch, ranks, slices, config=config)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("add_in_memory", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "shape,rank,block_m,block_k,block_n,pattern",
+    [
+        ("llama3-qkv", 16, 16, 32, 32, "prefill-segments"),
+        ("llama3-qkv", 8, 32, 64, 64, "random-mixed"),  # rank 8: B rows of 16 bytes
+        ("llama3-gate-up", 16, 16, 128, 128, "prefill-segments"),
+        ("llama3-down", 64, 16, 64, 32, "prefill-segments"),
+        ("qwen2-qkv", 32, 32, 32, 16, "every-row-own"),  # K = 112: a partial last tile of K
+    ],
+)
+def test_fused_launch_matches_reference(shape, rank, block_m, block_k, block_n, pattern, dtype, add_in_memory):
+    """The one-launch path (one program per row block) against the reference: mixed ranks,
+    NaN past each rank and in unused slots, strided x and y, base rows untouched."""
+    from loraplex.kernels.add_lora import sgmv_lora
+    from loraplex.kernels.configs import SGMVConfig
+
+    gen = torch.Generator().manual_seed(rank * 7 + block_m)
+    in_features, slices = SHAPES[shape]
+    num_slots, num_tokens = 6, 150
+    token_slots = slot_pattern(pattern, num_tokens, num_slots, gen)
+    used = set(token_slots[token_slots >= 0].tolist())
+    ranks = torch.randint(1, rank + 1, (num_slots,), generator=gen).to(torch.int32)
+    ranks[token_slots[token_slots >= 0][0]] = rank
+    lora_a, lora_b, scaling = make_weights(num_slots, rank, in_features, slices, ranks, dtype, gen, used)
+    out_features = sum(slices)
+    x_buf = torch.full((num_tokens, in_features + 24), float("nan"), dtype=dtype)
+    y_buf = torch.full((num_tokens, out_features + 40), float("nan"), dtype=dtype)
+    x, y = x_buf[:, 8 : 8 + in_features], y_buf[:, 16 : 16 + out_features]
+    x.copy_(torch.randn(num_tokens, in_features, generator=gen))
+    y.copy_(torch.randn(num_tokens, out_features, generator=gen))
+    before = y.clone()
+    expected = add_lora_reference(y, x, lora_a.nan_to_num(), lora_b.nan_to_num(), scaling, token_slots, ranks, slices)
+
+    config = SGMVConfig(k_splits=1, block_k=block_k, span=block_n, block_n=block_n, num_warps=4, num_stages=2,
+                        add_in_memory=add_in_memory, fused=True)
+    batch = LoRABatch.build(token_slots, num_slots, block_m=block_m, max_adapters=len(used))
+    sgmv_lora(y, x, lora_a, lora_b, scaling, batch, ranks, slices, config=config)
+
+    base_rows = token_slots < 0
+    assert torch.equal(y[base_rows], before[base_rows]), "a base-only row changed"
+    assert torch.isfinite(y).all(), "NaN read from padding, an unused slot or a stride gap"
+    assert torch.isnan(y_buf[:, :16]).all() and torch.isnan(y_buf[:, 16 + out_features :]).all(), "wrote outside y"
+    delta, expected_delta = y.double() - before.double(), expected - before.double()
+    err = ((delta - expected_delta).norm() / expected_delta.norm()).item()
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
