@@ -126,7 +126,7 @@ def rel_error(got: torch.Tensor, before: torch.Tensor, expected: torch.Tensor) -
     return float((delta - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def make_case(layer, num_tokens, adapters, rank, seqs=None, gen=None, slots=0, dev="cuda"):
+def make_case(layer, num_tokens, adapters, rank, seqs=None, gen=None, slots=0):
     """One case's tensors. With `slots` above the adapters in use, the buffers hold that many
     slots (as an engine's do) and the adapters sit in a random subset of them."""
     in_features, slices = LAYERS[layer]
@@ -142,6 +142,7 @@ def make_case(layer, num_tokens, adapters, rank, seqs=None, gen=None, slots=0, d
         token_slots = token_slots[torch.randperm(num_tokens, generator=gen)]
     if num_slots > num_adapters:
         token_slots = torch.randperm(num_slots, generator=gen)[:num_adapters][token_slots]
+    dev = "cuda"
     x = torch.randn(num_tokens, in_features, generator=gen).to(dev, DTYPE)
     y = torch.randn(num_tokens, out_features, generator=gen).to(dev, DTYPE)
     lora_a = (torch.randn(num_slots, n * rank, in_features, generator=gen) / math.sqrt(in_features)).to(dev, DTYPE)

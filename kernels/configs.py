@@ -53,7 +53,6 @@ class SGMVConfig:
     pdl_early: bool = True  # with pdl: the expand may launch at the shrink's start, and the shrink
     # is a dependent of the kernel before it (decode); else the expand launches in the shrink's tail
     add_in_memory: bool = False  # the expand adds into y with reductions (red.add), not load + store
-    fused: bool = False  # one launch, one program per row block (fused.py): shrink, then expand
 
 
 # The shrink splits the input width no finer than this many columns per program.
@@ -93,7 +92,6 @@ def make_config(
     device_pdl: bool = False,
     pdl: bool | None = None,
     add_in_memory: bool | None = None,
-    fused: bool | None = None,
 ) -> SGMVConfig:
     """A configuration from the problem size; the keyword arguments override the defaults."""
     wanted = programs_per_sm * sms
@@ -131,11 +129,8 @@ def make_config(
         # 7 of 8 rank-64 cases faster, gate/up 8 adapters 1.4% slower. At rank 32 it is mixed
         # (q/k/v and down faster, gate/up up to 1.26x slower), so the line stays at 64.
         add_in_memory = block_m <= DECODE_BLOCK_M or rank >= PREFILL_ADD_IN_MEMORY_RANK
-    if fused is None:
-        fused = False
     return SGMVConfig(k_splits=k_splits, block_k=block_k, span=span, block_n=block_n, num_warps=num_warps,
-                      num_stages=num_stages, pdl=pdl, pdl_early=pdl_early, add_in_memory=add_in_memory,
-                      fused=fused)
+                      num_stages=num_stages, pdl=pdl, pdl_early=pdl_early, add_in_memory=add_in_memory)
 
 
 _cached_config = functools.lru_cache(maxsize=1024)(make_config)

@@ -92,29 +92,3 @@ def test_weight_rows_off_vector_boundaries_on_cuda(num_tokens, rank, row_stride)
     add_lora(y, x, lora_a, lora_b, scaling, LoRABatch.build(token_slots, 8), ranks=ranks, output_slices=slices)
     delta, want = y.double() - before.double(), expected - before.double()
     assert ((delta - want).norm() / want.norm()).item() < TOLERANCE[torch.bfloat16]
-
-
-@pytest.mark.parametrize("add_in_memory", [False, True], ids=["load-store", "reductions"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("rank,in_features,slices,block_m", [
-    (16, 896, (896, 128, 128), 16),  # Qwen2-0.5B q/k/v
-    (8, 4096, (14336, 14336), 32),  # Llama-3-8B gate/up
-    (64, 14336, (4096,), 16),  # Llama-3-8B down
-])
-def test_one_launch_matches_reference_on_cuda(rank, in_features, slices, block_m, dtype, add_in_memory):
-    """The prefill path that runs shrink and expand in one program per row block."""
-    from loraplex.kernels.add_lora import sgmv_lora
-    from loraplex.kernels.configs import SGMVConfig
-
-    token_slots, ranks, lora_a, lora_b, x, y, scaling = inputs(700, 6, rank, in_features, slices, dtype, seed=rank)
-    expected = add_lora_reference(y, x, lora_a.nan_to_num(), lora_b.nan_to_num(), scaling, token_slots, ranks, slices)
-    before = y.clone()
-    config = SGMVConfig(k_splits=1, block_k=64, span=128, block_n=128, num_warps=4, num_stages=3,
-                        add_in_memory=add_in_memory, fused=True)
-    sgmv_lora(y, x, lora_a, lora_b, scaling, LoRABatch.build(token_slots, 6, block_m=block_m), ranks, slices,
-              config=config)
-    base_rows = token_slots < 0
-    assert torch.equal(y[base_rows], before[base_rows])
-    delta, want = y.double() - before.double(), expected - before.double()
-    assert torch.isfinite(delta).all()
-    assert ((delta - want).norm() / want.norm()).item() < TOLERANCE[dtype]
