@@ -131,7 +131,7 @@ def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: E
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
         size = os.fstat(fd).st_size
-        reads = []  # (file offset, view, buffer read into)
+        reads = []  # (file offset, the target's view, buffer read into: the view or a temporary)
         for key, dst in targets:
             info = header[key]
             start, end = (8 + n + o for o in info["data_offsets"])
@@ -141,8 +141,8 @@ def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: E
             direct = dtype == dst.dtype and dst.is_contiguous() and list(dst.shape) == info["shape"]
             reads.append((start, dst, dst if direct else torch.empty(info["shape"], dtype=dtype)))
         reads.sort(key=lambda r: r[0])
-        views = _byte_views([buf for _, _, buf in reads])
-        calls = plan_reads([(start, view) for (start, _, _), view in zip(reads, views)], chunk_bytes or READ_CHUNK_BYTES)
+        byte_views = _byte_views([buf for _, _, buf in reads])
+        calls = plan_reads([(start, b) for (start, _, _), b in zip(reads, byte_views)], chunk_bytes or READ_CHUNK_BYTES)
         if pool is None or len(calls) < 2:
             for offset, views in calls:
                 _preadv_all(fd, views, offset)
