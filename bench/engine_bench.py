@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time each adapter count with the LoRA grid sized for every slot, not for the "
                         "step's adapters (the before/after of that change, in one run)")
     p.add_argument("--no-warmup", action="store_true",
-                   help="skip the start-up warm-up that compiles every decode kernel (for comparison)")
+                   help="skip the start-up warm-up that compiles every kernel (for comparison)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     a = p.parse_args(argv)
     if a.quick:
@@ -118,7 +118,9 @@ def run_loraplex(args, engine: LLMEngine, prompts, names) -> dict:
         for prompt, name in zip(prompts, names):
             engine.add_request(engine.make_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                           ignore_eos=True), name))
+        t0 = time.perf_counter()
         engine.step()  # admits and prefills everyone (and their first decode is next)
+        prefill_s = time.perf_counter() - t0
         assert len(engine.scheduler.running) == len(prompts), "all requests must run in one batch"
         times = []
         positions = []
@@ -134,7 +136,7 @@ def run_loraplex(args, engine: LLMEngine, prompts, names) -> dict:
             # steps that capture stall every running request for that long.
             graphs = engine.decoder.num_graphs
             first_pass = {"step_ms_max": 1e3 * max(times), "step_ms_median": 1e3 * statistics.median(times),
-                          "graphs_captured": graphs - before}
+                          "graphs_captured": graphs - before, "prefill_ms": 1e3 * prefill_s}
         if timed:
             total = sum(times)
             result = {"decode_tok_s": len(prompts) * len(times) / total,
@@ -144,6 +146,7 @@ def run_loraplex(args, engine: LLMEngine, prompts, names) -> dict:
                       "kv_tokens_per_step_mean": sum(positions) / len(positions),
                       "cuda_graphs": engine.decoder.num_graphs,
                       "graphs_captured_while_timed": engine.decoder.num_graphs - graphs,
+                      "prefill_ms": 1e3 * prefill_s,
                       "first_pass": first_pass}
     return result
 
@@ -244,8 +247,9 @@ def main(argv=None) -> int:
     warmup = {"steps": 0, "seconds": 0.0}
     if not args.no_warmup:  # what the server's start-up does (settings.warmup), timed here
         t0 = time.perf_counter()
-        warmup = {"steps": engine.decoder.warm_up(), "seconds": time.perf_counter() - t0}
-        log.info("warm-up: %d eager decode steps in %.1f s", warmup["steps"], warmup["seconds"])
+        prefills, steps = engine.warm_up()
+        warmup = {"prefills": prefills, "steps": steps, "seconds": time.perf_counter() - t0}
+        log.info("warm-up: %d prefills and %d eager decode steps in %.1f s", prefills, steps, warmup["seconds"])
     fused_ops = engine.model.fused_ops
     device, dtype = engine.device, engine.dtype
     bw = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 256 << 20)
@@ -260,8 +264,9 @@ def main(argv=None) -> int:
     for n in args.adapter_counts:
         r = run_loraplex(args, engine, prompts, assignment(args.batch, n)) | {"adapters": n}
         results.append(r)
-        log.info("loraplex adapters=%3d  %9.1f tok/s  step %.2f ms  (first pass: %d graphs, slowest step %.1f ms)", n,
-                 r["decode_tok_s"], r["step_ms_median"], r["first_pass"]["graphs_captured"], r["first_pass"]["step_ms_max"])
+        log.info("loraplex adapters=%3d  %9.1f tok/s  step %.2f ms  prefill %.1f ms  (first pass: %d graphs, slowest "
+                 "step %.1f ms, prefill %.1f ms)", n, r["decode_tok_s"], r["step_ms_median"], r["prefill_ms"],
+                 r["first_pass"]["graphs_captured"], r["first_pass"]["step_ms_max"], r["first_pass"]["prefill_ms"])
         if args.every_slot_too and n:
             engine.decoder.bound_adapters = False
             e = run_loraplex(args, engine, prompts, assignment(args.batch, n)) | {"adapters": n}

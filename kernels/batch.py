@@ -55,6 +55,24 @@ def max_blocks(num_tokens: int, num_adapters: int, block_m: int) -> int:
     return max(1, num_tokens // block_m + min(num_adapters, num_tokens))
 
 
+def step_grids(max_tokens: int, max_adapters: int) -> dict[tuple[int, int], int]:
+    """Every grid (block_m, blocks) that a step of 1..``max_tokens`` rows with at most
+    ``max_adapters`` distinct adapters launches, each with the fewest rows that launch it.
+
+    The launch configuration is a function of the grid (configs.make_config), so these steps
+    between them compile every kernel variant such steps can: what a server's warm-up runs.
+    The blocks change only where ``rows // block_m`` or ``min(max_adapters, rows)`` does, so
+    the walk jumps from one such row count to the next.
+    """
+    grids: dict[tuple[int, int], int] = {}
+    rows = 1
+    while rows <= max_tokens:
+        block_m = default_block_m(rows)
+        grids.setdefault((block_m, max_blocks(rows, max_adapters, block_m)), rows)
+        rows = rows + 1 if rows < max_adapters else (rows // block_m + 1) * block_m
+    return grids
+
+
 @dataclass(frozen=True)
 class LoRABatch:
     """Token -> slot grouping of one forward step (all tensors int32, on the step's device)."""

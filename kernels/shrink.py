@@ -128,7 +128,12 @@ def sgmv_shrink(
     nr = lora_a.shape[1]
     k_chunk = triton.cdiv(triton.cdiv(in_features, k_splits), block_k) * block_k
     k_splits = triton.cdiv(in_features, k_chunk)
-    partial = torch.empty((k_splits, num_tokens, nr), dtype=torch.float32, device=x.device)
+    # Planes start on 64-byte boundaries whatever the rows: Triton compiles a variant per
+    # divisibility of an integer argument by 16, and T * n*R (rank 8, an odd T) would make
+    # the plane stride one, i.e. a new compile for a new prefill length.
+    plane = triton.cdiv(num_tokens * nr, 16) * 16
+    partial = torch.empty(k_splits * plane, dtype=torch.float32, device=x.device).as_strided(
+        (k_splits, num_tokens, nr), (plane, nr, 1))
     grid = (k_splits, batch.num_blocks)
     _shrink_kernel[grid](
         partial,

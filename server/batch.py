@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable, Hashable
 
 import torch
+
+from loraplex.kernels.batch import step_grids
 
 from .model import LlamaModel, PrefillSeq
 from .request import Request
@@ -83,6 +86,47 @@ def warmup_plan(buckets: list[int], num_slots: int, kv_lens: list[int]) -> list[
         steps += [(b, a, kv_lens[0]) for a in adapters]
         steps += [(b, 0, kv) for kv in kv_lens[1:]]
     return steps
+
+
+def prefill_warmup_plan(max_tokens: int, num_slots: int,
+                        launch_key: Callable[[int, int], Hashable | None]) -> list[tuple[int, int]]:
+    """The prefill steps (rows, adapter bucket) that between them launch every LoRA kernel
+    configuration a prefill of 1..max_tokens rows can: for each distinct `launch_key(rows,
+    adapters)` (the model's `lora_launch_key`), the smallest step that has it. Only the
+    grid of a step changes its configuration (kernels.batch.step_grids), so few row counts
+    are asked. Steps with no key (no Triton kernel runs) are left out."""
+    steps: dict[Hashable, tuple[int, int]] = {}
+    for adapters in sorted({adapter_bucket(n) for n in range(1, num_slots + 1)}):
+        for rows in step_grids(max_tokens, min(adapters, num_slots)).values():
+            if adapters > adapter_bucket(rows):  # a step has at most one adapter a row
+                continue
+            key = launch_key(rows, adapters)
+            if key is not None:
+                steps.setdefault(key, (rows, adapters))
+    return sorted(steps.values())
+
+
+def warm_up_prefill(model: LlamaModel, max_tokens: int) -> int:
+    """Before the first request: run `prefill_warmup_plan`'s prefills, so every LoRA kernel
+    configuration a prefill can launch compiles now and not in a serving step (a new one
+    stalls the step for its compile, about a second on an H200). Prompts of token 0 over
+    `adapters` slots, packed into KV rows from 0 up, which no request holds yet; the logits
+    are dropped. Returns the prefills run."""
+    if model.lora is None:
+        return 0
+    length = model.kv.max_len - 1  # positions a sequence may use
+    max_tokens = min(max_tokens, model.kv.rows * length)
+    plan = prefill_warmup_plan(max_tokens, model.lora.num_slots, model.lora_launch_key)
+    for rows, adapters in plan:
+        seqs = [PrefillSeq(row=i, start=start, length=min(length, rows - start), pos=0)
+                for i, start in enumerate(range(0, rows, length))]
+        tokens = torch.zeros(rows, dtype=torch.int64, device=model.device)
+        used = min(adapters, model.lora.num_slots)
+        slots = (torch.arange(rows, device=model.device) * used // rows).to(torch.int32)
+        model.prefill(tokens, slots, seqs, adapters)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    return len(plan)
 
 
 def build_prefill(chunks: list[PrefillChunk],

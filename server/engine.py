@@ -34,7 +34,7 @@ import torch
 from .adapter_format import AdapterError, BaseSpec
 from .adapter_cache import AdapterCache
 from .adapters import LoRABuffers
-from .batch import DecodeRunner, adapter_bucket, build_prefill
+from .batch import DecodeRunner, adapter_bucket, build_prefill, warm_up_prefill
 from .cache_metrics import CacheMetrics
 from .config import ModelConfig, named_shape
 from .kv_cache import KVCache
@@ -160,12 +160,24 @@ class LLMEngine:
             lora_name, lora_path = item.split("=", 1)
             engine.adapters.load(lora_name, lora_path)
         if settings.warmup:
-            t0 = time.perf_counter()
-            steps = engine.decoder.warm_up()
-            if steps:
-                log.info("warm-up: %d eager decode steps (every decode kernel compiled) in %.1fs", steps,
-                         time.perf_counter() - t0)
+            engine.warm_up()
         return engine
+
+    def warm_up(self) -> tuple[int, int]:
+        """Compile every kernel configuration a serving step can launch, before the first
+        request (CUDA only: a no-op elsewhere): the prefills of `warm_up_prefill`, then the
+        decode steps of `DecodeRunner.warm_up`. Returns (prefills, decode steps) run."""
+        if self.device.type != "cuda":
+            return 0, 0
+        t0 = time.perf_counter()
+        s = self.settings
+        # A step prefills at most max_prefill_tokens, but one prompt may exceed it alone.
+        longest = s.max_prefill_tokens if s.enable_chunked_prefill else max(s.max_prefill_tokens, self.max_model_len - 1)
+        prefills = warm_up_prefill(self.model, longest)
+        steps = self.decoder.warm_up()
+        log.info("warm-up: %d prefills and %d eager decode steps (every kernel compiled) in %.1fs", prefills, steps,
+                 time.perf_counter() - t0)
+        return prefills, steps
 
     # -- requests --------------------------------------------------------------------------
 

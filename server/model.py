@@ -21,6 +21,7 @@ silu*mul; in prefill silu*mul. Without it (the CPU, and the reference) they are 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -155,6 +156,24 @@ class LlamaModel:
         if max_adapters == 0 or self.lora is None:
             return None
         return LoRABatch.build(token_slots, self.lora.num_slots, max_adapters=max_adapters)
+
+    def lora_launch_key(self, num_tokens: int, max_adapters: int) -> tuple | None:
+        """What the LoRA kernels compile for a step of `num_tokens` rows and at most
+        `max_adapters` distinct adapters: every LoRA group's launch configuration (less its span,
+        a runtime argument) and the rows per block. Steps with equal keys compile nothing for
+        each other. None when no Triton kernel runs (no adapters, or the torch backend)."""
+        if self.lora is None or max_adapters <= 0 or self.device.type != "cuda" or self.backend == "torch":
+            return None
+        from loraplex.kernels.batch import default_block_m, max_blocks
+        from loraplex.kernels.configs import sgmv_config  # imports triton
+
+        block_m = default_block_m(num_tokens)
+        blocks = max_blocks(num_tokens, min(max_adapters, self.lora.num_slots), block_m)
+        configs = tuple(
+            dataclasses.replace(sgmv_config(blocks, block_m, g.a.shape[2], g.slices, g.b.shape[2], g.a.dtype,
+                                            self.device), span=0)
+            for g in self.lora.layers[0].values())
+        return block_m, configs
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self._rms_norm(h, self.w.norm), self.w.lm_head).float()

@@ -225,3 +225,18 @@ def test_launch_configurations_agree(k_splits, block_k, span_tiles, block_m, add
     batch = LoRABatch.build(token_slots, num_slots, block_m=block_m)
     sgmv_lora(y, x, lora_a, lora_b, scaling, batch, ranks, slices, config=config)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 33, 34])
+def test_partial_planes_start_on_16_element_boundaries(num_tokens):
+    """The shrink's plane stride is a multiple of 16 whatever the rows (rank 8, one slice: T*8),
+    so a new prefill length never makes Triton compile a new variant; the sums stay right."""
+    from loraplex.kernels.shrink import sgmv_shrink
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 64, generator=gen)
+    lora_a = torch.randn(2, 8, 64, generator=gen)
+    token_slots = torch.zeros(num_tokens, dtype=torch.int32)
+    partial = sgmv_shrink(x, lora_a, LoRABatch.build(token_slots, 2), None, 8, k_splits=2, block_k=16)
+    assert partial.shape == (2, num_tokens, 8) and partial.stride(0) % 16 == 0
+    torch.testing.assert_close(partial.sum(0), x @ lora_a[0].T, rtol=1e-5, atol=1e-5)

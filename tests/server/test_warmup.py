@@ -33,3 +33,46 @@ def test_warm_up_runs_its_plan_and_leaves_no_trace(hf_llama, llama_adapters):
     # KV lengths 32, 64, 128 (max_len 128); batch buckets 1, 2, 4, 8; 4 slots.
     assert steps == len(warmup_plan(decoder.buckets, 4, [32, 64, 128])) > 0
     assert run_mixed_batch(engine, prompts_for(names)) == want
+
+
+def test_prefill_warmup_plan_covers_every_step_with_its_smallest():
+    """Every (rows, adapter bucket) a prefill of at most 300 rows can have maps to a planned
+    step with the same launch key, and that step is the smallest with it."""
+    from loraplex.kernels.batch import default_block_m, max_blocks
+    from loraplex.server.batch import adapter_bucket, prefill_warmup_plan
+
+    slots = 6
+
+    def key(rows, adapters):  # a stand-in for the model's: some function of the grid
+        block_m = default_block_m(rows)
+        blocks = max_blocks(rows, min(adapters, slots), block_m)
+        return block_m, min(16, -(-528 // blocks))
+
+    plan = prefill_warmup_plan(300, slots, key)
+    want: dict = {}
+    for rows in range(1, 301):
+        for adapters in sorted({adapter_bucket(n) for n in range(1, min(rows, slots) + 1)}):
+            want.setdefault(key(rows, adapters), (rows, adapters))
+    assert sorted(plan) == sorted(want.values())
+    assert len({key(*step) for step in plan}) == len(plan)
+
+
+def test_warm_up_prefill_runs_its_plan_and_leaves_no_trace(hf_llama, llama_adapters):
+    from loraplex.kernels.batch import default_block_m, max_blocks
+    from loraplex.server.batch import prefill_warmup_plan, warm_up_prefill
+
+    names = ["base", *sorted(llama_adapters)]
+    want = run_mixed_batch(_engine(hf_llama, llama_adapters), prompts_for(names))
+
+    engine = _engine(hf_llama, llama_adapters)
+    assert engine.model.lora_launch_key(64, 4) is None  # no Triton kernel on the CPU
+    assert engine.warm_up() == (0, 0)
+    def grid(rows, adapters):  # what a CUDA model's key is a function of
+        block_m = default_block_m(rows)
+        return block_m, max_blocks(rows, min(adapters, 4), block_m)
+
+    engine.model.lora_launch_key = grid
+    # 300 rows span 3 KV rows of 127 positions.
+    runs = warm_up_prefill(engine.model, 300)
+    assert runs == len(prefill_warmup_plan(300, 4, engine.model.lora_launch_key)) > 20
+    assert run_mixed_batch(engine, prompts_for(names)) == want
