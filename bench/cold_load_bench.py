@@ -21,7 +21,9 @@ all seven projections written to a temporary folder (the disk tier):
 - decode step time, p50 and p99, of a `--batch`-row batch over 8 resident adapters, in
   alternating chunks with no load running and with `--loads` loads in flight (a storm of
   cold adapters paging from host memory through the spare slots), on the same requests
-  after an untimed pass that captures every CUDA graph (target: p99 within 1.1x).
+  after an untimed pass that captures every CUDA graph (target: p99 within 1.1x); with
+  `--slot-copy-chunk-mb`, also with loads whose slot copy goes in chunks of those sizes,
+  each its own phase of the same alternation.
 
 Writes one JSON document and prints a table on stderr. Under 3 minutes on one H200.
 """
@@ -52,6 +54,7 @@ from loraplex.server.adapter_format import WEIGHTS_FILE, read_adapter, write_ada
 from loraplex.server.adapters import AdapterId, LoRABuffers, random_adapter  # noqa: E402
 from loraplex.server.config import named_shape  # noqa: E402
 from loraplex.server.engine import LLMEngine  # noqa: E402
+from loraplex.server import host_tier  # noqa: E402
 from loraplex.server.host_tier import READ_CHUNK_BYTES, HostCopy, read_tensors  # noqa: E402
 from loraplex.server.sampling import SamplingParams  # noqa: E402
 from loraplex.server.settings import ServerSettings  # noqa: E402
@@ -72,8 +75,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=25, help="decode steps per chunk (default 25)")
     p.add_argument("--pairs", type=int, default=8, help="(no loads, loads) chunk pairs (default 8)")
     p.add_argument("--kv-block", type=int, default=64, help="KV length granularity of decode (default 64)")
+    p.add_argument("--slot-copy-chunk-mb", default="",
+                   help="also time decode under loads with these chunk sizes of the slot copy (MB, 0: one "
+                        "transfer), in the same alternation: e.g. 0,4 (default: the server's alone)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     a = p.parse_args(argv)
+    a.slot_copy_chunks = [int(mb) << 20 for mb in a.slot_copy_chunk_mb.split(",") if mb.strip()]
     if a.quick:
         a.repeats, a.batch, a.prompt_len, a.chunk, a.pairs = 3, min(a.batch, 4), 16, 4, 2
         a.loads = min(a.loads, 2)
@@ -267,7 +274,10 @@ def decode_under_loads(args, engine: LLMEngine, storm: Storm, vocab: int) -> dic
     """Step times of the full batch, alternating chunks without and with loads in flight."""
     gen = torch.Generator().manual_seed(1234)
     prompts = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=gen).tolist()
-    steps = 2 * args.pairs * args.chunk
+    # Phases: no loads, then loads with each slot-copy chunk size (the server's alone by default).
+    chunks = {"loads": host_tier.SLOT_COPY_CHUNK_BYTES} | {f"loads_chunk_{c >> 20}mb": c for c in args.slot_copy_chunks}
+    phases = ["none", *chunks]
+    steps = len(phases) * args.pairs * args.chunk
     result: dict = {}
     for timed in (False, True):  # the untimed pass captures every CUDA graph of this workload
         for i in range(BATCH_ADAPTERS):  # resident before the requests: they all join in one step
@@ -280,21 +290,23 @@ def decode_under_loads(args, engine: LLMEngine, storm: Storm, vocab: int) -> dic
         while len(engine.scheduler.running) < len(reqs) and time.monotonic() < deadline:
             engine.step()  # loads the batch adapters if evicted, then prefills everyone
         engine.step()
-        times: dict[str, list[float]] = {"none": [], "loads": []}
+        times: dict[str, list[float]] = {phase: [] for phase in phases}
         in_flight: list[int] = []
         for pair in range(args.pairs):
-            for phase in ("none", "loads"):
-                if phase == "loads" and timed:
+            for phase in phases:
+                if phase != "none" and timed:
+                    host_tier.SLOT_COPY_CHUNK_BYTES = chunks[phase]
                     storm.on.set()
                     while storm.cache.in_flight < min(args.loads, 1):
                         time.sleep(0.0005)
                 for _ in range(args.chunk):
-                    if phase == "loads" and timed:
+                    if phase != "none" and timed:
                         in_flight.append(storm.cache.in_flight)
                     t0 = time.perf_counter()
                     engine.step()
                     times[phase].append(time.perf_counter() - t0)
                 storm.quiesce()
+        host_tier.SLOT_COPY_CHUNK_BYTES = chunks["loads"]
         while engine.has_work():
             engine.step()
         if timed:
@@ -302,6 +314,10 @@ def decode_under_loads(args, engine: LLMEngine, storm: Storm, vocab: int) -> dic
                 result[phase] = {"p50_ms": 1e3 * percentile(ts, 0.5), "p99_ms": 1e3 * percentile(ts, 0.99),
                                  "mean_ms": 1e3 * statistics.mean(ts), "steps": len(ts)}
             result["loads_in_flight_mean"] = statistics.mean(in_flight) if in_flight else 0.0
+            result["slot_copy_chunk_bytes"] = chunks
+            for phase in phases[1:]:
+                result[phase]["p99_ratio"] = result[phase]["p99_ms"] / result["none"]["p99_ms"]
+                result[phase]["p50_ratio"] = result[phase]["p50_ms"] / result["none"]["p50_ms"]
             result["loads_started"] = storm.started
     return result
 
@@ -314,7 +330,7 @@ def main(argv=None) -> int:
     cfg = named_shape(args.shape)
     slots = BATCH_ADAPTERS + args.loads + 5 + 1  # batch adapters, storm slots, the measured adapter
     storm_names = [f"s{i}" for i in range(slots)]  # more than the slots: the next one is always cold
-    steps = 2 * args.pairs * args.chunk
+    steps = (2 + len(args.slot_copy_chunks)) * args.pairs * args.chunk
     tmp = Path(tempfile.mkdtemp(prefix="cold-load-"))
     settings = ServerSettings(
         dummy_weights=args.shape, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
@@ -418,10 +434,11 @@ def main(argv=None) -> int:
     sys.stderr.write(f"disk read {disk_bw / 1e9:.2f} GB/s: disk floor {1e3 * disk_floor_s:.2f} ms; from disk "
                      f"(dropped) {loads['disk_page_cache_dropped']['vs_disk_floor']:.2f}x that\n")
     sys.stderr.write(f"{'decode step':36s} {'p50 ms':>10s} {'p99 ms':>8s}\n")
-    for phase in ("none", "loads"):
+    for phase in ["none", *decode["slot_copy_chunk_bytes"]]:
         d = decode[phase]
-        sys.stderr.write(f"{'  ' + phase + (' in flight' if phase == 'loads' else ''):36s} "
-                         f"{d['p50_ms']:10.2f} {d['p99_ms']:8.2f}\n")
+        chunk = decode["slot_copy_chunk_bytes"].get(phase, 0)
+        label = "none" if phase == "none" else f"{phase} ({f'{chunk >> 20} MB chunks' if chunk else 'one copy'})"
+        sys.stderr.write(f"{'  ' + label:36s} {d['p50_ms']:10.2f} {d['p99_ms']:8.2f}\n")
     sys.stderr.write(f"loads in flight (mean while on): {decode['loads_in_flight_mean']:.2f}; "
                      f"p99 ratio {decode['p99_ratio']:.3f}\n")
     for name, c in checks.items():

@@ -41,6 +41,12 @@ log = logging.getLogger(__name__)
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
+# A load's copy into its slot goes as transfers of this many bytes (read at each copy; 0: one
+# transfer). A decode step's own host-to-device copies (its inputs) may queue behind a
+# transfer of another stream on the copy engine: behind a chunk, not a whole adapter.
+SLOT_COPY_CHUNK_BYTES = 4 << 20
+
+
 class HostCopy:
     """One adapter in the slot layout, in host memory (pinned when `pin`).
 
@@ -87,11 +93,15 @@ class HostCopy:
         self.rank[0] = spec.max_rank
 
     def copy_to(self, buffers: LoRABuffers, slot: int) -> None:
-        """Enqueue the copy into `slot` on the current stream: three transfers (non-blocking
-        from pinned memory) straight into the slot's rows of the device buffers, which have
-        this copy's layout. (Copying view by view paid a fixed cost per view: 448 of them for
-        Llama-3-8B, 2.4x the bytes/bandwidth floor on an H200.)"""
-        buffers.flat[slot].copy_(self.flat, non_blocking=True)
+        """Enqueue the copy into `slot` on the current stream: transfers (non-blocking from
+        pinned memory) straight into the slot's rows of the device buffers, which have this
+        copy's layout: the weights in chunks of SLOT_COPY_CHUNK_BYTES (0: one transfer), then
+        the scales and the rank. (Copying view by view paid a fixed cost per view: 448 of them
+        for Llama-3-8B, 2.4x the bytes/bandwidth floor on an H200.)"""
+        dst = buffers.flat[slot]
+        step = SLOT_COPY_CHUNK_BYTES // self.flat.element_size() or self.flat.numel()
+        for start in range(0, self.flat.numel(), step):
+            dst[start: start + step].copy_(self.flat[start: start + step], non_blocking=True)
         buffers.scales[slot].copy_(self.scales, non_blocking=True)
         buffers.ranks[slot: slot + 1].copy_(self.rank, non_blocking=True)
 

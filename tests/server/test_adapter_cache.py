@@ -119,11 +119,16 @@ def test_slot_loaded_through_host_tier_equals_a_direct_write(disk, monkeypatch, 
     assert cache.tier_of("a") == "gpu"
 
 
-def test_a_host_copy_lands_in_its_slot_as_written_view_by_view(disk):
-    """A load is three whole-buffer copies into the slot's rows (the slot-major layout): it
-    must fill the slot exactly as writing each tensor into its view does, alignment gaps
-    and rank padding included, and touch no other slot."""
+@pytest.mark.parametrize("chunk_bytes", [0, 100, 4 << 20], ids=["whole", "100-bytes", "default"])
+def test_a_host_copy_lands_in_its_slot_as_written_view_by_view(disk, monkeypatch, chunk_bytes):
+    """A load is whole-buffer copies into the slot's rows (the slot-major layout), the weights
+    in chunks: it must fill the slot exactly as writing each tensor into its view does,
+    alignment gaps and rank padding included, and touch no other slot."""
     from safetensors.torch import load_file
+
+    from loraplex.server import host_tier
+
+    monkeypatch.setattr(host_tier, "SLOT_COPY_CHUNK_BYTES", chunk_bytes)
 
     spec = read_adapter(disk / "a", base_spec())
     buffers = LoRABuffers(CFG, 3, RANK, torch.device("cpu"), torch.float32)
