@@ -109,24 +109,25 @@ def prefill_warmup_plan(max_tokens: int, num_slots: int,
 def warm_up_prefill(model: LlamaModel, max_tokens: int) -> int:
     """Before the first request: run `prefill_warmup_plan`'s prefills, so every LoRA kernel
     configuration a prefill can launch compiles now and not in a serving step (a new one
-    stalls the step for its compile, about a second on an H200). Prompts of token 0 over
-    `adapters` slots, packed into KV rows from 0 up, which no request holds yet; the logits
-    are dropped. Returns the prefills run."""
-    if model.lora is None:
-        return 0
+    stalls the step for its compile, about a second on an H200), after one base-only prefill
+    (the base path's own kernels). Prompts of token 0 over `adapters` slots, packed into KV
+    rows from 0 up, which no request holds yet; the logits are dropped. Returns the prefills
+    run."""
     length = model.kv.max_len - 1  # positions a sequence may use
     max_tokens = min(max_tokens, model.kv.rows * length)
-    plan = prefill_warmup_plan(max_tokens, model.lora.num_slots, model.lora_launch_key)
-    for rows, adapters in plan:
+    plan = [] if model.lora is None else prefill_warmup_plan(max_tokens, model.lora.num_slots, model.lora_launch_key)
+    for rows, adapters in [(min(16, max_tokens), 0), *plan]:
         seqs = [PrefillSeq(row=i, start=start, length=min(length, rows - start), pos=0)
                 for i, start in enumerate(range(0, rows, length))]
         tokens = torch.zeros(rows, dtype=torch.int64, device=model.device)
-        used = min(adapters, model.lora.num_slots)
-        slots = (torch.arange(rows, device=model.device) * used // rows).to(torch.int32)
+        slots = torch.full((rows,), -1, dtype=torch.int32, device=model.device)
+        if adapters:
+            used = min(adapters, model.lora.num_slots)
+            slots = (torch.arange(rows, device=model.device) * used // rows).to(torch.int32)
         model.prefill(tokens, slots, seqs, adapters)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-    return len(plan)
+    return 1 + len(plan)
 
 
 def build_prefill(chunks: list[PrefillChunk],
