@@ -78,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slot-copy-chunk-mb", default="",
                    help="also time decode under loads with these chunk sizes of the slot copy (MB, 0: one "
                         "transfer), in the same alternation: e.g. 0,4 (default: the server's alone)")
+    p.add_argument("--read-sweep", action="store_true",
+                   help="also time the disk read over read threads and chunk sizes, against a memcpy")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     a = p.parse_args(argv)
     a.slot_copy_chunks = [int(mb) << 20 for mb in a.slot_copy_chunk_mb.split(",") if mb.strip()]
@@ -213,6 +215,38 @@ def disk_load_breakdown(cache, name: str, path: Path, repeats: int) -> dict:
     out: dict = {stage: stats(ts) for stage, ts in times.items()}
     out["sum_of_medians_ms"] = sum(v["median_ms"] for v in out.values())
     return out | {"read_threads": loader.read_threads, "chunk_bytes": READ_CHUNK_BYTES, "flat_pinned": pinned}
+
+
+def read_sweep(cache, path: Path, repeats: int) -> dict:
+    """What reading the adapter file out of a warm page cache can cost: read_tensors into one
+    pinned HostCopy with 1 to 16 read threads and 1, 4 and 16 MB chunks, against a plain copy
+    of the same bytes from one host buffer into another (torch's threads), the memory floor
+    of any read."""
+    loader = cache.loader
+    spec = read_adapter(path, loader.base)
+    copy = HostCopy(cache.buffers, loader.pin_memory, loader.cuda_lock)
+    targets: list = []
+    copy.fill(spec, lambda key, dst: targets.append((key, dst)))
+    read_tensors(path / WEIGHTS_FILE, targets)  # page cache warm
+    rows = []
+    for threads in (1, 2, 4, 8, 16):
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            for chunk_mb in (1, 4, 16):
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    read_tensors(path / WEIGHTS_FILE, targets, pool, chunk_mb << 20)
+                    times.append(time.perf_counter() - t0)
+                rows.append({"threads": threads, "chunk_mb": chunk_mb, **stats(times),
+                             "GBps": spec.nbytes / statistics.median(times) / 1e9})
+    src = torch.empty_like(copy.flat).copy_(copy.flat)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        copy.flat.copy_(src)
+        times.append(time.perf_counter() - t0)
+    memcpy = {**stats(times), "GBps": copy.nbytes / statistics.median(times) / 1e9, "torch_threads": torch.get_num_threads()}
+    return {"reads": rows, "memcpy": memcpy, "bytes": spec.nbytes}
 
 
 def stats(times: list[float]) -> dict:
@@ -364,6 +398,12 @@ def main(argv=None) -> int:
 
     disk_warm = time_loads(engine, "cold", args.repeats, off_host)
     disk_breakdown = disk_load_breakdown(cache, "cold", tmp / "cold", args.repeats)
+    if args.read_sweep:
+        disk_breakdown["read_sweep"] = sweep = read_sweep(cache, tmp / "cold", args.repeats)
+        for r in sweep["reads"]:
+            log.info("read sweep: %2d threads, %2d MB chunks: %.2f ms (%.1f GB/s)", r["threads"], r["chunk_mb"],
+                     r["median_ms"], r["GBps"])
+        log.info("memcpy of the same bytes: %.2f ms (%.1f GB/s)", sweep["memcpy"]["median_ms"], sweep["memcpy"]["GBps"])
     dropped = []
 
     def off_host_and_page_cache() -> None:
