@@ -6,7 +6,7 @@ against the memory-bandwidth floor.
 
 On the same requests (`--batch` prompts of `--prompt-len` random tokens, greedy, EOS
 ignored), for 0 (base only), 1, 8, 32 and 64 distinct rank-16 adapters on all seven
-projections assigned round-robin to the rows:
+projections (`--targets`: a subset) assigned round-robin to the rows:
 
 - loraplex: decode tokens/s over `--decode-steps` steady-state steps (CUDA graphs on; every
   graph is captured in an untimed first pass over the same workload);
@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "step's adapters (the before/after of that change, in one run)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up that compiles every kernel (for comparison)")
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                   help="projections each adapter targets (default all seven; PEFT's default for Llama is "
+                        "q_proj,v_proj)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     a = p.parse_args(argv)
     if a.quick:
@@ -192,7 +195,7 @@ def hf_decode_rate(args, cfg, device, dtype, prompts, counts, on_result=None) ->
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
     model.eval()
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    targets = args.targets.split(",")
     n_max = max(counts)
     peft_model = None
     if n_max:
@@ -255,7 +258,8 @@ def main(argv=None) -> int:
     bw = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 256 << 20)
     log.info("device %s, %s, copy bandwidth %.0f GB/s", device, dtype, bw / 1e9)
     for i in range(n_max):
-        spec, tensors = random_adapter(cfg, args.rank, seed=100 + i, device=device, dtype=dtype)
+        spec, tensors = random_adapter(cfg, args.rank, targets=tuple(args.targets.split(",")), seed=100 + i,
+                                       device=device, dtype=dtype)
         engine.adapters.install(AdapterId(f"a{i}", f"random-{i}", "memory"), spec, tensors)
     prompts = make_requests(args, cfg.vocab_size)
 
@@ -328,7 +332,7 @@ def main(argv=None) -> int:
             "versions": {"torch": torch.__version__, **_versions()},
             "config": {"shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
                        "prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "rank": args.rank,
-                       "targets": "q,k,v,o,gate,up,down", "cuda_graphs": not args.no_cuda_graphs,
+                       "targets": args.targets, "cuda_graphs": not args.no_cuda_graphs,
                        "kv_block": args.kv_block, "hf_steps": args.hf_steps, "quick": args.quick,
                        "pdl": os.environ.get("LORAPLEX_PDL", "1") != "0", "fused_ops": fused_ops},
             "warmup": warmup,

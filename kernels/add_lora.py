@@ -81,7 +81,9 @@ def add_lora(
 
     with A_i = lora_a[:, i*R:(i+1)*R] and B_i = lora_b[:, off_i:off_i+o_i] (one slice, the
     whole of y, when ``output_slices`` is None). Rank rows and columns of slot s at or past
-    ``ranks[s]`` do not change the result. No host synchronisation on the Triton path.
+    ``ranks[s]`` do not change the result; a slot of rank 0 adds nothing and costs its rows
+    nothing (``ranks`` may be a strided view, e.g. one column of a per-group table). No host
+    synchronisation on the Triton path.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -16,11 +16,12 @@ def load_block_rows(block_rows_ptr, pid_block, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def slot_rank(ranks_ptr, slot, RANK, HAS_RANKS: tl.constexpr):
-    """The slot's rank, capped by the buffers' RANK (RANK itself without a ranks tensor)."""
+def slot_rank(ranks_ptr, slot, stride_rank, RANK, HAS_RANKS: tl.constexpr):
+    """The slot's rank, capped by the buffers' RANK (RANK itself without a ranks tensor). 0:
+    the slot's adapter has no weights here (it does not target this layer group)."""
     rank = RANK
     if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slot), RANK)
+        rank = tl.minimum(tl.load(ranks_ptr + slot * stride_rank), RANK)
     return rank
 
 

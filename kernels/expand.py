@@ -35,7 +35,7 @@ def _expand_kernel(
     partial_ptr,  # float32 [k_splits, T, n*RANK]
     b_ptr,  # [S, N0+N1+N2, RANK]
     scaling_ptr,  # float32 [S, n] (stride 0 along n when one scale per slot)
-    ranks_ptr,  # int32 [S] (read only when HAS_RANKS)
+    ranks_ptr,  # int32 [S] (read only when HAS_RANKS; element stride stride_rank)
     block_slot_ptr,  # int32 [B]
     block_rows_ptr,  # int32 [B, BLOCK_M]
     # sizes
@@ -52,6 +52,7 @@ def _expand_kernel(
     stride_bn,
     stride_scale_s,
     stride_scale_n,
+    stride_rank,
     # meta-parameters
     HAS_RANKS: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent of the shrink
@@ -67,7 +68,7 @@ def _expand_kernel(
     """Semantics, as the plain loop it computes::
 
         for block b, span j:                       # grid (spans, blocks)
-            s = block_slot[b]; skip if s == -1
+            s = block_slot[b]; skip if s == -1 or ranks[s] == 0
             i, cols = slice and columns of span j
             rows = block_rows[b] without its -1 padding
             v = partial[:, rows, i*RANK : i*RANK + ranks[s]].sum(0) * scaling[s, i]
@@ -93,7 +94,9 @@ def _expand_kernel(
     col_lo = (pid_span - tl.where(in2, spans01, tl.where(in1, spans0, 0))) * SPAN
     col_hi = tl.minimum(col_lo + SPAN, width)
 
-    rank = slot_rank(ranks_ptr, slot, RANK, HAS_RANKS)
+    rank = slot_rank(ranks_ptr, slot, stride_rank, RANK, HAS_RANKS)
+    if rank <= 0:
+        return  # no weights in this group: y stays as it is, bit for bit
     offs_r = tl.arange(0, BLOCK_R)
     # Loads are masked to whole 32-byte sectors of the slot's rank (so they vectorise and
     # bytes a sector past the rank are never read); columns past the rank are zeroed in
@@ -204,6 +207,7 @@ def sgmv_expand(
         lora_b.stride(1),
         scaling.stride(0),
         stride_scale_n,
+        ranks.stride(0) if ranks is not None else 0,
         HAS_RANKS=ranks is not None,
         USE_PDL=pdl,
         ADD_IN_MEMORY=add_in_memory,

@@ -27,7 +27,7 @@ def _shrink_kernel(
     partial_ptr,  # float32 [k_splits, T, n*RANK]: out
     x_ptr,  # [T, K]
     a_ptr,  # [S, n*RANK, K]
-    ranks_ptr,  # int32 [S] (read only when HAS_RANKS)
+    ranks_ptr,  # int32 [S] (read only when HAS_RANKS; element stride stride_rank)
     block_slot_ptr,  # int32 [B]
     block_rows_ptr,  # int32 [B, BLOCK_M]
     # sizes
@@ -41,6 +41,7 @@ def _shrink_kernel(
     stride_xt,
     stride_as,
     stride_ar,
+    stride_rank,
     # meta-parameters
     HAS_RANKS: tl.constexpr,
     WAIT_BEFORE: tl.constexpr,  # launched as a programmatic dependent of the kernel before
@@ -54,7 +55,7 @@ def _shrink_kernel(
     """Semantics, as the plain loop it computes::
 
         for block b, split c:                       # grid (k_splits, blocks)
-            s = block_slot[b]; skip if s == -1
+            s = block_slot[b]; skip if s == -1 or ranks[s] == 0
             rows = block_rows[b] without its -1 padding
             ks = c*K_CHUNK : (c+1)*K_CHUNK
             j = rank rows of every slice with (j % RANK) < ranks[s]
@@ -70,7 +71,9 @@ def _shrink_kernel(
     slot = slot.to(tl.int64)
 
     # Rank rows inside the slot's rank; rows past it are never read.
-    rank = slot_rank(ranks_ptr, slot, RANK, HAS_RANKS)
+    rank = slot_rank(ranks_ptr, slot, stride_rank, RANK, HAS_RANKS)
+    if rank <= 0:
+        return  # no weights in this group (an adapter that targets q and v only, at gate/up)
     offs_j = tl.arange(0, BLOCK_NR)
     j_mask = (offs_j < NR) & ((offs_j % RANK) < rank)
     if TRIGGER == 1:
@@ -151,6 +154,7 @@ def sgmv_shrink(
         x.stride(0),
         lora_a.stride(0),
         lora_a.stride(1),
+        ranks.stride(0) if ranks is not None else 0,
         HAS_RANKS=ranks is not None,
         WAIT_BEFORE=wait_before,
         TRIGGER=trigger,

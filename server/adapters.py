@@ -6,7 +6,10 @@ Buffers, per layer and per fused group (S slots, R = max LoRA rank)::
     o       a [S, R, q]        b [S, hidden, R]  scaling [S, 1]
     gate_up a [S, 2R, hidden]  b [S, 2*inter, R] scaling [S, 2]   (slices gate, up)
     down    a [S, R, inter]    b [S, hidden, R]  scaling [S, 1]
-    ranks   int32 [S]: the adapter's largest module rank (the kernel skips columns past it)
+    ranks   int32 [S, 4]: per group, the adapter's largest rank among the group's projections
+            (the kernels skip columns past it), 0 where it targets none of them: its rows cost
+            that group's kernels nothing (PEFT's default for Llama targets q_proj and v_proj
+            only, so o, gate/up and down are skipped for such an adapter)
 
 An adapter of rank r < R, or one that skips a projection, is written zero-padded: padded
 rows/columns and untargeted projections (scaling 0, zero weights) add nothing.
@@ -15,7 +18,7 @@ Memory is slot-major: all of one slot's A and B (every layer and group, in the o
 above, each view 128-byte aligned) are one contiguous run of `flat` [S, slot_elems], and its
 scalings one row of `scales` [S, n_scales]; the per-group tensors are strided views of
 them (stride(0) = slot_elems). A HostCopy (host_tier.py) has the same layout, so loading
-an adapter into a slot is three DMAs (flat, scales, rank), with no scatter.
+an adapter into a slot is a few DMAs (flat, scales, ranks), with no scatter.
 
 Which adapter sits in which slot, and when it is loaded or evicted, is the adapter cache's
 business (adapter_cache.py); this module only owns the buffers' layout and how one
@@ -36,6 +39,17 @@ from .config import ModelConfig
 # group -> the projections it fuses, in slice order
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
+
+def group_ranks(spec: AdapterSpec) -> list[int]:
+    """Per group (GROUPS order), the largest rank among the group's projections that `spec`
+    targets in any layer; 0 for a group it does not target."""
+    ranks = dict.fromkeys(GROUPS, 0)
+    group_of = {proj: name for name, projs in GROUPS.items() for proj in projs}
+    for m in spec.modules:
+        g = group_of[m.proj]
+        ranks[g] = max(ranks[g], m.rank)
+    return list(ranks.values())
 
 
 # View offsets inside a slot are multiples of this many elements (128 bytes in bf16), so
@@ -127,7 +141,9 @@ class LoRABuffers:
         self.flat = torch.zeros(num_slots, self.layout.slot_elems, device=device, dtype=dtype)
         self.scales = torch.zeros(num_slots, self.layout.n_scales, device=device, dtype=torch.float32)
         self.layers: list[dict[str, LoRAGroup]] = self.layout.views(self.flat, self.scales)
-        self.ranks = torch.zeros(num_slots, device=device, dtype=torch.int32)
+        self.ranks = torch.zeros(num_slots, len(GROUPS), device=device, dtype=torch.int32)
+        # group -> int32 [S] (a column of `ranks`): what the model hands add_lora for that group
+        self.group_ranks = {name: self.ranks[:, i] for i, name in enumerate(GROUPS)}
 
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
@@ -154,7 +170,7 @@ class LoRABuffers:
                         g.b[slot, off: off + width, : m.rank].copy_(b, non_blocking=True)
                         g.scaling[slot, i] = m.scaling
                     off += width
-        self.ranks[slot] = spec.max_rank
+        self.ranks[slot] = torch.tensor(group_ranks(spec), dtype=torch.int32)
 
     def clear(self, slot: int) -> None:
         self.scales[slot].zero_()

@@ -1,13 +1,13 @@
 """The host tier of the adapter cache: adapters in (pinned) host memory, laid out as a slot.
 
 A `HostCopy` holds one adapter's tensors already in a slot's layout (adapters.SlotLayout),
-zero-padded to the max rank, in one flat buffer, so loading it into a GPU slot is three
+zero-padded to the max rank, in one flat buffer, so loading it into a GPU slot is a few
 `copy_(non_blocking=True)` on a side stream, straight into the slot's rows of the device
-buffers (flat, scales, rank)::
+buffers (flat in chunks, scales, rank)::
 
     flat    [slot_elems]   layers[l]["qkv"]: a [3R, hidden], b [q+2kv, R]; ["o"]: ...
     scales  float32 [n_scales]
-    rank    int32 [1]
+    rank    int32 [4]      per group: the largest rank among its projections, 0 if untargeted
 
 On CUDA the flat buffer is page-locked (pinned), so the copy is a DMA that overlaps the
 decode kernels; on the CPU it is plain memory and the same copies run synchronously.
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .adapter_format import WEIGHTS_FILE, AdapterError, AdapterSpec
-from .adapters import GROUPS, LoRABuffers, LoRAGroup
+from .adapters import GROUPS, LoRABuffers, LoRAGroup, group_ranks
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class HostCopy:
         with lock or contextlib.nullcontext():  # pinned allocations are CUDA calls
             self.flat = torch.empty(self.layout.slot_elems, dtype=buffers.dtype, pin_memory=pin)
             self.scales = torch.empty(self.layout.n_scales, dtype=torch.float32, pin_memory=pin)
-            self.rank = torch.empty(1, dtype=torch.int32, pin_memory=pin)
+            self.rank = torch.empty(len(GROUPS), dtype=torch.int32, pin_memory=pin)  # per group
         self.nbytes = self.flat.numel() * self.flat.element_size()
         self.layers: list[dict[str, LoRAGroup]] = self.layout.views(self.flat, self.scales)
 
@@ -90,7 +90,7 @@ class HostCopy:
         for start, end in self.layout.gaps:
             self.flat[start:end].zero_()
         self.scales.copy_(torch.tensor(scales, dtype=torch.float32))
-        self.rank[0] = spec.max_rank
+        self.rank.copy_(torch.tensor(group_ranks(spec), dtype=torch.int32))
 
     def copy_to(self, buffers: LoRABuffers, slot: int) -> None:
         """Enqueue the copy into `slot` on the current stream: transfers (non-blocking from
@@ -103,7 +103,7 @@ class HostCopy:
         for start in range(0, self.flat.numel(), step):
             dst[start: start + step].copy_(self.flat[start: start + step], non_blocking=True)
         buffers.scales[slot].copy_(self.scales, non_blocking=True)
-        buffers.ranks[slot: slot + 1].copy_(self.rank, non_blocking=True)
+        buffers.ranks[slot].copy_(self.rank, non_blocking=True)
 
 
 # Bytes one `preadv` call reads at most: an 84 MB adapter is 21 calls, a few per read thread.

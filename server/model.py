@@ -121,7 +121,7 @@ class LlamaModel:
         if batch is None:
             return y
         g = self.lora.layers[layer][group]
-        return add_lora(y, x, g.a, g.b, g.scaling, batch, ranks=self.lora.ranks, backend=self.backend,
+        return add_lora(y, x, g.a, g.b, g.scaling, batch, ranks=self.lora.group_ranks[group], backend=self.backend,
                         output_slices=g.slices if len(g.slices) > 1 else None)
 
     def _mlp(self, x: torch.Tensor, i: int, batch: LoRABatch | None) -> torch.Tensor:

@@ -62,7 +62,8 @@ def make_weights(num_slots, rank, in_features, slices, ranks, dtype, gen, used):
     return lora_a.to(dtype), lora_b.to(dtype), scaling
 
 
-def check(case_seed, num_tokens, num_slots, rank, shape, pattern, dtype, backend, mixed_ranks=True, strided=False):
+def check(case_seed, num_tokens, num_slots, rank, shape, pattern, dtype, backend, mixed_ranks=True, strided=False,
+          zero_ranks=False):
     gen = torch.Generator().manual_seed(case_seed)
     in_features, slices = SHAPES[shape]
     token_slots = slot_pattern(pattern, num_tokens, num_slots, gen)
@@ -72,6 +73,8 @@ def check(case_seed, num_tokens, num_slots, rank, shape, pattern, dtype, backend
         ranks[0] = rank
     else:
         ranks = torch.full((num_slots,), rank, dtype=torch.int32)
+    if zero_ranks:  # every other slot has no weights here (all NaN), as for an untargeted group
+        ranks[1::2] = 0
     lora_a, lora_b, scaling = make_weights(num_slots, rank, in_features, slices, ranks, dtype, gen, used)
 
     out_features = sum(slices)
@@ -89,10 +92,16 @@ def check(case_seed, num_tokens, num_slots, rank, shape, pattern, dtype, backend
     before = y.clone()
     # The grid sized for the adapters in use, as an engine sizes it (other tests: every slot).
     batch = LoRABatch.build(token_slots, num_slots, max_adapters=max(1, len(used)))
+    if strided:  # ranks as a column of a [S, 4] table, as the engine keeps one rank per layer group
+        table = torch.full((num_slots, 4), -9, dtype=torch.int32)
+        table[:, 2] = ranks
+        ranks = table[:, 2]
     out = add_lora(y, x, lora_a, lora_b, scaling, batch, ranks=ranks, backend=backend, output_slices=slices)
     assert out is y
 
     base_rows = token_slots < 0
+    if zero_ranks:
+        base_rows |= (ranks[token_slots.clamp(min=0).long()] == 0) & (token_slots >= 0)
     assert torch.equal(y[base_rows], before[base_rows]), "a base-only row changed"
     delta = y.double() - before.double()
     expected_delta = expected - before.double()
@@ -125,6 +134,16 @@ def test_matches_reference(backend, dtype, num_tokens, num_slots, rank, shape, p
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_strided_rows(backend):
     check(7, 24, 4, 16, "llama3-qkv", "random-mixed", torch.float32, backend, strided=True)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("num_tokens,pattern", [(8, "every-row-own"), (600, "prefill-segments"), (40, "random-mixed")])
+def test_slots_of_rank_zero_leave_their_rows_alone(backend, num_tokens, pattern):
+    """A slot of rank 0 (an adapter with no weights in this layer group, all NaN here) costs
+    its rows nothing and never reads its weights; the others are added as usual."""
+    check(num_tokens + 3, num_tokens, 6, 16, "llama3-qkv", pattern, torch.float16, backend, zero_ranks=True)
+    check(num_tokens + 5, num_tokens, 6, 8, "llama3-down", pattern, torch.float32, backend, zero_ranks=True,
+          strided=True)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

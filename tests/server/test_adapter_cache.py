@@ -115,7 +115,8 @@ def test_slot_loaded_through_host_tier_equals_a_direct_write(disk, monkeypatch, 
             assert torch.equal(got[name].a[slot], want[name].a[1]), name
             assert torch.equal(got[name].b[slot], want[name].b[1]), name
             assert torch.equal(got[name].scaling[slot], want[name].scaling[1]), name
-    assert cache.buffers.ranks[slot] == 4
+    # Per group: q/k/v, o and down targeted at rank 4, gate/up not at all (its kernels skip the slot).
+    assert cache.buffers.ranks[slot].tolist() == direct.ranks[1].tolist() == [4, 4, 0, 4]
     assert cache.tier_of("a") == "gpu"
 
 
@@ -144,7 +145,7 @@ def test_a_host_copy_lands_in_its_slot_as_written_view_by_view(disk, monkeypatch
         for name, g in layer.items():
             assert torch.equal(g.a[2], g.a[0]) and torch.equal(g.b[2], g.b[0]), name
     assert sum(float(g.a[0].abs().sum()) for layer in buffers.layers for g in layer.values()) > 0
-    assert buffers.ranks[2] == buffers.ranks[0] == spec.max_rank
+    assert torch.equal(buffers.ranks[2], buffers.ranks[0]) and buffers.ranks[0].max() == spec.max_rank
 
 
 def test_slot_views_are_aligned_and_disjoint():
