@@ -41,6 +41,11 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
+def group_mask(ranks: list[int]) -> int:
+    """Bit i set where group i (GROUPS order) has a rank: the groups an adapter targets."""
+    return sum(1 << i for i, r in enumerate(ranks) if r > 0)
+
+
 def group_ranks(spec: AdapterSpec) -> list[int]:
     """Per group (GROUPS order), the largest rank among the group's projections that `spec`
     targets in any layer; 0 for a group it does not target."""
@@ -144,6 +149,9 @@ class LoRABuffers:
         self.ranks = torch.zeros(num_slots, len(GROUPS), device=device, dtype=torch.int32)
         # group -> int32 [S] (a column of `ranks`): what the model hands add_lora for that group
         self.group_ranks = {name: self.ranks[:, i] for i, name in enumerate(GROUPS)}
+        # The same on the host, per slot as a bit mask (group_mask): the step reads which groups
+        # its rows' adapters target without a device sync, and skips the others' launches.
+        self.group_masks = [0] * num_slots
 
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
@@ -170,11 +178,22 @@ class LoRABuffers:
                         g.b[slot, off: off + width, : m.rank].copy_(b, non_blocking=True)
                         g.scaling[slot, i] = m.scaling
                     off += width
-        self.ranks[slot] = torch.tensor(group_ranks(spec), dtype=torch.int32)
+        ranks = group_ranks(spec)
+        self.ranks[slot] = torch.tensor(ranks, dtype=torch.int32)
+        self.group_masks[slot] = group_mask(ranks)
+
+    def groups_of(self, slots) -> int:
+        """The groups (a group_mask) that any of `slots` (-1: none) targets."""
+        mask = 0
+        for s in slots:
+            if s >= 0:
+                mask |= self.group_masks[s]
+        return mask
 
     def clear(self, slot: int) -> None:
         self.scales[slot].zero_()
         self.ranks[slot] = 0
+        self.group_masks[slot] = 0
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,10 @@ Running example, max_rows 8, two requests in KV rows 0 and 2, span 3 -> bucket 4
     token_slots [   3,  -1,  -1,  -1]     row 0 uses the adapter in slot 3, row 2 the base
     kv_len      256                       keys read: kv_bucket(max position = 40), kv_block 256
 
-`DecodeRunner.run` replays a CUDA graph per (bucket, kv_len, adapter bucket) on CUDA devices,
-captured the first time that key is seen, and calls `model.decode` eagerly elsewhere. With
+`DecodeRunner.run` replays a CUDA graph per (bucket, kv_len, adapter bucket, layer groups) on
+CUDA devices, captured the first time that key is seen, and calls `model.decode` eagerly
+elsewhere. The layer groups are those the running adapters target (adapters.group_mask): a
+batch of adapters that target q and v only runs no o, gate/up or down LoRA kernels at all. With
 graphs, kv_len is kv_block times a power of two (`kv_bucket`), so few keys are ever seen. The
 adapter bucket bounds the distinct adapters of the running rows (0, 1, 2, 4, 8, ...): the
 LoRA kernels' grid is sized for that many adapters rather than for every slot, which spreads
@@ -202,11 +204,14 @@ class DecodeRunner:
         max_adapters = adapter_bucket(len(adapters))
         if max_adapters and not self.bound_adapters:
             max_adapters = None
-        args = (self._dev["tokens"][:b], self._dev["positions"][:b], self._dev["token_slots"][:b], kv_len, max_adapters)
+        # The layer groups the running adapters target: a group none of them does is not launched.
+        groups = self.model.lora.groups_of(adapters) if self.model.lora is not None else 0
+        args = (self._dev["tokens"][:b], self._dev["positions"][:b], self._dev["token_slots"][:b], kv_len,
+                max_adapters, groups)
         self.last_args = args
         if not self.use_graphs:
             return self.model.decode(*args)[:span]
-        key = (b, kv_len, -1 if max_adapters is None else max_adapters)
+        key = (b, kv_len, -1 if max_adapters is None else max_adapters, groups)
         if key not in self._graphs:
             self._graphs[key] = self._capture(args)
         graph, out = self._graphs[key]

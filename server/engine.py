@@ -239,14 +239,15 @@ class LLMEngine:
             tokens, slots, seqs = build_prefill(chunks, self.device)
             reqs = [c.req for c in chunks]
             max_adapters = adapter_bucket(len({r.slot for r in reqs if r.slot >= 0}))
+            groups = self.lora.groups_of(r.slot for r in reqs)
             # echo with logprobs: those prompts' own logprobs come out of the prefill too (such a
             # prompt is never chunked: the scheduler prefills it whole).
             wanted = {i: r.params.prompt_logprobs for i, r in enumerate(reqs)
                       if r.params.prompt_logprobs is not None}
             if wanted:
-                logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, max_adapters, wanted)
+                logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, max_adapters, wanted, groups)
             else:
-                logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, max_adapters), {}
+                logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, max_adapters, lora_groups=groups), {}
             last = [i for i, c in enumerate(chunks) if c.last]  # only these sample a first token
             for c in chunks:
                 c.req.num_computed = c.pos + c.length

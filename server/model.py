@@ -7,12 +7,14 @@ Two entry points, as in gpt-fast, so decode can be captured as a CUDA graph:
   each sequence's last token (and, for whole prompts that ask, the logprob of every prompt
   token: /v1/completions echo).
 - `decode(...)`: one token per KV row for rows 0..B-1 (a row's batch index is its KV row);
-  static shapes for a given (B, kv_len, max_adapters), no host synchronisation.
+  static shapes for a given (B, kv_len, max_adapters, lora_groups), no host synchronisation.
 
-Both take `token_slots` (int32 [T], -1 = base only) and `max_adapters`, a bound the caller
-knows on the distinct adapters among them (0: base only, no LoRA work at all); the LoRABatch
-is built from them once per call and shared by every layer. q/k/v and gate/up are one fused
-base GEMM and one fused `add_lora` call each (output_slices), o and down one each.
+Both take `token_slots` (int32 [T], -1 = base only), `max_adapters`, a bound the caller
+knows on the distinct adapters among them (0: base only, no LoRA work at all), and
+`lora_groups`, the layer groups those adapters target (adapters.group_mask; None: all); the
+LoRABatch is built from them once per call and shared by every layer (StepLoRA). q/k/v and
+gate/up are one fused base GEMM and one fused `add_lora` call each (output_slices), o and
+down one each; a group no adapter of the step targets has no `add_lora` call at all.
 
 With `fused_ops` (the default on CUDA) the small ops between those GEMMs run as the Triton
 kernels of server/ops: in decode RoPE + KV write, attention, residual add + RMSNorm and
@@ -30,10 +32,22 @@ import torch.nn.functional as F
 
 from loraplex.kernels import LoRABatch, add_lora
 
+from .adapters import GROUPS
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .sampling import TokenLogprobs
 from .weights import BaseWeights
+
+
+@dataclass(frozen=True)
+class StepLoRA:
+    """A step's LoRA work, shared by every layer: the batch metadata built once, and the layer
+    groups (adapters.GROUPS) that any of the step's adapters targets; the others' add_lora is
+    not launched (an adapter that targets q and v only needs the q/k/v group alone)."""
+
+    batch: LoRABatch
+    groups: frozenset[str]
+
 
 # Positions whose logits a prompt-logprobs pass holds at once: 512 rows of a 128k vocabulary
 # are 256 MB in float32, where a 4k-token prompt's all at once would be 2 GB.
@@ -115,18 +129,18 @@ class LlamaModel:
         return cos, sin
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                layer: int, group: str, batch: LoRABatch | None) -> torch.Tensor:
+                layer: int, group: str, lora: StepLoRA | None) -> torch.Tensor:
         """y = x @ W.T (+ bias) for all rows (one base GEMM), then each row's adapter term."""
         y = F.linear(x, weight, bias)
-        if batch is None:
+        if lora is None or group not in lora.groups:
             return y
         g = self.lora.layers[layer][group]
-        return add_lora(y, x, g.a, g.b, g.scaling, batch, ranks=self.lora.group_ranks[group], backend=self.backend,
+        return add_lora(y, x, g.a, g.b, g.scaling, lora.batch, ranks=self.lora.group_ranks[group], backend=self.backend,
                         output_slices=g.slices if len(g.slices) > 1 else None)
 
-    def _mlp(self, x: torch.Tensor, i: int, batch: LoRABatch | None) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, i: int, lora: StepLoRA | None) -> torch.Tensor:
         lw = self.w.layers[i]
-        gate_up = self._linear(x, lw.gate_up, None, i, "gate_up", batch)
+        gate_up = self._linear(x, lw.gate_up, None, i, "gate_up", lora)
         if self.fused_ops:
             from .ops import silu_mul
 
@@ -134,13 +148,13 @@ class LlamaModel:
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return self._linear(act, lw.down, None, i, "down", batch)
+        return self._linear(act, lw.down, None, i, "down", lora)
 
-    def _qkv(self, h: torch.Tensor, i: int, rope: tuple[torch.Tensor, torch.Tensor], batch: LoRABatch | None):
+    def _qkv(self, h: torch.Tensor, i: int, rope: tuple[torch.Tensor, torch.Tensor], lora: StepLoRA | None):
         """q [T, heads, d] (pre-scaled by 1/sqrt(d)), k and v [T, kv_heads, d]; RoPE on q and k
         in one pass over the fused q|k columns."""
         cfg, lw = self.cfg, self.w.layers[i]
-        qkv = self._linear(h, lw.qkv, lw.qkv_bias, i, "qkv", batch)
+        qkv = self._linear(h, lw.qkv, lw.qkv_bias, i, "qkv", lora)
         t, nq, nkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk = qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d)
         cos, sin = rope
@@ -148,14 +162,17 @@ class LlamaModel:
         v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
         return qk[:, :nq], qk[:, nq:], v
 
-    def _lora_batch(self, token_slots: torch.Tensor, max_adapters: int | None) -> LoRABatch | None:
-        """The step's batch metadata; `max_adapters` as LoRABatch.build takes it (None: up to
-        every slot), 0 for a step of base rows only."""
+    def _step_lora(self, token_slots: torch.Tensor, max_adapters: int | None,
+                   lora_groups: int | None) -> StepLoRA | None:
+        """The step's LoRA work: batch metadata, `max_adapters` as LoRABatch.build takes it
+        (None: up to every slot; 0: base only, no LoRA work at all), and the groups to run
+        (`lora_groups`, an adapters.group_mask; None: all). None when there is nothing to do."""
         if isinstance(max_adapters, bool):
             raise TypeError("max_adapters is a count of distinct adapters (0: base only), not a flag")
-        if max_adapters == 0 or self.lora is None:
+        if max_adapters == 0 or self.lora is None or lora_groups == 0:
             return None
-        return LoRABatch.build(token_slots, self.lora.num_slots, max_adapters=max_adapters)
+        groups = frozenset(g for i, g in enumerate(GROUPS) if lora_groups is None or lora_groups >> i & 1)
+        return StepLoRA(LoRABatch.build(token_slots, self.lora.num_slots, max_adapters=max_adapters), groups)
 
     def lora_launch_key(self, num_tokens: int, max_adapters: int) -> tuple | None:
         """What the LoRA kernels compile for a step of `num_tokens` rows and at most
@@ -182,7 +199,8 @@ class LlamaModel:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, token_slots: torch.Tensor, seqs: list[PrefillSeq],
-                max_adapters: int | None = None, prompt_logprobs: dict[int, int] | None = None):
+                max_adapters: int | None = None, prompt_logprobs: dict[int, int] | None = None,
+                lora_groups: int | None = None):
         """tokens int64 [T] (prompts packed back to back), token_slots int32 [T].
         Returns float32 logits [len(seqs), vocab] of each prompt's last token.
 
@@ -197,7 +215,7 @@ class LlamaModel:
         if prompt_logprobs and any(seqs[i].pos for i in prompt_logprobs):
             raise ValueError("prompt logprobs need the whole prompt in one prefill (pos 0)")
         positions = torch.cat([torch.arange(s.pos, s.pos + s.length, device=self.device) for s in seqs])
-        batch = self._lora_batch(token_slots, max_adapters)
+        lora = self._step_lora(token_slots, max_adapters, lora_groups)
         # Later chunks read the row's keys 0..end-1. is_causal would align the triangle top-left
         # (query i sees keys 0..i), so their mask is explicit: query i (position pos + i) sees
         # key j iff j <= pos + i.  {seq start: bool [n, pos + n]}, built once for every layer.
@@ -207,7 +225,7 @@ class LlamaModel:
         rope = self._rope_tables(positions, x.dtype)
         for i, lw in enumerate(self.w.layers):
             h = self._rms_norm(x, lw.input_norm)
-            q, k, v = self._qkv(h, i, rope, batch)
+            q, k, v = self._qkv(h, i, rope, lora)
             attn = torch.empty_like(q)
             kc, vc = self.kv.k[i], self.kv.v[i]
             for s in seqs:
@@ -226,8 +244,8 @@ class LlamaModel:
                         vc[s.row, :, :end].unsqueeze(0), attn_mask=visible[s.start], scale=1.0,
                         enable_gqa=cfg.num_heads != cfg.num_kv_heads)
                 attn[sl] = out[0].transpose(0, 1)
-            x = x + self._linear(attn.reshape(x.shape[0], cfg.q_size), lw.o, None, i, "o", batch)
-            x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, batch)
+            x = x + self._linear(attn.reshape(x.shape[0], cfg.q_size), lw.o, None, i, "o", lora)
+            x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, lora)
         last = torch.tensor([s.start + s.length - 1 for s in seqs], device=self.device)
         logits = self._logits(x[last])
         if prompt_logprobs is None:
@@ -274,20 +292,20 @@ class LlamaModel:
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
-               kv_len: int, max_adapters: int | None = None) -> torch.Tensor:
+               kv_len: int, max_adapters: int | None = None, lora_groups: int | None = None) -> torch.Tensor:
         """One token for each KV row 0..B-1: tokens int64 [B], positions int64 [B] (where the
         token goes; it attends to positions 0..p of its row), token_slots int32 [B].
         kv_len (> max position) bounds the keys read. Returns float32 logits [B, vocab]."""
-        batch = self._lora_batch(token_slots, max_adapters)
+        lora = self._step_lora(token_slots, max_adapters, lora_groups)
         x = self.w.embed[tokens]
         if self.fused_ops:
-            h = self._decode_fused(x, positions, kv_len, batch)
+            h = self._decode_fused(x, positions, kv_len, lora)
         else:
-            h = self._decode_torch(x, positions, kv_len, batch)
+            h = self._decode_torch(x, positions, kv_len, lora)
         return F.linear(h, self.w.lm_head).float()
 
     def _decode_torch(self, x: torch.Tensor, positions: torch.Tensor, kv_len: int,
-                      batch: LoRABatch | None) -> torch.Tensor:
+                      lora: StepLoRA | None) -> torch.Tensor:
         """The decode layers as torch ops; returns the final-normed hidden states [B, hidden]."""
         cfg = self.cfg
         b = x.shape[0]
@@ -299,7 +317,7 @@ class LlamaModel:
         rope = self._rope_tables(positions, x.dtype)
         for i, lw in enumerate(self.w.layers):
             h = self._rms_norm(x, lw.input_norm)
-            q, k, v = self._qkv(h, i, rope, batch)
+            q, k, v = self._qkv(h, i, rope, lora)
             kc, vc = self.kv.k[i], self.kv.v[i]
             kc[rows, :, positions] = k
             vc[rows, :, positions] = v
@@ -310,12 +328,12 @@ class LlamaModel:
             # softmax accumulates in float32 inside, for bfloat16 input too
             probs = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1)
             attn = torch.matmul(probs, vc[:b, :, :kv_len])  # [B, kv_heads, groups, d]
-            x = x + self._linear(attn.reshape(b, cfg.q_size), lw.o, None, i, "o", batch)
-            x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, batch)
+            x = x + self._linear(attn.reshape(b, cfg.q_size), lw.o, None, i, "o", lora)
+            x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, lora)
         return self._rms_norm(x, self.w.norm)
 
     def _decode_fused(self, x: torch.Tensor, positions: torch.Tensor, kv_len: int,
-                      batch: LoRABatch | None) -> torch.Tensor:
+                      lora: StepLoRA | None) -> torch.Tensor:
         """The decode layers with the server/ops kernels: each residual add is fused with the
         RMSNorm after it (the next layer's input norm, or the final norm). Same result as
         `_decode_torch` up to rounding; returns the final-normed hidden states [B, hidden]."""
@@ -327,11 +345,11 @@ class LlamaModel:
         h = rms_norm(x, layers[0].input_norm, eps)
         for i, lw in enumerate(layers):
             kc, vc = self.kv.k[i], self.kv.v[i]
-            qkv = self._linear(h, lw.qkv, lw.qkv_bias, i, "qkv", batch)
+            qkv = self._linear(h, lw.qkv, lw.qkv_bias, i, "qkv", lora)
             q = rope_and_cache_write(qkv, self.cos, self.sin, kc, vc, rows, positions, self.scale)
             attn = decode_attention(q, kc, vc, positions, kv_len)  # [B, heads, d]
-            o = self._linear(attn.view(b, cfg.q_size), lw.o, None, i, "o", batch)
+            o = self._linear(attn.view(b, cfg.q_size), lw.o, None, i, "o", lora)
             x, h = add_rms_norm(x, o, lw.post_norm, eps)
-            down = self._mlp(h, i, batch)
+            down = self._mlp(h, i, lora)
             x, h = add_rms_norm(x, down, layers[i + 1].input_norm if i + 1 < len(layers) else self.w.norm, eps)
         return h

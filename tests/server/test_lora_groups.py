@@ -1,0 +1,57 @@
+"""A step runs the LoRA kernels of the layer groups its adapters target, and no others: an
+adapter that targets q and v only (PEFT's default for Llama) launches nothing for o, gate/up
+and down. Outputs stay those of HF + peft (test_parity mixes these adapters in one batch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.server import model as model_module
+from loraplex.server.adapters import GROUPS, group_mask, group_ranks
+from loraplex.server.engine import LLMEngine
+from loraplex.server.settings import ServerSettings
+
+from .test_parity import prompts_for, run_mixed_batch
+
+
+@pytest.fixture(scope="module")
+def engine(hf_llama, llama_adapters) -> LLMEngine:
+    return LLMEngine.from_settings(ServerSettings(
+        model=str(hf_llama), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=128, max_loras=4,
+        max_lora_rank=16, lora_modules=[f"{n}={p}" for n, p in llama_adapters.items()]))
+
+
+@pytest.mark.parametrize("names,want", [
+    (["base"], set()),
+    (["qv-r8"], {"qkv"}),
+    (["mlp-rslora-r4", "base"], {"gate_up", "down"}),
+    (["qv-r8", "patterns"], {"qkv", "o", "down"}),  # patterns: q, k, o, down
+    (["qv-r8", "all-r16"], set(GROUPS)),
+])
+def test_a_step_launches_the_groups_its_adapters_target(engine, monkeypatch, names, want):
+    group_of = {g.a.data_ptr(): name for layer in engine.lora.layers for name, g in layer.items()}
+    launched = []
+    real = model_module.add_lora
+
+    def spy(y, x, lora_a, *args, **kw):
+        launched.append(group_of[lora_a.data_ptr()])
+        return real(y, x, lora_a, *args, **kw)
+
+    monkeypatch.setattr(model_module, "add_lora", spy)
+    run_mixed_batch(engine, prompts_for(names))
+    assert set(launched) == want
+    # Every step (a prefill, then decode steps) runs each wanted group in every layer.
+    if want:
+        assert len(launched) % (len(want) * engine.model.cfg.num_layers) == 0
+
+
+def test_group_ranks_and_mask_of_a_spec(engine):
+    """The ranks a slot holds per group, and the host's mask of them, agree with the spec."""
+    for name in ("qv-r8", "patterns", "mlp-rslora-r4"):
+        slot = engine.adapters.slot_of(name)
+        spec = engine.adapters.table.entries[name].spec
+        ranks = group_ranks(spec)
+        assert engine.lora.ranks[slot].tolist() == ranks
+        assert engine.lora.group_masks[slot] == group_mask(ranks)
+    assert group_ranks(engine.adapters.table.entries["qv-r8"].spec) == [8, 0, 0, 0]
+    assert group_ranks(engine.adapters.table.entries["patterns"].spec) == [8, 4, 0, 8]
