@@ -73,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request (default 128)")
     p.add_argument("--loads", type=int, default=4, help="loads in flight during the storm (default 4)")
     p.add_argument("--chunk", type=int, default=25, help="decode steps per chunk (default 25)")
-    p.add_argument("--pairs", type=int, default=8, help="(no loads, loads) chunk pairs (default 8)")
+    p.add_argument("--pairs", type=int, default=8,
+                   help="rounds of (no loads, loads[, loads at each --slot-copy-chunk-mb]) chunks (default 8)")
     p.add_argument("--kv-block", type=int, default=64, help="KV length granularity of decode (default 64)")
     p.add_argument("--slot-copy-chunk-mb", default="",
                    help="also time decode under loads with these chunk sizes of the slot copy (MB, 0: one "
@@ -245,7 +246,8 @@ def read_sweep(cache, path: Path, repeats: int) -> dict:
         t0 = time.perf_counter()
         copy.flat.copy_(src)
         times.append(time.perf_counter() - t0)
-    memcpy = {**stats(times), "GBps": copy.nbytes / statistics.median(times) / 1e9, "torch_threads": torch.get_num_threads()}
+    memcpy = {**stats(times), "GBps": copy.nbytes / statistics.median(times) / 1e9,
+              "torch_threads": torch.get_num_threads()}
     return {"reads": rows, "memcpy": memcpy, "bytes": spec.nbytes}
 
 

@@ -172,7 +172,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         s = self.settings
         # A step prefills at most max_prefill_tokens, but one prompt may exceed it alone.
-        longest = s.max_prefill_tokens if s.enable_chunked_prefill else max(s.max_prefill_tokens, self.max_model_len - 1)
+        longest = s.max_prefill_tokens
+        if not s.enable_chunked_prefill:
+            longest = max(longest, self.max_model_len - 1)
         prefills = warm_up_prefill(self.model, longest)
         steps = self.decoder.warm_up()
         log.info("warm-up: %d prefills and %d eager decode steps (every kernel compiled) in %.1fs", prefills, steps,
