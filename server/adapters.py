@@ -41,6 +41,14 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
+def slot_groups(modules) -> tuple[str, ...]:
+    """The groups (GROUPS order) a slot holds for adapters of `modules`: every group with one
+    of them. A group is held whole (q/v adapters hold all of q/k/v: one fused call), the
+    others not at all."""
+    modules = set(modules)
+    return tuple(name for name, projs in GROUPS.items() if modules & set(projs))
+
+
 def group_mask(ranks: list[int]) -> int:
     """Bit i set where group i (GROUPS order) has a rank: the groups an adapter targets."""
     return sum(1 << i for i, r in enumerate(ranks) if r > 0)
@@ -83,22 +91,24 @@ class SlotLayout:
     n_scales: int
 
     @classmethod
-    def of(cls, cfg: ModelConfig, max_rank: int) -> "SlotLayout":
+    def of(cls, cfg: ModelConfig, max_rank: int, groups: tuple[str, ...] = tuple(GROUPS)) -> "SlotLayout":
+        """The layout of a slot that holds `groups` (slot_groups) of every layer."""
         shapes = cfg.module_shapes()
         align = lambda n: -(-n // ALIGN_ELEMS) * ALIGN_ELEMS  # noqa: E731
         layers, off, s_off = [], 0, 0
+        held = [(name, projs) for name, projs in GROUPS.items() if name in groups]
         for _ in range(cfg.num_layers):
-            groups = {}
-            for name, projs in GROUPS.items():
+            layer = {}
+            for name, projs in held:
                 in_f = shapes[projs[0]][0]
                 slices = tuple(shapes[p][1] for p in projs)
                 a_shape, b_shape = (len(projs) * max_rank, in_f), (sum(slices), max_rank)
                 a_off = off
                 b_off = align(a_off + a_shape[0] * a_shape[1])
                 off = align(b_off + b_shape[0] * b_shape[1])
-                groups[name] = GroupLayout(a_off, a_shape, b_off, b_shape, s_off, slices)
+                layer[name] = GroupLayout(a_off, a_shape, b_off, b_shape, s_off, slices)
                 s_off += len(projs)
-            layers.append(groups)
+            layers.append(layer)
         return cls(tuple(layers), off, s_off)
 
     @cached_property
@@ -134,15 +144,19 @@ class LoRAGroup:
 
 
 class LoRABuffers:
-    """Preallocated device buffers for `num_slots` adapters of rank <= `max_rank`."""
+    """Preallocated device buffers for `num_slots` adapters of rank <= `max_rank`, holding the
+    layer groups `groups` (default all: see slot_groups; a server that serves q/v adapters
+    only holds q/k/v alone, a quarter of the bytes of Llama-3-8B's full slot)."""
 
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype,
+                 groups: tuple[str, ...] = tuple(GROUPS)):
         self.cfg = cfg
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
-        self.layout = SlotLayout.of(cfg, max_rank)
+        self.groups = tuple(name for name in GROUPS if name in groups)
+        self.layout = SlotLayout.of(cfg, max_rank, self.groups)
         self.flat = torch.zeros(num_slots, self.layout.slot_elems, device=device, dtype=dtype)
         self.scales = torch.zeros(num_slots, self.layout.n_scales, device=device, dtype=torch.float32)
         self.layers: list[dict[str, LoRAGroup]] = self.layout.views(self.flat, self.scales)
@@ -157,9 +171,9 @@ class LoRABuffers:
         return self.flat.numel() * self.flat.element_size()
 
     @staticmethod
-    def slot_bytes(cfg: ModelConfig, max_rank: int, dtype: torch.dtype) -> int:
-        """Device bytes of one slot (A and B of all seven projections at max rank, aligned)."""
-        return SlotLayout.of(cfg, max_rank).slot_elems * torch.empty((), dtype=dtype).element_size()
+    def slot_bytes(cfg: ModelConfig, max_rank: int, dtype: torch.dtype, groups: tuple[str, ...] = tuple(GROUPS)) -> int:
+        """Device bytes of one slot (A and B of the groups' projections at max rank, aligned)."""
+        return SlotLayout.of(cfg, max_rank, groups).slot_elems * torch.empty((), dtype=dtype).element_size()
 
     def write(self, slot: int, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> None:
         """Copy an adapter's tensors (keys as in its safetensors) into `slot`, zero-padded."""
@@ -167,8 +181,8 @@ class LoRABuffers:
         self.flat[slot].zero_()
         self.scales[slot].zero_()
         for layer, groups in enumerate(self.layers):
-            for name, projs in GROUPS.items():
-                g = groups[name]
+            for name, g in groups.items():
+                projs = GROUPS[name]
                 off = 0
                 for i, (proj, width) in enumerate(zip(projs, g.slices)):
                     m = spec.module(layer, proj)

@@ -33,7 +33,7 @@ import torch
 
 from .adapter_format import AdapterError, BaseSpec
 from .adapter_cache import AdapterCache
-from .adapters import LoRABuffers
+from .adapters import LoRABuffers, slot_groups
 from .batch import DecodeRunner, adapter_bucket, build_prefill, warm_up_prefill
 from .cache_metrics import CacheMetrics
 from .config import ModelConfig, named_shape
@@ -107,9 +107,11 @@ class LLMEngine:
         self.max_model_len = min(settings.max_model_len, cfg.max_position_embeddings)
         self.kv = KVCache(cfg, settings.max_num_seqs, self.max_model_len, self.device, self.dtype)
         self.metrics = metrics or EngineMetrics()
-        slots = resolve_max_loras(settings.max_loras, LoRABuffers.slot_bytes(cfg, settings.max_lora_rank, self.dtype),
-                                  self.device)
-        self.lora = LoRABuffers(cfg, slots, settings.max_lora_rank, self.device, self.dtype)
+        # Slots hold the layer groups of the projections this server serves (slot_groups).
+        groups = slot_groups(settings.lora_target_modules)
+        slots = resolve_max_loras(settings.max_loras,
+                                  LoRABuffers.slot_bytes(cfg, settings.max_lora_rank, self.dtype, groups), self.device)
+        self.lora = LoRABuffers(cfg, slots, settings.max_lora_rank, self.device, self.dtype, groups)
         # GPU slots paged over host memory, local disk and a source (adapter_cache.py).
         self.adapters = AdapterCache.from_settings(self.lora, BaseSpec(
             num_layers=cfg.num_layers, module_shapes=cfg.module_shapes(), max_rank=settings.max_lora_rank,

@@ -74,8 +74,8 @@ class HostCopy:
         modules = {(m.layer, m.proj): m for m in spec.modules}
         scales = [0.0] * self.layout.n_scales  # written in one copy: a setitem per module costs more
         for layer, (groups, places) in enumerate(zip(self.layers, self.layout.layers)):
-            for name, projs in GROUPS.items():
-                g = groups[name]
+            for name, g in groups.items():
+                projs = GROUPS[name]
                 off = 0
                 for i, (proj, width) in enumerate(zip(projs, g.slices)):
                     m = modules.get((layer, proj))

@@ -171,7 +171,8 @@ class LlamaModel:
             raise TypeError("max_adapters is a count of distinct adapters (0: base only), not a flag")
         if max_adapters == 0 or self.lora is None or lora_groups == 0:
             return None
-        groups = frozenset(g for i, g in enumerate(GROUPS) if lora_groups is None or lora_groups >> i & 1)
+        groups = frozenset(g for i, g in enumerate(GROUPS)
+                           if g in self.lora.groups and (lora_groups is None or lora_groups >> i & 1))
         return StepLoRA(LoRABatch.build(token_slots, self.lora.num_slots, max_adapters=max_adapters), groups)
 
     def lora_launch_key(self, num_tokens: int, max_adapters: int) -> tuple | None:

@@ -1,13 +1,15 @@
 """A step runs the LoRA kernels of the layer groups its adapters target, and no others: an
 adapter that targets q and v only (PEFT's default for Llama) launches nothing for o, gate/up
-and down. Outputs stay those of HF + peft (test_parity mixes these adapters in one batch)."""
+and down. Outputs stay those of HF + peft (test_parity mixes these adapters in one batch).
+A server that serves some projections only holds only their groups in its slots."""
 
 from __future__ import annotations
 
 import pytest
 
 from loraplex.server import model as model_module
-from loraplex.server.adapters import GROUPS, group_mask, group_ranks
+from loraplex.server.adapter_format import AdapterError
+from loraplex.server.adapters import GROUPS, LoRABuffers, group_mask, group_ranks, slot_groups
 from loraplex.server.engine import LLMEngine
 from loraplex.server.settings import ServerSettings
 
@@ -55,3 +57,26 @@ def test_group_ranks_and_mask_of_a_spec(engine):
         assert engine.lora.group_masks[slot] == group_mask(ranks)
     assert group_ranks(engine.adapters.table.entries["qv-r8"].spec) == [8, 0, 0, 0]
     assert group_ranks(engine.adapters.table.entries["patterns"].spec) == [8, 4, 0, 8]
+
+
+def test_slot_groups_hold_whole_groups():
+    assert slot_groups(["q_proj", "v_proj"]) == ("qkv",)
+    assert slot_groups(["v_proj", "down_proj", "up_proj"]) == ("qkv", "gate_up", "down")
+    assert slot_groups(list(GROUPS["o"]) + ["k_proj"]) == ("qkv", "o")
+
+
+def test_a_server_of_q_and_v_adapters_holds_q_k_v_alone(hf_llama, llama_adapters, engine):
+    """--lora-target-modules q_proj v_proj: slots hold the q/k/v group only (a fraction of a
+    full slot's bytes, so more of them fit), outputs stay what a full slot gives, and an
+    adapter with other projections is refused with the reason."""
+    qv = LLMEngine.from_settings(ServerSettings(
+        model=str(hf_llama), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=128, max_loras=4,
+        max_lora_rank=16, lora_target_modules=["q_proj", "v_proj"], lora_modules=[f"qv-r8={llama_adapters['qv-r8']}"]))
+    assert qv.lora.groups == ("qkv",) and list(qv.lora.layers[0]) == ["qkv"]
+    cfg = qv.model.cfg
+    full = LoRABuffers.slot_bytes(cfg, 16, qv.dtype)
+    assert qv.lora.nbytes() // qv.lora.num_slots == LoRABuffers.slot_bytes(cfg, 16, qv.dtype, ("qkv",)) < full / 2
+    prompts = prompts_for(["base", "qv-r8"])
+    assert run_mixed_batch(qv, prompts) == run_mixed_batch(engine, prompts)
+    with pytest.raises(AdapterError, match="o_proj"):
+        qv.adapters.load("all-r16", llama_adapters["all-r16"])
