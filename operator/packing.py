@@ -1,11 +1,14 @@
 """How many adapters fit on one GPU next to the base: the packing math.
 
     adapter room = GPU memory - base weights - KV-cache reserve - overhead
-    slots        = adapter room // bytes of one adapter at maxLoraRank
+    slots        = adapter room // bytes of one slot at maxLoraRank (slot_modules)
 
 Every slot is sized for the largest rank the buffers hold (`lora_a: [slots, R, in]`,
 `lora_b: [slots, out, R]` per target module and layer), so a rank-8 adapter in a rank-64
-buffer costs as much as a rank-64 one. Running example, an 8B base in FP16:
+buffer costs as much as a rank-64 one. A slot holds the base's target modules by the
+server's fused groups (`slot_modules`): q, k and v together, gate and up together, o and
+down alone, so a base that allows q_proj and v_proj pays for k_proj too, and nothing for
+o, gate, up or down (the server is told the same modules: `--lora-target-modules`). Running example, an 8B base in FP16:
 
     gpuMemory 80G, baseWeights 16G, overhead 24G  -> 40G left
     kvCacheReserve 30G                            -> 10G adapter room
@@ -53,6 +56,19 @@ def adapter_bytes(arch: Architecture, modules: Iterable[str], rank: int, dtype_b
     return per_layer * arch.num_layers * dtype_bytes
 
 
+# The projections the server fuses into one LoRA call each, and holds in its slots as a
+# whole (server/adapters.py: GROUPS; not imported: the operator does not depend on torch).
+SLOT_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
+                                             ("down_proj",))
+
+
+def slot_modules(modules: Iterable[str]) -> tuple[str, ...]:
+    """The modules a server slot holds for adapters of `modules`: every module of a fused group
+    one of them is in. E.g. (q_proj, v_proj) -> (q_proj, k_proj, v_proj)."""
+    modules = set(modules)
+    return tuple(m for group in SLOT_GROUPS if modules & set(group) for m in group)
+
+
 def base_weight_bytes(arch: Architecture, dtype_bytes: int) -> int:
     """Bytes of the base weights: embeddings, attention, MLP, norms (and an untied LM head)."""
     hidden = arch.hidden_size
@@ -72,7 +88,7 @@ class Packing:
     """The outcome of the packing math for one base. `slots == 0` comes with a reason."""
 
     slots: int
-    slot_bytes: int | None  # bytes of one adapter at maxLoraRank; None if unknown
+    slot_bytes: int | None  # bytes of one slot at maxLoraRank; None if unknown
     room_bytes: int | None  # adapter room; None with an explicit slot count
     base_bytes: int | None
     reason: str  # CamelCase, for a condition: "Packed", "ExplicitSlots", "NoRoom", ...
@@ -84,7 +100,7 @@ def slot_bytes_at(base: BaseModelSpec, rank: int) -> int | None:
     if base.memory.adapter_bytes is not None:
         return base.memory.adapter_bytes * rank // base.max_lora_rank
     if base.architecture is not None:
-        return adapter_bytes(base.architecture, base.target_modules, rank, base.dtype_bytes)
+        return adapter_bytes(base.architecture, slot_modules(base.target_modules), rank, base.dtype_bytes)
     return None
 
 

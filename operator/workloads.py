@@ -125,6 +125,8 @@ def server_args(base: BaseModelSpec, slots: int) -> list[str]:
         "--plan-file", PLAN_FILE,
         "--max-loras", str(max(slots, 1)),
         "--max-lora-rank", str(base.max_lora_rank),
+        # The slots hold these projections' groups alone: the packing math counted no others.
+        "--lora-target-modules", *base.target_modules,
         "--dtype", base.dtype,
         "--adapter-cache-dir", ADAPTER_CACHE_DIR,
         "--node-agent-url", f"http://$(NODE_IP):{NODE_AGENT_PORT}",

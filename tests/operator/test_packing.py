@@ -106,3 +106,22 @@ def test_unused_max_rank_is_called_out():
     right_sized = build_plan(dataclasses.replace(spec, max_lora_rank=8), adapters,
                              datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc))
     assert right_sized.slots == 238 and right_sized.hint is None
+
+
+def test_slots_hold_whole_fused_groups_as_the_server_does():
+    """The packing math sizes a slot as the server lays it out: the base's modules by fused
+    group (server/adapters.py), so the slots the operator plans fit in the memory it counted."""
+    import torch
+
+    from loraplex.operator.packing import SLOT_GROUPS, slot_modules
+    from loraplex.server.adapters import GROUPS, LoRABuffers, slot_groups
+    from loraplex.server.config import named_shape
+
+    assert SLOT_GROUPS == tuple(GROUPS.values())
+    assert slot_modules(("q_proj", "v_proj")) == ("q_proj", "k_proj", "v_proj")
+    assert slot_modules(("q_proj", "k_proj", "v_proj", "o_proj")) == ("q_proj", "k_proj", "v_proj", "o_proj")
+    cfg = named_shape("llama-3-8b")  # the same shape as LLAMA_3_8B: no alignment padding
+    for modules in (("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"), ALL_TARGET_MODULES,
+                    ("down_proj", "up_proj")):
+        server = LoRABuffers.slot_bytes(cfg, 16, torch.bfloat16, slot_groups(modules))
+        assert adapter_bytes(LLAMA_3_8B, slot_modules(modules), 16, 2) == server, modules
