@@ -135,3 +135,33 @@ def test_cuda_bf16_prompt_logprobs_by_chunks(monkeypatch):
         prefix = model.prefill(ids[:p + 1], slots[:p + 1], [PrefillSeq(1, 0, p + 1)])[0]
         want = torch.log_softmax(prefix, -1)
         assert chunked[p + 1].logprob == pytest.approx(want[ids[p + 1]].item(), abs=0.1), p
+
+
+def test_slots_of_q_and_v_only_give_what_full_slots_give():
+    """--lora-target-modules q_proj v_proj: slots hold the q/k/v group alone, and under CUDA
+    graphs the greedy tokens of a batch of q/v adapters and the base are a full-slot engine's."""
+    def run(modules):
+        settings = ServerSettings(dummy_weights="tiny", device="cuda", dtype="float32", max_num_seqs=8,
+                                  max_model_len=96, max_loras=4, max_lora_rank=16, kv_block=16, seed=3,
+                                  lora_target_modules=modules)
+        engine = LLMEngine.from_settings(settings)
+        for i in range(3):
+            spec, tensors = random_adapter(engine.cfg, rank=8, targets=("q_proj", "v_proj"), seed=i, device="cuda",
+                                           dtype=engine.dtype)
+            engine.adapters.install(AdapterId(f"a{i}", str(i), "memory"), spec, tensors)
+        gen = torch.Generator().manual_seed(1)
+        reqs = []
+        for i in range(5):
+            prompt = torch.randint(3, engine.cfg.vocab_size, (6 + 5 * i,), generator=gen).tolist()
+            reqs.append(engine.make_request(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                                            None if i == 4 else f"a{i % 3}"))
+            engine.add_request(reqs[-1])
+        while engine.has_work():
+            engine.step()
+        assert engine.decoder.num_graphs > 0
+        return engine, [r.output_ids for r in reqs]
+
+    qv, got = run(["q_proj", "v_proj"])
+    full, want = run(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert qv.lora.groups == ("qkv",) and qv.lora.nbytes() < full.lora.nbytes() / 2
+    assert got == want
