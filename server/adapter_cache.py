@@ -323,8 +323,13 @@ class AdapterCache:
                 raise AdapterError(f"adapter {adapter.name!r} is already loaded")
             e = self.table.entries[adapter.name] = CachedAdapter(adapter.name, id=adapter, spec=spec)
         if keep_host_copy:
-            with self.cuda_lock:
-                e.memory = host_copy_from_tensors(spec, tensors, self.buffers, self.loader.pin_memory)
+            try:
+                with self.cuda_lock:
+                    e.memory = host_copy_from_tensors(spec, tensors, self.buffers, self.loader.pin_memory)
+            except BaseException:
+                with self._lock:
+                    self.table.entries.pop(adapter.name, None)
+                raise
             return self.prefetch(adapter.name).result()
         with self._lock:
             slot = self.table.take_slot(e)

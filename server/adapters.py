@@ -32,7 +32,7 @@ from functools import cached_property
 
 import torch
 
-from .adapter_format import AdapterSpec
+from .adapter_format import AdapterError, AdapterSpec
 from .config import ModelConfig
 
 
@@ -47,6 +47,15 @@ def slot_groups(modules) -> tuple[str, ...]:
     others not at all."""
     modules = set(modules)
     return tuple(name for name, projs in GROUPS.items() if modules & set(projs))
+
+
+def check_held(spec: AdapterSpec, groups: tuple[str, ...]) -> None:
+    """Raise AdapterError if `spec` targets a projection outside `groups` (what slots hold):
+    its weights would have nowhere to go."""
+    held = {proj for name in groups for proj in GROUPS[name]}
+    missing = sorted({m.proj for m in spec.modules} - held)
+    if missing:
+        raise AdapterError(f"targets {missing}, which these slots do not hold (--lora-target-modules)")
 
 
 def group_mask(ranks: list[int]) -> int:
@@ -177,6 +186,7 @@ class LoRABuffers:
 
     def write(self, slot: int, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> None:
         """Copy an adapter's tensors (keys as in its safetensors) into `slot`, zero-padded."""
+        check_held(spec, self.groups)
         r_max = self.max_rank
         self.flat[slot].zero_()
         self.scales[slot].zero_()

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .adapter_format import WEIGHTS_FILE, AdapterError, AdapterSpec
-from .adapters import GROUPS, LoRABuffers, LoRAGroup, group_mask, group_ranks
+from .adapters import GROUPS, LoRABuffers, LoRAGroup, check_held, group_mask, group_ranks
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class HostCopy:
 
     def __init__(self, buffers: LoRABuffers, pin: bool, lock: threading.Lock | None = None):
         self.max_rank = buffers.max_rank
+        self.groups = buffers.groups
         self.layout = buffers.layout
         with lock or contextlib.nullcontext():  # pinned allocations are CUDA calls
             self.flat = torch.empty(self.layout.slot_elems, dtype=buffers.dtype, pin_memory=pin)
@@ -70,6 +71,7 @@ class HostCopy:
         `key` into `view`; everything else is zeroed here: rows of A past a module's rank,
         columns of B past it, the projections the adapter does not target (scaling 0), the
         alignment gaps between views. Together they cover the buffer exactly once."""
+        check_held(spec, self.groups)
         r_max = self.max_rank
         modules = {(m.layer, m.proj): m for m in spec.modules}
         scales = [0.0] * self.layout.n_scales  # written in one copy: a setitem per module costs more

@@ -80,3 +80,18 @@ def test_a_server_of_q_and_v_adapters_holds_q_k_v_alone(hf_llama, llama_adapters
     assert run_mixed_batch(qv, prompts) == run_mixed_batch(engine, prompts)
     with pytest.raises(AdapterError, match="o_proj"):
         qv.adapters.load("all-r16", llama_adapters["all-r16"])
+
+
+def test_an_adapter_the_slots_cannot_hold_is_refused_not_cut(hf_llama):
+    """An adapter made in memory (no file check on the way) with projections outside the
+    slots' groups is refused with the reason, not written without them."""
+    from loraplex.server.adapters import AdapterId, random_adapter
+
+    qv = LLMEngine.from_settings(ServerSettings(
+        model=str(hf_llama), device="cpu", dtype="float32", max_num_seqs=4, max_model_len=64, max_loras=2,
+        max_lora_rank=16, lora_target_modules=["q_proj", "v_proj"]))
+    spec, tensors = random_adapter(qv.model.cfg, 8, targets=("q_proj", "o_proj"), seed=1)
+    for keep in (False, True):
+        with pytest.raises(AdapterError, match="o_proj"):
+            qv.adapters.install(AdapterId(f"x{keep}", "x", "memory"), spec, tensors, keep_host_copy=keep)
+    assert qv.adapters.num_free == 2 and not qv.adapters.ready_slots() and not qv.adapters.table.entries
