@@ -62,7 +62,6 @@ class HostCopy:
             self.flat = torch.empty(self.layout.slot_elems, dtype=buffers.dtype, pin_memory=pin)
             self.scales = torch.empty(self.layout.n_scales, dtype=torch.float32, pin_memory=pin)
             self.rank = torch.empty(len(GROUPS), dtype=torch.int32, pin_memory=pin)  # per group
-        self.group_mask = 0  # the groups the adapter targets (adapters.group_mask), set by fill
         self.nbytes = self.flat.numel() * self.flat.element_size()
         self.layers: list[dict[str, LoRAGroup]] = self.layout.views(self.flat, self.scales)
 
@@ -93,9 +92,7 @@ class HostCopy:
         for start, end in self.layout.gaps:
             self.flat[start:end].zero_()
         self.scales.copy_(torch.tensor(scales, dtype=torch.float32))
-        ranks = group_ranks(spec)
-        self.rank.copy_(torch.tensor(ranks, dtype=torch.int32))
-        self.group_mask = group_mask(ranks)
+        self.rank.copy_(torch.tensor(group_ranks(spec), dtype=torch.int32))
 
     def copy_to(self, buffers: LoRABuffers, slot: int) -> None:
         """Enqueue the copy into `slot` on the current stream: transfers (non-blocking from
@@ -109,7 +106,7 @@ class HostCopy:
             dst[start: start + step].copy_(self.flat[start: start + step], non_blocking=True)
         buffers.scales[slot].copy_(self.scales, non_blocking=True)
         buffers.ranks[slot].copy_(self.rank, non_blocking=True)
-        buffers.group_masks[slot] = self.group_mask
+        buffers.group_masks[slot] = group_mask(self.rank.tolist())  # the host's copy of the ranks
 
 
 # Bytes one `preadv` call reads at most: an 84 MB adapter is 21 calls, a few per read thread.
