@@ -104,20 +104,14 @@ def add_lora(
 
 
 def sgmv_lora(y, x, lora_a, lora_b, scaling, batch, ranks, slices, config=None) -> None:
-    """The Triton path: shrink over split K into float32 partials, then expand into y; or,
-    where the configuration says so, both in one launch."""
+    """The Triton path: shrink over split K into float32 partials, then expand into y."""
     from .configs import sgmv_config  # imports triton only when the Triton path is used
     from .expand import sgmv_expand
     from .shrink import sgmv_shrink
-    from .shrink_expand import sgmv_shrink_expand
 
     rank = lora_b.shape[2]
     if config is None:
         config = sgmv_config(batch.num_blocks, batch.block_m, x.shape[1], slices, rank, x.dtype, x.device)
-    if config.one_launch:
-        sgmv_shrink_expand(y, x, lora_a, lora_b, scaling, batch, ranks, slices, config.span, config.block_k,
-                           config.block_n, config.num_warps, config.num_stages, config.pdl)
-        return
     partial = sgmv_shrink(x, lora_a, batch, ranks, rank, config.k_splits, config.block_k, config.num_warps,
                           config.num_stages, wait_before=config.pdl and config.pdl_early,
                           trigger=(1 if config.pdl_early else 2) if config.pdl else 0)

@@ -53,8 +53,6 @@ class SGMVConfig:
     pdl_early: bool = True  # with pdl: the expand may launch at the shrink's start, and the shrink
     # is a dependent of the kernel before it (decode); else the expand launches in the shrink's tail
     add_in_memory: bool = False  # the expand adds into y with reductions (red.add), not load + store
-    one_launch: bool = False  # shrink and expand in one grid (shrink_expand.py): each program
-    # computes its rows' v over all of K (block_k columns a step), then adds its span into y
 
 
 # The shrink splits the input width no finer than this many columns per program.

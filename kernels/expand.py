@@ -83,7 +83,16 @@ def _expand_kernel(
         return
     slot = slot.to(tl.int64)
 
-    slice_idx, slice_col, col_lo, col_hi = span_columns(pid_span, N0, N1, N2, SPAN)
+    # Which slice this span is in, and its columns [col_lo, col_hi) inside the slice.
+    spans0 = tl.cdiv(N0, SPAN)
+    spans01 = spans0 + tl.cdiv(N1, SPAN)
+    in1 = pid_span >= spans0
+    in2 = pid_span >= spans01
+    slice_idx = in1.to(tl.int32) + in2.to(tl.int32)
+    width = tl.where(in2, N2, tl.where(in1, N1, N0))
+    slice_col = tl.where(in2, N0 + N1, tl.where(in1, N0, 0))
+    col_lo = (pid_span - tl.where(in2, spans01, tl.where(in1, spans0, 0))) * SPAN
+    col_hi = tl.minimum(col_lo + SPAN, width)
 
     rank = slot_rank(ranks_ptr, slot, stride_rank, RANK, HAS_RANKS)
     if rank <= 0:
@@ -99,7 +108,7 @@ def _expand_kernel(
     if ADD_IN_MEMORY:
         # Decode: a span is a tile or a few. B is a weight, not the shrink's output, so its
         # first tile is read before the wait, then each next tile one step ahead.
-        b_next = load_b_tile(b_cols, col_lo + tl.arange(0, BLOCK_N), col_hi, offs_r, r_load, r_mask, stride_bn,
+        b_next = _load_b_tile(b_cols, col_lo + tl.arange(0, BLOCK_N), col_hi, offs_r, r_load, r_mask, stride_bn,
                               B_ALIGN)
     if USE_PDL:
         # Above: step metadata and weights only. The partials and y are the shrink's (and
@@ -119,8 +128,16 @@ def _expand_kernel(
 
     y_rows = y_ptr + rows[:, None] * stride_yt + slice_col
     if ADD_IN_MEMORY:
-        add_span_in_memory(y_rows, v, b_cols, b_next, col_lo, col_hi, m_mask, offs_r, r_load, r_mask, stride_bn,
-                           B_ALIGN, BLOCK_N, DOT_PRECISION)
+        for n0 in range(col_lo, col_hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            bb = b_next
+            b_next = _load_b_tile(b_cols, offs_n + BLOCK_N, col_hi, offs_r, r_load, r_mask, stride_bn, B_ALIGN)
+            delta = tl.dot(v, bb, input_precision=DOT_PRECISION)
+            # A fire-and-forget reduction: the loop never waits on a read of y. Each element
+            # has one writer, so the result is deterministic: y + delta rounded to y's dtype
+            # first, as PEFT adds lora_B's output.
+            y_mask = m_mask[:, None] & (offs_n < col_hi)[None, :]
+            tl.atomic_add(y_rows + offs_n[None, :], delta.to(y_ptr.dtype.element_ty), mask=y_mask, sem="relaxed")
     else:
         # Prefill: y is dense. Read-modify-write, each y tile read one step ahead so its read
         # is in flight while the tile before it is added and stored; B's tiles are pipelined
@@ -133,46 +150,13 @@ def _expand_kernel(
             y_ptrs = y_rows + offs_n[None, :]
             yv = y_next
             y_next = tl.load(y_ptrs + BLOCK_N, mask=m_mask[:, None] & (offs_n + BLOCK_N < col_hi)[None, :], other=0.0)
-            bb = load_b_tile(b_cols, offs_n, col_hi, offs_r, r_load, r_mask, stride_bn, B_ALIGN)
+            bb = _load_b_tile(b_cols, offs_n, col_hi, offs_r, r_load, r_mask, stride_bn, B_ALIGN)
             delta = tl.dot(v, bb, input_precision=DOT_PRECISION)
             tl.store(y_ptrs, (yv.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
-def span_columns(pid_span, N0, N1, N2, SPAN):
-    """Span `pid_span` of spans cut slice by slice: its slice, the slice's first column in y,
-    and the span's columns [col_lo, col_hi) inside the slice."""
-    spans0 = tl.cdiv(N0, SPAN)
-    spans01 = spans0 + tl.cdiv(N1, SPAN)
-    in1 = pid_span >= spans0
-    in2 = pid_span >= spans01
-    slice_idx = in1.to(tl.int32) + in2.to(tl.int32)
-    width = tl.where(in2, N2, tl.where(in1, N1, N0))
-    slice_col = tl.where(in2, N0 + N1, tl.where(in1, N0, 0))
-    col_lo = (pid_span - tl.where(in2, spans01, tl.where(in1, spans0, 0))) * SPAN
-    col_hi = tl.minimum(col_lo + SPAN, width)
-    return slice_idx, slice_col, col_lo, col_hi
-
-
-@triton.jit
-def add_span_in_memory(y_rows, v, b_cols, b_next, col_lo, col_hi, m_mask, offs_r, r_load, r_mask, stride_bn,
-                       B_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """y[rows, col_lo:col_hi] += v @ B^T, tile by tile, B's next tile read one step ahead
-    (``b_next``: the first, read by the caller). Each tile goes into y as a fire-and-forget
-    reduction: the loop never waits on a read of y. Each element has one writer, so the
-    result is deterministic: y + delta rounded to y's dtype first, as PEFT adds lora_B's
-    output."""
-    for n0 in range(col_lo, col_hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        bb = b_next
-        b_next = load_b_tile(b_cols, offs_n + BLOCK_N, col_hi, offs_r, r_load, r_mask, stride_bn, B_ALIGN)
-        delta = tl.dot(v, bb, input_precision=DOT_PRECISION)
-        y_mask = m_mask[:, None] & (offs_n < col_hi)[None, :]
-        tl.atomic_add(y_rows + offs_n[None, :], delta.to(y_rows.dtype.element_ty), mask=y_mask, sem="relaxed")
-
-
-@triton.jit
-def load_b_tile(b_cols, offs_n, col_hi, offs_r, r_load, r_mask, stride_bn, B_ALIGN: tl.constexpr):
+def _load_b_tile(b_cols, offs_n, col_hi, offs_r, r_load, r_mask, stride_bn, B_ALIGN: tl.constexpr):
     """B^T tile [BLOCK_R, BLOCK_N] of columns offs_n (< col_hi), zero past the slot's rank."""
     # Without the hint a row stride that is not a multiple of 16 (rank 8) reads B one
     # element at a time.

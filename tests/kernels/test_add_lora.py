@@ -63,9 +63,7 @@ def make_weights(num_slots, rank, in_features, slices, ranks, dtype, gen, used):
 
 
 def check(case_seed, num_tokens, num_slots, rank, shape, pattern, dtype, backend, mixed_ranks=True, strided=False,
-          zero_ranks=False, config=None):
-    """One call of add_lora (or, with ``config``, of the Triton path under that launch
-    configuration) against the reference."""
+          zero_ranks=False):
     gen = torch.Generator().manual_seed(case_seed)
     in_features, slices = SHAPES[shape]
     token_slots = slot_pattern(pattern, num_tokens, num_slots, gen)
@@ -98,13 +96,8 @@ def check(case_seed, num_tokens, num_slots, rank, shape, pattern, dtype, backend
         table = torch.full((num_slots, 4), -9, dtype=torch.int32)
         table[:, 2] = ranks
         ranks = table[:, 2]
-    if config is None:
-        out = add_lora(y, x, lora_a, lora_b, scaling, batch, ranks=ranks, backend=backend, output_slices=slices)
-        assert out is y
-    else:
-        from loraplex.kernels.add_lora import sgmv_lora
-
-        sgmv_lora(y, x, lora_a, lora_b, scaling, batch, ranks, slices, config=config)
+    out = add_lora(y, x, lora_a, lora_b, scaling, batch, ranks=ranks, backend=backend, output_slices=slices)
+    assert out is y
 
     base_rows = token_slots < 0
     if zero_ranks:
@@ -266,39 +259,3 @@ def test_partial_planes_start_on_16_element_boundaries(num_tokens):
     partial = sgmv_shrink(x, lora_a, LoRABatch.build(token_slots, 2), None, 8, k_splits=2, block_k=16)
     assert partial.shape == (2, num_tokens, 8) and partial.stride(0) % 16 == 0
     torch.testing.assert_close(partial.sum(0), x @ lora_a[0].T, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("block_k,span_tiles", [(16, 1), (64, 3), (128, 100)])
-@pytest.mark.parametrize(
-    "num_tokens,num_slots,rank,shape,pattern",
-    [
-        (1, 4, 16, "llama3-qkv", "one-adapter"),
-        (8, 8, 16, "llama3-qkv", "every-row-own"),
-        (8, 4, 8, "llama3-qkv", "all-base"),
-        (33, 5, 32, "llama3-gate-up", "random-mixed"),
-        (40, 6, 8, "llama3-down", "every-row-own"),
-        (70, 3, 16, "qwen2-qkv", "prefill-segments"),
-    ],
-)
-def test_one_launch_matches_reference(dtype, block_k, span_tiles, num_tokens, num_slots, rank, shape, pattern):
-    """Shrink and expand in one grid (each program its own rows' v over all of K): the same
-    sums as the reference, for any input width a step of block_k does not divide, and spans
-    from one tile to a whole slice."""
-    from loraplex.kernels.configs import SGMVConfig
-
-    config = SGMVConfig(k_splits=1, block_k=block_k, span=16 * span_tiles, block_n=16, num_warps=4, num_stages=2,
-                        add_in_memory=True, one_launch=True)
-    check(num_tokens * 7 + block_k, num_tokens, num_slots, rank, shape, pattern, dtype, "triton", config=config)
-
-
-@pytest.mark.parametrize("strided,zero_ranks", [(True, False), (False, True)])
-def test_one_launch_strided_rows_and_empty_groups(strided, zero_ranks):
-    """Rows that are views into wider buffers, ranks read through a stride, and slots of rank
-    0, whose rows must stay as they were."""
-    from loraplex.kernels.configs import SGMVConfig
-
-    config = SGMVConfig(k_splits=1, block_k=32, span=32, block_n=16, num_warps=4, num_stages=2, add_in_memory=True,
-                        one_launch=True)
-    check(5, 24, 6, 16, "llama3-qkv", "random-mixed", torch.float32, "triton", strided=strided, zero_ranks=zero_ranks,
-          config=config)

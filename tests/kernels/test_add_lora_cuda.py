@@ -92,31 +92,3 @@ def test_weight_rows_off_vector_boundaries_on_cuda(num_tokens, rank, row_stride)
     add_lora(y, x, lora_a, lora_b, scaling, LoRABatch.build(token_slots, 8), ranks=ranks, output_slices=slices)
     delta, want = y.double() - before.double(), expected - before.double()
     assert ((delta - want).norm() / want.norm()).item() < TOLERANCE[torch.bfloat16]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("num_tokens,num_slots,rank,in_features,slices", [
-    (1, 4, 16, 4096, (4096, 1024, 1024)),
-    (64, 16, 8, 4096, (4096, 1024, 1024)),
-    (64, 16, 16, 4096, (14336, 14336)),
-    (64, 64, 64, 14336, (4096,)),
-])
-@pytest.mark.parametrize("block_k,span", [(128, 512), (512, 1024)])
-def test_one_launch_matches_reference_on_cuda(dtype, num_tokens, num_slots, rank, in_features, slices, block_k, span):
-    """Shrink and expand in one grid, launched as a programmatic dependent where the device
-    has it, against the reference (bf16 here, where the interpreter cannot check it)."""
-    from loraplex.kernels.add_lora import sgmv_lora
-    from loraplex.kernels.configs import SGMVConfig, supports_pdl
-
-    token_slots, ranks, lora_a, lora_b, x, y, scaling = inputs(num_tokens, num_slots, rank, in_features, slices,
-                                                                dtype, seed=num_tokens + rank + block_k)
-    expected = add_lora_reference(y, x, lora_a.nan_to_num(), lora_b.nan_to_num(), scaling, token_slots, ranks, slices)
-    before = y.clone()
-    config = SGMVConfig(k_splits=1, block_k=block_k, span=span, block_n=128 if rank < 64 else 64, num_warps=4,
-                        num_stages=3, pdl=supports_pdl(x.device), add_in_memory=True, one_launch=True)
-    sgmv_lora(y, x, lora_a, lora_b, scaling, LoRABatch.build(token_slots, num_slots), ranks, slices, config=config)
-    base_rows = token_slots < 0
-    assert torch.equal(y[base_rows], before[base_rows])
-    delta, want = y.double() - before.double(), expected - before.double()
-    assert torch.isfinite(delta).all()
-    assert ((delta - want).norm() / want.norm()).item() < TOLERANCE[dtype]
