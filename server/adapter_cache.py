@@ -80,7 +80,8 @@ class AdapterCache:
         self.metrics = metrics or CacheMetrics()
         self.clock = clock
         host_slots = max_cpu_loras if max_cpu_loras > 0 else buffers.num_slots
-        self.host = HostTier(host_slots * LoRABuffers.slot_bytes(buffers.cfg, buffers.max_rank, buffers.dtype),
+        # A host copy is laid out as a slot (HostCopy): max_cpu_loras copies of the slots' size.
+        self.host = HostTier(host_slots * buffers.bytes_per_slot,
                              on_evict=lambda name: self.metrics.evictions.labels("host").inc())
         self.wake: Callable[[], None] = lambda: None  # the engine loop's wake-up (set by AsyncEngine)
         self._lock = threading.RLock()

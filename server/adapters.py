@@ -179,6 +179,11 @@ class LoRABuffers:
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
 
+    @property
+    def bytes_per_slot(self) -> int:
+        """Device bytes of one of these slots: the groups held, at max rank (slot_bytes)."""
+        return self.layout.slot_elems * self.flat.element_size()
+
     @staticmethod
     def slot_bytes(cfg: ModelConfig, max_rank: int, dtype: torch.dtype, groups: tuple[str, ...] = tuple(GROUPS)) -> int:
         """Device bytes of one slot (A and B of the groups' projections at max rank, aligned)."""

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from loraplex.server.adapter_cache import AdapterCache
 from loraplex.server.adapter_format import BaseSpec, read_adapter, write_adapter_config
 from loraplex.server.adapter_sources import AdapterLoadError
-from loraplex.server.adapters import LoRABuffers, random_adapter
+from loraplex.server.adapters import LoRABuffers, random_adapter, slot_groups
 from loraplex.server.config import named_shape
 from loraplex.server.host_tier import read_into_host
 from loraplex.server.plan_watch import PlanWatcher
@@ -314,6 +314,21 @@ def test_host_tier_serves_a_reload_and_drops_least_recent_by_bytes(disk):
     assert cache.metrics.load_seconds.labels("host")._sum.get() > 0
     assert cache.metrics.hits.labels("host")._value.get() == 1
     assert cache.metrics.evictions.labels("host")._value.get() == 1
+
+
+def test_host_tier_counts_copies_of_the_slots_size(tmp_path):
+    """--max-cpu-loras counts adapters: with slots that hold q/k/v alone, the host tier holds
+    that many copies of the smaller slot, not as many bytes as full slots would take."""
+    qv = ("q_proj", "v_proj")
+    for i, name in enumerate("abc"):
+        write_adapter(tmp_path / name, seed=i, targets=qv)
+    buffers = LoRABuffers(CFG, 1, RANK, torch.device("cpu"), torch.float32, groups=slot_groups(qv))
+    cache = AdapterCache(buffers, base_spec(), cache_dir=tmp_path, max_cpu_loras=2)
+    assert buffers.bytes_per_slot == LoRABuffers.slot_bytes(CFG, RANK, torch.float32, ("qkv",))
+    assert cache.host.capacity_bytes == 2 * buffers.bytes_per_slot
+    for name in "abc":
+        use(cache, name)
+    assert cache.host.names() == ["b", "c"]
 
 
 def test_lazy_discovery_unknown_names_and_paths(disk, tmp_path):
