@@ -4,7 +4,8 @@
     python3 bench/cold_load_bench.py --shape tiny --quick --device cpu --out /tmp/c.json   # CPU smoke test
 
 On an engine with dummy weights of `--shape` (bf16 on CUDA) and one rank-16 PEFT adapter on
-all seven projections written to a temporary folder (the disk tier):
+all seven projections (`--targets`: a subset, which the server's slots then hold alone, as
+`--lora-target-modules` makes them) written to a temporary folder (the disk tier):
 
 - host-to-device bandwidth: a pinned host buffer of one slot's bytes copied to the device
   (median of 10), and the floor of a cold load: slot bytes / that bandwidth;
@@ -51,7 +52,7 @@ from checkout import engine_parser, use_checkout  # bench/ is sys.path[0]
 use_checkout()
 
 from loraplex.server.adapter_format import WEIGHTS_FILE, read_adapter, write_adapter_config  # noqa: E402
-from loraplex.server.adapters import AdapterId, LoRABuffers, random_adapter  # noqa: E402
+from loraplex.server.adapters import AdapterId, LoRABuffers, random_adapter, slot_groups  # noqa: E402
 from loraplex.server.config import named_shape  # noqa: E402
 from loraplex.server.engine import LLMEngine  # noqa: E402
 from loraplex.server import host_tier  # noqa: E402
@@ -81,8 +82,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "transfer), in the same alternation: e.g. 0,4 (default: the server's alone)")
     p.add_argument("--read-sweep", action="store_true",
                    help="also time the disk read over read threads and chunk sizes, against a memcpy")
+    p.add_argument("--targets", default=",".join(TARGETS_ALL),
+                   help="projections the adapters target and the slots hold (default all seven)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     a = p.parse_args(argv)
+    a.targets = tuple(t.strip() for t in a.targets.split(",") if t.strip())
     a.slot_copy_chunks = [int(mb) << 20 for mb in a.slot_copy_chunk_mb.split(",") if mb.strip()]
     if a.quick:
         a.repeats, a.batch, a.prompt_len, a.chunk, a.pairs = 3, min(a.batch, 4), 16, 4, 2
@@ -112,10 +116,10 @@ def h2d_bandwidth(device: torch.device, nbytes: int) -> float:
     return nbytes / statistics.median(times)
 
 
-def write_peft(path: Path, spec, tensors, rank: int) -> Path:
+def write_peft(path: Path, spec, tensors, rank: int, targets: tuple[str, ...] = TARGETS_ALL) -> Path:
     """adapter_config.json + adapter_model.safetensors as peft saves them (the safetensors
     layout written here: 8-byte header length, JSON header, raw little-endian data)."""
-    write_adapter_config(path, r=rank, lora_alpha=rank, target_modules=list(TARGETS_ALL))
+    write_adapter_config(path, r=rank, lora_alpha=rank, target_modules=list(targets))
     names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
     header, blobs, off = {}, [], 0
     for key in sorted(tensors):
@@ -372,13 +376,14 @@ def main(argv=None) -> int:
         dummy_weights=args.shape, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
         max_model_len=args.prompt_len + steps + 16, max_prefill_tokens=args.batch * args.prompt_len,
         max_loras=slots, max_lora_rank=args.rank, max_cpu_loras=4, max_concurrent_loads=args.loads,
-        adapter_cache_dir=str(tmp), kv_block=args.kv_block)
+        adapter_cache_dir=str(tmp), kv_block=args.kv_block, lora_target_modules=list(args.targets))
     engine = LLMEngine.from_settings(settings)
     device, dtype, cache = engine.device, engine.dtype, engine.adapters
-    slot_bytes = LoRABuffers.slot_bytes(cfg, args.rank, dtype)
+    slot_bytes = LoRABuffers.slot_bytes(cfg, args.rank, dtype, slot_groups(args.targets))
+    assert slot_bytes == cache.buffers.bytes_per_slot, "the bench's slot bytes are not the engine's"
 
-    spec, tensors = random_adapter(cfg, args.rank, seed=7, device=device, dtype=dtype)
-    write_peft(tmp / "cold", spec, tensors, args.rank)
+    spec, tensors = random_adapter(cfg, args.rank, targets=args.targets, seed=7, device=device, dtype=dtype)
+    write_peft(tmp / "cold", spec, tensors, args.rank, args.targets)
     for name in storm_names + [f"b{i}" for i in range(BATCH_ADAPTERS)]:
         cache.install(AdapterId(name, f"random-{name}", "memory"), spec, tensors, keep_host_copy=True)
     del tensors
@@ -443,7 +448,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "versions": {"torch": torch.__version__},
         "config": {"shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "rank": args.rank,
-                   "targets": ",".join(TARGETS_ALL), "repeats": args.repeats, "batch": args.batch,
+                   "targets": ",".join(args.targets), "repeats": args.repeats, "batch": args.batch,
                    "prompt_len": args.prompt_len, "loads": args.loads, "chunk": args.chunk, "pairs": args.pairs,
                    "slots": slots, "quick": args.quick},
         "adapter_bytes": spec.nbytes, "slot_bytes": slot_bytes,
