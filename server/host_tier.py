@@ -47,20 +47,6 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
 SLOT_COPY_CHUNK_BYTES = 4 << 20
 
 
-# Integer types of each element size: a float view reinterpreted for numpy (which has no
-# bfloat16), zero bits being zero in either.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def zero(view: torch.Tensor) -> None:
-    """Zero a host tensor (any strides) on the calling thread. torch's zero_ opens a parallel
-    region on every call over 32K elements: a q/v adapter's fill zeroes k's A and B in each
-    of 32 layers, and those 64 calls cost 2.6 ms on a 16-core host where this takes a
-    fraction (bench/results/cold_load_h200_notes.md)."""
-    if view.numel():
-        view.view(_BITS[view.element_size()]).numpy().fill(0)
-
-
 class HostCopy:
     """One adapter in the slot layout, in host memory (pinned when `pin`).
 
@@ -96,15 +82,15 @@ class HostCopy:
                     m = modules.get((layer, proj))
                     r = m.rank if m is not None else 0
                     if r < r_max:
-                        zero(g.a[i * r_max + r: (i + 1) * r_max])  # [R - r, in]
-                        zero(g.b[off: off + width, r:])  # [out, R - r]
+                        g.a[i * r_max + r: (i + 1) * r_max].zero_()  # [R - r, in]
+                        g.b[off: off + width, r:].zero_()  # [out, R - r]
                     if m is not None:
                         put(m.key_a, g.a[i * r_max: i * r_max + r])  # [r, in]
                         put(m.key_b, g.b[off: off + width, :r])  # [out, r]
                         scales[places[name].s_off + i] = m.scaling
                     off += width
         for start, end in self.layout.gaps:
-            zero(self.flat[start:end])
+            self.flat[start:end].zero_()
         self.scales.copy_(torch.tensor(scales, dtype=torch.float32))
         self.rank.copy_(torch.tensor(group_ranks(spec), dtype=torch.int32))
 
