@@ -46,8 +46,10 @@ def _check(y, x, lora_a, lora_b, scaling, batch, ranks, output_slices) -> tuple[
             raise TypeError(f"{name} is {t.dtype} but x is {x.dtype}: all four must share a dtype")
     if scaling.dtype != torch.float32 or tuple(scaling.shape) not in ((num_slots,), (num_slots, len(slices))):
         raise ValueError(f"scaling must be float32 [{num_slots}] or [{num_slots}, {len(slices)}], got {scaling.dtype} {tuple(scaling.shape)}")
-    if ranks is not None and (ranks.dtype != torch.int32 or tuple(ranks.shape) != (num_slots,)):
-        raise ValueError(f"ranks must be int32 [{num_slots}], got {ranks.dtype} {tuple(ranks.shape)}")
+    if ranks is not None and (ranks.dtype != torch.int32
+                              or tuple(ranks.shape) not in ((num_slots,), (num_slots, len(slices)))):
+        raise ValueError(f"ranks must be int32 [{num_slots}] or [{num_slots}, {len(slices)}], "
+                         f"got {ranks.dtype} {tuple(ranks.shape)}")
     # Rows may be strided (a view into a wider buffer); within a row, elements must be dense.
     for name, t in (("x", x), ("y", y), ("lora_a", lora_a), ("lora_b", lora_b)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
@@ -69,7 +71,7 @@ def add_lora(
     lora_b: torch.Tensor,  # [S, out, R]
     scaling: torch.Tensor,  # float32 [S] or [S, n]
     batch: LoRABatch,
-    ranks: torch.Tensor | None = None,  # int32 [S]
+    ranks: torch.Tensor | None = None,  # int32 [S] or [S, n]
     backend: str = "auto",
     output_slices: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
@@ -80,10 +82,12 @@ def add_lora(
         y[t, off_i : off_i + o_i] += scaling[s, i] * (x[t] @ A_i[s].T) @ B_i[s].T
 
     with A_i = lora_a[:, i*R:(i+1)*R] and B_i = lora_b[:, off_i:off_i+o_i] (one slice, the
-    whole of y, when ``output_slices`` is None). Rank rows and columns of slot s at or past
-    ``ranks[s]`` do not change the result; a slot of rank 0 adds nothing and costs its rows
-    nothing (``ranks`` may be a strided view, e.g. one column of a per-group table). No host
-    synchronisation on the Triton path.
+    whole of y, when ``output_slices`` is None). ``ranks`` is one rank per slot ([S]) or one
+    per slot and slice ([S, n]): rank rows and columns of slice i of slot s at or past its rank
+    are never read and do not change the result; a slice of rank 0 adds nothing and costs
+    its rows nothing (an adapter on q and v alone skips k of a fused q/k/v call). ``ranks`` may
+    be a strided view, e.g. columns of a per-projection table. No host synchronisation on
+    the Triton path.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -35,7 +35,7 @@ def _expand_kernel(
     partial_ptr,  # float32 [k_splits, T, n*RANK]
     b_ptr,  # [S, N0+N1+N2, RANK]
     scaling_ptr,  # float32 [S, n] (stride 0 along n when one scale per slot)
-    ranks_ptr,  # int32 [S] (read only when HAS_RANKS; element stride stride_rank)
+    ranks_ptr,  # int32 [S] or [S, n] (read only when HAS_RANKS; strides stride_rank, stride_rank_n)
     block_slot_ptr,  # int32 [B]
     block_rows_ptr,  # int32 [B, BLOCK_M]
     # sizes
@@ -53,6 +53,7 @@ def _expand_kernel(
     stride_scale_s,
     stride_scale_n,
     stride_rank,
+    stride_rank_n,  # 0: one rank per slot for every slice
     # meta-parameters
     HAS_RANKS: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent of the shrink
@@ -68,11 +69,11 @@ def _expand_kernel(
     """Semantics, as the plain loop it computes::
 
         for block b, span j:                       # grid (spans, blocks)
-            s = block_slot[b]; skip if s == -1 or ranks[s] == 0
             i, cols = slice and columns of span j
+            s = block_slot[b]; r = ranks[s, i] (ranks[s]: [S]); skip if s == -1 or r == 0
             rows = block_rows[b] without its -1 padding
-            v = partial[:, rows, i*RANK : i*RANK + ranks[s]].sum(0) * scaling[s, i]
-            y[rows, cols] += v @ lora_b[s, cols, :ranks[s]].T
+            v = partial[:, rows, i*RANK : i*RANK + r].sum(0) * scaling[s, i]
+            y[rows, cols] += v @ lora_b[s, cols, :r].T
     """
     pid_span = tl.program_id(0)
     pid_block = tl.program_id(1)
@@ -94,9 +95,9 @@ def _expand_kernel(
     col_lo = (pid_span - tl.where(in2, spans01, tl.where(in1, spans0, 0))) * SPAN
     col_hi = tl.minimum(col_lo + SPAN, width)
 
-    rank = slot_rank(ranks_ptr, slot, stride_rank, RANK, HAS_RANKS)
+    rank = slot_rank(ranks_ptr + slice_idx * stride_rank_n, slot, stride_rank, RANK, HAS_RANKS)
     if rank <= 0:
-        return  # no weights in this group: y stays as it is, bit for bit
+        return  # no weights in this slice (a projection the adapter does not target): y stays as it is
     offs_r = tl.arange(0, BLOCK_R)
     # Loads are masked to whole 32-byte sectors of the slot's rank (so they vectorise and
     # bytes a sector past the rank are never read); columns past the rank are zeroed in
@@ -172,7 +173,7 @@ def sgmv_expand(
     lora_b: torch.Tensor,  # [S, out, R]
     scaling: torch.Tensor,  # float32 [S] or [S, n]
     batch: LoRABatch,
-    ranks: torch.Tensor | None,  # int32 [S]
+    ranks: torch.Tensor | None,  # int32 [S] or [S, n]
     output_slices: tuple[int, ...],
     span: int,
     block_n: int,
@@ -208,6 +209,7 @@ def sgmv_expand(
         scaling.stride(0),
         stride_scale_n,
         ranks.stride(0) if ranks is not None else 0,
+        ranks.stride(1) if ranks is not None and ranks.dim() == 2 else 0,
         HAS_RANKS=ranks is not None,
         USE_PDL=pdl,
         ADD_IN_MEMORY=add_in_memory,

@@ -6,7 +6,7 @@ For every row t whose slot s = token_slots[t] is not -1, and every output slice 
     y[t, off_i : off_i + o_i] += scaling[s, i] * (x[t] @ A_i[s, :r_s].T) @ B_i[s, :, :r_s].T
 
 where A_i = lora_a[:, i*R:(i+1)*R, :], B_i = lora_b[:, off_i:off_i+o_i, :] and r_s = ranks[s]
-(R when no ranks are given).
+(ranks [S]), ranks[s, i] (ranks [S, n]: one per slice), or R when no ranks are given.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ def _per_slice_scaling(scaling: torch.Tensor, num_slices: int) -> torch.Tensor:
     return scaling[:, None].expand(-1, num_slices) if scaling.dim() == 1 else scaling
 
 
-def _rank_mask(lora_a: torch.Tensor, ranks: torch.Tensor | None, rank: int) -> torch.Tensor | None:
-    """[S, R] 1.0 where a rank row is inside its slot's rank, else 0.0; None when all are."""
+def _rank_mask(lora_a: torch.Tensor, ranks: torch.Tensor | None, rank: int, num_slices: int) -> torch.Tensor | None:
+    """bool [S, n, R]: True where a rank row of a slice is inside its rank; None when all are."""
     if ranks is None:
         return None
-    return (torch.arange(rank, device=lora_a.device)[None, :] < ranks[:, None].to(lora_a.device)).to(torch.float32)
+    per_slice = ranks[:, None].expand(-1, num_slices) if ranks.dim() == 1 else ranks
+    return torch.arange(rank, device=lora_a.device) < per_slice[:, :, None].to(lora_a.device)
 
 
 def add_lora_reference(
@@ -46,7 +47,7 @@ def add_lora_reference(
     lora_b: torch.Tensor,  # [S, out, R]
     scaling: torch.Tensor,  # float32 [S] or [S, n]
     token_slots: torch.Tensor,  # int [T], -1 = no adapter
-    ranks: torch.Tensor | None = None,  # int [S]
+    ranks: torch.Tensor | None = None,  # int [S] or [S, n]
     output_slices: tuple[int, ...] | None = None,
     compute_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
@@ -54,7 +55,7 @@ def add_lora_reference(
     bounds = _slice_bounds(y.shape[1], output_slices)
     rank = lora_b.shape[2]
     scale = _per_slice_scaling(scaling, len(bounds)).to(compute_dtype)
-    mask = _rank_mask(lora_a, ranks, rank)
+    mask = _rank_mask(lora_a, ranks, rank, len(bounds))
 
     out = y.to(compute_dtype).clone()
     rows = torch.nonzero(token_slots >= 0).flatten()
@@ -65,7 +66,7 @@ def add_lora_reference(
         b = lora_b[slots, offset : offset + width, :].to(compute_dtype)  # [t, o, R]
         v = torch.einsum("tk,trk->tr", xs, a)  # shrink: [t, R]
         if mask is not None:
-            v = v * mask[slots].to(compute_dtype)
+            v = v * mask[slots, i].to(compute_dtype)
         delta = torch.einsum("tr,tor->to", v, b) * scale[slots, i][:, None]  # expand: [t, o]
         out[rows, offset : offset + width] += delta
     return out
@@ -89,21 +90,22 @@ def add_lora_torch(
     bounds = _slice_bounds(y.shape[1], output_slices)
     rank = lora_b.shape[2]
     scale = _per_slice_scaling(scaling, len(bounds)).to(torch.float32)
-    mask = _rank_mask(lora_a, ranks, rank)
+    mask = _rank_mask(lora_a, ranks, rank, len(bounds))
 
     for start in range(0, x.shape[0], _TORCH_CHUNK_ROWS):
         stop = min(start + _TORCH_CHUNK_ROWS, x.shape[0])
         slots = token_slots[start:stop].long()
         active = slots >= 0  # [t]
         slots = slots.clamp(min=0)
-        # Rank entries a row may use: inside its slot's rank, and only for adapter rows.
+        # Rank entries a row may use: inside its slice's rank, and only for adapter rows.
         # Selected with `where`, not multiplied, so whatever lies in the padding never leaks.
-        keep = active[:, None] if mask is None else (mask[slots] > 0) & active[:, None]  # [t, R]
+        keep = active[:, None, None] if mask is None else mask[slots] & active[:, None, None]  # [t, n or 1, R]
         xs = x[start:stop]
         a = lora_a[slots]  # [t, n*R, in]
         v = torch.bmm(a, xs.unsqueeze(2)).squeeze(2).float()  # shrink, all slices: [t, n*R]
         for i, (offset, width) in enumerate(bounds):
-            vi = torch.where(keep, v[:, i * rank : (i + 1) * rank], 0.0) * scale[slots, i][:, None]
-            b = torch.where(keep[:, None, :], lora_b[slots, offset : offset + width, :], 0)  # [t, o, R]
+            keep_i = keep[:, min(i, keep.shape[1] - 1)]  # [t, R]
+            vi = torch.where(keep_i, v[:, i * rank : (i + 1) * rank], 0.0) * scale[slots, i][:, None]
+            b = torch.where(keep_i[:, None, :], lora_b[slots, offset : offset + width, :], 0)  # [t, o, R]
             delta = torch.bmm(b, vi.to(b.dtype).unsqueeze(2)).squeeze(2)  # expand: [t, o]
             y[start:stop, offset : offset + width] += delta.to(y.dtype)

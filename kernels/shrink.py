@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .batch import LoRABatch
-from .block_rows import alignment, load_block_rows, slot_rank
+from .block_rows import alignment, load_block_rows
 
 
 @triton.jit
@@ -27,7 +27,7 @@ def _shrink_kernel(
     partial_ptr,  # float32 [k_splits, T, n*RANK]: out
     x_ptr,  # [T, K]
     a_ptr,  # [S, n*RANK, K]
-    ranks_ptr,  # int32 [S] (read only when HAS_RANKS; element stride stride_rank)
+    ranks_ptr,  # int32 [S] or [S, n] (read only when HAS_RANKS; strides stride_rank, stride_rank_n)
     block_slot_ptr,  # int32 [B]
     block_rows_ptr,  # int32 [B, BLOCK_M]
     # sizes
@@ -42,6 +42,7 @@ def _shrink_kernel(
     stride_as,
     stride_ar,
     stride_rank,
+    stride_rank_n,  # 0: one rank per slot for every slice
     # meta-parameters
     HAS_RANKS: tl.constexpr,
     WAIT_BEFORE: tl.constexpr,  # launched as a programmatic dependent of the kernel before
@@ -55,10 +56,10 @@ def _shrink_kernel(
     """Semantics, as the plain loop it computes::
 
         for block b, split c:                       # grid (k_splits, blocks)
-            s = block_slot[b]; skip if s == -1 or ranks[s] == 0
+            s = block_slot[b]; skip if s == -1 or every slice's rank is 0
             rows = block_rows[b] without its -1 padding
             ks = c*K_CHUNK : (c+1)*K_CHUNK
-            j = rank rows of every slice with (j % RANK) < ranks[s]
+            j = rank rows of every slice i with (j % RANK) < ranks[s, i]   (ranks[s] for all i: [S])
             partial[c, rows, j] = x[rows, ks] @ lora_a[s, j, ks].T
     """
     pid_k = tl.program_id(0)
@@ -70,12 +71,16 @@ def _shrink_kernel(
         return
     slot = slot.to(tl.int64)
 
-    # Rank rows inside the slot's rank; rows past it are never read.
-    rank = slot_rank(ranks_ptr, slot, stride_rank, RANK, HAS_RANKS)
-    if rank <= 0:
-        return  # no weights in this group (an adapter that targets q and v only, at gate/up)
+    # Rank rows inside their slice's rank; rows past it are never read.
     offs_j = tl.arange(0, BLOCK_NR)
-    j_mask = (offs_j < NR) & ((offs_j % RANK) < rank)
+    j_mask = offs_j < NR
+    if HAS_RANKS:
+        # Each row j reads its slice's rank (a few distinct addresses, one round trip).
+        rank_j = tl.load(ranks_ptr + slot * stride_rank + (offs_j // RANK) * stride_rank_n, mask=j_mask, other=0)
+        rank_j = tl.minimum(rank_j, RANK)
+        if tl.max(rank_j, axis=0) <= 0:
+            return  # no weights in this group (an adapter that targets q and v only, at gate/up)
+        j_mask = j_mask & ((offs_j % RANK) < rank_j)
     if TRIGGER == 1:
         # Decode: the expand may launch at once; its programs read their metadata and first
         # tile of B while this grid runs.
@@ -110,7 +115,7 @@ def sgmv_shrink(
     x: torch.Tensor,  # [T, in]
     lora_a: torch.Tensor,  # [S, n*R, in]
     batch: LoRABatch,
-    ranks: torch.Tensor | None,  # int32 [S]
+    ranks: torch.Tensor | None,  # int32 [S] or [S, n]
     rank: int,  # R
     k_splits: int,
     block_k: int,
@@ -155,6 +160,7 @@ def sgmv_shrink(
         lora_a.stride(0),
         lora_a.stride(1),
         ranks.stride(0) if ranks is not None else 0,
+        ranks.stride(1) if ranks is not None and ranks.dim() == 2 else 0,
         HAS_RANKS=ranks is not None,
         WAIT_BEFORE=wait_before,
         TRIGGER=trigger,

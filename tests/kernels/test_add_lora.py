@@ -46,15 +46,19 @@ def slot_pattern(pattern: str, num_tokens: int, num_slots: int, gen: torch.Gener
 
 
 def make_weights(num_slots, rank, in_features, slices, ranks, dtype, gen, used):
-    """Adapter buffers with NaN past each slot's rank and in slots no row uses."""
+    """Adapter buffers with NaN past each slice's rank (ranks [S], or [S, n]: one per slice)
+    and in slots no row uses."""
     n = len(slices)
     lora_a = torch.randn(num_slots, n * rank, in_features, generator=gen) / math.sqrt(in_features)
     lora_b = torch.randn(num_slots, sum(slices), rank, generator=gen) / math.sqrt(rank)
+    per_slice = ranks[:, None].expand(-1, n) if ranks.dim() == 1 else ranks
     for s in range(num_slots):
-        r = int(ranks[s])
-        for i in range(n):
+        off = 0
+        for i, width in enumerate(slices):
+            r = int(per_slice[s, i])
             lora_a[s, i * rank + r : (i + 1) * rank] = float("nan")
-        lora_b[s, :, r:] = float("nan")
+            lora_b[s, off : off + width, r:] = float("nan")
+            off += width
         if s not in used:
             lora_a[s] = float("nan")
             lora_b[s] = float("nan")
@@ -63,7 +67,9 @@ def make_weights(num_slots, rank, in_features, slices, ranks, dtype, gen, used):
 
 
 def check(case_seed, num_tokens, num_slots, rank, shape, pattern, dtype, backend, mixed_ranks=True, strided=False,
-          zero_ranks=False):
+          zero_ranks=False, per_slice=False):
+    """One call of add_lora against the reference. ``per_slice``: one rank per slot and slice
+    (0 for some: projections an adapter does not target), read through a strided view."""
     gen = torch.Generator().manual_seed(case_seed)
     in_features, slices = SHAPES[shape]
     token_slots = slot_pattern(pattern, num_tokens, num_slots, gen)
@@ -75,6 +81,12 @@ def check(case_seed, num_tokens, num_slots, rank, shape, pattern, dtype, backend
         ranks = torch.full((num_slots,), rank, dtype=torch.int32)
     if zero_ranks:  # every other slot has no weights here (all NaN), as for an untargeted group
         ranks[1::2] = 0
+    if per_slice:  # a different rank per slice, some 0; columns of a wider table, as the engine keeps
+        table = torch.full((num_slots, len(slices) + 3), -9, dtype=torch.int32)
+        table[:, 1 : 1 + len(slices)] = torch.randint(0, rank + 1, (num_slots, len(slices)), generator=gen)
+        table[0, 1] = rank
+        table[1 % num_slots, 1:] = 0  # a slot with nothing in any slice
+        ranks = table[:, 1 : 1 + len(slices)]
     lora_a, lora_b, scaling = make_weights(num_slots, rank, in_features, slices, ranks, dtype, gen, used)
 
     out_features = sum(slices)
@@ -103,6 +115,12 @@ def check(case_seed, num_tokens, num_slots, rank, shape, pattern, dtype, backend
     if zero_ranks:
         base_rows |= (ranks[token_slots.clamp(min=0).long()] == 0) & (token_slots >= 0)
     assert torch.equal(y[base_rows], before[base_rows]), "a base-only row changed"
+    if per_slice:  # a slice of rank 0 leaves its columns as they were, bit for bit
+        off = 0
+        for i, width in enumerate(slices):
+            idle = (token_slots >= 0) & (ranks[token_slots.clamp(min=0).long(), i] == 0)
+            assert torch.equal(y[idle, off : off + width], before[idle, off : off + width]), f"slice {i} of rank 0 changed"
+            off += width
     delta = y.double() - before.double()
     expected_delta = expected - before.double()
     assert torch.isfinite(delta).all(), "NaN read from padding, an unused slot or a stride gap"
@@ -144,6 +162,19 @@ def test_slots_of_rank_zero_leave_their_rows_alone(backend, num_tokens, pattern)
     check(num_tokens + 3, num_tokens, 6, 16, "llama3-qkv", pattern, torch.float16, backend, zero_ranks=True)
     check(num_tokens + 5, num_tokens, 6, 8, "llama3-down", pattern, torch.float32, backend, zero_ranks=True,
           strided=True)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "num_tokens,shape,pattern",
+    [(1, "llama3-qkv", "one-adapter"), (8, "llama3-qkv", "every-row-own"), (40, "llama3-gate-up", "random-mixed"),
+     (33, "llama3-down", "random-mixed"), (600, "qwen2-qkv", "prefill-segments")],
+)
+def test_one_rank_per_slice(backend, dtype, num_tokens, shape, pattern):
+    """ranks [S, n]: each slice of a fused call reads its own rank (an adapter on q and v
+    alone has k of rank 0: its NaN weights are never read and its columns stay as they were)."""
+    check(num_tokens * 11 + 1, num_tokens, 5, 16, shape, pattern, dtype, backend, per_slice=True)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -92,3 +92,28 @@ def test_weight_rows_off_vector_boundaries_on_cuda(num_tokens, rank, row_stride)
     add_lora(y, x, lora_a, lora_b, scaling, LoRABatch.build(token_slots, 8), ranks=ranks, output_slices=slices)
     delta, want = y.double() - before.double(), expected - before.double()
     assert ((delta - want).norm() / want.norm()).item() < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("num_tokens", [64, 1024], ids=["decode", "prefill"])
+def test_one_rank_per_slice_on_cuda(num_tokens):
+    """ranks [S, 3] as columns of a per-projection table: k of rank 0 for q/v adapters (NaN
+    weights, never read, its columns unchanged), bf16."""
+    slices = (4096, 1024, 1024)
+    token_slots, _, _, _, x, y, scaling = inputs(num_tokens, 8, 16, 4096, slices, torch.bfloat16, 3)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    lora_a = (torch.randn(8, 48, 4096, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    lora_b = (torch.randn(8, 6144, 16, device="cuda", generator=gen) / 4).to(torch.bfloat16)
+    table = torch.zeros(8, 7, dtype=torch.int32, device="cuda")
+    table[:, 0], table[:, 2] = 16, 8  # q rank 16, v rank 8, k none
+    ranks = table[:, 0:3]
+    lora_a[:, 16:32] = float("nan")
+    lora_b[:, 4096:5120] = float("nan")
+    lora_a[:, 32 + 8 :] = float("nan")
+    lora_b[:, 5120:, 8:] = float("nan")
+    expected = add_lora_reference(y, x, lora_a.nan_to_num(), lora_b.nan_to_num(), scaling, token_slots, ranks, slices)
+    before = y.clone()
+    add_lora(y, x, lora_a, lora_b, scaling, LoRABatch.build(token_slots, 8), ranks=ranks, output_slices=slices)
+    assert torch.equal(y[:, 4096:5120], before[:, 4096:5120])
+    delta, want = y.double() - before.double(), expected - before.double()
+    assert torch.isfinite(delta).all()
+    assert ((delta - want).norm() / want.norm()).item() < TOLERANCE[torch.bfloat16]
