@@ -6,10 +6,12 @@ Buffers, per layer and per fused group (S slots, R = max LoRA rank)::
     o       a [S, R, q]        b [S, hidden, R]  scaling [S, 1]
     gate_up a [S, 2R, hidden]  b [S, 2*inter, R] scaling [S, 2]   (slices gate, up)
     down    a [S, R, inter]    b [S, hidden, R]  scaling [S, 1]
-    ranks   int32 [S, 4]: per group, the adapter's largest rank among the group's projections
-            (the kernels skip columns past it), 0 where it targets none of them: its rows cost
-            that group's kernels nothing (PEFT's default for Llama targets q_proj and v_proj
-            only, so o, gate/up and down are skipped for such an adapter)
+    ranks   int32 [S, 7]: per projection (PROJECTIONS: q, k, v, o, gate, up, down), the
+            adapter's largest rank for it in any layer (the kernels skip rank rows past it), 0
+            where it does not target it; each group hands add_lora its columns ([S, n], one rank
+            per slice). PEFT's default for Llama targets q_proj and v_proj only: for such an
+            adapter k is skipped inside the fused q/k/v call, and the o, gate/up and down
+            groups are not launched for its rows at all
 
 An adapter of rank r < R, or one that skips a projection, is written zero-padded: padded
 rows/columns and untargeted projections (scaling 0, zero weights) add nothing.
@@ -39,6 +41,11 @@ from .config import ModelConfig
 # group -> the projections it fuses, in slice order
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+# Every projection, group by group: the columns of LoRABuffers.ranks.
+PROJECTIONS = tuple(proj for projs in GROUPS.values() for proj in projs)
+# group -> its projections' columns [lo, hi) in PROJECTIONS
+GROUP_COLUMNS = {name: (PROJECTIONS.index(projs[0]), PROJECTIONS.index(projs[-1]) + 1)
+                 for name, projs in GROUPS.items()}
 
 
 def slot_groups(modules) -> tuple[str, ...]:
@@ -59,18 +66,17 @@ def check_held(spec: AdapterSpec, groups: tuple[str, ...]) -> None:
 
 
 def group_mask(ranks: list[int]) -> int:
-    """Bit i set where group i (GROUPS order) has a rank: the groups an adapter targets."""
-    return sum(1 << i for i, r in enumerate(ranks) if r > 0)
+    """From an adapter's projection ranks (PROJECTIONS order): bit i set where group i
+    (GROUPS order) has a projection of non-zero rank, i.e. the groups the adapter targets."""
+    return sum(1 << i for i, (lo, hi) in enumerate(GROUP_COLUMNS.values()) if max(ranks[lo:hi]) > 0)
 
 
-def group_ranks(spec: AdapterSpec) -> list[int]:
-    """Per group (GROUPS order), the largest rank among the group's projections that `spec`
-    targets in any layer; 0 for a group it does not target."""
-    ranks = dict.fromkeys(GROUPS, 0)
-    group_of = {proj: name for name, projs in GROUPS.items() for proj in projs}
+def projection_ranks(spec: AdapterSpec) -> list[int]:
+    """Per projection (PROJECTIONS order), the largest rank `spec` gives it in any layer; 0
+    for a projection it does not target, whose weights the kernels then never read."""
+    ranks = dict.fromkeys(PROJECTIONS, 0)
     for m in spec.modules:
-        g = group_of[m.proj]
-        ranks[g] = max(ranks[g], m.rank)
+        ranks[m.proj] = max(ranks[m.proj], m.rank)
     return list(ranks.values())
 
 
@@ -169,9 +175,10 @@ class LoRABuffers:
         self.flat = torch.zeros(num_slots, self.layout.slot_elems, device=device, dtype=dtype)
         self.scales = torch.zeros(num_slots, self.layout.n_scales, device=device, dtype=torch.float32)
         self.layers: list[dict[str, LoRAGroup]] = self.layout.views(self.flat, self.scales)
-        self.ranks = torch.zeros(num_slots, len(GROUPS), device=device, dtype=torch.int32)
-        # group -> int32 [S] (a column of `ranks`): what the model hands add_lora for that group
-        self.group_ranks = {name: self.ranks[:, i] for i, name in enumerate(GROUPS)}
+        self.ranks = torch.zeros(num_slots, len(PROJECTIONS), device=device, dtype=torch.int32)
+        # group -> int32 [S, n] (its projections' columns of `ranks`): what the model hands
+        # add_lora for that group, one rank per slice
+        self.group_ranks = {name: self.ranks[:, lo:hi] for name, (lo, hi) in GROUP_COLUMNS.items()}
         # The same on the host, per slot as a bit mask (group_mask): the step reads which groups
         # its rows' adapters target without a device sync, and skips the others' launches.
         self.group_masks = [0] * num_slots
@@ -207,7 +214,7 @@ class LoRABuffers:
                         g.b[slot, off: off + width, : m.rank].copy_(b, non_blocking=True)
                         g.scaling[slot, i] = m.scaling
                     off += width
-        ranks = group_ranks(spec)
+        ranks = projection_ranks(spec)
         self.ranks[slot] = torch.tensor(ranks, dtype=torch.int32)
         self.group_masks[slot] = group_mask(ranks)
 

@@ -7,7 +7,7 @@ buffers (flat in chunks, scales, rank)::
 
     flat    [slot_elems]   layers[l]["qkv"]: a [3R, hidden], b [q+2kv, R]; ["o"]: ...
     scales  float32 [n_scales]
-    rank    int32 [4]      per group: the largest rank among its projections, 0 if untargeted
+    rank    int32 [7]      per projection: its largest rank in any layer, 0 if untargeted
 
 On CUDA the flat buffer is page-locked (pinned), so the copy is a DMA that overlaps the
 decode kernels; on the CPU it is plain memory and the same copies run synchronously.
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .adapter_format import WEIGHTS_FILE, AdapterError, AdapterSpec
-from .adapters import GROUPS, LoRABuffers, LoRAGroup, check_held, group_mask, group_ranks
+from .adapters import GROUPS, PROJECTIONS, LoRABuffers, LoRAGroup, check_held, group_mask, projection_ranks
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class HostCopy:
         with lock or contextlib.nullcontext():  # pinned allocations are CUDA calls
             self.flat = torch.empty(self.layout.slot_elems, dtype=buffers.dtype, pin_memory=pin)
             self.scales = torch.empty(self.layout.n_scales, dtype=torch.float32, pin_memory=pin)
-            self.rank = torch.empty(len(GROUPS), dtype=torch.int32, pin_memory=pin)  # per group
+            self.rank = torch.empty(len(PROJECTIONS), dtype=torch.int32, pin_memory=pin)  # per projection
         self.nbytes = self.flat.numel() * self.flat.element_size()
         self.layers: list[dict[str, LoRAGroup]] = self.layout.views(self.flat, self.scales)
 
@@ -92,7 +92,7 @@ class HostCopy:
         for start, end in self.layout.gaps:
             self.flat[start:end].zero_()
         self.scales.copy_(torch.tensor(scales, dtype=torch.float32))
-        self.rank.copy_(torch.tensor(group_ranks(spec), dtype=torch.int32))
+        self.rank.copy_(torch.tensor(projection_ranks(spec), dtype=torch.int32))
 
     def copy_to(self, buffers: LoRABuffers, slot: int) -> None:
         """Enqueue the copy into `slot` on the current stream: transfers (non-blocking from

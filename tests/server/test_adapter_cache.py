@@ -115,8 +115,9 @@ def test_slot_loaded_through_host_tier_equals_a_direct_write(disk, monkeypatch, 
             assert torch.equal(got[name].a[slot], want[name].a[1]), name
             assert torch.equal(got[name].b[slot], want[name].b[1]), name
             assert torch.equal(got[name].scaling[slot], want[name].scaling[1]), name
-    # Per group: q/k/v, o and down targeted at rank 4, gate/up not at all (its kernels skip the slot).
-    assert cache.buffers.ranks[slot].tolist() == direct.ranks[1].tolist() == [4, 4, 0, 4]
+    # Per projection: q, v, o and down targeted at rank 4, k, gate and up not at all (the
+    # kernels skip them).
+    assert cache.buffers.ranks[slot].tolist() == direct.ranks[1].tolist() == [4, 0, 4, 4, 0, 0, 4]
     assert cache.tier_of("a") == "gpu"
 
 

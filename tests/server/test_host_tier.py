@@ -104,7 +104,7 @@ def test_a_poisoned_allocation_is_filled_whole(tmp_path, monkeypatch, dtype, sou
                     assert torch.equal(g.b[off: off + width, : m.rank], tensors[m.key_b].to(dtype)), m.key_b
                     assert g.scaling[i] == pytest.approx(m.scaling), (layer, proj)
                 off += width
-    assert host.rank.tolist() == [R_MAX, 0, 0, 3]  # per group: q/k/v (v at 6), o, gate/up, down
+    assert host.rank.tolist() == [3, 0, R_MAX, 0, 0, 0, 3]  # per projection: q at 3, v at 6, down at 3
     reference = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), dtype)  # torch.zeros, then the views
     reference.write(0, spec, tensors)
     assert torch.equal(host.flat, reference.flat[0]) and torch.equal(host.scales, reference.scales[0])

@@ -9,7 +9,7 @@ import pytest
 
 from loraplex.server import model as model_module
 from loraplex.server.adapter_format import AdapterError
-from loraplex.server.adapters import GROUPS, LoRABuffers, group_mask, group_ranks, slot_groups
+from loraplex.server.adapters import GROUPS, LoRABuffers, group_mask, projection_ranks, slot_groups
 from loraplex.server.engine import LLMEngine
 from loraplex.server.settings import ServerSettings
 
@@ -47,16 +47,21 @@ def test_a_step_launches_the_groups_its_adapters_target(engine, monkeypatch, nam
         assert len(launched) % (len(want) * engine.model.cfg.num_layers) == 0
 
 
-def test_group_ranks_and_mask_of_a_spec(engine):
-    """The ranks a slot holds per group, and the host's mask of them, agree with the spec."""
+def test_projection_ranks_and_group_mask_of_a_spec(engine):
+    """The ranks a slot holds per projection, the model's per-group views of them, and the
+    host's group mask agree with the spec."""
     for name in ("qv-r8", "patterns", "mlp-rslora-r4"):
         slot = engine.adapters.slot_of(name)
         spec = engine.adapters.table.entries[name].spec
-        ranks = group_ranks(spec)
+        ranks = projection_ranks(spec)
         assert engine.lora.ranks[slot].tolist() == ranks
         assert engine.lora.group_masks[slot] == group_mask(ranks)
-    assert group_ranks(engine.adapters.table.entries["qv-r8"].spec) == [8, 0, 0, 0]
-    assert group_ranks(engine.adapters.table.entries["patterns"].spec) == [8, 4, 0, 8]
+        assert engine.lora.group_ranks["qkv"][slot].tolist() == ranks[0:3]
+        assert engine.lora.group_ranks["down"][slot].tolist() == ranks[6:7]
+    #                                                            q  k  v  o  gate up down
+    assert projection_ranks(engine.adapters.table.entries["qv-r8"].spec) == [8, 0, 8, 0, 0, 0, 0]
+    assert projection_ranks(engine.adapters.table.entries["patterns"].spec) == [8, 8, 0, 4, 0, 0, 8]
+    assert group_mask([8, 0, 8, 0, 0, 0, 0]) == 0b0001 and group_mask([8, 8, 0, 4, 0, 0, 8]) == 0b1011
 
 
 def test_slot_groups_hold_whole_groups():
