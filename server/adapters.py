@@ -30,7 +30,6 @@ adapter's tensors are written into a slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -126,18 +125,22 @@ class SlotLayout:
             layers.append(layer)
         return cls(tuple(layers), off, s_off)
 
-    @cached_property
-    def gaps(self) -> tuple[tuple[int, int], ...]:
-        """[start, end) element ranges of a slot that no view covers: the alignment padding
-        after an A or a B whose size is not a multiple of ALIGN_ELEMS (none for Llama-3-8B)."""
-        spans = sorted((off, off + rows * cols) for groups in self.layers for g in groups.values()
-                       for off, (rows, cols) in ((g.a_off, g.a_shape), (g.b_off, g.b_shape)))
-        gaps, pos = [], 0
-        for start, end in spans + [(self.slot_elems, self.slot_elems)]:
-            if start > pos:
-                gaps.append((pos, start))
-            pos = max(pos, end)
-        return tuple(gaps)
+    def read_mask(self, ranks: list[int]) -> torch.Tensor:
+        """bool [slot_elems]: what the kernels read of a slot holding an adapter of these
+        projection ranks (projection_ranks): each projection's rank rows of A and rank
+        columns of B, in every layer. Nothing else in a slot is read, so nothing else needs
+        to be written (HostCopy.fill)."""
+        rank = dict(zip(PROJECTIONS, ranks))
+        mask = torch.zeros(self.slot_elems, dtype=torch.bool)
+        for groups in self.views(mask, torch.zeros(self.n_scales)):
+            for name, g in groups.items():
+                off = 0
+                for i, (proj, width) in enumerate(zip(GROUPS[name], g.slices)):
+                    r_max = g.a.shape[0] // len(g.slices)
+                    g.a[i * r_max: i * r_max + rank[proj]] = True
+                    g.b[off: off + width, : rank[proj]] = True
+                    off += width
+        return mask
 
     def views(self, flat: torch.Tensor, scales: torch.Tensor) -> list[dict[str, "LoRAGroup"]]:
         """Per-group views of `flat` [..., slot_elems] and `scales` [..., n_scales] (a leading

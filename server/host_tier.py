@@ -1,7 +1,7 @@
 """The host tier of the adapter cache: adapters in (pinned) host memory, laid out as a slot.
 
 A `HostCopy` holds one adapter's tensors already in a slot's layout (adapters.SlotLayout),
-zero-padded to the max rank, in one flat buffer, so loading it into a GPU slot is a few
+padded to the max rank, in one flat buffer, so loading it into a GPU slot is a few
 `copy_(non_blocking=True)` on a side stream, straight into the slot's rows of the device
 buffers (flat in chunks, scales, rank)::
 
@@ -51,8 +51,10 @@ class HostCopy:
     """One adapter in the slot layout, in host memory (pinned when `pin`).
 
     Allocated uninitialised (a recycled pinned block holds an earlier adapter's bytes):
-    `fill` writes every element once, the adapter's tensors through `put` and zeros
-    elsewhere, where zeroing the whole buffer first wrote most of its bytes twice."""
+    `fill` writes what the kernels read, the adapter's tensors through `put` and zeros where
+    a layer's module has a lower rank than its projection's rank in the slot. The rest
+    (rank rows and columns past a projection's rank, projections the adapter does not
+    target, alignment gaps) is never read, and keeps whatever it held."""
 
     def __init__(self, buffers: LoRABuffers, pin: bool, lock: threading.Lock | None = None):
         self.max_rank = buffers.max_rank
@@ -67,12 +69,16 @@ class HostCopy:
 
     def fill(self, spec: AdapterSpec, put) -> None:
         """Write the adapter into the layout: `put(key, view)` writes the tensor saved under
-        `key` into `view`; everything else is zeroed here: rows of A past a module's rank,
-        columns of B past it, the projections the adapter does not target (scaling 0), the
-        alignment gaps between views. Together they cover the buffer exactly once."""
+        `key` into `view`; zeros go where the kernels read past a module's own rank: a
+        projection's rank in the slot is its largest in any layer (projection_ranks), so a
+        layer where it is lower, or untargeted, has rows of A and columns of B up to that
+        rank zeroed. Rows and columns past a projection's rank are never read (the kernels
+        mask them by rank), so they are not written at all: nothing for an adapter of one
+        rank throughout, whatever the slots' max rank."""
         check_held(spec, self.groups)
         r_max = self.max_rank
         modules = {(m.layer, m.proj): m for m in spec.modules}
+        read = dict(zip(PROJECTIONS, projection_ranks(spec)))  # rank rows the kernels read
         scales = [0.0] * self.layout.n_scales  # written in one copy: a setitem per module costs more
         for layer, (groups, places) in enumerate(zip(self.layers, self.layout.layers)):
             for name, g in groups.items():
@@ -80,19 +86,17 @@ class HostCopy:
                 off = 0
                 for i, (proj, width) in enumerate(zip(projs, g.slices)):
                     m = modules.get((layer, proj))
-                    r = m.rank if m is not None else 0
-                    if r < r_max:
-                        g.a[i * r_max + r: (i + 1) * r_max].zero_()  # [R - r, in]
-                        g.b[off: off + width, r:].zero_()  # [out, R - r]
+                    r, r_read = (m.rank if m is not None else 0), read[proj]
+                    if r < r_read:
+                        g.a[i * r_max + r: i * r_max + r_read].zero_()  # [r_read - r, in]
+                        g.b[off: off + width, r:r_read].zero_()  # [out, r_read - r]
                     if m is not None:
                         put(m.key_a, g.a[i * r_max: i * r_max + r])  # [r, in]
                         put(m.key_b, g.b[off: off + width, :r])  # [out, r]
                         scales[places[name].s_off + i] = m.scaling
                     off += width
-        for start, end in self.layout.gaps:
-            self.flat[start:end].zero_()
         self.scales.copy_(torch.tensor(scales, dtype=torch.float32))
-        self.rank.copy_(torch.tensor(projection_ranks(spec), dtype=torch.int32))
+        self.rank.copy_(torch.tensor(list(read.values()), dtype=torch.int32))
 
     def copy_to(self, buffers: LoRABuffers, slot: int) -> None:
         """Enqueue the copy into `slot` on the current stream: transfers (non-blocking from
@@ -118,7 +122,7 @@ def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pi
                    chunk_bytes: int | None = None) -> HostCopy:
     """Read `adapter_model.safetensors` under `path` straight into a new HostCopy: allocate
     it (holding `lock`, see AdapterCache.cuda_lock: pinned allocations are CUDA calls), fill
-    its padding with zeros, read the tensors into their views (`read_tensors`, on `pool`)."""
+    it (HostCopy.fill), read the tensors into their views (`read_tensors`, on `pool`)."""
     copy = HostCopy(buffers, pin, lock)
     targets: list[tuple[str, torch.Tensor]] = []
     copy.fill(spec, lambda key, dst: targets.append((key, dst)))

@@ -1,9 +1,11 @@
 """read_into_host on real safetensors files: what lands in a HostCopy, element by element.
 
 Rules under test: a HostCopy starts as garbage (torch.empty; on CUDA a recycled pinned block)
-and `fill` leaves no element of it untouched: every padding element is exactly zero and
-every real element equals the file's tensor, at any rank below the max, for any subset of
-target modules, with alignment gaps in the layout. A file read as many chunks on a thread
+and `fill` writes every element the kernels read: every real element equals the file's
+tensor, and where a layer's module has a lower rank than its projection's rank in the slot
+(or is not targeted in that layer), the rank rows and columns up to that rank are exactly
+zero. What lies past a projection's rank stays garbage, and add_lora on the slot (torch and
+Triton paths) gives the same term as a clean write: it is never read. A file read as many chunks on a thread
 pool lands byte for byte as a read in one go; a file cut short (before or during the read)
 raises AdapterError once no read is left running, and a load of it leaves nothing behind.
 """
@@ -25,7 +27,8 @@ from loraplex.server import host_tier
 from loraplex.server.adapter_cache import AdapterCache
 from loraplex.server.adapter_format import WEIGHTS_FILE, AdapterError, BaseSpec, read_adapter, write_adapter_config
 from loraplex.server.adapter_sources import AdapterLoadError
-from loraplex.server.adapters import GROUPS, LoRABuffers, random_adapter
+from loraplex.kernels import LoRABatch, add_lora
+from loraplex.server.adapters import GROUPS, PROJECTIONS, LoRABuffers, projection_ranks, random_adapter
 from loraplex.server.config import named_shape
 from loraplex.server.host_tier import host_copy_from_tensors, plan_reads, read_into_host
 
@@ -35,13 +38,17 @@ R_MAX = 6
 
 
 def write_mixed_adapter(path: Path, cfg=ODD) -> Path:
-    """q_proj and down_proj at rank 3, v_proj at rank 6 (rank_pattern); k, o, gate, up not targeted."""
+    """q_proj at rank 3 in layer 0 and 6 in layer 1, down_proj at rank 3, v_proj at rank 6
+    (rank_pattern); k, o, gate, up not targeted."""
     _, low = random_adapter(cfg, 3, targets=("q_proj", "down_proj"), seed=1)
-    _, full = random_adapter(cfg, R_MAX, targets=("v_proj",), seed=2)
+    _, full = random_adapter(cfg, R_MAX, targets=("q_proj", "v_proj"), seed=2)
+    layer1_q = ".layers.1.self_attn.q_proj."
+    tensors = {k: v for k, v in low.items() if layer1_q not in k}
+    tensors |= {k: v for k, v in full.items() if "v_proj" in k or layer1_q in k}
     path.mkdir(parents=True, exist_ok=True)
     write_adapter_config(path, r=3, lora_alpha=6, target_modules=["q_proj", "v_proj", "down_proj"],
-                         rank_pattern={"v_proj": R_MAX})
-    save_file({k: v.contiguous() for k, v in (low | full).items()}, str(path / WEIGHTS_FILE))
+                         rank_pattern={"v_proj": R_MAX, "layers.1.self_attn.q_proj": R_MAX})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / WEIGHTS_FILE))
     return path
 
 
@@ -60,54 +67,74 @@ def poison_allocations(monkeypatch) -> None:
     monkeypatch.setattr(torch, "empty", empty)
 
 
-def written(buffers: LoRABuffers, spec) -> torch.Tensor:
-    """bool [slot_elems]: the elements the adapter's tensors land on; all others are padding."""
-    mask = torch.zeros(buffers.layout.slot_elems, dtype=torch.bool)
-    for layer, groups in enumerate(buffers.layout.views(mask, torch.zeros(buffers.layout.n_scales))):
-        for name, projs in GROUPS.items():
-            g, off = groups[name], 0
-            for i, (proj, width) in enumerate(zip(projs, g.slices)):
-                m = spec.module(layer, proj)
-                if m is not None:
-                    g.a[i * R_MAX: i * R_MAX + m.rank] = True
-                    g.b[off: off + width, : m.rank] = True
-                off += width
-    return mask
+def read_region(buffers: LoRABuffers, spec) -> torch.Tensor:
+    return buffers.layout.read_mask(projection_ranks(spec))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: the f32 file is converted
 @pytest.mark.parametrize("source", ["file", "memory"])
-def test_a_poisoned_allocation_is_filled_whole(tmp_path, monkeypatch, dtype, source):
+def test_a_poisoned_allocation_is_filled_where_the_kernels_read(tmp_path, monkeypatch, dtype, source):
     path = write_mixed_adapter(tmp_path / "a")
     spec = read_adapter(path, base_spec())
     tensors = load_file(str(path / WEIGHTS_FILE))
     buffers = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), dtype)
-    assert buffers.layout.gaps and {m.rank for m in spec.modules} == {3, R_MAX}
+    assert {(m.layer, m.proj, m.rank) for m in spec.modules if m.proj == "q_proj"} == {
+        (0, "q_proj", 3), (1, "q_proj", R_MAX)}
     poison_allocations(monkeypatch)
     if source == "file":
         host = read_into_host(path, spec, buffers, pin=False)
     else:
         host = host_copy_from_tensors(spec, tensors, buffers, pin=False)
+    monkeypatch.undo()
 
-    mask = written(buffers, spec)
-    assert 0 < int(mask.sum()) < mask.numel()
-    assert torch.equal(host.flat[~mask], torch.zeros_like(host.flat[~mask]))  # padding, gaps, untargeted
+    read = read_region(buffers, spec)
+    assert torch.isfinite(host.flat[read]).all(), "an element the kernels read was left as garbage"
+    assert torch.isnan(host.flat[~read]).any(), "the test's poison did not reach the unread elements"
     for layer, groups in enumerate(host.layers):
         for name, projs in GROUPS.items():
             g, off = groups[name], 0
             for i, (proj, width) in enumerate(zip(projs, g.slices)):
                 m = spec.module(layer, proj)
+                r = m.rank if m is not None else 0
+                r_read = int(host.rank[PROJECTIONS.index(proj)])
+                assert not g.a[i * R_MAX + r: i * R_MAX + r_read].any(), (layer, proj)  # zeros, read
+                assert not g.b[off: off + width, r:r_read].any(), (layer, proj)
                 if m is None:
                     assert g.scaling[i] == 0, (layer, proj)
                 else:
-                    assert torch.equal(g.a[i * R_MAX: i * R_MAX + m.rank], tensors[m.key_a].to(dtype)), m.key_a
-                    assert torch.equal(g.b[off: off + width, : m.rank], tensors[m.key_b].to(dtype)), m.key_b
+                    assert torch.equal(g.a[i * R_MAX: i * R_MAX + r], tensors[m.key_a].to(dtype)), m.key_a
+                    assert torch.equal(g.b[off: off + width, :r], tensors[m.key_b].to(dtype)), m.key_b
                     assert g.scaling[i] == pytest.approx(m.scaling), (layer, proj)
                 off += width
-    assert host.rank.tolist() == [3, 0, R_MAX, 0, 0, 0, 3]  # per projection: q at 3, v at 6, down at 3
-    reference = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), dtype)  # torch.zeros, then the views
-    reference.write(0, spec, tensors)
-    assert torch.equal(host.flat, reference.flat[0]) and torch.equal(host.scales, reference.scales[0])
+    assert host.rank.tolist() == [R_MAX, 0, R_MAX, 0, 0, 0, 3]  # per projection: q (6 in layer 1), v, down
+
+    # Loaded into a slot, the garbage past each projection's rank changes nothing: the term
+    # equals a clean write's, on both paths of add_lora.
+    clean = LoRABuffers(ODD, 2, R_MAX, torch.device("cpu"), dtype)
+    clean.write(1, spec, tensors)
+    loaded = LoRABuffers(ODD, 2, R_MAX, torch.device("cpu"), dtype)
+    loaded.flat.fill_(float("nan"))
+    host.copy_to(loaded, 1)
+    if dtype == torch.bfloat16:  # the Triton interpreter's bf16 dot is wrong; the torch path checks it
+        backends = ("torch",)
+    else:
+        backends = ("torch", "triton")
+    gen = torch.Generator().manual_seed(0)
+    slots = torch.tensor([1, -1, 1, 1], dtype=torch.int32)
+    batch = LoRABatch.build(slots, 2)
+    for layer in range(ODD.num_layers):
+        for name in GROUPS:
+            want_g, got_g = clean.layers[layer][name], loaded.layers[layer][name]
+            x = torch.randn(4, want_g.a.shape[2], generator=gen).to(dtype)
+            y0 = torch.randn(4, want_g.b.shape[1], generator=gen).to(dtype)
+            for backend in backends:
+                want, got = y0.clone(), y0.clone()
+                add_lora(want, x, want_g.a, want_g.b, want_g.scaling, batch, ranks=clean.group_ranks[name],
+                         backend=backend, output_slices=want_g.slices)
+                add_lora(got, x, got_g.a, got_g.b, got_g.scaling, batch, ranks=loaded.group_ranks[name],
+                         backend=backend, output_slices=got_g.slices)
+                assert torch.isfinite(got).all(), (layer, name, backend)
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{layer} {name} {backend}")
 
 
 @pytest.mark.parametrize("reads, chunk, iov_max, want", [
@@ -179,7 +206,8 @@ def test_a_read_in_many_chunks_on_threads_is_byte_identical(tmp_path, monkeypatc
     data_bytes = (path / WEIGHTS_FILE).stat().st_size
     assert spy.calls >= data_bytes // chunk - 1 and spy.peak > 1 and len(spy.threads) > 1
     assert all(name.startswith("test-read") for name in spy.threads)
-    assert torch.equal(host.flat.view(torch.uint8), whole.flat.view(torch.uint8))
+    read = read_region(buffers, spec)  # elsewhere each copy keeps its allocation's garbage
+    assert torch.equal(host.flat[read].view(torch.uint8), whole.flat[read].view(torch.uint8))
     assert torch.equal(host.scales, whole.scales) and torch.equal(host.rank, whole.rank)
     tensors = load_file(str(path / WEIGHTS_FILE))
     for layer, groups in enumerate(host.layers):
