@@ -3,9 +3,10 @@
     python3 bench/cold_load_bench.py --out $OUT/cold_load.json                        # one GPU, Llama-3-8B shape
     python3 bench/cold_load_bench.py --shape tiny --quick --device cpu --out /tmp/c.json   # CPU smoke test
 
-On an engine with dummy weights of `--shape` (bf16 on CUDA) and one rank-16 PEFT adapter on
-all seven projections (`--targets`: a subset, which the server's slots then hold alone, as
-`--lora-target-modules` makes them) written to a temporary folder (the disk tier):
+On an engine with dummy weights of `--shape` (bf16 on CUDA) and one PEFT adapter of
+`--rank` (16) on all seven projections (`--targets`: a subset, which the server's slots then
+hold alone, as `--lora-target-modules` makes them; `--max-lora-rank`: slots of a higher rank
+than the adapter's) written to a temporary folder (the disk tier):
 
 - host-to-device bandwidth: a pinned host buffer of one slot's bytes copied to the device
   (median of 10), and the floor of a cold load: slot bytes / that bandwidth;
@@ -82,11 +83,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "transfer), in the same alternation: e.g. 0,4 (default: the server's alone)")
     p.add_argument("--read-sweep", action="store_true",
                    help="also time the disk read over read threads and chunk sizes, against a memcpy")
+    p.add_argument("--max-lora-rank", type=int, default=0,
+                   help="the slots' max rank, above the adapter's --rank for a mixed-rank fleet (default: --rank)")
     p.add_argument("--targets", default=",".join(TARGETS_ALL),
                    help="projections the adapters target and the slots hold (default all seven)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     a = p.parse_args(argv)
     a.targets = tuple(t.strip() for t in a.targets.split(",") if t.strip())
+    a.max_lora_rank = a.max_lora_rank or a.rank
     a.slot_copy_chunks = [int(mb) << 20 for mb in a.slot_copy_chunk_mb.split(",") if mb.strip()]
     if a.quick:
         a.repeats, a.batch, a.prompt_len, a.chunk, a.pairs = 3, min(a.batch, 4), 16, 4, 2
@@ -375,11 +379,11 @@ def main(argv=None) -> int:
     settings = ServerSettings(
         dummy_weights=args.shape, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
         max_model_len=args.prompt_len + steps + 16, max_prefill_tokens=args.batch * args.prompt_len,
-        max_loras=slots, max_lora_rank=args.rank, max_cpu_loras=4, max_concurrent_loads=args.loads,
+        max_loras=slots, max_lora_rank=args.max_lora_rank, max_cpu_loras=4, max_concurrent_loads=args.loads,
         adapter_cache_dir=str(tmp), kv_block=args.kv_block, lora_target_modules=list(args.targets))
     engine = LLMEngine.from_settings(settings)
     device, dtype, cache = engine.device, engine.dtype, engine.adapters
-    slot_bytes = LoRABuffers.slot_bytes(cfg, args.rank, dtype, slot_groups(args.targets))
+    slot_bytes = LoRABuffers.slot_bytes(cfg, args.max_lora_rank, dtype, slot_groups(args.targets))
     assert slot_bytes == cache.buffers.bytes_per_slot, "the bench's slot bytes are not the engine's"
 
     spec, tensors = random_adapter(cfg, args.rank, targets=args.targets, seed=7, device=device, dtype=dtype)
@@ -447,7 +451,7 @@ def main(argv=None) -> int:
         "benchmark": "adapter cold load and decode under loads",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "versions": {"torch": torch.__version__},
-        "config": {"shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "rank": args.rank,
+        "config": {"shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "rank": args.rank, "max_lora_rank": args.max_lora_rank,
                    "targets": ",".join(args.targets), "repeats": args.repeats, "batch": args.batch,
                    "prompt_len": args.prompt_len, "loads": args.loads, "chunk": args.chunk, "pairs": args.pairs,
                    "slots": slots, "quick": args.quick},
