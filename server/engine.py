@@ -41,7 +41,7 @@ from .kv_cache import KVCache
 from .metrics import EngineMetrics
 from .model import LlamaModel
 from .plan_watch import PlanWatcher
-from .request import Request, RequestOutput, State
+from .request import Request, RequestOutput
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .settings import ServerSettings
