@@ -130,16 +130,37 @@ def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pi
     return copy
 
 
+# A thread keeps its staging buffer (below) between loads up to this size; a larger one is
+# allocated for its load alone.
+STAGING_KEEP_BYTES = 256 << 20
+_staging = threading.local()
+
+
+def _staging_bytes(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] for the tensors a load converts, this thread's own and reused: its
+    pages are faulted in once, where a fresh allocation per load pays a fault per page
+    inside the read (most of a load of a rank-16 adapter into rank-64 slots, whose B rows
+    all take this path)."""
+    buf = getattr(_staging, "buf", None)
+    if buf is not None and buf.numel() >= nbytes:
+        return buf[:nbytes]
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes <= STAGING_KEEP_BYTES:
+        _staging.buf = buf
+    return buf
+
+
 def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: Executor | None = None,
                  chunk_bytes: int | None = None) -> None:
     """Read each (key, view) of `targets` from the safetensors file `weights` into its view.
 
     A tensor whose dtype and shape are the view's, in a contiguous view, is read straight
     into it; the others (an F32 adapter for bf16 slots, B below the max rank: strided) land in
-    a temporary and are converted after. The data section is read as chunk_bytes-aligned
-    chunks of the file (default READ_CHUNK_BYTES), one `preadv` each into the buffers its bytes
-    belong to (a buffer that straddles two chunks is split), the chunks on `pool`'s threads at
-    once when given (preadv releases the GIL), else one after another here. One copy from the
+    the calling thread's staging buffer and are converted into their views after. The data
+    section is read as chunk_bytes-aligned chunks of
+    the file (default READ_CHUNK_BYTES), one `preadv` each into the buffers its bytes belong
+    to (a buffer that straddles two chunks is split), the chunks on `pool`'s threads at once
+    when given (preadv releases the GIL), else one after another here. One copy from the
     page cache; raises AdapterError on a file cut short, once no read it started is running."""
     with weights.open("rb", buffering=0) as f:
         fd = f.fileno()
@@ -148,15 +169,25 @@ def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: E
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
         size = os.fstat(fd).st_size
-        reads = []  # (file offset, the target's view, buffer read into: the view or a temporary)
+        reads = []  # (file offset, the target's view, buffer read into: the view or a staged one)
+        staged = []  # (the target's view, byte offset in the staging buffer, dtype, shape)
+        staged_bytes = 0
         for key, dst in targets:
             info = header[key]
             start, end = (8 + n + o for o in info["data_offsets"])
             if end > size:
                 raise AdapterError(f"{WEIGHTS_FILE}: tensor {key!r} ends past the file's {size} bytes (cut short?)")
             dtype = SAFETENSORS_DTYPES[info["dtype"]]
-            direct = dtype == dst.dtype and dst.is_contiguous() and list(dst.shape) == info["shape"]
-            reads.append((start, dst, dst if direct else torch.empty(info["shape"], dtype=dtype)))
+            if dtype == dst.dtype and dst.is_contiguous() and list(dst.shape) == info["shape"]:
+                reads.append((start, dst, dst))
+            else:
+                staged.append((start, dst, staged_bytes, dtype, info["shape"]))
+                staged_bytes += -(-(end - start) // 64) * 64
+        if staged:
+            stage = _staging_bytes(staged_bytes)
+            for start, dst, off, dtype, shape in staged:
+                nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                reads.append((start, dst, stage[off: off + nbytes].view(dtype).view(shape)))
         reads.sort(key=lambda r: r[0])
         byte_views = _byte_views([buf for _, _, buf in reads])
         calls = plan_reads([(start, b) for (start, _, _), b in zip(reads, byte_views)], chunk_bytes or READ_CHUNK_BYTES)
@@ -174,7 +205,7 @@ def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: E
                     raise future.exception()
     for _, dst, buf in reads:
         if buf is not dst:
-            dst.copy_(buf)
+            dst.copy_(buf)  # torch spreads a large copy over its own threads
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024

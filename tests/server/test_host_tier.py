@@ -260,3 +260,29 @@ def test_a_load_of_a_file_cut_during_the_read_leaves_nothing_behind(tmp_path, mo
     spy.before = None
     assert cache.prefetch("b").result(10) in (0, 1)  # the next load reads as usual
     cache.close()
+
+
+def test_converted_tensors_go_through_one_staging_buffer_kept_per_thread(tmp_path, monkeypatch, pool):
+    """Tensors read through a conversion (here f32 -> f16, and B below the max rank) land in
+    the calling thread's staging buffer, kept for its next load up to STAGING_KEEP_BYTES, and
+    come out right either way."""
+    path = write_mixed_adapter(tmp_path / "a")
+    spec = read_adapter(path, base_spec())
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    buffers = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), torch.float16)
+    monkeypatch.setattr(host_tier, "_staging", threading.local())
+    first = read_into_host(path, spec, buffers, pin=False, pool=pool)
+    kept = host_tier._staging.buf
+    assert kept.numel() >= sum(t.numel() * t.element_size() for t in tensors.values())
+    second = read_into_host(path, spec, buffers, pool=pool, pin=False)
+    assert host_tier._staging.buf is kept
+    read = read_region(buffers, spec)
+    assert torch.equal(first.flat[read], second.flat[read])
+    m = spec.module(1, "q_proj")
+    assert torch.equal(second.layers[1]["qkv"].a[: m.rank], tensors[m.key_a].to(torch.float16))
+
+    monkeypatch.setattr(host_tier, "_staging", threading.local())
+    monkeypatch.setattr(host_tier, "STAGING_KEEP_BYTES", 1024)  # smaller than this adapter's
+    third = read_into_host(path, spec, buffers, pin=False, pool=pool)
+    assert getattr(host_tier._staging, "buf", None) is None
+    assert torch.equal(third.flat[read], first.flat[read])
