@@ -6,7 +6,8 @@
 On an engine with dummy weights of `--shape` (bf16 on CUDA) and one PEFT adapter of
 `--rank` (16) on all seven projections (`--targets`: a subset, which the server's slots then
 hold alone, as `--lora-target-modules` makes them; `--max-lora-rank`: slots of a higher rank
-than the adapter's) written to a temporary folder (the disk tier):
+than the adapter's) written to a temporary folder (the disk tier; `--file-dtype`: saved in
+another dtype than the slots', as PEFT often saves float32):
 
 - host-to-device bandwidth: a pinned host buffer of one slot's bytes copied to the device
   (median of 10), and the floor of a cold load: slot bytes / that bandwidth;
@@ -85,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the disk read over read threads and chunk sizes, against a memcpy")
     p.add_argument("--max-lora-rank", type=int, default=0,
                    help="the slots' max rank, above the adapter's --rank for a mixed-rank fleet (default: --rank)")
+    p.add_argument("--file-dtype", default="", choices=["", "float32", "float16", "bfloat16"],
+                   help="dtype of the adapter file on disk (PEFT often saves float32; default: the slots')")
     p.add_argument("--targets", default=",".join(TARGETS_ALL),
                    help="projections the adapters target and the slots hold (default all seven)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
@@ -387,7 +390,8 @@ def main(argv=None) -> int:
     assert slot_bytes == cache.buffers.bytes_per_slot, "the bench's slot bytes are not the engine's"
 
     spec, tensors = random_adapter(cfg, args.rank, targets=args.targets, seed=7, device=device, dtype=dtype)
-    write_peft(tmp / "cold", spec, tensors, args.rank, args.targets)
+    file_dtype = getattr(torch, args.file_dtype) if args.file_dtype else dtype
+    write_peft(tmp / "cold", spec, {k: v.to(file_dtype) for k, v in tensors.items()}, args.rank, args.targets)
     for name in storm_names + [f"b{i}" for i in range(BATCH_ADAPTERS)]:
         cache.install(AdapterId(name, f"random-{name}", "memory"), spec, tensors, keep_host_copy=True)
     del tensors
@@ -428,7 +432,7 @@ def main(argv=None) -> int:
     loads["disk_page_cache_dropped"]["fadvise_used"] = all(dropped)
     # What a disk load cannot beat: reading the file (page cache dropped) plus the copy to the device.
     disk_bw = file_read_bandwidth(tmp / "cold" / WEIGHTS_FILE, args.repeats)
-    disk_floor_s = spec.nbytes / disk_bw + floor_s
+    disk_floor_s = (tmp / "cold" / WEIGHTS_FILE).stat().st_size / disk_bw + floor_s
     for key in ("disk_page_cache_warm", "disk_page_cache_dropped"):
         loads[key]["vs_disk_floor"] = loads[key]["median_ms"] / (1e3 * disk_floor_s)
 
@@ -452,6 +456,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "versions": {"torch": torch.__version__},
         "config": {"shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "rank": args.rank, "max_lora_rank": args.max_lora_rank,
+                   "file_dtype": args.file_dtype or str(dtype).removeprefix("torch."),
                    "targets": ",".join(args.targets), "repeats": args.repeats, "batch": args.batch,
                    "prompt_len": args.prompt_len, "loads": args.loads, "chunk": args.chunk, "pairs": args.pairs,
                    "slots": slots, "quick": args.quick},
