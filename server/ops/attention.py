@@ -4,8 +4,8 @@
     k_cache  [rows, kv_heads, max_len, d]  row b of the batch is KV row b (kv_cache.py)
     out      [B, heads, d]                 row b attends to keys 0..min(positions[b], kv_len-1)
 
-Flash-decoding: the keys 0..kv_len-1 are cut into ``splits`` chunks and one program takes one
-(row, kv head, chunk). It holds all ``heads / kv_heads`` query heads of its kv head as the rows
+Flash-decoding: each row's own keys (0..its position, at most kv_len) are cut into ``splits``
+chunks of whole key blocks and one program takes one (row, kv head, chunk). It holds all ``heads / kv_heads`` query heads of its kv head as the rows
 of one tile, so each K and V block is read from memory once and used by every head of the
 group (tl.dot needs 16 rows: a group of 4 is padded with zero queries). The softmax is online
 in float32. A program stops at its row's last key, so short rows read only what they use.
@@ -13,7 +13,10 @@ in float32. A program stops at its row's last key, so short rows read only what 
 With one split the program normalises and writes ``out`` itself. With more, each writes its
 running max, sum and unnormalised output (float32) to a workspace and a second kernel
 combines the chunks of each (row, head). Splits are chosen from (B, kv_heads, kv_len) alone,
-so a (B, kv_len) decode graph has static shapes and no host synchronisation.
+and a chunk's size from its row's length on the device, so a decode graph has static shapes
+and no host synchronisation, and one graph captured at the cache's full length serves
+every shorter one at the same speed: a row's keys are spread over the splits whatever the
+bound.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def _attention_split_kernel(
     positions_ptr,  # int [B]
     # sizes
     kv_len,
-    CHUNK,  # keys per split, a multiple of BLOCK_N
+    SPLITS,  # chunks of each row's keys (grid axis 2)
     GROUPS,  # heads / kv_heads
     HEAD_DIM,
     # strides (last dimensions contiguous)
@@ -115,7 +118,8 @@ def _attention_split_kernel(
 
         for row b, kv head j, split s:               # grid (B, kv_heads, splits)
             n = min(positions[b] + 1, kv_len)
-            keys = s*CHUNK : min((s+1)*CHUNK, n)
+            chunk = cdiv(n, SPLITS) rounded up to whole BLOCK_N
+            keys = s*chunk : min((s+1)*chunk, n)
             for h in heads j*GROUPS : (j+1)*GROUPS:
                 scores = q[b, h] @ k[b, j, keys].T
                 max[b, h, s] = max(scores); e = exp(scores - max[b, h, s])
@@ -126,8 +130,9 @@ def _attention_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     n_keys = tl.minimum(tl.load(positions_ptr + b).to(tl.int32) + 1, kv_len)
-    lo = split * CHUNK
-    hi = tl.minimum(lo + CHUNK, n_keys)
+    chunk = tl.cdiv(tl.cdiv(n_keys, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_keys)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -256,7 +261,7 @@ def decode_attention(
     kv_heads = k_cache.shape[1]
     if config is None:
         config = attention_config(batch, kv_heads, kv_len, head_dim, q.device)
-    chunk, splits = split_keys(kv_len, config.splits, config.block_n)
+    splits = split_keys(kv_len, config.splits, config.block_n)[1]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
@@ -278,7 +283,7 @@ def decode_attention(
         v_cache,
         positions,
         kv_len,
-        chunk,
+        splits,
         heads // kv_heads,
         head_dim,
         q.stride(0),

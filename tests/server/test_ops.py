@@ -80,6 +80,22 @@ def test_decode_attention_matches_reference(batch, heads, kv_heads, head_dim, kv
     close(got, decode_attention_reference(q, k, v, positions, kv_len), dtype)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_decode_attention_spreads_each_rows_own_keys_over_the_splits(splits):
+    """A chunk's size follows its row's length, not kv_len: one launch shape at the cache's
+    full length gives every row, short or long, the answer of a launch bounded near it, with
+    the splits past a short row's keys empty."""
+    q, k, v, positions = attention_case(5, 4, 2, 16, 48, torch.float32, seed=2, max_len=48)
+    positions[:3] = torch.tensor([0, 5, 17], device=DEVICE)  # rows far shorter than the bound
+    k[:3, :, 18:] = NAN
+    v[:3, :, 18:] = NAN
+    config = AttentionConfig(splits=splits, block_n=16, num_warps=4, num_stages=2)
+    full = decode_attention(q, k, v, positions, 48, config=config)
+    close(full, decode_attention_reference(q, k, v, positions, 48), torch.float32)
+    short = decode_attention(q[:3], k, v, positions[:3], 18, config=config)
+    close(full[:3], short, torch.float32)
+
+
 def test_decode_attention_reads_strided_views_and_int32_positions():
     q, k, v, positions = attention_case(4, 4, 2, 16, 30, torch.float32, seed=1)
     # Every other query row of a wider buffer; caches as slices of wider ones (max_len stride 48).
