@@ -11,14 +11,14 @@ Running example, max_rows 8, two requests in KV rows 0 and 2, span 3 -> bucket 4
     tokens      [ 901,   0, 417,   0]     last sampled token of each row
     positions   [  12, 2047,  40, 2047]   where that token goes (max_len - 1: an empty row)
     token_slots [   3,  -1,  -1,  -1]     row 0 uses the adapter in slot 3, row 2 the base
-    kv_len      256                       keys read: kv_bucket(max position = 40), kv_block 256
+    kv_len      2048                      keys read at most: with graphs the cache's length (kv_bucket)
 
 `DecodeRunner.run` replays a CUDA graph per (bucket, kv_len, adapter bucket, layer groups) on
 CUDA devices, captured the first time that key is seen, and calls `model.decode` eagerly
 elsewhere. The layer groups are those the running adapters target (adapters.group_mask): a
 batch of adapters that target q and v only runs no o, gate/up or down LoRA kernels at all. With
-graphs, kv_len is kv_block times a power of two (`kv_bucket`), so few keys are ever seen. The
-adapter bucket bounds the distinct adapters of the running rows (0, 1, 2, 4, 8, ...): the
+graphs, kv_len is the cache's whole length, one key: the attention spreads each row's own keys
+over its programs whatever the bound (`kv_bucket`). The adapter bucket bounds the distinct adapters of the running rows (0, 1, 2, 4, 8, ...): the
 LoRA kernels' grid is sized for that many adapters rather than for every slot, which spreads
 each adapter's work over more programs (32 adapters in 64 slots: the grid of 32, not 64).
 """
@@ -54,21 +54,18 @@ def bucket(n: int, buckets: list[int]) -> int:
 
 
 def kv_bucket(max_position: int, kv_block: int, max_len: int, graphs: bool) -> int:
-    """Keys a decode step reads: max_position + 1 rounded up to whole ``kv_block``s, and with
-    CUDA graphs on to ``kv_block`` times a power of two (kv_block 256: 256, 512, 1024, ...),
-    capped at ``max_len``.
+    """The bound on the keys a decode step reads: with CUDA graphs the cache's whole length
+    ``max_len``, one graph key; without, max_position + 1 rounded up to whole ``kv_block``s.
 
     Each KV length is a graph key, and a new key stalls every running row while its graph is
-    captured (52-184 ms a graph for Llama-3-8B on an H200). Powers of two make
-    log2(max_len / kv_block) + 1 keys where whole blocks made max_len / kv_block. The
-    attention kernel stops at each row's own last key, so a longer bucket reads no more keys:
-    measured on an H200 (bench/results/engine_h200_kv_buckets_notes.md), a 1024-key bucket
-    for 513-579 keys costs nothing at batch 64 or 16. Eager decode (CPU, no graphs) keeps
-    whole blocks: its torch attention does read every key of the bucket.
+    captured (52-184 ms a graph for Llama-3-8B on an H200). The attention kernel stops at each
+    row's own last key and cuts the keys a row has into its splits (ops/attention.py), so the
+    bound changes nothing a step reads (bench/results/engine_h200_notes.md). Eager decode
+    (CPU, no graphs) keeps whole blocks: its torch attention does read every key of the bound.
     """
-    blocks = (max_position + 1 + kv_block - 1) // kv_block
     if graphs:
-        blocks = 1 << (blocks - 1).bit_length()
+        return max_len
+    blocks = (max_position + 1 + kv_block - 1) // kv_block
     return min(blocks * kv_block, max_len)
 
 
@@ -77,16 +74,15 @@ def adapter_bucket(distinct: int) -> int:
     return 0 if distinct <= 0 else 1 << (distinct - 1).bit_length()
 
 
-def warmup_plan(buckets: list[int], num_slots: int, kv_lens: list[int]) -> list[tuple[int, int, int]]:
-    """The decode steps (batch bucket, adapter bucket, KV length) that between them launch
-    every decode kernel configuration: each batch bucket with each adapter bucket it can
-    hold (the LoRA kernels' configurations) at the shortest KV length, and base-only at each
-    KV length (the attention's). The other ops depend on the batch bucket alone."""
+def warmup_plan(buckets: list[int], num_slots: int) -> list[tuple[int, int]]:
+    """The decode steps (batch bucket, adapter bucket) that between them launch every decode
+    kernel configuration of a graphed decode (one KV bound, kv_bucket): each batch bucket with
+    each adapter bucket it can hold (the LoRA kernels' configurations). The other ops depend
+    on the batch bucket alone."""
     steps = []
     for b in buckets:
         adapters = sorted({0} | {adapter_bucket(n) for n in range(1, min(b, num_slots) + 1)})
-        steps += [(b, a, kv_lens[0]) for a in adapters]
-        steps += [(b, 0, kv) for kv in kv_lens[1:]]
+        steps += [(b, a) for a in adapters]
     return steps
 
 
@@ -226,13 +222,13 @@ class DecodeRunner:
         if not self.use_graphs:
             return 0
         max_len = self.model.kv.max_len
-        # A sequence feeds positions up to max_len - 2 (the last one is the empty rows').
-        kv_lens = sorted({kv_bucket(p, self.kv_block, max_len, True) for p in range(0, max_len - 1, self.kv_block)})
+        kv_len = kv_bucket(0, self.kv_block, max_len, True)
         num_slots = self.model.lora.num_slots
-        plan = warmup_plan(self.buckets, num_slots, kv_lens)
-        for b, adapters, kv_len in plan:
+        plan = warmup_plan(self.buckets, num_slots)
+        for b, adapters in plan:
             tokens = torch.zeros(b, dtype=torch.int64, device=self.device)
-            positions = torch.full((b,), min(kv_len, max_len - 1) - 1, dtype=torch.int64, device=self.device)
+            # A sequence feeds positions up to max_len - 2 (the last one is the empty rows').
+            positions = torch.full((b,), max_len - 2, dtype=torch.int64, device=self.device)
             # Rows spread over min(adapters, slots) distinct slots; -1 (base) when none.
             slots = torch.arange(b, device=self.device, dtype=torch.int32) % max(min(adapters, num_slots), 1)
             if not adapters:

@@ -103,27 +103,22 @@ def test_decode_graph_buckets():
     assert [adapter_bucket(n) for n in (0, 1, 2, 3, 4, 5, 17, 32, 33)] == [0, 1, 2, 4, 4, 8, 32, 32, 64]
 
 
-def test_kv_buckets_are_powers_of_two_blocks_with_graphs_and_whole_blocks_without():
+def test_kv_bound_is_the_whole_cache_with_graphs_and_whole_blocks_without():
     # max_position p needs p + 1 keys.
-    with_graphs = [kv_bucket(p, 256, 8192, graphs=True) for p in (0, 255, 256, 700, 1023, 1024, 5000, 8191)]
-    assert with_graphs == [256, 256, 512, 1024, 1024, 2048, 8192, 8192]
+    assert {kv_bucket(p, 256, 8192, graphs=True) for p in range(8192)} == {8192}  # one graph key
     eager = [kv_bucket(p, 256, 8192, graphs=False) for p in (0, 255, 256, 700, 1024, 8191)]
     assert eager == [256, 256, 512, 768, 1280, 8192]
-    assert kv_bucket(700, 256, 1000, graphs=True) == 1000  # capped at the cache
-    assert kv_bucket(200, 96, 4096, graphs=True) == 384  # any block size: 96 x 4
-    keys = {kv_bucket(p, 256, 8192, graphs=True) for p in range(8192)}
-    assert len(keys) == 6
+    assert kv_bucket(700, 256, 1000, graphs=False) == 768 and kv_bucket(900, 256, 1000, graphs=False) == 1000
 
 
-def test_warmup_plan_covers_every_lora_and_attention_configuration():
-    buckets, kv_lens = batch_buckets(16), [256, 512, 1024]
-    plan = warmup_plan(buckets, 6, kv_lens)
+def test_warmup_plan_covers_every_lora_configuration():
+    buckets = batch_buckets(16)
+    plan = warmup_plan(buckets, 6)
     assert len(plan) == len(set(plan))
     # Every batch bucket with every adapter bucket a step of it can reach (at most 6 distinct
-    # adapters in 6 slots), at the shortest KV length: the LoRA kernels' configurations.
+    # adapters in 6 slots): the LoRA kernels' configurations; the attention's follow the
+    # batch bucket alone, at the one KV bound.
     for b in buckets:
         reachable = {adapter_bucket(n) for n in range(0, min(b, 6) + 1)}
-        assert {a for bb, a, kv in plan if bb == b and kv == 256} == reachable
-        # Base only at every KV length: the attention's configurations.
-        assert {kv for bb, a, kv in plan if bb == b and a == 0} == set(kv_lens)
-    assert (1, 2, 256) not in plan and (16, 8, 256) in plan
+        assert {a for bb, a in plan if bb == b} == reachable
+    assert (1, 2) not in plan and (16, 8) in plan
