@@ -131,8 +131,9 @@ class ServerSettings:
     runs them as torch ops). Default: on."""
 
     kv_block: int = 256
-    """Granularity, in tokens, of the KV length that a decode step reads. With CUDA graphs the
-    length is kv_block times a power of two (256, 512, 1024, ...), one graph each. Default: 256."""
+    """Granularity, in tokens, of the KV length that an eager decode step reads (whole
+    blocks). With CUDA graphs a step is bounded by the cache's whole length instead, one graph
+    key, and the attention reads only each row's own keys. Default: 256."""
 
     log_level: str = "info"
     """Logging level: debug, info, warning, error. Default: info."""
