@@ -221,6 +221,12 @@ class LoRABuffers:
         self.ranks[slot] = torch.tensor(ranks, dtype=torch.int32)
         self.group_masks[slot] = group_mask(ranks)
 
+    @property
+    def held_mask(self) -> int:
+        """The group mask (group_mask) of every group these slots hold: what a step of
+        adapters on all of them runs."""
+        return sum(1 << i for i, name in enumerate(GROUPS) if name in self.groups)
+
     def groups_of(self, slots) -> int:
         """The groups (a group_mask) that any of `slots` (-1: none) targets."""
         mask = 0

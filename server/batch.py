@@ -160,7 +160,11 @@ class DecodeRunner:
         }
         self._np = {k: v.numpy() for k, v in self._host.items()}
         self._dev = {k: torch.zeros_like(v, device=self.device) for k, v in self._host.items()}
-        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Every graph writes its logits here (allocated at the first capture, outside the
+        # graphs' pool): no graph keeps an output of its own, so capturing many costs no memory
+        # beyond the graphs themselves.
+        self._logits: torch.Tensor | None = None
         # Size the LoRA grid for the step's adapters (adapter_bucket), or for every slot (the
         # bench's before/after switch).
         self.bound_adapters = True
@@ -217,8 +221,9 @@ class DecodeRunner:
     def warm_up(self) -> int:
         """Before the first request, on CUDA: run `warmup_plan`'s decode steps eagerly, so every
         decode kernel compiles now and not in a serving step (a step that compiles stalls every
-        running request 0.8-2.9 s on an H200, bench/results/engine_h200_kv_buckets_notes.md).
-        The steps write K/V into cache rows no request holds yet. Returns the steps run."""
+        running request 0.8-2.9 s on an H200, bench/results/engine_h200_kv_buckets_notes.md),
+        then capture their graphs (`capture_all`). The steps write K/V into cache rows no
+        request holds yet. Returns the eager steps run."""
         if not self.use_graphs:
             return 0
         max_len = self.model.kv.max_len
@@ -236,7 +241,36 @@ class DecodeRunner:
             self.model.decode(tokens, positions, slots, kv_len, adapters)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self.capture_all(plan)
         return len(plan)
+
+    def capture_all(self, plan: list[tuple[int, int]]) -> int:
+        """Capture the graph of each (batch bucket, adapter bucket) of `plan`: base-only steps,
+        and steps whose adapters target every group the slots hold (a step of adapters on
+        fewer groups is captured when first seen). A serving step then finds its graph and
+        stalls no running request for a capture (52-184 ms each on an H200). Inputs: token 0
+        at the empty rows' position, on every row; slots spread over the adapter bucket.
+        Returns the graphs captured."""
+        held = self.model.lora.held_mask if self.model.lora is not None else 0
+        kv_len = kv_bucket(0, self.kv_block, self.model.kv.max_len, True)
+        before = len(self._graphs)
+        for b, adapters in plan:
+            groups = held if adapters else 0
+            key = (b, kv_len, adapters, groups)
+            if key in self._graphs:
+                continue
+            self._dev["tokens"][:b].zero_()
+            self._dev["positions"][:b].fill_(self.model.kv.max_len - 1)
+            slots = self._dev["token_slots"][:b]
+            if adapters:
+                used = max(min(adapters, self.model.lora.num_slots), 1)
+                slots.copy_(torch.arange(b, device=self.device, dtype=torch.int32) % used)
+            else:
+                slots.fill_(-1)
+            args = (self._dev["tokens"][:b], self._dev["positions"][:b], slots, kv_len, adapters, groups)
+            self._graphs[key] = self._capture(args)
+        torch.cuda.synchronize(self.device)
+        return len(self._graphs) - before
 
     def rerun_eager(self) -> torch.Tensor:
         """The last step's decode again, eagerly (for checking graphs: it rewrites the same K/V)."""
@@ -253,8 +287,12 @@ class DecodeRunner:
             for _ in range(2):
                 self.model.decode(*args)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        b = args[0].shape[0]
+        if self._logits is None:
+            self._logits = torch.empty(self.max_rows, self.model.cfg.vocab_size, dtype=torch.float32,
+                                       device=self.device)
         graph = torch.cuda.CUDAGraph()
         with self.capture_guard, torch.cuda.graph(graph, pool=self._pool):
-            out = self.model.decode(*args)
-        log.debug("captured decode graph: batch %d, kv_len %d, adapters %s", args[0].shape[0], args[3], args[4])
-        return graph, out
+            self._logits[:b].copy_(self.model.decode(*args))
+        log.debug("captured decode graph: batch %d, kv_len %d, adapters %s", b, args[3], args[4])
+        return graph, self._logits[:b]

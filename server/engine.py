@@ -168,7 +168,8 @@ class LLMEngine:
     def warm_up(self) -> tuple[int, int]:
         """Compile every kernel configuration a serving step can launch, before the first
         request (CUDA only: a no-op elsewhere): the prefills of `warm_up_prefill`, then the
-        decode steps of `DecodeRunner.warm_up`. Returns (prefills, decode steps) run."""
+        decode steps of `DecodeRunner.warm_up`, which also captures their decode graphs.
+        Returns (prefills, decode steps) run."""
         if self.device.type != "cuda":
             return 0, 0
         t0 = time.perf_counter()
@@ -179,8 +180,8 @@ class LLMEngine:
             longest = max(longest, self.max_model_len - 1)
         prefills = warm_up_prefill(self.model, longest)
         steps = self.decoder.warm_up()
-        log.info("warm-up: %d prefills and %d eager decode steps (every kernel compiled) in %.1fs", prefills, steps,
-                 time.perf_counter() - t0)
+        log.info("warm-up: %d prefills and %d eager decode steps (every kernel compiled), %d decode graphs captured, "
+                 "in %.1fs", prefills, steps, self.decoder.num_graphs, time.perf_counter() - t0)
         return prefills, steps
 
     # -- requests --------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """On a CUDA device only: CUDA-graph decode computes what eager decode computes, step after
-step, in a batch that mixes adapters and the base, as rows leave and KV lengths cross buckets
-(and what a LoRA grid sized for every slot computes); chunked prefill, logprobs, penalties
+step, in a batch that mixes adapters and the base, as rows leave and sequences grow (and
+what a LoRA grid sized for every slot computes); graphs captured at start by the warm-up
+serve a run without a capture and give its tokens; chunked prefill, logprobs, penalties
 and echo under graphs and the fused ops give what whole prefills give; prompt logprobs in
 chunks in bf16.
 
@@ -164,4 +165,34 @@ def test_slots_of_q_and_v_only_give_what_full_slots_give():
     qv, got = run(["q_proj", "v_proj"])
     full, want = run(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     assert qv.lora.groups == ("qkv",) and qv.lora.nbytes() < full.lora.nbytes() / 2
+    assert got == want
+
+
+def test_warm_up_captures_the_graphs_a_serving_run_needs():
+    """After the warm-up, a run of base rows and adapters on every group captures no graph:
+    each step's (batch bucket, adapter bucket, groups) was captured at start, all of them
+    writing one logits buffer; and the greedy tokens are an engine's that captures as it goes."""
+    def run(warm):
+        settings = ServerSettings(dummy_weights="tiny", device="cuda", dtype="float32", max_num_seqs=8,
+                                  max_model_len=96, max_loras=4, max_lora_rank=16, kv_block=16, seed=3, warmup=warm)
+        engine = LLMEngine.from_settings(settings)
+        at_start = engine.decoder.num_graphs
+        for i in range(4):
+            spec, tensors = random_adapter(engine.cfg, rank=8, seed=i, device="cuda", dtype=engine.dtype)
+            engine.adapters.install(AdapterId(f"a{i}", str(i), "memory"), spec, tensors)
+        gen = torch.Generator().manual_seed(2)
+        reqs = []
+        for i in range(7):
+            prompt = torch.randint(3, engine.cfg.vocab_size, (4 + 6 * i,), generator=gen).tolist()
+            reqs.append(engine.make_request(prompt, SamplingParams(max_tokens=30 - 2 * i, temperature=0,
+                                                                   ignore_eos=True), None if i == 3 else f"a{i % 4}"))
+            engine.add_request(reqs[-1])
+        while engine.has_work():
+            engine.step()
+        return engine, at_start, [r.output_ids for r in reqs]
+
+    warm, at_start, got = run(True)
+    cold, none, want = run(False)
+    assert at_start > 0 and warm.decoder.num_graphs == at_start
+    assert none == 0 and cold.decoder.num_graphs > 0
     assert got == want
