@@ -13,8 +13,10 @@ Buffers, per layer and per fused group (S slots, R = max LoRA rank)::
             adapter k is skipped inside the fused q/k/v call, and the o, gate/up and down
             groups are not launched for its rows at all
 
-An adapter of rank r < R, or one that skips a projection, is written zero-padded: padded
-rows/columns and untargeted projections (scaling 0, zero weights) add nothing.
+The kernels read a projection's rank rows of A and columns of B and nothing past them
+(SlotLayout.read_mask), and an untargeted projection has rank 0 and scaling 0: what lies
+past a rank is never read. `LoRABuffers.write` zero-pads all the same; a HostCopy
+(host_tier.py) writes only what is read.
 
 Memory is slot-major: all of one slot's A and B (every layer and group, in the order
 above, each view 128-byte aligned) are one contiguous run of `flat` [S, slot_elems], and its

@@ -18,9 +18,11 @@ CUDA devices, captured the first time that key is seen, and calls `model.decode`
 elsewhere. The layer groups are those the running adapters target (adapters.group_mask): a
 batch of adapters that target q and v only runs no o, gate/up or down LoRA kernels at all. With
 graphs, kv_len is the cache's whole length, one key: the attention spreads each row's own keys
-over its programs whatever the bound (`kv_bucket`). The adapter bucket bounds the distinct adapters of the running rows (0, 1, 2, 4, 8, ...): the
-LoRA kernels' grid is sized for that many adapters rather than for every slot, which spreads
-each adapter's work over more programs (32 adapters in 64 slots: the grid of 32, not 64).
+over its programs whatever the bound (`kv_bucket`). The adapter bucket bounds the distinct
+adapters of the running rows (0, 1, 2, 4, 8, ...): the LoRA kernels' grid is sized for that
+many adapters rather than for every slot, which spreads each adapter's work over more
+programs (32 adapters in 64 slots: the grid of 32, not 64). The warm-up captures the graphs
+of base rows and of adapters on every group the slots hold at start (`capture_all`).
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ def kv_bucket(max_position: int, kv_block: int, max_len: int, graphs: bool) -> i
     """The bound on the keys a decode step reads: with CUDA graphs the cache's whole length
     ``max_len``, one graph key; without, max_position + 1 rounded up to whole ``kv_block``s.
 
-    Each KV length is a graph key, and a new key stalls every running row while its graph is
-    captured (52-184 ms a graph for Llama-3-8B on an H200). The attention kernel stops at each
+    The bound is part of a graph's key, and a new key stalls every running row while its graph
+    is captured (52-184 ms a graph for Llama-3-8B on an H200): as a power of two of blocks it
+    was a new key each time the longest sequence doubled. The attention kernel stops at each
     row's own last key and cuts the keys a row has into its splits (ops/attention.py), so the
-    bound changes nothing a step reads (bench/results/engine_h200_notes.md). Eager decode
-    (CPU, no graphs) keeps whole blocks: its torch attention does read every key of the bound.
+    bound changes nothing a step reads: a 4,096-key bound measured the same step time as one of
+    256-1,024 (bench/results/engine_h200_kv_buckets_notes.md). Eager decode (CPU, no graphs)
+    keeps whole blocks: its torch attention does read every key of the bound.
     """
     if graphs:
         return max_len

@@ -157,11 +157,11 @@ def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: E
     A tensor whose dtype and shape are the view's, in a contiguous view, is read straight
     into it; the others (an F32 adapter for bf16 slots, B below the max rank: strided) land in
     the calling thread's staging buffer and are converted into their views after. The data
-    section is read as chunk_bytes-aligned chunks of
-    the file (default READ_CHUNK_BYTES), one `preadv` each into the buffers its bytes belong
-    to (a buffer that straddles two chunks is split), the chunks on `pool`'s threads at once
-    when given (preadv releases the GIL), else one after another here. One copy from the
-    page cache; raises AdapterError on a file cut short, once no read it started is running."""
+    section is read as chunk_bytes-aligned chunks of the file (default READ_CHUNK_BYTES), one
+    `preadv` each into the buffers its bytes belong to (a buffer that straddles two chunks is
+    split), the chunks on `pool`'s threads at once when given (preadv releases the GIL), else
+    one after another here. One copy from the page cache; raises AdapterError on a file cut
+    short, once no read it started is running."""
     with weights.open("rb", buffering=0) as f:
         fd = f.fileno()
         if hasattr(os, "posix_fadvise"):
@@ -205,7 +205,7 @@ def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: E
                     raise future.exception()
     for _, dst, buf in reads:
         if buf is not dst:
-            dst.copy_(buf)  # torch spreads a large copy over its own threads
+            dst.copy_(buf)
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024

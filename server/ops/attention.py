@@ -5,10 +5,11 @@
     out      [B, heads, d]                 row b attends to keys 0..min(positions[b], kv_len-1)
 
 Flash-decoding: each row's own keys (0..its position, at most kv_len) are cut into ``splits``
-chunks of whole key blocks and one program takes one (row, kv head, chunk). It holds all ``heads / kv_heads`` query heads of its kv head as the rows
-of one tile, so each K and V block is read from memory once and used by every head of the
-group (tl.dot needs 16 rows: a group of 4 is padded with zero queries). The softmax is online
-in float32. A program stops at its row's last key, so short rows read only what they use.
+chunks of whole key blocks and one program takes one (row, kv head, chunk). It holds all
+``heads / kv_heads`` query heads of its kv head as the rows of one tile, so each K and V
+block is read from memory once and used by every head of the group (tl.dot needs 16 rows:
+a group of 4 is padded with zero queries). The softmax is online in float32. A program
+stops at its row's last key, so short rows read only what they use.
 
 With one split the program normalises and writes ``out`` itself. With more, each writes its
 running max, sum and unnormalised output (float32) to a workspace and a second kernel
