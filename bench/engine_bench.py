@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-steps", type=int, default=64, help="timed decode steps (default 64)")
     p.add_argument("--adapters", default="0,1,8,32,64", help="distinct adapter counts (default 0,1,8,32,64)")
     p.add_argument("--hf-steps", type=int, default=8, help="decode steps timed for HF PEFT (default 8)")
-    p.add_argument("--kv-block", type=int, default=64, help="KV length granularity of decode (default 64)")
+    p.add_argument("--kv-block", type=int, default=64, help="KV length granularity of eager decode (default 64)")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="the KV cache's length per row (default: prompt + decode steps + 8)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF PEFT baseline")
@@ -245,7 +245,8 @@ def main(argv=None) -> int:
     n_max = max(args.adapter_counts)
     settings = ServerSettings(
         dummy_weights=args.shape, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
-        max_model_len=args.max_model_len or args.prompt_len + args.decode_steps + 8, max_prefill_tokens=args.batch * args.prompt_len,
+        max_model_len=args.max_model_len or args.prompt_len + args.decode_steps + 8,
+        max_prefill_tokens=args.batch * args.prompt_len,
         max_loras=max(n_max, 1), max_lora_rank=args.rank, cuda_graphs=not args.no_cuda_graphs,
         kv_block=args.kv_block, fused_ops=not args.no_fused_ops, warmup=False)
     engine = LLMEngine.from_settings(settings)
