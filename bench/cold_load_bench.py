@@ -78,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=25, help="decode steps per chunk (default 25)")
     p.add_argument("--pairs", type=int, default=8,
                    help="rounds of (no loads, loads[, loads at each --slot-copy-chunk-mb]) chunks (default 8)")
-    p.add_argument("--kv-block", type=int, default=64, help="KV length granularity of decode (default 64)")
+    p.add_argument("--kv-block", type=int, default=64, help="KV length granularity of eager decode (default 64)")
     p.add_argument("--slot-copy-chunk-mb", default="",
                    help="also time decode under loads with these chunk sizes of the slot copy (MB, 0: one "
                         "transfer), in the same alternation: e.g. 0,4 (default: the server's alone)")
