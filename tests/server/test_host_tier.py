@@ -5,9 +5,10 @@ and `fill` writes every element the kernels read: every real element equals the 
 tensor, and where a layer's module has a lower rank than its projection's rank in the slot
 (or is not targeted in that layer), the rank rows and columns up to that rank are exactly
 zero. What lies past a projection's rank stays garbage, and add_lora on the slot (torch and
-Triton paths) gives the same term as a clean write: it is never read. A file read as many chunks on a thread
-pool lands byte for byte as a read in one go; a file cut short (before or during the read)
-raises AdapterError once no read is left running, and a load of it leaves nothing behind.
+Triton paths) gives the same term as a clean write: it is never read. A file read as many
+chunks on a thread pool lands byte for byte as a read in one go, converted tensors through
+a staging buffer kept per thread; a file cut short (before or during the read) raises
+AdapterError once no read is left running, and a load of it leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from loraplex.kernels import LoRABatch, add_lora
 from loraplex.server import host_tier
 from loraplex.server.adapter_cache import AdapterCache
 from loraplex.server.adapter_format import WEIGHTS_FILE, AdapterError, BaseSpec, read_adapter, write_adapter_config
 from loraplex.server.adapter_sources import AdapterLoadError
-from loraplex.kernels import LoRABatch, add_lora
 from loraplex.server.adapters import GROUPS, PROJECTIONS, LoRABuffers, projection_ranks, random_adapter
 from loraplex.server.config import named_shape
 from loraplex.server.host_tier import host_copy_from_tensors, plan_reads, read_into_host
