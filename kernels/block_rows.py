@@ -35,3 +35,11 @@ def alignment(stride: int, cap: int = 16) -> int:
     1.07-1.23x faster, rank-8 decode 1.02x at the median and up to 1.34x (gate/up, many
     adapters)."""
     return min(cap, stride & -stride) if stride else cap
+
+
+def rank_strides(ranks) -> tuple[int, int]:
+    """(slot, slice) element strides of a ranks tensor, int32 [S] or [S, n]: a slice stride
+    of 0 reads one rank for every slice; (0, 0) without one (the kernels read none)."""
+    if ranks is None:
+        return 0, 0
+    return ranks.stride(0), ranks.stride(1) if ranks.dim() == 2 else 0

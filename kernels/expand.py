@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .batch import LoRABatch
-from .block_rows import alignment, load_block_rows, slot_rank
+from .block_rows import alignment, load_block_rows, rank_strides, slot_rank
 
 MAX_SLICES = 3
 
@@ -208,8 +208,7 @@ def sgmv_expand(
         lora_b.stride(1),
         scaling.stride(0),
         stride_scale_n,
-        ranks.stride(0) if ranks is not None else 0,
-        ranks.stride(1) if ranks is not None and ranks.dim() == 2 else 0,
+        *rank_strides(ranks),
         HAS_RANKS=ranks is not None,
         USE_PDL=pdl,
         ADD_IN_MEMORY=add_in_memory,

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .batch import LoRABatch
-from .block_rows import alignment, load_block_rows
+from .block_rows import alignment, load_block_rows, rank_strides
 
 
 @triton.jit
@@ -159,8 +159,7 @@ def sgmv_shrink(
         x.stride(0),
         lora_a.stride(0),
         lora_a.stride(1),
-        ranks.stride(0) if ranks is not None else 0,
-        ranks.stride(1) if ranks is not None and ranks.dim() == 2 else 0,
+        *rank_strides(ranks),
         HAS_RANKS=ranks is not None,
         WAIT_BEFORE=wait_before,
         TRIGGER=trigger,

@@ -36,15 +36,16 @@ PLAN_FILE = f"{PLAN_DIR}/{PLAN_KEY}"
 ADAPTER_CACHE_DIR = "/var/lib/loraplex/adapters"
 # Triton's compiled kernels, kept on the node so that a restarted or rescheduled server
 # does not compile them again. Measured on an H200 (bench/results/
-# engine_h200_kv_buckets_notes.md): the start-up warm-up that compiles every decode kernel
-# takes 18.6 s with an empty cache, and a step that compiles (without warm-up) stalls
-# 1.2-2.9 s. Triton writes each entry to a temporary file and renames it, so servers on one
-# node share it.
+# engine_h200_kv_buckets_notes.md): the start-up warm-up that compiles every kernel took
+# 30.5 s with an empty cache (Llama-3-8B, 64 rows, prefills up to 32,768 tokens), and a step
+# that compiles (without warm-up) stalls 1.2-2.9 s. Triton writes each entry to a temporary
+# file and renames it, so servers on one node share it.
 KERNEL_CACHE_DIR = "/var/lib/loraplex/kernel-cache"
 SERVER_PORT = 8000
 # The server opens its port only once the weights are on the GPU and the warm-up has compiled
-# its kernels (18.6 s of warm-up for Llama-3-8B on an H200 with an empty kernel cache, on top
-# of reading the weights). A startup probe holds the liveness probe off for this long, so a
+# its kernels and captured its decode graphs (30.5 s of compiling warm-up for Llama-3-8B on an
+# H200 with an empty kernel cache; 43.5 s with the graph captures, another call; on top of
+# reading the weights). A startup probe holds the liveness probe off for this long, so a
 # slow first start is not killed as a hung server.
 STARTUP_SECONDS = 900
 # The node agent's API on each node (the DaemonSet's hostPort), reached at the node's IP.

@@ -22,7 +22,7 @@ over its programs whatever the bound (`kv_bucket`). The adapter bucket bounds th
 adapters of the running rows (0, 1, 2, 4, 8, ...): the LoRA kernels' grid is sized for that
 many adapters rather than for every slot, which spreads each adapter's work over more
 programs (32 adapters in 64 slots: the grid of 32, not 64). The warm-up captures the graphs
-of base rows and of adapters on every group the slots hold at start (`capture_all`).
+of base rows and of adapters on every group the slots hold at start (`warm_up`).
 """
 
 from __future__ import annotations
@@ -223,58 +223,44 @@ class DecodeRunner:
         return out[:span]
 
     def warm_up(self) -> int:
-        """Before the first request, on CUDA: run `warmup_plan`'s decode steps eagerly, so every
-        decode kernel compiles now and not in a serving step (a step that compiles stalls every
-        running request 0.8-2.9 s on an H200, bench/results/engine_h200_kv_buckets_notes.md),
-        then capture their graphs (`capture_all`). The steps write K/V into cache rows no
-        request holds yet. Returns the eager steps run."""
+        """Before the first request, with graphs: run each of `warmup_plan`'s decode steps, so
+        every decode kernel compiles now and not in a serving step (a step that compiles stalls
+        every running request 0.8-2.9 s on an H200), and on CUDA capture its graph, so no
+        serving step stalls for a capture either (52-184 ms each;
+        bench/results/engine_h200_kv_buckets_notes.md). A capture runs its step eagerly first,
+        which is where the kernels compile. Steps of adapters target every group the slots
+        hold; a step of adapters on fewer groups is captured when first seen. The steps write
+        K/V only at the empty rows' position. Returns the steps run."""
         if not self.use_graphs:
             return 0
-        max_len = self.model.kv.max_len
-        kv_len = kv_bucket(0, self.kv_block, max_len, True)
-        num_slots = self.model.lora.num_slots
-        plan = warmup_plan(self.buckets, num_slots)
+        plan = warmup_plan(self.buckets, self.model.lora.num_slots)
         for b, adapters in plan:
-            tokens = torch.zeros(b, dtype=torch.int64, device=self.device)
-            # A sequence feeds positions up to max_len - 2 (the last one is the empty rows').
-            positions = torch.full((b,), max_len - 2, dtype=torch.int64, device=self.device)
-            # Rows spread over min(adapters, slots) distinct slots; -1 (base) when none.
-            slots = torch.arange(b, device=self.device, dtype=torch.int32) % max(min(adapters, num_slots), 1)
-            if not adapters:
-                slots.fill_(-1)
-            self.model.decode(tokens, positions, slots, kv_len, adapters)
+            args = self._warmup_args(b, adapters)
+            if self.device.type != "cuda":
+                self.model.decode(*args)
+                continue
+            key = (b, args[3], adapters, args[5])
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(args)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.capture_all(plan)
         return len(plan)
 
-    def capture_all(self, plan: list[tuple[int, int]]) -> int:
-        """Capture the graph of each (batch bucket, adapter bucket) of `plan`: base-only steps,
-        and steps whose adapters target every group the slots hold (a step of adapters on
-        fewer groups is captured when first seen). A serving step then finds its graph and
-        stalls no running request for a capture (52-184 ms each on an H200). Inputs: token 0
-        at the empty rows' position, on every row; slots spread over the adapter bucket.
-        Returns the graphs captured."""
-        held = self.model.lora.held_mask if self.model.lora is not None else 0
+    def _warmup_args(self, b: int, adapters: int) -> tuple:
+        """A warm-up step's decode arguments, its inputs in the static buffers (as a graph reads
+        them): token 0 on every row at the empty rows' position, the rows spread over
+        min(adapters, slots) distinct slots (-1 without adapters), every held group."""
+        lora = self.model.lora
+        self._dev["tokens"][:b].zero_()
+        self._dev["positions"][:b].fill_(self.model.kv.max_len - 1)
+        slots = self._dev["token_slots"][:b]
+        if adapters:
+            slots.copy_(torch.arange(b, device=self.device, dtype=torch.int32) % max(min(adapters, lora.num_slots), 1))
+        else:
+            slots.fill_(-1)
         kv_len = kv_bucket(0, self.kv_block, self.model.kv.max_len, True)
-        before = len(self._graphs)
-        for b, adapters in plan:
-            groups = held if adapters else 0
-            key = (b, kv_len, adapters, groups)
-            if key in self._graphs:
-                continue
-            self._dev["tokens"][:b].zero_()
-            self._dev["positions"][:b].fill_(self.model.kv.max_len - 1)
-            slots = self._dev["token_slots"][:b]
-            if adapters:
-                used = max(min(adapters, self.model.lora.num_slots), 1)
-                slots.copy_(torch.arange(b, device=self.device, dtype=torch.int32) % used)
-            else:
-                slots.fill_(-1)
-            args = (self._dev["tokens"][:b], self._dev["positions"][:b], slots, kv_len, adapters, groups)
-            self._graphs[key] = self._capture(args)
-        torch.cuda.synchronize(self.device)
-        return len(self._graphs) - before
+        return (self._dev["tokens"][:b], self._dev["positions"][:b], slots, kv_len, adapters,
+                lora.held_mask if adapters else 0)
 
     def rerun_eager(self) -> torch.Tensor:
         """The last step's decode again, eagerly (for checking graphs: it rewrites the same K/V)."""

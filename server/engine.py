@@ -180,8 +180,8 @@ class LLMEngine:
             longest = max(longest, self.max_model_len - 1)
         prefills = warm_up_prefill(self.model, longest)
         steps = self.decoder.warm_up()
-        log.info("warm-up: %d prefills and %d eager decode steps (every kernel compiled), %d decode graphs captured, "
-                 "in %.1fs", prefills, steps, self.decoder.num_graphs, time.perf_counter() - t0)
+        log.info("warm-up: %d prefills and %d decode steps (every kernel compiled), %d decode graphs captured, in %.1fs",
+                 prefills, steps, self.decoder.num_graphs, time.perf_counter() - t0)
         return prefills, steps
 
     # -- requests --------------------------------------------------------------------------

@@ -135,8 +135,8 @@ class LlamaModel:
         if lora is None or group not in lora.groups:
             return y
         g = self.lora.layers[layer][group]
-        return add_lora(y, x, g.a, g.b, g.scaling, lora.batch, ranks=self.lora.group_ranks[group], backend=self.backend,
-                        output_slices=g.slices if len(g.slices) > 1 else None)
+        return add_lora(y, x, g.a, g.b, g.scaling, lora.batch, ranks=self.lora.group_ranks[group],
+                        backend=self.backend, output_slices=g.slices if len(g.slices) > 1 else None)
 
     def _mlp(self, x: torch.Tensor, i: int, lora: StepLoRA | None) -> torch.Tensor:
         lw = self.w.layers[i]

@@ -121,9 +121,9 @@ class ServerSettings:
     them off). Default: on."""
 
     warmup: bool = True
-    """Before serving, run one eager decode step per batch, adapter and KV-length bucket, so
-    every decode kernel compiles at start and no serving step stalls on a compile (CUDA with
-    graphs only; --no-warmup skips it). Default: on."""
+    """Before serving, run one prefill per LoRA launch configuration a prefill can reach and
+    one decode step per batch and adapter bucket, capturing its CUDA graph, so no serving step
+    stalls on a compile or a capture (CUDA only; --no-warmup skips it). Default: on."""
 
     fused_ops: bool = True
     """Run the decode step's small ops (attention, RoPE + K/V write, add + RMSNorm,
