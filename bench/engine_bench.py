@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-cuda-graphs", action="store_true", help="eager decode (for comparison)")
     p.add_argument("--no-fused-ops", action="store_true",
                    help="decode's small ops as torch ops, not the server/ops Triton kernels (for comparison)")
+    p.add_argument("--no-triton-gemm", action="store_true",
+                   help="decode's projections as cuBLAS then add_lora, not kernels.linear (for comparison)")
     p.add_argument("--profile", action="store_true",
                    help="also record per-kernel GPU time of eager decode steps (torch.profiler)")
     p.add_argument("--every-slot-too", action="store_true",
@@ -248,7 +250,8 @@ def main(argv=None) -> int:
         max_model_len=args.max_model_len or args.prompt_len + args.decode_steps + 8,
         max_prefill_tokens=args.batch * args.prompt_len,
         max_loras=max(n_max, 1), max_lora_rank=args.rank, cuda_graphs=not args.no_cuda_graphs,
-        kv_block=args.kv_block, fused_ops=not args.no_fused_ops, warmup=False)
+        kv_block=args.kv_block, fused_ops=not args.no_fused_ops,
+        triton_gemm=not args.no_triton_gemm, warmup=False)
     engine = LLMEngine.from_settings(settings)
     warmup = {"steps": 0, "seconds": 0.0}
     if not args.no_warmup:  # what the server's start-up does (settings.warmup), timed here
@@ -256,7 +259,7 @@ def main(argv=None) -> int:
         prefills, steps = engine.warm_up()
         warmup = {"prefills": prefills, "steps": steps, "seconds": time.perf_counter() - t0}
         log.info("warm-up: %d prefills and %d eager decode steps in %.1f s", prefills, steps, warmup["seconds"])
-    fused_ops = engine.model.fused_ops
+    fused_ops, triton_gemm = engine.model.fused_ops, engine.model.triton_gemm
     device, dtype = engine.device, engine.dtype
     bw = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 256 << 20)
     log.info("device %s, %s, copy bandwidth %.0f GB/s", device, dtype, bw / 1e9)
@@ -337,7 +340,8 @@ def main(argv=None) -> int:
                        "prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "rank": args.rank,
                        "targets": args.targets, "cuda_graphs": not args.no_cuda_graphs,
                        "kv_block": args.kv_block, "max_model_len": settings.max_model_len, "hf_steps": args.hf_steps, "quick": args.quick,
-                       "pdl": os.environ.get("LORAPLEX_PDL", "1") != "0", "fused_ops": fused_ops},
+                       "pdl": os.environ.get("LORAPLEX_PDL", "1") != "0", "fused_ops": fused_ops,
+                       "triton_gemm": triton_gemm},
             "warmup": warmup,
             "copy_bandwidth_GBps": bw / 1e9,
             "loraplex": results,

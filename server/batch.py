@@ -118,7 +118,7 @@ def warm_up_prefill(model: LlamaModel, max_tokens: int) -> int:
     length = model.kv.max_len - 1  # positions a sequence may use
     max_tokens = min(max_tokens, model.kv.rows * length)
     plan = [] if model.lora is None else prefill_warmup_plan(max_tokens, model.lora.num_slots, model.lora_launch_key)
-    for rows, adapters in [(min(16, max_tokens), 0), *plan]:
+    for rows, adapters in [*((rows, 0) for rows in base_warmup_rows(model, max_tokens)), *plan]:
         seqs = [PrefillSeq(row=i, start=start, length=min(length, rows - start), pos=0)
                 for i, start in enumerate(range(0, rows, length))]
         tokens = torch.zeros(rows, dtype=torch.int64, device=model.device)
@@ -129,7 +129,21 @@ def warm_up_prefill(model: LlamaModel, max_tokens: int) -> int:
         model.prefill(tokens, slots, seqs, adapters)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-    return 1 + len(plan)
+    return len(base_warmup_rows(model, max_tokens)) + len(plan)
+
+
+def base_warmup_rows(model: LlamaModel, max_tokens: int) -> list[int]:
+    """Row counts of the base-only prefills a warm-up runs: 16 (the base path's own kernels),
+    and one for each other configuration of kernels.linear's GEMM that a step of up to
+    max_tokens rows can launch (model.gemm_key)."""
+    first = min(16, max_tokens)
+    seen = {model.gemm_key(first): first}
+    for rows in range(1, max_tokens + 1):
+        key = model.gemm_key(rows)
+        if key is None and rows > first:
+            break  # past the GEMM's rows: cuBLAS
+        seen.setdefault(key, rows)
+    return sorted(set(seen.values()))
 
 
 def build_prefill(chunks: list[PrefillChunk],

@@ -118,7 +118,8 @@ class LLMEngine:
             allowed_modules=tuple(settings.lora_target_modules)), settings, CacheMetrics(self.metrics.registry))
         self.stalled = False  # the last step found only requests waiting for adapter loads
         self.model = LlamaModel(cfg, weights, self.kv, self.lora, settings.kernel_backend,
-                                fused_ops=None if settings.fused_ops else False)
+                                fused_ops=None if settings.fused_ops else False,
+                                triton_gemm=None if settings.triton_gemm else False)
         self.decoder = DecodeRunner(self.model, settings.max_num_seqs, settings.kv_block, settings.cuda_graphs)
         self.decoder.capture_guard = self.adapters.cuda_lock
         self.scheduler = Scheduler(self.kv, settings.max_prefill_tokens,

@@ -19,6 +19,12 @@ down one each; a group no adapter of the step targets has no `add_lora` call at 
 With `fused_ops` (the default on CUDA) the small ops between those GEMMs run as the Triton
 kernels of server/ops: in decode RoPE + KV write, attention, residual add + RMSNorm and
 silu*mul; in prefill silu*mul. Without it (the CPU, and the reference) they are torch ops.
+
+With `triton_gemm` (the default on CUDA with the Triton backend) a step of up to
+TRITON_GEMM_MAX_TOKENS rows runs each projection as `kernels.linear`: our split-K GEMM
+(`gemm`), or with adapters `lora_linear`, the same GEMM with the shrink running beside it and
+the expand launched under it (the result of `gemm` then `add_lora`). Larger steps, and
+projections with a bias, keep cuBLAS then `add_lora`.
 """
 
 from __future__ import annotations
@@ -31,12 +37,20 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import LoRABatch, add_lora
+from loraplex.kernels.linear import gemm, lora_linear
 
 from .adapters import GROUPS
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .sampling import TokenLogprobs
 from .weights import BaseWeights
+
+
+# Steps of up to this many rows run their projections as kernels.linear's GEMM: there it
+# matches cuBLAS (bench/results/linear_h200_overlap.json: Llama-3-8B's four projections at
+# 1, 16 and 64 rows sum to 148-156 us against cuBLAS's 151-157); past it, its tiles of at
+# most 64 rows re-read the weights (q/k/v at 128 rows: 30.8 against 23.7 us).
+TRITON_GEMM_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -88,9 +102,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: BaseWeights, kv: KVCache, lora=None,
-                 kernel_backend: str = "auto", fused_ops: bool | None = None):
+                 kernel_backend: str = "auto", fused_ops: bool | None = None, triton_gemm: bool | None = None):
         """`lora` is an adapters.LoRABuffers (or None for a base-only engine). `fused_ops`:
-        the server/ops kernels for the small ops (None: on CUDA devices only)."""
+        the server/ops kernels for the small ops; `triton_gemm`: kernels.linear for the
+        projections of steps up to TRITON_GEMM_MAX_TOKENS rows (None: each on CUDA devices
+        only, the GEMM only with the Triton backend)."""
         self.cfg = cfg
         self.w = weights
         self.kv = kv
@@ -98,6 +114,9 @@ class LlamaModel:
         self.backend = kernel_backend
         self.device = weights.embed.device
         self.fused_ops = self.device.type == "cuda" if fused_ops is None else fused_ops
+        if triton_gemm is None:
+            triton_gemm = self.device.type == "cuda" and kernel_backend != "torch"
+        self.triton_gemm = triton_gemm
         self.dtype = weights.embed.dtype
         self.scale = cfg.head_dim ** -0.5
         # RoPE tables [max_len, head_dim], float32 like transformers, cast at use.
@@ -131,6 +150,12 @@ class LlamaModel:
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 layer: int, group: str, lora: StepLoRA | None) -> torch.Tensor:
         """y = x @ W.T (+ bias) for all rows (one base GEMM), then each row's adapter term."""
+        if self._uses_gemm(x.shape[0]) and bias is None:
+            if lora is None or group not in lora.groups:
+                return gemm(x, weight)
+            g = self.lora.layers[layer][group]
+            return lora_linear(x, weight, g.a, g.b, g.scaling, lora.batch, ranks=self.lora.group_ranks[group],
+                               output_slices=g.slices if len(g.slices) > 1 else None)
         y = F.linear(x, weight, bias)
         if lora is None or group not in lora.groups:
             return y
@@ -175,11 +200,28 @@ class LlamaModel:
                            if g in self.lora.groups and (lora_groups is None or lora_groups >> i & 1))
         return StepLoRA(LoRABatch.build(token_slots, self.lora.num_slots, max_adapters=max_adapters), groups)
 
+    def _uses_gemm(self, num_tokens: int) -> bool:
+        return self.triton_gemm and num_tokens <= TRITON_GEMM_MAX_TOKENS
+
+    def gemm_key(self, num_tokens: int) -> tuple | None:
+        """What kernels.linear's GEMM compiles for a step of `num_tokens` rows (one
+        configuration per projection); None when the step runs cuBLAS."""
+        if not self._uses_gemm(num_tokens):
+            return None
+        from loraplex.kernels.linear import make_gemm_config
+        from loraplex.kernels.configs import multiprocessors, supports_pdl
+
+        lw = self.w.layers[0]
+        return tuple(make_gemm_config(num_tokens, w.shape[1], w.shape[0], multiprocessors(self.device),
+                                      w.element_size(), supports_pdl(self.device))
+                     for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
+
     def lora_launch_key(self, num_tokens: int, max_adapters: int) -> tuple | None:
         """What the LoRA kernels compile for a step of `num_tokens` rows and at most
         `max_adapters` distinct adapters: every LoRA group's launch configuration (less its span,
-        a runtime argument) and the rows per block. Steps with equal keys compile nothing for
-        each other. None when no Triton kernel runs (no adapters, or the torch backend)."""
+        a runtime argument), the rows per block, and the GEMM's configurations where the step
+        runs kernels.linear. Steps with equal keys compile nothing for each other. None when
+        no Triton kernel runs (no adapters, or the torch backend)."""
         if self.lora is None or max_adapters <= 0 or self.device.type != "cuda" or self.backend == "torch":
             return None
         from loraplex.kernels.batch import default_block_m, max_blocks
@@ -191,7 +233,7 @@ class LlamaModel:
             dataclasses.replace(sgmv_config(blocks, block_m, g.a.shape[2], g.slices, g.b.shape[2], g.a.dtype,
                                             self.device), span=0)
             for g in self.lora.layers[0].values())
-        return block_m, configs
+        return block_m, configs, self.gemm_key(num_tokens)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self._rms_norm(h, self.w.norm), self.w.lm_head).float()

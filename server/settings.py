@@ -130,6 +130,11 @@ class ServerSettings:
     silu*mul) as the Triton kernels of server/ops (CUDA devices only; --no-fused-ops
     runs them as torch ops). Default: on."""
 
+    triton_gemm: bool = True
+    """Run the projections of steps up to 64 rows (decode) as loraplex's Triton GEMM, the
+    LoRA shrink beside it and the expand launched under it (kernels.linear; CUDA devices and
+    the Triton backend only; --no-triton-gemm runs cuBLAS, then add_lora). Default: on."""
+
     kv_block: int = 256
     """Granularity, in tokens, of the KV length that an eager decode step reads (whole
     blocks). With CUDA graphs a step is bounded by the cache's whole length instead, one graph

@@ -63,9 +63,11 @@ def engine_for(base_dir, adapters: dict, backend: str = "auto") -> LLMEngine:
     return LLMEngine.from_settings(settings)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton-gemm"])
 def test_mixed_batch_matches_hf_peft(hf_llama, llama_adapters, backend):
-    engine = engine_for(hf_llama, llama_adapters, backend)
+    engine = engine_for(hf_llama, llama_adapters, backend.removesuffix("-gemm"))
+    # triton-gemm: the projections as kernels.linear (gemm / lora_linear), as on a GPU.
+    engine.model.triton_gemm = backend == "triton-gemm"
     names = ["base", *ADAPTERS]
     prompts = prompts_for(names)
     got = run_mixed_batch(engine, prompts)
