@@ -16,7 +16,9 @@ through programmatic dependent launch (PDL):
    GEMM, then adds v @ B^T into y, as ``add_lora`` does.
 
 Without PDL (older GPUs, the interpreter, ``LORAPLEX_PDL=0``) the three run one after the
-other, with the same result: the bits of ``y = x @ W.T; add_lora(y, ...)`` with our GEMM.
+other, with the same bits. The result is that of ``y = gemm(x, W); add_lora(y, ...)``, up to
+the order in which the shrink adds its K splits (``GemmConfig.shrink_splits``; with 0, the
+same bits).
 
 Split K: several programs share a tile of y; each stores its float32 partial tile in a
 workspace and counts itself in the tile's counter; the last one to count adds the partials
@@ -242,8 +244,9 @@ def lora_linear(
     out: torch.Tensor | None = None,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T`` plus each row's LoRA term: the result of ``y = x @ weight.T;
-    add_lora(y, x, ...)`` with the arguments of ``add_lora``, the shrink overlapping the GEMM.
+    """``x @ weight.T`` plus each row's LoRA term: ``y = gemm(x, weight); add_lora(y, x, ...)``
+    with the arguments of ``add_lora`` (its shrink's K cut per ``config.shrink_splits``), the
+    shrink overlapping the GEMM.
     CUDA tensors, or CPU under ``TRITON_INTERPRET=1``; no host synchronisation."""
     y = out if out is not None else torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     slices = _check(y, x, lora_a, lora_b, scaling, batch, ranks, output_slices)

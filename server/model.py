@@ -23,8 +23,8 @@ silu*mul; in prefill silu*mul. Without it (the CPU, and the reference) they are 
 With `triton_gemm` (the default on CUDA with the Triton backend) a step of up to
 TRITON_GEMM_MAX_TOKENS rows runs each projection as `kernels.linear`: our split-K GEMM
 (`gemm`), or with adapters `lora_linear`, the same GEMM with the shrink running beside it and
-the expand launched under it (the result of `gemm` then `add_lora`). Larger steps, and
-projections with a bias, keep cuBLAS then `add_lora`.
+the expand launched under it (`gemm` then `add_lora`, the shrink's K cut in its own way).
+Larger steps, and projections with a bias, keep cuBLAS then `add_lora`.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 ``gemm`` is checked against float64 over tile shapes and K splits (the split-K path with its
 counters is run twice in a row, so counters left behind would show). ``lora_linear`` must
-give the bits of ``gemm`` then ``add_lora`` with the same arguments, whatever the rows'
-adapters, with NaN in every byte the kernels must not read.
+give what ``gemm`` then ``add_lora`` give with the same arguments (base-only rows to the
+bit), whatever the rows' adapters, with NaN in every byte the kernels must not read.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_gemm_refuses_bad_inputs():
         (33, 8, "qwen2-qkv", "random-mixed"),
     ],
 )
-def test_lora_linear_is_gemm_then_add_lora(num_tokens, num_slots, shape, pattern, config, dtype):
+def test_lora_linear_matches_gemm_then_add_lora(num_tokens, num_slots, shape, pattern, config, dtype):
     gen = torch.Generator().manual_seed(num_tokens * 7 + num_slots)
     in_features, slices = SHAPES[shape]
     token_slots = slot_pattern(pattern, num_tokens, num_slots, gen)
@@ -88,10 +88,13 @@ def test_lora_linear_is_gemm_then_add_lora(num_tokens, num_slots, shape, pattern
     cfg = CONFIGS[config]
 
     y = lora_linear(x, weight, lora_a, lora_b, scaling, batch, ranks, slices, config=cfg)
-    serial = gemm(x, weight, config=cfg)
-    add_lora(serial, x, lora_a, lora_b, scaling, batch, ranks, backend="triton", output_slices=slices)
+    then = gemm(x, weight, config=cfg)
+    add_lora(then, x, lora_a, lora_b, scaling, batch, ranks, backend="triton", output_slices=slices)
     assert torch.isfinite(y).all(), "NaN read from padding or an unused slot"
-    assert torch.equal(y, serial)
+    # The shrink may cut K otherwise than add_lora's (GemmConfig.shrink_splits): close, not equal.
+    torch.testing.assert_close(y, then, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    base_rows = token_slots < 0
+    assert torch.equal(y[base_rows], then[base_rows]), "a base-only row differs from the GEMM's"
     expected = add_lora_reference(x.double() @ weight.double().T, x, torch.nan_to_num(lora_a),
                                   torch.nan_to_num(lora_b), scaling, token_slots, ranks, slices)
     err = ((y.double() - expected).norm() / expected.norm()).item()
