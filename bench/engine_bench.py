@@ -253,6 +253,12 @@ def main(argv=None) -> int:
         kv_block=args.kv_block, fused_ops=not args.no_fused_ops,
         triton_gemm=not args.no_triton_gemm, warmup=False)
     engine = LLMEngine.from_settings(settings)
+    device, dtype = engine.device, engine.dtype
+    # The adapters are in their slots before the warm-up, as a server's --lora-modules are.
+    for i in range(n_max):
+        spec, tensors = random_adapter(cfg, args.rank, targets=tuple(args.targets.split(",")), seed=100 + i,
+                                       device=device, dtype=dtype)
+        engine.adapters.install(AdapterId(f"a{i}", f"random-{i}", "memory"), spec, tensors)
     warmup = {"steps": 0, "seconds": 0.0}
     if not args.no_warmup:  # what the server's start-up does (settings.warmup), timed here
         t0 = time.perf_counter()
@@ -260,13 +266,8 @@ def main(argv=None) -> int:
         warmup = {"prefills": prefills, "steps": steps, "seconds": time.perf_counter() - t0}
         log.info("warm-up: %d prefills and %d eager decode steps in %.1f s", prefills, steps, warmup["seconds"])
     fused_ops, triton_gemm = engine.model.fused_ops, engine.model.triton_gemm
-    device, dtype = engine.device, engine.dtype
     bw = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 256 << 20)
     log.info("device %s, %s, copy bandwidth %.0f GB/s", device, dtype, bw / 1e9)
-    for i in range(n_max):
-        spec, tensors = random_adapter(cfg, args.rank, targets=tuple(args.targets.split(",")), seed=100 + i,
-                                       device=device, dtype=dtype)
-        engine.adapters.install(AdapterId(f"a{i}", f"random-{i}", "memory"), spec, tensors)
     prompts = make_requests(args, cfg.vocab_size)
 
     results = []

@@ -242,28 +242,42 @@ class DecodeRunner:
         every running request 0.8-2.9 s on an H200), and on CUDA capture its graph, so no
         serving step stalls for a capture either (52-184 ms each;
         bench/results/engine_h200_kv_buckets_notes.md). A capture runs its step eagerly first,
-        which is where the kernels compile. Steps of adapters target every group the slots
-        hold; a step of adapters on fewer groups is captured when first seen. The steps write
-        K/V only at the empty rows' position. Returns the steps run."""
+        which is where the kernels compile. Steps of adapters run once per mask of
+        `warmup_masks`; a step whose adapters' groups make another mask is captured when first
+        seen. The steps write K/V only at the empty rows' position. Returns the steps run."""
         if not self.use_graphs:
             return 0
-        plan = warmup_plan(self.buckets, self.model.lora.num_slots)
-        for b, adapters in plan:
-            args = self._warmup_args(b, adapters)
+        masks = self.warmup_masks()
+        steps = [(b, adapters, mask) for b, adapters in warmup_plan(self.buckets, self.model.lora.num_slots)
+                 for mask in (masks if adapters else [0])]
+        for b, adapters, mask in steps:
+            args = self._warmup_args(b, adapters, mask)
             if self.device.type != "cuda":
                 self.model.decode(*args)
                 continue
-            key = (b, args[3], adapters, args[5])
+            key = (b, args[3], adapters, mask)
             if key not in self._graphs:
                 self._graphs[key] = self._capture(args)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return len(plan)
+        return len(steps)
 
-    def _warmup_args(self, b: int, adapters: int) -> tuple:
+    def warmup_masks(self) -> list[int]:
+        """The layer-group masks (adapters.group_mask) whose adapter steps a warm-up captures:
+        every held group first (a step whose adapters cover them all), then the mask of each
+        adapter in a slot now (those a server starts with, --lora-modules: PEFT's default, q
+        and v alone, runs the q/k/v group alone), so a step of such adapters replays at once."""
+        lora = self.model.lora
+        masks = [lora.held_mask]
+        for mask in lora.group_masks:
+            if mask and mask not in masks:
+                masks.append(mask)
+        return masks
+
+    def _warmup_args(self, b: int, adapters: int, mask: int) -> tuple:
         """A warm-up step's decode arguments, its inputs in the static buffers (as a graph reads
         them): token 0 on every row at the empty rows' position, the rows spread over
-        min(adapters, slots) distinct slots (-1 without adapters), every held group."""
+        min(adapters, slots) distinct slots (-1 without adapters), the groups of `mask`."""
         lora = self.model.lora
         self._dev["tokens"][:b].zero_()
         self._dev["positions"][:b].fill_(self.model.kv.max_len - 1)
@@ -274,7 +288,7 @@ class DecodeRunner:
             slots.fill_(-1)
         kv_len = kv_bucket(0, self.kv_block, self.model.kv.max_len, True)
         return (self._dev["tokens"][:b], self._dev["positions"][:b], slots, kv_len, adapters,
-                lora.held_mask if adapters else 0)
+                mask if adapters else 0)
 
     def rerun_eager(self) -> torch.Tensor:
         """The last step's decode again, eagerly (for checking graphs: it rewrites the same K/V)."""

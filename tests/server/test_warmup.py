@@ -30,8 +30,15 @@ def test_warm_up_runs_its_plan_and_leaves_no_trace(hf_llama, llama_adapters):
     decoder.use_graphs = True  # what a CUDA engine does; warm_up itself runs eagerly
     steps = decoder.warm_up()
     decoder.use_graphs = False
-    # Batch buckets 1, 2, 4, 8; 4 slots; one KV bound (max_len 128).
-    assert steps == len(warmup_plan(decoder.buckets, 4)) > 0
+    # Batch buckets 1, 2, 4, 8; 4 slots; one KV bound (max_len 128). Adapter steps once for
+    # every held group, and once for each other mask of the adapters loaded at start.
+    plan = warmup_plan(decoder.buckets, 4)
+    masks = decoder.warmup_masks()
+    loaded = {engine.lora.group_masks[engine.adapters.slot_of(n)] for n in llama_adapters}
+    assert masks[0] == engine.lora.held_mask and set(masks) == loaded | {engine.lora.held_mask}
+    assert len(masks) == len(set(masks)) > 1  # the fixture's adapters target different groups
+    with_adapters = sum(1 for _, a in plan if a)
+    assert steps == len(plan) - with_adapters + with_adapters * len(masks) > 0
     assert run_mixed_batch(engine, prompts_for(names)) == want
 
 
