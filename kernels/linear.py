@@ -53,7 +53,7 @@ class GemmConfig:
     num_stages: int = 3
     pdl: bool = False  # launched between a shrink and an expand, overlapping both (Hopper and later)
     # The shrink's K splits in lora_linear (0: as add_lora picks them, up to 16 at decode).
-    # Measured on an H200 (linear_h200_overlap.json): 4 beats add_lora's choice in 32 of 34
+    # Measured on an H200 (linear_h200_overlap.json): 4 beats add_lora's choice in 27 of 28
     # cases (down, 64 rows, 32 adapters: 50.7 vs 53.2 us): fewer shrink programs leave room
     # for the GEMM's beside them.
     shrink_splits: int = 4
