@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import LoRABatch, add_lora
-from loraplex.kernels.linear import gemm, lora_linear
 
 from .adapters import GROUPS
 from .config import ModelConfig
@@ -151,6 +150,8 @@ class LlamaModel:
                 layer: int, group: str, lora: StepLoRA | None) -> torch.Tensor:
         """y = x @ W.T (+ bias) for all rows (one base GEMM), then each row's adapter term."""
         if self._uses_gemm(x.shape[0]) and bias is None:
+            from loraplex.kernels.linear import gemm, lora_linear  # imports triton: only where it runs
+
             if lora is None or group not in lora.groups:
                 return gemm(x, weight)
             g = self.lora.layers[layer][group]
