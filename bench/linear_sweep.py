@@ -34,7 +34,8 @@ from checkout import use_checkout  # bench/ is sys.path[0]
 
 use_checkout()
 
-from kernels_bench import LAYERS, GraphTimer, copy_bandwidth, launch_floor, make_case, timing_meta  # noqa: E402
+from kernels_bench import (LAYERS, GraphTimer, copy_bandwidth, launch_floor, loop_per_adapter, make_case,  # noqa: E402
+                           timing_meta)
 from loraplex.kernels import LoRABatch, add_lora  # noqa: E402
 from loraplex.kernels.linear import gemm, gemm_config, lora_linear  # noqa: E402
 
@@ -88,16 +89,10 @@ def run_shape(layer: str, tokens: int, timer, sweep: bool) -> dict:
         c = make_case(layer, tokens, adapters, 16, gen=gen)
         lora_a, lora_b, scaling, slots = c["lora_a"], c["lora_b"], c["scaling"], c["token_slots"]
         batch = LoRABatch.build(slots, c["num_slots"], max_adapters=adapters)
+        groups = [(s, torch.nonzero(slots == s).flatten()) for s in range(c["num_slots"])]
         expected = base_ref.clone()
-        for s in range(c["num_slots"]):
-            rows = torch.nonzero(slots == s).flatten()
-            if rows.numel():
-                v = x[rows].float() @ lora_a[s].float().T
-                offset = 0
-                for i, width in enumerate(slices):
-                    vi = v[:, i * 16:(i + 1) * 16] * scaling[s, i]
-                    expected[rows, offset:offset + width] += vi @ lora_b[s, offset:offset + width].float().T
-                    offset += width
+        loop_per_adapter(expected, x.float(), lora_a.float(), lora_b.float(), scaling,
+                         [(s, rows) for s, rows in groups if rows.numel()], slices, 16)
         args = (lora_a, lora_b, scaling, batch)
 
         def cublas_add_lora():
