@@ -113,8 +113,9 @@ def _gemm_kernel(
 
     tile_mask = m_mask[:, None] & n_mask[None, :]
     if SPLITS > 1:
+        plane = M.to(tl.int64) * N  # a split's partial tiles: [T, N] float32
         ws_tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptr + pid_k * M * N + ws_tile, acc, mask=tile_mask)
+        tl.store(ws_ptr + pid_k * plane + ws_tile, acc, mask=tile_mask)
         # Every thread's store is done before the count (release); the last to count sees
         # every split's tile (acquire) and reads them from L2, past L1.
         tl.debug_barrier()
@@ -124,7 +125,7 @@ def _gemm_kernel(
             return
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in tl.static_range(SPLITS):
-            acc += tl.load(ws_ptr + s * M * N + ws_tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            acc += tl.load(ws_ptr + s * plane + ws_tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
         tl.store(counter, 0)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=tile_mask)
     if PDL:
@@ -204,6 +205,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     out_features = weight.shape[0]
     config = config or gemm_config(x, out_features)
     y = out if out is not None else torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
+    if tuple(y.shape) != (num_tokens, out_features) or y.dtype != x.dtype or (out_features > 1 and y.stride(-1) != 1):
+        raise ValueError(f"out must be {x.dtype} [{num_tokens}, {out_features}], contiguous along its last "
+                         f"dimension; got {y.dtype} {tuple(y.shape)} with strides {y.stride()}")
     if num_tokens == 0:
         return y
     row_tiles = triton.cdiv(num_tokens, config.block_m)

@@ -111,10 +111,10 @@ def prefill_warmup_plan(max_tokens: int, num_slots: int,
 def warm_up_prefill(model: LlamaModel, max_tokens: int) -> int:
     """Before the first request: run `prefill_warmup_plan`'s prefills, so every LoRA kernel
     configuration a prefill can launch compiles now and not in a serving step (a new one
-    stalls the step for its compile, about a second on an H200), after one base-only prefill
-    (the base path's own kernels). Prompts of token 0 over `adapters` slots, packed into KV
-    rows from 0 up, which no request holds yet; the logits are dropped. Returns the prefills
-    run."""
+    stalls the step for its compile, about a second on an H200), after the base-only prefills
+    of `base_warmup_rows` (the base path's own kernels). Prompts of token 0 over `adapters`
+    slots, packed into KV rows from 0 up, which no request holds yet; the logits are dropped.
+    Returns the prefills run."""
     length = model.kv.max_len - 1  # positions a sequence may use
     max_tokens = min(max_tokens, model.kv.rows * length)
     plan = [] if model.lora is None else prefill_warmup_plan(max_tokens, model.lora.num_slots, model.lora_launch_key)

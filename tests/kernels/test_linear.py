@@ -61,6 +61,10 @@ def test_gemm_refuses_bad_inputs():
         gemm(torch.randn(64, 4).T, torch.randn(32, 64))
     with pytest.raises(TypeError, match="weight is"):
         gemm(x, torch.randn(32, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out must be"):
+        gemm(x, torch.randn(32, 64), out=torch.empty(32, 4).T)  # a column-major out
+    with pytest.raises(ValueError, match="out must be"):
+        gemm(x, torch.randn(32, 64), out=torch.empty(4, 32, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
