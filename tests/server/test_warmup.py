@@ -83,3 +83,19 @@ def test_warm_up_prefill_runs_its_plan_and_leaves_no_trace(hf_llama, llama_adapt
     runs = warm_up_prefill(engine.model, 300)
     assert runs == 1 + len(prefill_warmup_plan(300, 4, engine.model.lora_launch_key)) > 20  # + one base-only
     assert run_mixed_batch(engine, prompts_for(names)) == want
+
+
+def test_base_warmup_rows_cover_each_gemm_configuration(hf_llama, llama_adapters):
+    """With kernels.linear's GEMM (steps of up to 64 rows on a GPU), a base-only prefill runs
+    for each of its configurations: tiles of 16, 32 and 64 rows. Without it, one of 16 rows."""
+    from loraplex.server.batch import base_warmup_rows
+    from loraplex.server.model import TRITON_GEMM_MAX_TOKENS
+
+    model = _engine(hf_llama, llama_adapters).model
+    assert base_warmup_rows(model, 300) == [16]
+    model.triton_gemm = True  # what a CUDA model with the Triton backend does
+    assert base_warmup_rows(model, 300) == [16, 17, 33]
+    assert base_warmup_rows(model, 20) == [16, 17]
+    assert base_warmup_rows(model, 8) == [8]
+    keys = {model.gemm_key(rows) for rows in range(1, TRITON_GEMM_MAX_TOKENS + 1)}
+    assert len(keys) == 3 and None not in keys and model.gemm_key(TRITON_GEMM_MAX_TOKENS + 1) is None
