@@ -6,6 +6,8 @@ Layout under the cache directory (the host path the server pods mount read-only)
     <root>/.store/3f9a…-5c1e/               one verified version of one adapter
         adapter_config.json
         adapter_model.safetensors
+        adapter_model.bfloat16.safetensors  the F32 tensors in a server's dtype (node_agent.convert),
+                                            when a stage request names one
         .loraplex.json                      {"name", "sha256", "source"}: read back at start
     <root>/.tmp/…                           downloads in progress (removed at start)
 
@@ -14,7 +16,10 @@ hashing the weights on the way; check the sha256 (digest of adapter_model.safete
 that the files are whole; fsync the files and the directory; rename it into .store; then
 point the name's symlink at it by renaming a new symlink over the old one. Each step is
 atomic, so a crash leaves either the old version or the new one behind the name, never a
-part. A new version of a name replaces the old one the same way.
+part. A new version of a name replaces the old one the same way. A request that names a
+serving dtype (the plan's, or the server's own) also gets the weights' F32 tensors written
+in that dtype beside the original, once, under a temporary name renamed into place; a staged
+version that lacks it gets it at the next such request.
 
 Budget: staged bytes plus bytes reserved by downloads in flight stay within `budget_bytes`.
 To make room the store evicts least recently used adapters, unpinned first, pinned last
@@ -49,8 +54,10 @@ from loraplex.node_agent.adapter_files import (
     InvalidAdapter,
     check_adapter_dir,
 )
+from loraplex.node_agent.convert import write_serving_copy
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.sources import Fetch, SourceError, open_source, redact
+from loraplex.server.adapter_format import SERVING_DTYPES, serving_weights_name
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +95,13 @@ class StoreError(Exception):
 
 @dataclass(frozen=True)
 class AdapterRef:
-    """An adapter's identity as the plan or a client gives it: name, source URI, digest."""
+    """An adapter's identity as the plan or a client gives it: name, source URI, digest; and
+    the dtype its servers hold adapters in (a copy of its F32 tensors in it is staged too)."""
 
     name: str
     source: str
     sha256: str
+    dtype: str | None = None
 
     def validate(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -101,6 +110,8 @@ class AdapterRef:
             raise StoreError("InvalidRequest", f"sha256 {self.sha256!r} is not 64 lowercase hex digits")
         if not isinstance(self.source, str) or not self.source:
             raise StoreError("InvalidRequest", "source must be a non-empty string")
+        if self.dtype is not None and self.dtype not in SERVING_DTYPES:
+            raise StoreError("InvalidRequest", f"dtype {self.dtype!r} is not one of {sorted(SERVING_DTYPES)}")
 
 
 @dataclass
@@ -158,6 +169,7 @@ class AdapterStore:
         self._reserved = 0  # bytes promised to downloads in flight
         self._semaphore = asyncio.Semaphore(max_concurrent_downloads)
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
+        self._copying: set[tuple[str, str]] = set()  # (version, dtype) copies being written
         self.downloads_started = 0
         self.metrics.budget_bytes.set(budget_bytes)
         self._open()
@@ -196,6 +208,8 @@ class AdapterStore:
         e = self._entries.get(ref.name)
         if e is not None and e.sha256 == ref.sha256:
             self.touch(ref.name)
+            if ref.dtype and not (self._store_dir / e.blob / serving_weights_name(ref.dtype)).exists():
+                await self._add_serving_copy(e, ref)
             return self._info(e)
         key = (ref.name, ref.sha256)
         fut = self._inflight.get(key)
@@ -278,6 +292,10 @@ class AdapterStore:
                 await asyncio.to_thread(check_adapter_dir, tmp)
             except InvalidAdapter as e:
                 raise StoreError("InvalidAdapter", f"{ref.name}: {e}") from None
+            if ref.dtype:
+                extra = await self._write_serving_copy(tmp, ref)
+                reserved += extra
+                total += extra
             meta = {"name": ref.name, "sha256": ref.sha256, "source": ref.source}
             await asyncio.to_thread(_write_synced, tmp / META_FILE, json.dumps(meta).encode())
             blob = f"{ref.sha256[:16]}-{uuid.uuid4().hex[:8]}"
@@ -372,7 +390,9 @@ class AdapterStore:
             blob_dir = self._store_dir / target.name
             try:
                 meta = json.loads((blob_dir / META_FILE).read_text())
-                nbytes = sum((blob_dir / f).stat().st_size for f in (CONFIG_FILE, WEIGHTS_FILE))
+                for f in (CONFIG_FILE, WEIGHTS_FILE):
+                    (blob_dir / f).stat()  # both must be there
+                nbytes = sum(f.stat().st_size for f in blob_dir.iterdir() if f.name != META_FILE)
                 mtime = blob_dir.stat().st_mtime
             except (OSError, ValueError):
                 log.warning("removing %s: its version directory is missing or incomplete", link)
@@ -398,6 +418,41 @@ class AdapterStore:
         os.symlink(os.path.join(".store", blob), link_tmp)
         os.replace(link_tmp, self.root / name)
         _fsync_dir(self.root)
+
+    async def _write_serving_copy(self, directory: Path, ref: AdapterRef) -> int:
+        """Write the weights' F32 tensors in `ref.dtype` beside them in `directory` and reserve
+        its bytes; returns them (0 when there is nothing to convert). A copy that cannot be
+        written or does not fit the budget is left out, not the adapter: a server then
+        converts as it reads (slower, the same bits)."""
+        try:
+            copy = await asyncio.to_thread(write_serving_copy, directory, ref.dtype)
+            if copy is None:
+                return 0
+            size = copy.stat().st_size
+            try:
+                return self._reserve(ref, size)
+            except StoreError:
+                copy.unlink()
+                raise
+        except (StoreError, OSError, ValueError, MemoryError) as err:
+            log.warning("adapter %s: no %s copy of its weights (%s)", ref.name, ref.dtype, err)
+            return 0
+
+    async def _add_serving_copy(self, e: _Entry, ref: AdapterRef) -> None:
+        """The same for a version staged before without it (one writer at a time)."""
+        key = (e.blob, ref.dtype)
+        if key in self._copying:
+            return
+        self._copying.add(key)
+        try:
+            extra = await self._write_serving_copy(self._store_dir / e.blob, ref)
+        finally:
+            self._copying.discard(key)
+        self._reserved -= extra
+        if extra and self._entries.get(e.name) is e:
+            e.nbytes += extra
+            self._update_gauges()
+            log.info("adapter %s: wrote its %s copy", e.name, ref.dtype)
 
     def _unlink_entry(self, e: _Entry) -> None:
         link = self.root / e.name

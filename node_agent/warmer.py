@@ -41,6 +41,7 @@ import aiohttp
 from loraplex.node_agent.kube import StatusReporter
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StagedAdapter, StoreError
+from loraplex.server.adapter_format import SERVING_DTYPES
 from loraplex.server.plan_file import PlanFileError, decode_plan, read_plan_file
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,11 @@ def parse_plan(data: object) -> Plan:
         raise PlanError("plan is not a JSON object")
     try:
         adapters = {}
+        dtype = data.get("dtype")  # the base's: a copy of F32 adapters in it is staged too
+        if dtype is not None and dtype not in SERVING_DTYPES:
+            raise PlanError(f"dtype {dtype!r} is not one of {sorted(SERVING_DTYPES)}")
         for a in data.get("adapters") or []:
-            ref = AdapterRef(a["name"], a["source"], a["sha256"])
+            ref = AdapterRef(a["name"], a["source"], a["sha256"], dtype)
             adapters[ref.name] = PlanAdapter(ref, a.get("tenant"), int(a.get("priority", 0)), bool(a.get("pinned")))
         pinned = tuple(data.get("pinned") or [n for n, a in adapters.items() if a.pinned])
         unknown = [n for n in pinned if n not in adapters]

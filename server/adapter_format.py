@@ -89,6 +89,22 @@ SAFETENSORS_DTYPE_BYTES = {
 }
 MAX_HEADER_BYTES = 100 << 20
 
+# Serving dtypes (the server's --dtype) and their safetensors names.
+SERVING_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def serving_weights_name(dtype: str) -> str:
+    """The file name of an adapter's weights converted to a serving dtype once, when the node
+    agent staged it (node_agent.convert), beside the original `adapter_model.safetensors`."""
+    return f"adapter_model.{dtype}.safetensors"
+
+
+def serving_weights(directory: str | Path, dtype: str) -> Path:
+    """The weights file a server of `dtype` reads: the staged conversion when there is one, else
+    `adapter_model.safetensors` (whose tensors it converts as it reads them)."""
+    converted = Path(directory) / serving_weights_name(dtype)
+    return converted if converted.is_file() else Path(directory) / WEIGHTS_FILE
+
 
 def read_safetensors_header(path: str | Path) -> dict[str, dict]:
     """{tensor name: {"dtype": "F16", "shape": [..], "data_offsets": [..]}} without the data.

@@ -131,7 +131,7 @@ class AdapterLoader:
         tier = "disk"
         if path is None:
             path, tier = fetch_adapter(e.name, e.source, e.sha256, self.cache_dir, self.node_agent_url,
-                                       missing=e.path), "source"
+                                       missing=e.path, dtype=str(self.buffers.dtype).removeprefix("torch.")), "source"
         spec = read_adapter(path, self.base)
         digest = e.sha256 or _stat_digest(path / WEIGHTS_FILE)
         copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock, self.read_pool)

@@ -1,8 +1,9 @@
 """The last tier of the adapter cache: bring an adapter that is not on local disk onto it.
 
     fetch_adapter("sql", "s3://bucket/sql-v2", sha, cache_dir, node_agent_url)
-      with a node agent:  POST <agent>/v1/stage {"name", "source", "sha256"}; the agent downloads,
-                          verifies and renames into <cache_dir>/sql/ (node_agent/store.py)
+      with a node agent:  POST <agent>/v1/stage {"name", "source", "sha256", "dtype"}; the agent
+                          downloads, verifies, writes a copy of F32 weights in the slots' dtype
+                          and renames into <cache_dir>/sql/ (node_agent/store.py)
       without one:        a local path or file:// source is read in place (sha256 checked);
                           http(s) is downloaded here into <cache_dir>/sql/ (temporary folder,
                           sha256 check, rename: a crash never leaves a half adapter that looks whole)
@@ -41,23 +42,25 @@ def redact(uri: str | None) -> str | None:
 
 
 def fetch_adapter(name: str, source: str | None, sha256: str | None, cache_dir: Path | None,
-                  node_agent_url: str | None, missing: Path | None = None) -> Path:
+                  node_agent_url: str | None, missing: Path | None = None, dtype: str | None = None) -> Path:
     """The adapter's directory on local disk, fetched from `source` (see the module docstring).
-    `missing`: where it was looked for, for the error message when there is no source."""
+    `missing`: where it was looked for, for the error message when there is no source;
+    `dtype`: the slots' (the node agent also stages a copy of F32 weights in it)."""
     if not source:
         where = missing or (cache_dir / name if cache_dir else None)
         raise AdapterLoadError(name, "missing", f"no adapter files at {where} and no source to fetch from")
     if node_agent_url and cache_dir is not None:
-        return _stage_through_agent(name, source, sha256, cache_dir, node_agent_url)
+        return _stage_through_agent(name, source, sha256, cache_dir, node_agent_url, dtype)
     return _fetch_direct(name, source, sha256, cache_dir)
 
 
-def _stage_through_agent(name: str, source: str, sha256: str | None, cache_dir: Path, url: str) -> Path:
+def _stage_through_agent(name: str, source: str, sha256: str | None, cache_dir: Path, url: str,
+                         dtype: str | None = None) -> Path:
     import httpx
 
+    body = {"name": name, "source": source, "sha256": sha256} | ({"dtype": dtype} if dtype else {})
     try:
-        r = httpx.post(f"{url.rstrip('/')}/v1/stage", timeout=600,
-                       json={"name": name, "source": source, "sha256": sha256})
+        r = httpx.post(f"{url.rstrip('/')}/v1/stage", timeout=600, json=body)
     except httpx.HTTPError as err:
         raise AdapterLoadError(name, "fetch", f"node agent at {url} unreachable: {err}") from None
     if r.status_code != 200:

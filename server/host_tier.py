@@ -12,9 +12,10 @@ buffers (flat in chunks, scales, rank)::
 On CUDA the flat buffer is page-locked (pinned), so the copy is a DMA that overlaps the
 decode kernels; on the CPU it is plain memory and the same copies run synchronously.
 
-`read_into_host` fills a HostCopy straight from `adapter_model.safetensors`: the tensors are
-read (`preadv`, a few MB-sized chunks of the file at once on the loader's read threads) into
-their views of the pinned buffer, no intermediate copy of the adapter.
+`read_into_host` fills a HostCopy straight from `adapter_model.safetensors` (or its copy in the
+slots' dtype, when the node agent wrote one at staging: adapter_format.serving_weights): the
+tensors are read (`preadv`, a few MB-sized chunks of the file at once on the loader's read
+threads) into their views of the pinned buffer, no intermediate copy of the adapter.
 `HostTier` keeps copies in a byte budget, least recently used first out.
 """
 
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .adapter_format import WEIGHTS_FILE, AdapterError, AdapterSpec
+from .adapter_format import WEIGHTS_FILE, AdapterError, AdapterSpec, serving_weights
 from .adapters import GROUPS, PROJECTIONS, LoRABuffers, LoRAGroup, check_held, group_mask, projection_ranks
 
 log = logging.getLogger(__name__)
@@ -120,13 +121,15 @@ READ_CHUNK_BYTES = 4 << 20
 def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pin: bool,
                    lock: threading.Lock | None = None, pool: Executor | None = None,
                    chunk_bytes: int | None = None) -> HostCopy:
-    """Read `adapter_model.safetensors` under `path` straight into a new HostCopy: allocate
-    it (holding `lock`, see AdapterCache.cuda_lock: pinned allocations are CUDA calls), fill
-    it (HostCopy.fill), read the tensors into their views (`read_tensors`, on `pool`)."""
+    """Read the adapter's weights under `path` straight into a new HostCopy: allocate it
+    (holding `lock`, see AdapterCache.cuda_lock: pinned allocations are CUDA calls), fill it
+    (HostCopy.fill), read the tensors into their views (`read_tensors`, on `pool`). The file is
+    the node agent's copy in the slots' dtype where it wrote one (an F32 adapter for bf16
+    slots, converted once at staging), else `adapter_model.safetensors`."""
     copy = HostCopy(buffers, pin, lock)
     targets: list[tuple[str, torch.Tensor]] = []
     copy.fill(spec, lambda key, dst: targets.append((key, dst)))
-    read_tensors(Path(path) / WEIGHTS_FILE, targets, pool, chunk_bytes)
+    read_tensors(serving_weights(path, str(buffers.dtype).removeprefix("torch.")), targets, pool, chunk_bytes)
     return copy
 
 
@@ -177,7 +180,7 @@ def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: E
             info = header[key]
             start, end = (8 + n + o for o in info["data_offsets"])
             if end > size:
-                raise AdapterError(f"{WEIGHTS_FILE}: tensor {key!r} ends past the file's {size} bytes (cut short?)")
+                raise AdapterError(f"{weights.name}: tensor {key!r} ends past the file's {size} bytes (cut short?)")
             dtype = SAFETENSORS_DTYPES[info["dtype"]]
             if dtype == dst.dtype and dst.is_contiguous() and list(dst.shape) == info["shape"]:
                 reads.append((start, dst, dst))

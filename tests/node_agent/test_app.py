@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from loraplex.node_agent.adapter_files import WEIGHTS_FILE
 from loraplex.node_agent.app import AGENT, AgentConfig, create_app
 from loraplex.node_agent.cli import Settings, build_parser, field_docs, main
+from loraplex.server.adapter_format import serving_weights_name
 
 from .helpers import ConfigMapDir, plan_json
 
@@ -54,6 +55,13 @@ async def test_stage_list_and_metrics(tmp_path, object_store, client_factory):
     assert metric(text, "loraplex_node_agent_disk_bytes") == adapter["bytes"]
     assert metric(text, "loraplex_node_agent_download_seconds_count") == 1
     assert metric(text, "loraplex_node_agent_downloads_in_flight") == 0
+    # A server names its dtype: the F32 weights are staged in it too, once.
+    r = await client.post("/v1/stage", json=body | {"dtype": "bfloat16"})
+    assert r.status == 200, await r.text()
+    assert Path(adapter["path"], serving_weights_name("bfloat16")).is_file()
+    assert (await r.json())["adapter"]["bytes"] > adapter["bytes"]
+    r = await client.post("/v1/stage", json=body | {"dtype": "float8"})
+    assert r.status == 400 and (await r.json())["error"]["reason"] == "InvalidRequest"
 
 
 ERRORS = [

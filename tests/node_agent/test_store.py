@@ -276,3 +276,37 @@ async def test_pinned_adapter_evicts_unpinned_before_older_pinned(tmp_path, sess
         clock.advance()
         await _stage_local(store, tmp_path, name, 10 + i)
         assert sorted(a.name for a in store.list()) == left, name
+
+
+async def test_stage_with_a_serving_dtype_writes_its_copy_once(tmp_path, session, clock):
+    """An F32 adapter staged for bf16 servers gets its weights in bf16 beside the original,
+    counted in the budget and read back at start; one staged before without it gets it at
+    the next request that names the dtype; a float32 request writes none."""
+    from loraplex.server.adapter_format import serving_weights_name
+
+    root = tmp_path / "cache"
+    store = open_store(root, session, clock)
+    sha = make_adapter(tmp_path / "volume" / "chat", seed=5)  # F32 tensors
+    src = str(tmp_path / "volume" / "chat")
+    original = (tmp_path / "volume" / "chat" / WEIGHTS_FILE).read_bytes()
+    staged = await store.stage(AdapterRef("chat", src, sha, "bfloat16"))
+    copy = root / "chat" / serving_weights_name("bfloat16")
+    assert copy.is_file() and (root / "chat" / WEIGHTS_FILE).read_bytes() == original
+    assert staged.bytes == _size(tmp_path) + copy.stat().st_size == store.used_bytes
+    assert open_store(root, session, clock).used_bytes == staged.bytes  # read back at start
+    assert_clean(root, [])
+
+    sha2 = make_adapter(tmp_path / "volume" / "sql", seed=6)
+    src2 = str(tmp_path / "volume" / "sql")
+    before = await store.stage(AdapterRef("sql", src2, sha2))  # no dtype: no copy
+    assert not (root / "sql" / serving_weights_name("bfloat16")).exists()
+    await store.stage(AdapterRef("sql", src2, sha2, "float32"))
+    assert sorted(p.name for p in (root / "sql").iterdir()) == sorted([CONFIG_FILE, WEIGHTS_FILE, ".loraplex.json"])
+    after = await store.stage(AdapterRef("sql", src2, sha2, "float16"))
+    assert (root / "sql" / serving_weights_name("float16")).is_file()
+    assert after.bytes == before.bytes + (root / "sql" / serving_weights_name("float16")).stat().st_size
+    assert store.used_bytes == staged.bytes + after.bytes
+
+    with pytest.raises(StoreError) as err:
+        await store.stage(AdapterRef("chat", src, sha, "int8"))
+    assert err.value.reason == "InvalidRequest"

@@ -47,6 +47,7 @@ PLANS = [
     ({"baseModel": "b", "prefetch": [{"name": "a", "start": "2026-05-01T08:00:00", "end": "2026-05-01T09:00:00"}]},
      "UTC offset"),
     ([1, 2], "not a JSON object"),
+    ({"baseModel": "b", "dtype": "int8", "adapters": []}, "dtype"),
 ]
 
 
@@ -56,6 +57,10 @@ def test_parse_plan(data, problem):
         plan = parse_plan(data)
         assert plan.base_model == "b"
         assert set(plan.pinned) <= set(plan.adapters)
+        # The base's dtype goes with every adapter: the store writes a copy of F32 weights in it.
+        with_dtype = parse_plan({**data, "dtype": "bfloat16"})
+        assert all(a.ref.dtype == "bfloat16" for a in with_dtype.adapters.values())
+        assert all(a.ref.dtype is None for a in plan.adapters.values())
     else:
         with pytest.raises(PlanError, match=problem):
             parse_plan(data)

@@ -483,7 +483,9 @@ def test_a_disk_miss_is_staged_through_the_node_agent(tmp_path_factory):
         cache.register("gone", source="s3://bucket/nothing-here")
         assert cache.tier_of("sql") == "source"
         cache.prefetch("sql").result(10)
-        assert agent.staged[0] == {"name": "sql", "source": "s3://bucket/sql-v2", "sha256": "ab" * 32}
+        # The slots' dtype goes along: the agent stages a copy of F32 weights in it.
+        assert agent.staged[0] == {"name": "sql", "source": "s3://bucket/sql-v2", "sha256": "ab" * 32,
+                                   "dtype": "float32"}
         assert (cache_dir / "sql" / "adapter_config.json").is_file()
         assert cache.metrics.load_seconds.labels("source")._sum.get() > 0
         with pytest.raises(AdapterLoadError, match="node agent could not stage it") as err:

@@ -287,3 +287,31 @@ def test_converted_tensors_go_through_one_staging_buffer_kept_per_thread(tmp_pat
     third = read_into_host(path, spec, buffers, pin=False, pool=pool)
     assert getattr(host_tier._staging, "buf", None) is None
     assert torch.equal(third.flat[read], first.flat[read])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_staged_copy_in_the_slots_dtype_is_read_in_place_of_the_f32_file(tmp_path, dtype):
+    """The node agent's copy of an F32 adapter in the slots' dtype (node_agent.convert): a
+    load reads it, not the original, and the host copy holds the same bits either way."""
+    from loraplex.node_agent.convert import write_serving_copy
+
+    path = write_mixed_adapter(tmp_path / "a")
+    spec = read_adapter(path, base_spec())
+    buffers = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), dtype)
+    converted_on_read = read_into_host(path, spec, buffers, pin=False)
+    name = str(dtype).removeprefix("torch.")
+    assert write_serving_copy(path, name) is not None
+    # The original's data zeroed, its header kept (read_adapter reads it): a load that read
+    # the original now would load zeros.
+    weights = path / WEIGHTS_FILE
+    raw = bytearray(weights.read_bytes())
+    head = 8 + int.from_bytes(raw[:8], "little")
+    raw[head:] = bytes(len(raw) - head)
+    weights.write_bytes(bytes(raw))
+    from_copy = read_into_host(path, read_adapter(path, base_spec()), buffers, pin=False)
+    read = read_region(buffers, spec)  # the rest of a host copy is never written
+    assert from_copy.flat[read].abs().sum() > 0
+    assert torch.equal(from_copy.flat[read], converted_on_read.flat[read])
+    # A server of another dtype still reads the original.
+    f32 = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), torch.float32)
+    assert read_into_host(path, spec, f32, pin=False).flat[read].abs().sum() == 0
