@@ -19,7 +19,8 @@ atomic, so a crash leaves either the old version or the new one behind the name,
 part. A new version of a name replaces the old one the same way. A request that names a
 serving dtype (the plan's, or the server's own) also gets the weights' F32 tensors written
 in that dtype beside the original, once, under a temporary name renamed into place; a staged
-version that lacks it gets it at the next such request.
+version that lacks it gets it at the next such request. The copy takes only free budget: it
+never evicts an adapter, and without room the adapter is staged without it.
 
 Budget: staged bytes plus bytes reserved by downloads in flight stay within `budget_bytes`.
 To make room the store evicts least recently used adapters, unpinned first, pinned last
@@ -422,21 +423,22 @@ class AdapterStore:
     async def _write_serving_copy(self, directory: Path, ref: AdapterRef) -> int:
         """Write the weights' F32 tensors in `ref.dtype` beside them in `directory` and reserve
         its bytes; returns them (0 when there is nothing to convert). A copy that cannot be
-        written or does not fit the budget is left out, not the adapter: a server then
-        converts as it reads (slower, the same bits)."""
+        written, or does not fit the budget's free bytes (it never evicts an adapter), is left
+        out, not the adapter: a server then converts as it reads (slower, the same bits)."""
         try:
             copy = await asyncio.to_thread(write_serving_copy, directory, ref.dtype)
-            if copy is None:
-                return 0
-            size = copy.stat().st_size
-            try:
-                return self._reserve(ref, size)
-            except StoreError:
-                copy.unlink()
-                raise
-        except (StoreError, OSError, ValueError, MemoryError) as err:
+        except (OSError, ValueError, MemoryError) as err:
             log.warning("adapter %s: no %s copy of its weights (%s)", ref.name, ref.dtype, err)
             return 0
+        if copy is None:
+            return 0
+        size = copy.stat().st_size
+        if self.used_bytes + self._reserved + size > self.budget_bytes:
+            copy.unlink()
+            log.info("adapter %s: no room in the budget for its %s copy (%d bytes)", ref.name, ref.dtype, size)
+            return 0
+        self._reserved += size
+        return size
 
     async def _add_serving_copy(self, e: _Entry, ref: AdapterRef) -> None:
         """The same for a version staged before without it (one writer at a time)."""

@@ -310,3 +310,20 @@ async def test_stage_with_a_serving_dtype_writes_its_copy_once(tmp_path, session
     with pytest.raises(StoreError) as err:
         await store.stage(AdapterRef("chat", src, sha, "int8"))
     assert err.value.reason == "InvalidRequest"
+
+
+async def test_a_serving_copy_takes_only_free_budget(tmp_path, session, clock):
+    """The copy is an optimisation: with no free bytes for it the adapter is staged without
+    it, and no other adapter is evicted to make room."""
+    from loraplex.server.adapter_format import serving_weights_name
+
+    root = tmp_path / "cache"
+    size = _size(tmp_path)
+    store = open_store(root, session, clock, budget=2 * size + 8)
+    await _stage_local(store, tmp_path, "first", 1)
+    sha = make_adapter(tmp_path / "volume" / "second", seed=2)
+    staged = await store.stage(AdapterRef("second", str(tmp_path / "volume" / "second"), sha, "bfloat16"))
+    assert not (root / "second" / serving_weights_name("bfloat16")).exists()
+    assert staged.bytes == size and [a.name for a in store.list()] == ["first", "second"]
+    assert store.used_bytes == 2 * size
+    assert_clean(root, [])
