@@ -75,7 +75,7 @@ def run_shape(layer: str, tokens: int, timer, sweep: bool) -> dict:
     x, weight, slices = c0["x"], c0["weight"], c0["slices"]
     base_ref = x.float() @ weight.float().T
     out = torch.empty(tokens, weight.shape[0], dtype=x.dtype, device=x.device)
-    default = gemm_config(x, weight.shape[0])
+    default = gemm_config(tokens, weight)
     row = {"layer": layer, "tokens": tokens, "default": dataclasses.asdict(default), "adapters": {},
            "cublas_us": timer(lambda: torch.matmul(x, weight.T, out=out))}
     row["gemm_error"], row["gemm_us"] = checked(lambda: gemm(x, weight, out, default), base_ref, timer)

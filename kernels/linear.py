@@ -155,9 +155,10 @@ def make_gemm_config(num_tokens: int, in_features: int, out_features: int, sms: 
                       pdl=device_pdl)
 
 
-def gemm_config(x: torch.Tensor, out_features: int) -> GemmConfig:
-    return make_gemm_config(x.shape[0], x.shape[1], out_features, multiprocessors(x.device), x.element_size(),
-                            supports_pdl(x.device))
+def gemm_config(num_tokens: int, weight: torch.Tensor) -> GemmConfig:
+    """The default configuration of `x @ weight.T` for `num_tokens` rows of x."""
+    return make_gemm_config(num_tokens, weight.shape[1], weight.shape[0], multiprocessors(weight.device),
+                            weight.element_size(), supports_pdl(weight.device))
 
 
 class _Workspace:
@@ -203,7 +204,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         raise TypeError(f"weight is {weight.dtype} but x is {x.dtype}")
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
-    config = config or gemm_config(x, out_features)
+    config = config or gemm_config(num_tokens, weight)
     y = out if out is not None else torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
     if tuple(y.shape) != (num_tokens, out_features) or y.dtype != x.dtype or (out_features > 1 and y.stride(-1) != 1):
         raise ValueError(f"out must be {x.dtype} [{num_tokens}, {out_features}], contiguous along its last "
@@ -256,7 +257,7 @@ def lora_linear(
     slices = _check(y, x, lora_a, lora_b, scaling, batch, ranks, output_slices)
     if batch.block_m < 16 or batch.block_m & (batch.block_m - 1):
         raise ValueError(f"the Triton path needs block_m a power of two >= 16, the batch has {batch.block_m}")
-    config = config or gemm_config(x, weight.shape[0])
+    config = config or gemm_config(x.shape[0], weight)
     if x.shape[0] == 0:
         return y
     rank = lora_b.shape[2]

@@ -118,7 +118,8 @@ def warm_up_prefill(model: LlamaModel, max_tokens: int) -> int:
     length = model.kv.max_len - 1  # positions a sequence may use
     max_tokens = min(max_tokens, model.kv.rows * length)
     plan = [] if model.lora is None else prefill_warmup_plan(max_tokens, model.lora.num_slots, model.lora_launch_key)
-    for rows, adapters in [*((rows, 0) for rows in base_warmup_rows(model, max_tokens)), *plan]:
+    plan = [(rows, 0) for rows in base_warmup_rows(model, max_tokens)] + plan
+    for rows, adapters in plan:
         seqs = [PrefillSeq(row=i, start=start, length=min(length, rows - start), pos=0)
                 for i, start in enumerate(range(0, rows, length))]
         tokens = torch.zeros(rows, dtype=torch.int64, device=model.device)
@@ -129,7 +130,7 @@ def warm_up_prefill(model: LlamaModel, max_tokens: int) -> int:
         model.prefill(tokens, slots, seqs, adapters)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-    return len(base_warmup_rows(model, max_tokens)) + len(plan)
+    return len(plan)
 
 
 def base_warmup_rows(model: LlamaModel, max_tokens: int) -> list[int]:

@@ -30,6 +30,7 @@ Larger steps, and projections with a bias, keep cuBLAS then `add_lora`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -50,6 +51,15 @@ from .weights import BaseWeights
 # 1, 16 and 64 rows sum to 148-156 us against cuBLAS's 151-157); past it, its tiles of at
 # most 64 rows re-read the weights (q/k/v at 128 rows: 30.8 against 23.7 us).
 TRITON_GEMM_MAX_TOKENS = 64
+
+
+@functools.cache
+def _triton_linear():
+    """loraplex.kernels.linear, imported on first use: it imports triton (a Linux-only
+    dependency), which a CPU-only model never needs."""
+    from loraplex.kernels import linear
+
+    return linear
 
 
 @dataclass(frozen=True)
@@ -150,13 +160,12 @@ class LlamaModel:
                 layer: int, group: str, lora: StepLoRA | None) -> torch.Tensor:
         """y = x @ W.T (+ bias) for all rows (one base GEMM), then each row's adapter term."""
         if self._uses_gemm(x.shape[0]) and bias is None:
-            from loraplex.kernels.linear import gemm, lora_linear  # imports triton: only where it runs
-
+            linear = _triton_linear()
             if lora is None or group not in lora.groups:
-                return gemm(x, weight)
+                return linear.gemm(x, weight)
             g = self.lora.layers[layer][group]
-            return lora_linear(x, weight, g.a, g.b, g.scaling, lora.batch, ranks=self.lora.group_ranks[group],
-                               output_slices=g.slices if len(g.slices) > 1 else None)
+            return linear.lora_linear(x, weight, g.a, g.b, g.scaling, lora.batch, ranks=self.lora.group_ranks[group],
+                                      output_slices=g.slices if len(g.slices) > 1 else None)
         y = F.linear(x, weight, bias)
         if lora is None or group not in lora.groups:
             return y
@@ -209,13 +218,8 @@ class LlamaModel:
         configuration per projection); None when the step runs cuBLAS."""
         if not self._uses_gemm(num_tokens):
             return None
-        from loraplex.kernels.linear import make_gemm_config
-        from loraplex.kernels.configs import multiprocessors, supports_pdl
-
         lw = self.w.layers[0]
-        return tuple(make_gemm_config(num_tokens, w.shape[1], w.shape[0], multiprocessors(self.device),
-                                      w.element_size(), supports_pdl(self.device))
-                     for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
+        return tuple(_triton_linear().gemm_config(num_tokens, w) for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
 
     def lora_launch_key(self, num_tokens: int, max_adapters: int) -> tuple | None:
         """What the LoRA kernels compile for a step of `num_tokens` rows and at most
