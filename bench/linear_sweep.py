@@ -15,6 +15,10 @@ For each layer and token count:
      - ``lora_linear_shrink4``: the same with the shrink cut into 4 K splits;
   3. ``*_lora_us``: each path minus its own GEMM alone, and ``*_over_base``: that over cuBLAS
      alone (the issue's "LoRA term over its base GEMM", in a layer).
+With ``--issue-table``: issue 2's decode table where the engine runs ``lora_linear`` (1, 8,
+32 and 64 tokens; 1, 8, 32 adapters and one per token, up to the tokens; ranks 8 and 16),
+``cublas``, ``cublas_add_lora``, ``lora_linear`` (the default) and ``lora_linear_unfused``
+(the expand launched after the GEMM) only.
 Timing as kernels_bench.py: CUDA-graph replay, L2 flushed before each, median.
 Commit 1975db0's version of this script swept the configurations of the GEMM that the
 defaults come from (``linear_h200_lora_programs.json``).
@@ -41,6 +45,13 @@ from loraplex.kernels.linear import gemm, gemm_config, lora_linear  # noqa: E402
 
 TOKENS = (1, 16, 64)
 ADAPTERS = {1: (1,), 16: (1, 16), 32: (1, 8, 32), 64: (1, 8, 16, 32), 128: (16, 32)}
+ISSUE_TOKENS = (1, 8, 32, 64)
+ISSUE_RANKS = (8, 16)
+
+
+def issue_adapters(tokens: int) -> tuple[int, ...]:
+    """Issue 2's adapter counts (1, 8, 32, one per token) that fit in `tokens` rows."""
+    return tuple(sorted({a for a in (1, 8, 32, tokens) if a <= tokens}))
 
 
 def around(default):
@@ -68,15 +79,15 @@ def checked(fn, expected, timer, limit=1e-2) -> tuple[float | str, float | None]
 
 
 
-def run_shape(layer: str, tokens: int, timer, sweep: bool) -> dict:
+def run_shape(layer: str, tokens: int, timer, sweep: bool, rank: int = 16, issue_table: bool = False) -> dict:
     gen = torch.Generator().manual_seed(tokens)
-    counts = ADAPTERS[tokens]
-    c0 = make_case(layer, tokens, counts[0], 16, gen=gen)
+    counts = issue_adapters(tokens) if issue_table else ADAPTERS[tokens]
+    c0 = make_case(layer, tokens, counts[0], rank, gen=gen)
     x, weight, slices = c0["x"], c0["weight"], c0["slices"]
     base_ref = x.float() @ weight.float().T
     out = torch.empty(tokens, weight.shape[0], dtype=x.dtype, device=x.device)
     default = gemm_config(tokens, weight)
-    row = {"layer": layer, "tokens": tokens, "default": dataclasses.asdict(default), "adapters": {},
+    row = {"layer": layer, "tokens": tokens, "rank": rank, "default": dataclasses.asdict(default), "adapters": {},
            "cublas_us": timer(lambda: torch.matmul(x, weight.T, out=out))}
     row["gemm_error"], row["gemm_us"] = checked(lambda: gemm(x, weight, out, default), base_ref, timer)
     if sweep:
@@ -86,13 +97,13 @@ def run_shape(layer: str, tokens: int, timer, sweep: bool) -> dict:
             row["sweep"].append({**dataclasses.asdict(cfg), "error": err, "us": us})
 
     for adapters in counts:
-        c = make_case(layer, tokens, adapters, 16, gen=gen)
+        c = make_case(layer, tokens, adapters, rank, gen=gen)
         lora_a, lora_b, scaling, slots = c["lora_a"], c["lora_b"], c["scaling"], c["token_slots"]
         batch = LoRABatch.build(slots, c["num_slots"], max_adapters=adapters)
         groups = [(s, torch.nonzero(slots == s).flatten()) for s in range(c["num_slots"])]
         expected = base_ref.clone()
         loop_per_adapter(expected, x.float(), lora_a.float(), lora_b.float(), scaling,
-                         [(s, rows) for s, rows in groups if rows.numel()], slices, 16)
+                         [(s, rows) for s, rows in groups if rows.numel()], slices, rank)
         args = (lora_a, lora_b, scaling, batch)
 
         def cublas_add_lora():
@@ -104,6 +115,11 @@ def run_shape(layer: str, tokens: int, timer, sweep: bool) -> dict:
             return add_lora(out, x, *args, output_slices=slices)
 
         paths = {
+            "cublas_add_lora": cublas_add_lora,
+            "lora_linear": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out, config=default),
+            "lora_linear_unfused": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out,
+                                                       config=dataclasses.replace(default, fuse_expand=False)),
+        } if issue_table else {
             "cublas_add_lora": cublas_add_lora,
             "gemm_add_lora": gemm_add_lora,
             "lora_linear": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out, config=default),
@@ -130,16 +146,19 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", default=",".join(LAYERS))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--issue-table", action="store_true", help="issue 2's decode table (tokens, adapters, ranks)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     timer = GraphTimer(args.reps)
     result = {"meta": timing_meta(args.reps, copy_bandwidth=copy_bandwidth(), launch_floor=launch_floor(timer)),
               "rows": []}
     start = time.time()
-    for layer, tokens in itertools.product(args.layers.split(","), map(int, args.tokens.split(","))):
-        row = run_shape(layer, tokens, timer, args.sweep)
+    tokens_list = ISSUE_TOKENS if args.issue_table else tuple(map(int, args.tokens.split(",")))
+    ranks = ISSUE_RANKS if args.issue_table else (16,)
+    for layer, tokens, rank in itertools.product(args.layers.split(","), tokens_list, ranks):
+        row = run_shape(layer, tokens, timer, args.sweep, rank, args.issue_table)
         result["rows"].append(row)
-        print(f"{layer:8s} {tokens:4d} cublas {row['cublas_us']:.1f} gemm {row['gemm_us']:.1f} "
+        print(f"{layer:8s} {tokens:4d} r{rank:<3d} cublas {row['cublas_us']:.1f} gemm {row['gemm_us']:.1f} "
               f"[{time.time() - start:.0f}s]", flush=True)
         for adapters, e in row["adapters"].items():
             print("    " + f"{adapters:>3s} adapters: " + ", ".join(
