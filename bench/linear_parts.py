@@ -10,13 +10,12 @@ Per layer, row count and adapters (rank 16, rows assigned as kernels_bench.py as
     expand (checked against the base product);
   - ``expand``: the expand alone, on a finished shrink's planes (checked once, then timed
     adding into y again and again);
-  - ``lora_linear``: as the engine calls it (the default: the expand's work in the GEMM's
-    epilogue; checked against the float32 reference), ``lora_linear_unfused``: the three
-    launches, ``lora_linear_lk{K}``: the epilogue taking K rank columns a dot, and
+  - ``lora_linear``: all three (checked against the float32 reference), and
     ``lora_linear_span{S}``: the same with the expand's columns per program set to S;
   - with ``--variants``, the expand with one tile a program (``expand_bn{N}_w{W}``: N columns
     in one load, W warps), alone and in the chain (``chain_...``), and the shrink's K splits,
     step and stages (``chain_shrink_s{S}_k{K}_st{T}``).
+Commit 50989c7's version also timed the LoRA term in the GEMM's epilogue (dropped).
 Then ``lm_head`` (4096 -> 128,256): cuBLAS against ``gemm`` at its default configuration and
 around it.
 Timing as kernels_bench.py: CUDA-graph replay, L2 flushed before each, median.
@@ -106,13 +105,9 @@ def run_case(layer: str, tokens: int, adapters: int, timer, variants: bool = Fal
         name = f"expand_bn{block_n}_w{warps}"
         errors[name], _ = checked(lambda: expand(block_n, block_n, warps), expected, lambda fn: None)
         us[name] = timer(lambda: expand(block_n, block_n, warps))
-    variants_of_default = {"lora_linear": config, "lora_linear_unfused": dataclasses.replace(config, fuse_expand=False)}
-    for lora_k in (64, 256):
-        variants_of_default[f"lora_linear_lk{lora_k}"] = dataclasses.replace(config, lora_k=lora_k)
-    for name, cfg in variants_of_default.items():
-        errors[name], us[name] = checked(
-            lambda: lora_linear(x, weight, lora_a, lora_b, scaling, batch, output_slices=slices, out=out, config=cfg),
-            expected, timer)
+    errors["lora_linear"], us["lora_linear"] = checked(
+        lambda: lora_linear(x, weight, lora_a, lora_b, scaling, batch, output_slices=slices, out=out, config=config),
+        expected, timer)
     for span in SPANS:
         if span != sgmv.span:
             errors[f"lora_linear_span{span}"], us[f"lora_linear_span{span}"] = checked(

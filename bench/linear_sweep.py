@@ -17,8 +17,8 @@ For each layer and token count:
      alone (the issue's "LoRA term over its base GEMM", in a layer).
 With ``--issue-table``: issue 2's decode table where the engine runs ``lora_linear`` (1, 8,
 32 and 64 tokens; 1, 8, 32 adapters and one per token, up to the tokens; ranks 8 and 16),
-``cublas``, ``cublas_add_lora``, ``lora_linear`` (the default) and ``lora_linear_unfused``
-(the expand launched after the GEMM) only.
+``cublas``, ``cublas_add_lora`` and ``lora_linear`` only (commit 50989c7's run, when
+``lora_linear``'s default was a dropped design, calls the engine's path ``lora_linear_unfused``).
 Timing as kernels_bench.py: CUDA-graph replay, L2 flushed before each, median.
 Commit 1975db0's version of this script swept the configurations of the GEMM that the
 defaults come from (``linear_h200_lora_programs.json``).
@@ -117,8 +117,6 @@ def run_shape(layer: str, tokens: int, timer, sweep: bool, rank: int = 16, issue
         paths = {
             "cublas_add_lora": cublas_add_lora,
             "lora_linear": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out, config=default),
-            "lora_linear_unfused": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out,
-                                                       config=dataclasses.replace(default, fuse_expand=False)),
         } if issue_table else {
             "cublas_add_lora": cublas_add_lora,
             "gemm_add_lora": gemm_add_lora,

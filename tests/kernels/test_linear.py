@@ -3,19 +3,16 @@
 ``gemm`` is checked against float64 over tile shapes and K splits (the split-K path with its
 counters is run twice in a row, so counters left behind would show). ``lora_linear`` must
 give what ``gemm`` then ``add_lora`` give with the same arguments (base-only rows to the
-bit), whatever the rows' adapters, with NaN in every byte the kernels must not read; with
-the LoRA term in the GEMM's epilogue (``fuse_expand``) and with the expand after it.
+bit), whatever the rows' adapters, with NaN in every byte the kernels must not read.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 
 from loraplex.kernels import LoRABatch, add_lora, add_lora_reference
-from loraplex.kernels.linear import GemmConfig, fuses_expand, gemm, lora_linear, make_gemm_config
+from loraplex.kernels.linear import GemmConfig, gemm, lora_linear, make_gemm_config
 
 from .test_add_lora import SHAPES, TOLERANCE, make_weights, slot_pattern
 
@@ -72,7 +69,6 @@ def test_gemm_refuses_bad_inputs():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("config", ["one-split", "uneven-splits"])
-@pytest.mark.parametrize("fuse", [True, False], ids=["epilogue", "expand"])
 @pytest.mark.parametrize(
     "num_tokens,num_slots,shape,pattern",
     [
@@ -83,7 +79,7 @@ def test_gemm_refuses_bad_inputs():
         (33, 8, "qwen2-qkv", "random-mixed"),
     ],
 )
-def test_lora_linear_matches_gemm_then_add_lora(num_tokens, num_slots, shape, pattern, fuse, config, dtype):
+def test_lora_linear_matches_gemm_then_add_lora(num_tokens, num_slots, shape, pattern, config, dtype):
     gen = torch.Generator().manual_seed(num_tokens * 7 + num_slots)
     in_features, slices = SHAPES[shape]
     token_slots = slot_pattern(pattern, num_tokens, num_slots, gen)
@@ -93,9 +89,7 @@ def test_lora_linear_matches_gemm_then_add_lora(num_tokens, num_slots, shape, pa
     x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
     weight = (torch.randn(sum(slices), in_features, generator=gen) / in_features**0.5).to(dtype)
     batch = LoRABatch.build(token_slots, num_slots, max_adapters=max(1, len(used)))
-    # Tiles of 32 columns: every scaled-down shape but Qwen2's q/k/v (112 + 16 + 16) fuses.
-    cfg = dataclasses.replace(CONFIGS[config], fuse_expand=fuse)
-    assert fuses_expand(cfg, slices) == (fuse and shape != "qwen2-qkv")
+    cfg = CONFIGS[config]
 
     y = lora_linear(x, weight, lora_a, lora_b, scaling, batch, ranks, slices, config=cfg)
     then = gemm(x, weight, config=cfg)
@@ -119,28 +113,6 @@ def test_lora_linear_checks_like_add_lora():
         lora_linear(x, torch.randn(48, 64), a, b, sc, batch)
     with pytest.raises(ValueError, match="built for 2 slots"):
         lora_linear(x, torch.randn(32, 64), torch.randn(3, 16, 64), torch.randn(3, 32, 16), torch.ones(3), batch)
-
-
-def test_epilogue_walks_adapters_in_groups():
-    """The epilogue's dot takes lora_k // 16 rank-16 adapters at a time: rows of more adapters
-    than one group (and a slot's rows split over several blocks, counted once) all get
-    their term."""
-    gen = torch.Generator().manual_seed(11)
-    in_features, slices = SHAPES["llama3-qkv"]
-    num_slots = 12
-    token_slots = torch.cat([torch.arange(num_slots), torch.full((20,), 3)]).to(torch.int32)  # slot 3: 21 rows
-    token_slots = token_slots[torch.randperm(token_slots.numel(), generator=gen)]
-    ranks = torch.full((num_slots,), 16, dtype=torch.int32)
-    lora_a, lora_b, scaling = make_weights(num_slots, 16, in_features, slices, ranks, torch.float32, gen,
-                                           set(range(num_slots)))
-    x = torch.randn(token_slots.numel(), in_features, generator=gen)
-    weight = torch.randn(sum(slices), in_features, generator=gen) / in_features**0.5
-    batch = LoRABatch.build(token_slots, num_slots)  # 16-row blocks: slot 3 spans two
-    cfg = GemmConfig(block_m=32, block_n=32, block_k=32, splits=1, lora_k=32)  # two adapters a dot
-    y = lora_linear(x, weight, lora_a, lora_b, scaling, batch, ranks, slices, config=cfg)
-    expected = add_lora_reference(x.double() @ weight.double().T, x, lora_a, lora_b, scaling, token_slots, ranks,
-                                  slices)
-    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_default_configs_divide_the_work():

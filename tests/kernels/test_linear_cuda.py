@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from loraplex.kernels import LoRABatch, add_lora, add_lora_reference
-from loraplex.kernels.linear import fuses_expand, gemm, gemm_config, lora_linear
+from loraplex.kernels.linear import gemm, gemm_config, lora_linear
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -29,9 +29,8 @@ SHAPES = {"qkv": (512, (512, 128, 128)), "gate_up": (512, (1792, 1792)), "down":
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("fuse", [True, False], ids=["epilogue", "expand"])
 @pytest.mark.parametrize("num_tokens,num_slots", [(1, 4), (16, 8), (64, 32), (100, 8)])
-def test_lora_linear_on_gpu(num_tokens, num_slots, fuse, shape, dtype):
+def test_lora_linear_on_gpu(num_tokens, num_slots, shape, dtype):
     gen = torch.Generator().manual_seed(num_tokens + num_slots)
     in_features, slices = SHAPES[shape]
     token_slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen).to(torch.int32).cuda()
@@ -54,8 +53,7 @@ def test_lora_linear_on_gpu(num_tokens, num_slots, fuse, shape, dtype):
     batch = LoRABatch.build(token_slots, num_slots)
     args = (lora_a, lora_b, scaling, batch, ranks, slices)
 
-    config = dataclasses.replace(gemm_config(num_tokens, weight), fuse_expand=fuse)
-    assert fuses_expand(config, slices) == fuse
+    config = gemm_config(num_tokens, weight)
     y = lora_linear(x, weight, *args, config=config)
     # The same kernels one after the other (on a GPU without PDL, the only way): the same bits.
     serial = lora_linear(x, weight, *args, config=dataclasses.replace(config, pdl=False))
@@ -77,7 +75,7 @@ def test_lora_linear_on_gpu(num_tokens, num_slots, fuse, shape, dtype):
     with torch.cuda.stream(stream):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            lora_linear(x, weight, *args, out=out, config=config)
+            lora_linear(x, weight, *args, out=out)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(3):  # the split counters must be back at zero after each replay
         out.fill_(float("nan"))
