@@ -15,6 +15,8 @@ For each layer and token count:
      - ``lora_linear_shrink4``: the same with the shrink cut into 4 K splits;
   3. ``*_lora_us``: each path minus its own GEMM alone, and ``*_over_base``: that over cuBLAS
      alone (the issue's "LoRA term over its base GEMM", in a layer).
+With ``--grid``: the GEMM alone (no adapters) at every configuration of a grid around the
+token count's tile height (rows per tile, K splits, stages, tile width), for the defaults.
 With ``--issue-table``: issue 2's decode table where the engine runs ``lora_linear`` (1, 8,
 32 and 64 tokens; 1, 8, 32 adapters and one per token, up to the tokens; ranks 8 and 16),
 ``cublas``, ``cublas_add_lora`` and ``lora_linear`` only (commit 50989c7's run, when
@@ -77,6 +79,31 @@ def checked(fn, expected, timer, limit=1e-2) -> tuple[float | str, float | None]
     err = rel(y, expected)
     return err, (timer(fn) if err < limit else None)
 
+
+
+def grid_configs(default):
+    """Tile heights (the default's and half of it), K splits 1-4, 3-5 stages, 64 or 128 columns."""
+    for block_m in sorted({default.block_m, max(16, default.block_m // 2)}):
+        for splits, stages, block_n in itertools.product((1, 2, 4), (3, 4, 5), (64, 128)):
+            yield dataclasses.replace(default, block_m=block_m, splits=splits, num_stages=stages, block_n=block_n)
+
+
+def run_grid(layer: str, tokens: int, timer) -> dict:
+    gen = torch.Generator().manual_seed(tokens)
+    c = make_case(layer, tokens, 1, 16, gen=gen)
+    x, weight = c["x"], c["weight"]
+    ref = x.float() @ weight.float().T
+    out = torch.empty(tokens, weight.shape[0], dtype=x.dtype, device=x.device)
+    default = gemm_config(tokens, weight)
+    row = {"layer": layer, "tokens": tokens, "default": dataclasses.asdict(default), "grid": [],
+           "cublas_us": timer(lambda: torch.matmul(x, weight.T, out=out))}
+    row["gemm_error"], row["gemm_us"] = checked(lambda: gemm(x, weight, out, default), ref, timer)
+    for cfg in grid_configs(default):
+        err, us = checked(lambda: gemm(x, weight, out, cfg), ref, timer)
+        row["grid"].append({**dataclasses.asdict(cfg), "error": err, "us": us})
+    timed = [g for g in row["grid"] if g["us"] is not None]
+    row["best"] = min(timed, key=lambda g: g["us"]) if timed else None
+    return row
 
 
 def run_shape(layer: str, tokens: int, timer, sweep: bool, rank: int = 16, issue_table: bool = False) -> dict:
@@ -145,6 +172,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--issue-table", action="store_true", help="issue 2's decode table (tokens, adapters, ranks)")
+    parser.add_argument("--grid", action="store_true", help="the GEMM alone over a grid of configurations")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     timer = GraphTimer(args.reps)
@@ -154,6 +182,16 @@ def main(argv=None) -> int:
     tokens_list = ISSUE_TOKENS if args.issue_table else tuple(map(int, args.tokens.split(",")))
     ranks = ISSUE_RANKS if args.issue_table else (16,)
     for layer, tokens, rank in itertools.product(args.layers.split(","), tokens_list, ranks):
+        if args.grid:
+            row = run_grid(layer, tokens, timer)
+            result["rows"].append(row)
+            best = row["best"] or {}
+            print(f"{layer:8s} {tokens:4d} cublas {row['cublas_us']:.1f} default {row['gemm_us']} best "
+                  f"{best.get('us')} {({k: best.get(k) for k in ('block_m', 'block_n', 'splits', 'num_stages')})} "
+                  f"[{time.time() - start:.0f}s]", flush=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+            continue
         row = run_shape(layer, tokens, timer, args.sweep, rank, args.issue_table)
         result["rows"].append(row)
         print(f"{layer:8s} {tokens:4d} r{rank:<3d} cublas {row['cublas_us']:.1f} gemm {row['gemm_us']:.1f} "

@@ -138,15 +138,21 @@ def _gemm_kernel(
 @functools.lru_cache(maxsize=1024)
 def make_gemm_config(num_tokens: int, in_features: int, out_features: int, sms: int, itemsize: int = 2,
                      device_pdl: bool = False) -> GemmConfig:
-    """The default configuration of one call shape. Chosen by the sweep of
-    bench/results/linear_h200_lora_programs.json (Llama-3-8B layers, 1 to 64 rows): tiles of
-    64 columns, K split until the tiles fill the GPU (1.5 programs a multiprocessor at up to
-    16 rows, 0.7 at more), 5 stages where the tiles are fewer than the multiprocessors. Steps of
-    128 input columns in 16-bit types, 64 in float32 (so 5 stages stay in shared memory)."""
+    """The default configuration of one call shape. Chosen by the sweeps of
+    bench/results/linear_h200_lora_programs.json (Llama-3-8B layers, 1, 16 and 64 rows) and
+    linear_h200_grid.json (8, 17, 32 and 48 rows): tiles of 64 columns, K split until the
+    tiles fill the GPU (1.5 programs a multiprocessor at up to 32 rows, 0.7 at more), 5 stages
+    where 64-row tiles are fewer than the multiprocessors. Steps of 128 input columns in 16-bit
+    types, 64 in float32 (so 5 stages stay in shared memory).
+
+    At 17-32 rows the grid gives q/k/v 24.6 us, o 18.7, gate/up 69.9, down 42.4 (32 rows;
+    cuBLAS 23.1, 19.5, 69.6, 42.7); 0.7 programs a multiprocessor there, as at 64-row tiles,
+    gave 31.3, 22.0, 69.7 and 52.0.
+    """
     block_m = max(16, min(64, triton.next_power_of_2(num_tokens)))
     block_n = 64
     tiles = triton.cdiv(num_tokens, block_m) * triton.cdiv(out_features, block_n)
-    fill = 15 if block_m <= 16 else 7  # tenths of a program per multiprocessor
+    fill = 15 if block_m <= 32 else 7  # tenths of a program per multiprocessor
     splits = 1
     while 10 * tiles * splits < fill * sms and in_features // (splits * 2) >= 512:
         splits *= 2

@@ -124,6 +124,10 @@ def test_default_configs_divide_the_work():
     assert cfg(64, 4096, 6144).splits == 1 and cfg(64, 4096, 6144).block_m == 64
     assert cfg(1, 4096, 4096).splits > 1 and cfg(1, 4096, 4096).block_m == 16
     assert cfg(16, 4096, 28672).splits == 1
+    # 17-32 rows: tiles of 32 rows, K split as at 16 rows (linear_h200_grid.json).
+    assert (cfg(32, 4096, 6144).block_m, cfg(32, 4096, 6144).splits) == (32, 4)
+    assert cfg(17, 4096, 4096).splits == 4 and cfg(32, 14336, 4096).splits == 4
+    assert cfg(32, 4096, 28672).splits == 1
     for tokens in (1, 16, 64):
         c = cfg(tokens, 14336, 4096)
         assert 14336 // c.splits >= 512

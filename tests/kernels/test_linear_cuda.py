@@ -29,7 +29,7 @@ SHAPES = {"qkv": (512, (512, 128, 128)), "gate_up": (512, (1792, 1792)), "down":
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("num_tokens,num_slots", [(1, 4), (16, 8), (64, 32), (100, 8)])
+@pytest.mark.parametrize("num_tokens,num_slots", [(1, 4), (16, 8), (32, 8), (64, 32), (100, 8)])
 def test_lora_linear_on_gpu(num_tokens, num_slots, shape, dtype):
     gen = torch.Generator().manual_seed(num_tokens + num_slots)
     in_features, slices = SHAPES[shape]
