@@ -57,8 +57,6 @@ class GemmConfig:
     # cases (down, 64 rows, 32 adapters: 50.7 vs 53.2 us): fewer shrink programs leave room
     # for the GEMM's beside them.
     shrink_splits: int = 4
-    w_evict: str = ""  # eviction priority of W's loads ("evict_first": W streams past L2)
-    prefetch_b: bool = False  # lora_linear: the shrink prefetches B into L2 for the expand (CUDA)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count of a tile size
@@ -78,7 +76,6 @@ def _gemm_kernel(
     PDL: tl.constexpr,  # a dependent of the shrink before it, and the expand after it is ours
     SPLITS: tl.constexpr,
     EVEN_K: tl.constexpr,  # every K split is a whole number of BLOCK_K steps
-    W_EVICT: tl.constexpr,  # eviction policy of W's loads
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -107,12 +104,11 @@ def _gemm_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             xb = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-            wb = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0, eviction_policy=W_EVICT)
+            wb = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)
         else:
             k_mask = offs_k < k_hi
             xb = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            wb = tl.load(w_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0,
-                         eviction_policy=W_EVICT)
+            wb = tl.load(w_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(xb, wb, acc, input_precision=DOT_PRECISION)
 
     tile_mask = m_mask[:, None] & n_mask[None, :]
@@ -236,7 +232,6 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         PDL=pdl,
         SPLITS=splits,
         EVEN_K=in_features % k_chunk == 0,
-        W_EVICT=config.w_evict,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -274,8 +269,7 @@ def lora_linear(
     rank = lora_b.shape[2]
     sgmv = sgmv_config(batch.num_blocks, batch.block_m, x.shape[1], slices, rank, x.dtype, x.device)
     partial = sgmv_shrink(x, lora_a, batch, ranks, rank, config.shrink_splits or sgmv.k_splits, sgmv.block_k,
-                          sgmv.num_warps, sgmv.num_stages, trigger=1 if config.pdl else 0,
-                          prefetch_b=lora_b if config.prefetch_b and x.is_cuda else None)
+                          sgmv.num_warps, sgmv.num_stages, trigger=1 if config.pdl else 0)
     gemm(x, weight, y, config, pdl=config.pdl)
     sgmv_expand(y, partial, lora_b, scaling, batch, ranks, slices, sgmv.span, sgmv.block_n, sgmv.num_warps,
                 sgmv.num_stages, pdl=config.pdl, add_in_memory=True)

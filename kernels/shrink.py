@@ -30,7 +30,6 @@ def _shrink_kernel(
     ranks_ptr,  # int32 [S] or [S, n] (read only when HAS_RANKS; strides stride_rank, stride_rank_n)
     block_slot_ptr,  # int32 [B]
     block_rows_ptr,  # int32 [B, BLOCK_M]
-    b_ptr,  # [S, N, RANK]: the expand's weights, prefetched into L2 (read only when PREFETCH_B)
     # sizes
     K,
     K_CHUNK,  # input columns per split (a multiple of BLOCK_K)
@@ -44,12 +43,8 @@ def _shrink_kernel(
     stride_ar,
     stride_rank,
     stride_rank_n,  # 0: one rank per slot for every slice
-    stride_bs,
-    B_ELEMS,  # elements of one slot's B (N * its row stride)
     # meta-parameters
     HAS_RANKS: tl.constexpr,
-    PREFETCH_B: tl.constexpr,  # prefetch the block's slot's B into L2 (evict last) for the expand
-    LINE: tl.constexpr,  # B elements per 128-byte line
     WAIT_BEFORE: tl.constexpr,  # launched as a programmatic dependent of the kernel before
     TRIGGER: tl.constexpr,  # lets the expand launch (PDL): 0 never, 1 at the start, 2 after the loop
     P_ALIGN: tl.constexpr,  # a power of two that divides stride_pt (so the stores are vectors)
@@ -86,15 +81,6 @@ def _shrink_kernel(
         if tl.max(rank_j, axis=0) <= 0:
             return  # no weights in this group (an adapter that targets q and v only, at gate/up)
         j_mask = j_mask & ((offs_j % RANK) < rank_j)
-    if PREFETCH_B:
-        # Each split prefetches its share of the slot's B; blocks of one slot repeat it (a
-        # hint: no data comes back, nothing waits).
-        share = tl.cdiv(B_ELEMS, tl.num_programs(0))
-        lo = pid_k * share
-        hi = tl.minimum(lo + share, B_ELEMS)
-        b_slot = b_ptr + slot * stride_bs
-        for p in range(lo, hi, 128 * LINE):
-            _prefetch_l2(b_slot + tl.minimum(p + tl.arange(0, 128) * LINE, hi - 1))
     if TRIGGER == 1:
         # Decode: the expand may launch at once; its programs read their metadata and first
         # tile of B while this grid runs.
@@ -125,13 +111,6 @@ def _shrink_kernel(
     tl.store(out, acc, mask=m_mask[:, None] & (offs_j < NR)[None, :])
 
 
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Prefetches the lines of `ptrs` into L2 with the evict-last priority."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 def sgmv_shrink(
     x: torch.Tensor,  # [T, in]
     lora_a: torch.Tensor,  # [S, n*R, in]
@@ -144,7 +123,6 @@ def sgmv_shrink(
     num_stages: int = 3,
     wait_before: bool = False,
     trigger: int = 0,
-    prefetch_b: torch.Tensor | None = None,  # lora_b [S, out, R]: prefetched into L2 (CUDA)
 ) -> torch.Tensor:
     """Returns float32 partial sums [k_splits, T, n*R]: sum over axis 0 is x @ A^T per row.
 
@@ -172,7 +150,6 @@ def sgmv_shrink(
         ranks if ranks is not None else batch.slot_counts,  # any int32 [S]; not read
         batch.block_slot,
         batch.block_rows,
-        prefetch_b if prefetch_b is not None else x,  # not read without prefetch_b
         in_features,
         k_chunk,
         rank,
@@ -183,11 +160,7 @@ def sgmv_shrink(
         lora_a.stride(0),
         lora_a.stride(1),
         *rank_strides(ranks),
-        prefetch_b.stride(0) if prefetch_b is not None else 0,
-        prefetch_b.shape[1] * prefetch_b.stride(1) if prefetch_b is not None else 0,
         HAS_RANKS=ranks is not None,
-        PREFETCH_B=prefetch_b is not None,
-        LINE=128 // x.element_size(),
         WAIT_BEFORE=wait_before,
         TRIGGER=trigger,
         P_ALIGN=alignment(partial.stride(1)),
