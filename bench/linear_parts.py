@@ -10,14 +10,14 @@ Per layer, row count and adapters (rank 16, rows assigned as kernels_bench.py as
     expand (checked against the base product);
   - ``expand``: the expand alone, on a finished shrink's planes (checked once, then timed
     adding into y again and again);
-  - ``lora_linear``: all three (checked against the float32 reference); ``_by_slice``: the
-    GEMM and the expand slice by slice, each expand beside the next slice's GEMM; and
+  - ``lora_linear``: all three (checked against the float32 reference), and
     ``lora_linear_span{S}``: the same with the expand's columns per program set to S;
   - with ``--variants``, the expand with one tile a program (``expand_bn{N}_w{W}``: N columns
     in one load, W warps), alone and in the chain (``chain_...``), and the shrink's K splits,
     step and stages (``chain_shrink_s{S}_k{K}_st{T}``).
 Commit 50989c7's version also timed the LoRA term in the GEMM's epilogue, b6da366's B
-prefetched into L2 by the shrink and W's loads marked evict-first (both dropped).
+prefetched into L2 by the shrink and W's loads marked evict-first, and c0e68c1's
+the GEMM and the expand slice by slice (all three dropped).
 Then ``lm_head`` (4096 -> 128,256): cuBLAS against ``gemm`` at its default configuration and
 around it.
 Timing as kernels_bench.py: CUDA-graph replay, L2 flushed before each, median.
@@ -107,10 +107,9 @@ def run_case(layer: str, tokens: int, adapters: int, timer, variants: bool = Fal
         name = f"expand_bn{block_n}_w{warps}"
         errors[name], _ = checked(lambda: expand(block_n, block_n, warps), expected, lambda fn: None)
         us[name] = timer(lambda: expand(block_n, block_n, warps))
-    for name, cfg in (("lora_linear", config), ("lora_linear_by_slice", dataclasses.replace(config, by_slice=True))):
-        errors[name], us[name] = checked(
-            lambda: lora_linear(x, weight, lora_a, lora_b, scaling, batch, output_slices=slices, out=out, config=cfg),
-            expected, timer)
+    errors["lora_linear"], us["lora_linear"] = checked(
+        lambda: lora_linear(x, weight, lora_a, lora_b, scaling, batch, output_slices=slices, out=out, config=config),
+        expected, timer)
     for span in SPANS:
         if span != sgmv.span:
             errors[f"lora_linear_span{span}"], us[f"lora_linear_span{span}"] = checked(

@@ -57,7 +57,6 @@ def _expand_kernel(
     # meta-parameters
     HAS_RANKS: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent of the shrink
-    TRIGGER: tl.constexpr,  # lets the next kernel launch at once (PDL; it must not read y before this ends)
     ADD_IN_MEMORY: tl.constexpr,  # y += delta as a reduction in memory, not a load and a store
     K_SPLITS: tl.constexpr,  # partial planes to add up
     B_ALIGN: tl.constexpr,  # a power of two that divides stride_bn (so B's rows load as vectors)
@@ -112,8 +111,6 @@ def _expand_kernel(
         # first tile is read before the wait, then each next tile one step ahead.
         b_next = _load_b_tile(b_cols, col_lo + tl.arange(0, BLOCK_N), col_hi, offs_r, r_load, r_mask, stride_bn,
                               B_ALIGN)
-    if TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         # Above: step metadata and weights only. The partials and y are the shrink's (and
         # the base GEMM's before it) to finish.
@@ -184,10 +181,8 @@ def sgmv_expand(
     num_stages: int = 3,
     pdl: bool = False,
     add_in_memory: bool = False,
-    trigger: bool = False,
 ) -> None:
-    """Adds the expanded LoRA term into y. ``trigger`` (with PDL): the next kernel, launched as
-    a programmatic dependent, may launch at once (``lora_linear``'s GEMM of the next slice)."""
+    """Adds the expanded LoRA term into y."""
     if len(output_slices) > MAX_SLICES:
         raise ValueError(f"at most {MAX_SLICES} output slices in one launch, got {len(output_slices)}")
     widths = tuple(output_slices) + (0,) * (MAX_SLICES - len(output_slices))
@@ -216,7 +211,6 @@ def sgmv_expand(
         *rank_strides(ranks),
         HAS_RANKS=ranks is not None,
         USE_PDL=pdl,
-        TRIGGER=trigger,
         ADD_IN_MEMORY=add_in_memory,
         K_SPLITS=partial.shape[0],
         B_ALIGN=alignment(lora_b.stride(1)),

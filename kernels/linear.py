@@ -57,10 +57,6 @@ class GemmConfig:
     # cases (down, 64 rows, 32 adapters: 50.7 vs 53.2 us): fewer shrink programs leave room
     # for the GEMM's beside them.
     shrink_splits: int = 4
-    # lora_linear with several output slices and no K split: the GEMM and the expand slice by
-    # slice, each slice's expand beside the next slice's GEMM (PDL), so only the last
-    # slice's expand runs after the GEMMs.
-    by_slice: bool = False
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count of a tile size
@@ -274,20 +270,6 @@ def lora_linear(
     sgmv = sgmv_config(batch.num_blocks, batch.block_m, x.shape[1], slices, rank, x.dtype, x.device)
     partial = sgmv_shrink(x, lora_a, batch, ranks, rank, config.shrink_splits or sgmv.k_splits, sgmv.block_k,
                           sgmv.num_warps, sgmv.num_stages, trigger=1 if config.pdl else 0)
-    if config.by_slice and len(slices) > 1 and config.splits == 1:
-        # Split-K GEMMs side by side would share the workspace's counters: one split only.
-        col = 0
-        for i, width in enumerate(slices):
-            cols = slice(col, col + width)
-            y_i = y[:, cols]
-            gemm(x, weight[cols], y_i, config, pdl=config.pdl)
-            sgmv_expand(y_i, partial[:, :, i * rank:(i + 1) * rank], lora_b[:, cols],
-                        scaling[:, i:i + 1] if scaling.dim() == 2 else scaling, batch,
-                        ranks[:, i:i + 1] if ranks is not None and ranks.dim() == 2 else ranks, (width,), sgmv.span,
-                        sgmv.block_n, sgmv.num_warps, sgmv.num_stages, pdl=config.pdl, add_in_memory=True,
-                        trigger=config.pdl and i + 1 < len(slices))
-            col += width
-        return y
     gemm(x, weight, y, config, pdl=config.pdl)
     sgmv_expand(y, partial, lora_b, scaling, batch, ranks, slices, sgmv.span, sgmv.block_n, sgmv.num_warps,
                 sgmv.num_stages, pdl=config.pdl, add_in_memory=True)

@@ -84,46 +84,6 @@ def test_lora_linear_on_gpu(num_tokens, num_slots, shape, dtype):
         assert torch.equal(out, y)
 
 
-@pytest.mark.parametrize("shape", ["qkv", "gate_up"])
-@pytest.mark.parametrize("num_tokens", [16, 64])
-def test_lora_linear_by_slice_on_gpu(num_tokens, shape):
-    """Slice by slice (each expand beside the next slice's GEMM, PDL): the same bits as one
-    GEMM and one expand, eagerly and from a CUDA graph."""
-    gen = torch.Generator().manual_seed(num_tokens)
-    in_features, slices = SHAPES[shape]
-    num_slots = 16
-    token_slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen).to(torch.int32).cuda()
-    ranks = torch.randint(1, 17, (num_slots, len(slices)), generator=gen).to(torch.int32).cuda()
-    bf16 = lambda t: t.to("cuda", torch.bfloat16)  # noqa: E731
-    lora_a = bf16(torch.randn(num_slots, len(slices) * 16, in_features, generator=gen) / in_features**0.5)
-    lora_b = bf16(torch.randn(num_slots, sum(slices), 16, generator=gen) / 4)
-    scaling = (torch.rand(num_slots, len(slices), generator=gen) + 0.5).cuda()
-    x = bf16(torch.randn(num_tokens, in_features, generator=gen))
-    weight = bf16(torch.randn(sum(slices), in_features, generator=gen) / in_features**0.5)
-    batch = LoRABatch.build(token_slots, num_slots)
-    args = (lora_a, lora_b, scaling, batch, ranks, slices)
-    config = gemm_config(num_tokens, weight)
-    by_slice = dataclasses.replace(config, by_slice=True)
-    assert config.splits == 1
-    whole = lora_linear(x, weight, *args, config=config)
-    y = lora_linear(x, weight, *args, config=by_slice)
-    torch.cuda.synchronize()
-    assert torch.equal(y, whole)
-    out = torch.empty_like(y)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            lora_linear(x, weight, *args, out=out, config=by_slice)
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(2):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, whole)
-
-
 @pytest.mark.parametrize("num_tokens", [1, 16, 64])
 def test_gemm_default_configs_on_llama_shapes(num_tokens):
     """The default configurations on full Llama-3-8B layers: q/k/v and down (K split)."""
