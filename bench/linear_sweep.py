@@ -35,6 +35,7 @@ import json
 import time
 
 import torch
+import triton
 
 from checkout import use_checkout  # bench/ is sys.path[0]
 
@@ -81,9 +82,11 @@ def checked(fn, expected, timer, limit=1e-2) -> tuple[float | str, float | None]
 
 
 
-def grid_configs(default):
-    """Tile heights (the default's and half of it), K splits 1-4, 3-5 stages, 64 or 128 columns."""
-    for block_m in sorted({default.block_m, max(16, default.block_m // 2)}):
+def grid_configs(default, tokens: int):
+    """Tile heights (the rows rounded up to a power of two, up to 128, and half of it), K
+    splits 1-4, 3-5 stages, 64 or 128 columns."""
+    top = max(16, min(128, triton.next_power_of_2(tokens)))
+    for block_m in sorted({top, max(16, top // 2)}):
         for splits, stages, block_n in itertools.product((1, 2, 4), (3, 4, 5), (64, 128)):
             yield dataclasses.replace(default, block_m=block_m, splits=splits, num_stages=stages, block_n=block_n)
 
@@ -98,7 +101,7 @@ def run_grid(layer: str, tokens: int, timer) -> dict:
     row = {"layer": layer, "tokens": tokens, "default": dataclasses.asdict(default), "grid": [],
            "cublas_us": timer(lambda: torch.matmul(x, weight.T, out=out))}
     row["gemm_error"], row["gemm_us"] = checked(lambda: gemm(x, weight, out, default), ref, timer)
-    for cfg in grid_configs(default):
+    for cfg in grid_configs(default, tokens):
         err, us = checked(lambda: gemm(x, weight, out, cfg), ref, timer)
         row["grid"].append({**dataclasses.asdict(cfg), "error": err, "us": us})
     timed = [g for g in row["grid"] if g["us"] is not None]
