@@ -20,7 +20,8 @@ With `fused_ops` (the default on CUDA) the small ops between those GEMMs run as 
 kernels of server/ops: in decode RoPE + KV write, attention, residual add + RMSNorm and
 silu*mul; in prefill silu*mul. Without it (the CPU, and the reference) they are torch ops.
 
-With `triton_gemm` (the default on CUDA with the Triton backend) a step of up to
+With `triton_gemm` (the default on CUDA with the Triton backend, on GPUs with programmatic
+dependent launch: Hopper and later) a step of up to
 TRITON_GEMM_MAX_TOKENS rows runs each projection as `kernels.linear`: our split-K GEMM
 (`gemm`), or with adapters `lora_linear`, the same GEMM with the shrink running beside it and
 the expand launched under it (`gemm` then `add_lora`, the shrink's K cut in its own way).
@@ -51,6 +52,15 @@ from .weights import BaseWeights
 # 1, 16 and 64 rows sum to 148-156 us against cuBLAS's 151-157); past it, its tiles of at
 # most 64 rows re-read the weights (q/k/v at 128 rows: 30.8 against 23.7 us).
 TRITON_GEMM_MAX_TOKENS = 64
+
+
+def _overlaps(device: torch.device) -> bool:
+    """Whether kernels.linear can overlap the LoRA term with its GEMM on `device`: it needs
+    programmatic dependent launch (compute capability 9.0 and later). Without it the three
+    launches run in turn, and the GEMM's configurations were tuned on an H200 only: cuBLAS
+    then add_lora is the default there. (LORAPLEX_PDL=0 keeps kernels.linear, launched
+    plainly: a switch for measuring what PDL gives.)"""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.cache
@@ -115,7 +125,7 @@ class LlamaModel:
         """`lora` is an adapters.LoRABuffers (or None for a base-only engine). `fused_ops`:
         the server/ops kernels for the small ops; `triton_gemm`: kernels.linear for the
         projections of steps up to TRITON_GEMM_MAX_TOKENS rows (None: each on CUDA devices
-        only, the GEMM only with the Triton backend)."""
+        only, the GEMM only with the Triton backend on devices with PDL, `_overlaps`)."""
         self.cfg = cfg
         self.w = weights
         self.kv = kv
@@ -124,7 +134,7 @@ class LlamaModel:
         self.device = weights.embed.device
         self.fused_ops = self.device.type == "cuda" if fused_ops is None else fused_ops
         if triton_gemm is None:
-            triton_gemm = self.device.type == "cuda" and kernel_backend != "torch"
+            triton_gemm = self.device.type == "cuda" and kernel_backend != "torch" and _overlaps(self.device)
         self.triton_gemm = triton_gemm
         self.dtype = weights.embed.dtype
         self.scale = cfg.head_dim ** -0.5

@@ -133,7 +133,8 @@ class ServerSettings:
     triton_gemm: bool = True
     """Run the projections of steps up to 64 rows (decode) as loraplex's Triton GEMM, the
     LoRA shrink beside it and the expand launched under it (kernels.linear; CUDA devices and
-    the Triton backend only; --no-triton-gemm runs cuBLAS, then add_lora). Default: on."""
+    the Triton backend only; --no-triton-gemm runs cuBLAS, then add_lora). Default: on, where
+    the GPU has programmatic dependent launch (Hopper and later), which the overlap needs."""
 
     kv_block: int = 256
     """Granularity, in tokens, of the KV length that an eager decode step reads (whole

@@ -99,3 +99,17 @@ def test_base_warmup_rows_cover_each_gemm_configuration(hf_llama, llama_adapters
     assert base_warmup_rows(model, 8) == [8]
     keys = {model.gemm_key(rows) for rows in range(1, TRITON_GEMM_MAX_TOKENS + 1)}
     assert len(keys) == 3 and None not in keys and model.gemm_key(TRITON_GEMM_MAX_TOKENS + 1) is None
+
+
+def test_triton_gemm_is_the_default_only_where_it_overlaps(monkeypatch):
+    """kernels.linear runs the projections by default only on GPUs with programmatic
+    dependent launch (compute capability 9.0 and later), which its overlap needs; on older
+    ones cuBLAS then add_lora, the path its defaults were not tuned against."""
+    import torch
+
+    from loraplex.server import model
+
+    assert not model._overlaps(torch.device("cpu"))
+    for capability, expected in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert model._overlaps(torch.device("cuda", 0)) is expected
