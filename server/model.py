@@ -49,8 +49,9 @@ from .weights import BaseWeights
 
 # Steps of up to this many rows run their projections as kernels.linear's GEMM: there it
 # matches cuBLAS (bench/results/linear_h200_overlap.json: Llama-3-8B's four projections at
-# 1, 16 and 64 rows sum to 148-156 us against cuBLAS's 151-157); past it, its tiles of at
-# most 64 rows re-read the weights (q/k/v at 128 rows: 30.8 against 23.7 us).
+# 1, 16 and 64 rows sum to 148-156 us against cuBLAS's 151-157); past it, it loses even at
+# its best configuration with tiles of 128 rows (linear_h200_grid_128.json: q/k/v at 128
+# rows 28.5 against 24.0 us, gate/up 84.2 against 77.0).
 TRITON_GEMM_MAX_TOKENS = 64
 
 
