@@ -205,6 +205,17 @@ class AdapterCache:
         with self._lock:
             return self.table.take_failures()
 
+    def failed_load(self, name: str) -> str | None:
+        """The error of `name`'s last load if it failed and no load of it is on its way again,
+        else None. A request that acquired `name` but reached the engine's queue only after
+        `take_failures` reported that failure asks here, so it fails too instead of waiting
+        for a load that nothing will start."""
+        with self._lock:
+            e = self.table.entries.get(name)
+            if e is None:
+                return f"adapter {name!r} was unloaded before it loaded"
+            return e.error if e.state == "cold" and e.error else None
+
     # -- prefetch, pins, plan ------------------------------------------------------------------
 
     def prefetch(self, name: str) -> concurrent.futures.Future:

@@ -215,6 +215,12 @@ class LLMEngine:
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
+        if req.adapter is not None and req.slot < 0:
+            # Its load may have failed between `make_request` (which started it) and now, and a
+            # step may have taken that failure already: then fail it here (the next step reaps it).
+            error = self.adapters.failed_load(req.adapter)
+            if error is not None:
+                req.fail(error)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.scheduler.find(request_id)

@@ -112,6 +112,30 @@ def test_engine_fails_only_the_requests_of_a_failed_load(disk):
     assert engine.adapters.num_free == 1  # bad's slot went back
 
 
+def test_a_load_that_fails_before_its_request_is_queued_still_fails_it(disk):
+    """The server's race, made deterministic: the HTTP handler's `make_request` starts the load,
+    the load fails, a step takes that failure, and only then does the engine thread queue the
+    request. It must fail, not wait for a load that nothing will start again."""
+    engine = LLMEngine.from_settings(settings(disk))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    good, bad = engine.make_request(PROMPT, params, adapter="a"), engine.make_request(PROMPT, params, adapter="bad")
+    deadline = time.monotonic() + 20
+    while "bad" not in {r["name"] for r in engine.adapters.describe() if r["state"] == "failed"}:
+        assert time.monotonic() < deadline, "the corrupt adapter's load did not fail"
+        time.sleep(0.005)
+    engine.add_request(good)
+    engine.step()  # takes the failure while `bad` is not queued yet
+    engine.add_request(bad)
+    run_to_end(engine, [good, bad])
+    assert good.finish_reason == "length"
+    assert bad.finish_reason == "error" and "'bad' failed to load" in bad.error
+    # A later request for it tries the load again (and fails again, the file being still cut short).
+    again = engine.make_request(PROMPT, params, adapter="bad")
+    engine.add_request(again)
+    run_to_end(engine, [again])
+    assert again.finish_reason == "error" and engine.adapters.num_free == 1
+
+
 @pytest.mark.parametrize("drain_after, served", [(0.05, True), (float("inf"), False)])
 def test_a_cold_request_does_not_starve_behind_busy_adapters(disk, drain_after, served):
     """Two slots, four rows; a and b always have more requests than rows (a new one joins as one
