@@ -79,6 +79,11 @@ class CachedAdapter:
         return self.state == "ready"
 
 
+def reloadable(e: CachedAdapter) -> bool:
+    """Whether `e` can be loaded again once evicted (one installed from memory alone cannot)."""
+    return e.memory is not None or e.path is not None or e.source is not None
+
+
 class SlotTable:
     """The rows, the free slots, the pending queue and the loads in flight. Call under the cache's lock."""
 
@@ -106,7 +111,10 @@ class SlotTable:
 
     def want(self, e: CachedAdapter) -> None:
         """Queue a load of `e` (if it is neither resident nor on its way) and start what can start."""
-        if e.state in ("ready", "loading", "pending"):
+        if e.state == "pending":
+            self.pump()  # a pin waiting over its share may hold a request now: it starts then
+            return
+        if e.state in ("ready", "loading"):
             return
         e.state, e.pending_since = "pending", self.clock()
         self.pending.append(e.name)
@@ -114,7 +122,7 @@ class SlotTable:
 
     def pump(self) -> None:
         """Start pending loads, oldest first, while a load worker and a slot are free."""
-        pinned_slots = sum(1 for o in self.entries.values() if o.pinned and o.state in ("ready", "loading"))
+        pinned_slots = self.pinned_slots()
         for name in list(self.pending):
             if self.in_flight >= self.max_concurrent_loads:
                 break
@@ -127,9 +135,9 @@ class SlotTable:
             slot = self.take_slot(e)
             if slot is None:
                 break  # no slot free or evictable: none of the others would get one either
-            pinned_slots += e.pinned
             self.pending.remove(name)
             e.state, e.slot = "loading", slot
+            pinned_slots = self.pinned_slots()  # take_slot may have evicted a pin
             self.in_flight += 1
             self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
             self.metrics.loads_in_flight.set(self.in_flight)
@@ -138,11 +146,19 @@ class SlotTable:
 
     def take_slot(self, e: CachedAdapter) -> int | None:
         """A free slot, or one taken from an evictable adapter: an expired one first (its
-        campaign ended), else the policy's pick."""
+        campaign ended), else the policy's pick.
+
+        Pins hold at most all slots but one. `pump` keeps a pin's own load to that, but an
+        adapter pinned while resident, or loaded for a request of its own, can take the last
+        slot; then, when nothing unpinned is evictable, the idle pins are: the one evicted goes
+        back to pending (`describe`'s pin_pending) until a pin's share frees up."""
         if self.free:
             return self.free.pop(0)
         evictable = {n for n, o in self.entries.items()
                      if o.ready and o.refs == 0 and not o.pinned}
+        if not evictable and self.pinned_slots() >= self.num_slots:
+            evictable = {n for n, o in self.entries.items()
+                         if o.ready and o.refs == 0 and not o.unloading and reloadable(o)}
         expired = sorted(n for n in evictable if self.entries[n].expired)
         victim = expired[0] if expired else self.policy.select_victim(evictable)
         if victim is None:
@@ -150,9 +166,17 @@ class SlotTable:
         v = self.entries[victim]
         slot = self.release_slot(v, free=False)
         log.debug("adapter %s evicted from slot %d for %s", victim, slot, e.name)
-        if v.unloading or (v.memory is None and v.path is None and v.source is None):
+        if v.unloading or not reloadable(v):
             self.entries.pop(victim, None)  # nothing to load it from again (installed from memory)
+        elif v.pinned:
+            v.state, v.pending_since = "pending", self.clock()
+            self.pending.append(v.name)
+            log.info("pinned adapter %s gave its slot to %s: pins held every slot", victim, e.name)
         return slot
+
+    def pinned_slots(self) -> int:
+        """Slots held by pinned adapters (resident or loading)."""
+        return sum(1 for o in self.entries.values() if o.pinned and o.state in ("ready", "loading"))
 
     def release_slot(self, v: CachedAdapter, free: bool = True) -> int:
         """Evict a resident adapter: its slot goes back to the free list (or to the caller)."""

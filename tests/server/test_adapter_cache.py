@@ -187,6 +187,34 @@ def test_pins_take_all_slots_but_one_and_the_rest_stay_pending(disk):
     assert futures[2].result(10) == rows["a"]["slot"]  # the pending pin took the freed share
 
 
+@pytest.mark.parametrize("how", ["pinned while resident", "loaded for its own request"])
+def test_pins_never_keep_the_last_slot_from_requests(disk, how):
+    """Two slots, both taken by pins the pending rule could not stop: a and b pinned while
+    resident, or b (pinned, pending behind a) loaded for a request of its own. A request for c
+    still gets a slot: an idle pin gives its slot and waits pending, as a pin over the share."""
+    cache = make_cache(disk, slots=2)
+    if how == "pinned while resident":
+        for name in "ab":
+            use(cache, name)
+            cache.pin(name)
+    else:
+        cache.pin("a").result(10)
+        fut = cache.pin("b")
+        assert [r["pin_pending"] for r in cache.describe() if r["name"] == "b"] == [True]
+        use(cache, "b")
+        assert fut.result(10) in (0, 1)
+    assert set(cache.ready_slots()) == {"a", "b"}
+    slot_c = use(cache, "c")
+    rows = {r["name"]: r for r in cache.describe()}
+    (gave,) = [n for n in "ab" if rows[n]["slot"] is None]
+    assert rows[gave]["pinned"] and rows[gave]["pin_pending"] and rows[gave]["state"] == "pending"
+    assert rows["c"]["slot"] == slot_c and cache.ready_slots().keys() == {"c", "ab".replace(gave, "")}
+    assert use(cache, "d") == slot_c  # c (unpinned, idle) pages; the other pin stays
+    cache.unpin("ab".replace(gave, ""))
+    wait_ready(cache, gave)  # the pending pin takes the freed share
+    check_invariants(cache)
+
+
 def test_adapter_in_use_is_never_evicted(disk):
     cache = make_cache(disk, slots=2)
     cache.acquire("a")  # a running request
