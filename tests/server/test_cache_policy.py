@@ -341,10 +341,8 @@ def test_simulator_quick_mode(tmp_path):
     sim = _load_sim()
     # matplotlib is in the `bench` extra, not in `test`: draw the plots where it is installed.
     plots = importlib.util.find_spec("matplotlib") is not None
-    t0 = time.perf_counter()
     argv = ["--quick", "--out", str(tmp_path), "--workers", "1"] + ([] if plots else ["--no-plots"])
     assert sim.main(argv) == 0
-    assert time.perf_counter() - t0 < 20
     result = json.loads((tmp_path / "cache_sim.json").read_text())
     for run in result["stationary"]:
         hr = run["hit_rate"]
