@@ -197,7 +197,8 @@ class SlotTable:
             self.free.append(e.slot)
             self.free.sort()
             del self.ready[e.name]
-        self.entries.pop(e.name, None)
+        if self.entries.get(e.name) is e:
+            del self.entries[e.name]
         self.host.discard(e.name)
         waiters, e.waiters = e.waiters, []
         for fut in waiters:  # a prefetch of a pending load that will never run
@@ -239,7 +240,9 @@ class SlotTable:
                 return
         if self.draining is not None or self.free or self.in_flight >= self.max_concurrent_loads:
             return
-        starved = next((self.entries[n] for n in self.pending if self.entries[n].refs > 0), None)
+        # `pending` may still name rows unloaded since (pump drops them as it meets them).
+        starved = next((e for e in map(self.entries.get, self.pending)
+                        if e is not None and e.state == "pending" and e.refs > 0), None)
         if starved is None or self.clock() - starved.pending_since < self.drain_after:
             return
         resident = {n for n, o in self.entries.items() if o.ready and not o.pinned}
@@ -278,8 +281,8 @@ class SlotTable:
             if e.refs > 0:
                 self.failures[e.name] = str(error)
             log.warning("%s", error)
-            if e.unloading:
-                self.entries.pop(e.name, None)
+            if e.unloading and e.refs == 0:  # else the last request's release drops it
+                self.drop(e)
         self.pump()
         return waiters
 

@@ -331,6 +331,41 @@ def test_out_of_memory_fails_only_that_load(disk, monkeypatch):
     assert cache.prefetch("a").result(10) in (0, 1)
 
 
+def test_unloaded_while_its_load_fails_the_row_stays_until_its_requests_leave(disk, monkeypatch):
+    """unload_lora_adapter during a load that then fails, with requests holding the adapter: the
+    row must outlive the load until they release it. It used to go at once; a request then found
+    the folder on disk again under a new row, and the old requests' releases took that row's
+    references below zero."""
+    import loraplex.server.adapter_loader as loader
+
+    cache = make_cache(disk, slots=2)
+    started, fail = threading.Event(), threading.Event()
+
+    def failing_read(path, *a):
+        started.set()
+        assert fail.wait(10)
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(loader, "read_into_host", failing_read)
+    assert cache.acquire("a") == -1 and cache.acquire("a") == -1  # two queued requests
+    assert started.wait(10)
+    assert cache.unload("a") is False  # deferred: requests hold it
+    fail.set()
+    deadline = time.monotonic() + 10
+    while cache.in_flight:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    assert "disk gone" in cache.take_failures()["a"]
+    assert not cache.has("a")  # unloading: unknown to new requests, the folder on disk notwithstanding
+    cache.release("a")
+    assert not cache.has("a")
+    cache.release("a")  # the last one: now the row goes
+    monkeypatch.setattr(loader, "read_into_host", read_into_host)
+    assert use(cache, "a") in (0, 1)  # found on disk again, a fresh row
+    assert [r["requests"] for r in cache.describe() if r["name"] == "a"] == [0]
+    check_invariants(cache)
+
+
 def test_host_tier_serves_a_reload_and_drops_least_recent_by_bytes(disk):
     cache = make_cache(disk, slots=1, max_cpu_loras=2)
     for name in "abc":
