@@ -18,8 +18,10 @@ from .schemas import ChatCompletionRequest, CompletionRequest
 
 def get_engine(request: Request) -> AsyncEngine:
     engine = getattr(request.app.state, "engine", None)
-    if engine is None or engine.error is not None:
+    if engine is None:
         raise APIError(503, "the engine is not running", type="service_unavailable")
+    if engine.error is not None:
+        raise APIError(503, f"the engine has stopped: {engine.error!r}", type="service_unavailable")
     return engine
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
 from ..engine import RequestFailedError
 from .errors import error_body
+
+log = logging.getLogger(__name__)
 
 
 def sse_event(payload: dict | str) -> str:
@@ -26,6 +29,9 @@ def sse_response(chunks: AsyncIterator[dict]) -> StreamingResponse:
                 yield sse_event(chunk)
         except RequestFailedError as e:  # the status line is sent: the error goes in the stream
             yield sse_event(error_body(500, str(e), code="adapter_load_failed"))
+        except Exception as e:  # e.g. the engine stopped: an error event, not a cut connection
+            log.exception("stream failed")
+            yield sse_event(error_body(500, f"internal error: {e}"))
         yield sse_event("[DONE]")
 
     return StreamingResponse(body(), media_type="text/event-stream",
