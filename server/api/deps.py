@@ -5,15 +5,19 @@ errors."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from ..engine import AsyncEngine, RequestError, RequestStream, UnknownModelError
 from ..request import RequestOutput
 from ..sampling import SamplingParams
 from .errors import APIError, model_not_found
 from .schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
 
 
 def get_engine(request: Request) -> AsyncEngine:
@@ -110,21 +114,32 @@ async def merged(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 
 async def until_disconnected(request: Request, work):
-    """Run the coroutine `work`; cancel it (aborting its requests) if the client goes away.
+    """Run the coroutine `work`; cancel it (aborting its requests) if the client goes away,
+    and answer 499 (nginx's "client closed request"), which no one reads: a disconnect is a
+    client's right, not a server error to log with a traceback.
 
     Waits on the ASGI receive channel, which reports http.disconnect once the body is read:
     an event, not a poll."""
     task = asyncio.ensure_future(work)
+    disconnected = False
 
     async def watch() -> None:
+        nonlocal disconnected
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
+                disconnected = True
                 task.cancel()
                 return
 
     watcher = asyncio.ensure_future(watch())
     try:
         return await task
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        if not disconnected or getattr(me, "cancelling", lambda: 0)():  # Task.cancelling: 3.11+
+            raise  # this handler itself is cancelled (the server is shutting down)
+        log.info("client went away: %s %s aborted", request.method, request.url.path)
+        return Response(status_code=499)
     finally:
         watcher.cancel()
