@@ -200,9 +200,7 @@ class LLMEngine:
             raise RequestError(
                 f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds this model's "
                 f"maximum context length of {self.max_model_len} tokens")
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (size {self.cfg.vocab_size})")
+        self.check_token_ids(prompt_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request.new(request_id or f"req-{next(self._ids)}", prompt_ids, params, adapter,
                           seed % (1 << 63), self.tokenizer)
@@ -212,6 +210,12 @@ class LLMEngine:
             except KeyError:
                 raise UnknownModelError(adapter) from None
         return req
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        """RequestError unless every id is in the vocabulary."""
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (size {self.cfg.vocab_size})")
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)

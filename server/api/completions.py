@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
-from ..engine import AsyncEngine
+from ..engine import AsyncEngine, RequestError
 from .deps import get_engine, merged, open_choices, resolve_adapter, until_disconnected
 from .errors import APIError
 from .logprobs import CompletionLogprobs
@@ -42,6 +42,11 @@ def _prompts(engine: AsyncEngine, body: CompletionRequest) -> tuple[list[list[in
     else:
         raise APIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
     if ids is not None:
+        try:  # before decoding them for echo: a tokenizer cannot decode an id it does not have
+            for i in ids:
+                engine.engine.check_token_ids(i)
+        except RequestError as e:
+            raise APIError(400, str(e), param="prompt") from None
         return ids, [tok.decode(i) if tok is not None and body.echo else "" for i in ids]
     if tok is None:
         raise APIError(400, "this server has no tokenizer: send the prompt as token ids", param="prompt")

@@ -107,6 +107,10 @@ def test_error_shapes(served):
         assert r.status_code == 400
         r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x", "n": 17})
         assert r.status_code == 400
+        for echo in (False, True):  # echo decodes the ids: they are checked before
+            for ids in ([-1, 5], [10**9], [[1, 2], [3, 2**40]]):
+                r = c.post("/v1/completions", json={"model": "qv-r8", "prompt": ids, "echo": echo, "max_tokens": 1})
+                assert r.status_code == 400 and "outside the vocabulary" in error_of(r)["message"], (ids, r.text)
         assert c.get("/healthz").status_code == 200 and c.get("/readyz").json()["status"] == "ready"
         metrics = c.get("/metrics").text
         assert "loraplex_generation_tokens_total" in metrics and "vllm:lora_requests_info" in metrics
