@@ -300,16 +300,21 @@ class AdapterStore:
             meta = {"name": ref.name, "sha256": ref.sha256, "source": ref.source}
             await asyncio.to_thread(_write_synced, tmp / META_FILE, json.dumps(meta).encode())
             blob = f"{ref.sha256[:16]}-{uuid.uuid4().hex[:8]}"
-            await asyncio.to_thread(self._place, tmp, blob, ref.name)
+            await asyncio.to_thread(self._store_blob, tmp, blob)
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, tmp, True)
             self._reserved -= reserved
             raise
         self._reserved -= reserved
+        # The name's symlink and its entry change together, with no await between them: two
+        # versions of one name staged at once must not leave the link on one and the entry on
+        # the other (whose cleanup then deletes the linked directory).
         old = self._entries.get(ref.name)
         entry = _Entry(ref.name, ref.sha256, ref.source, blob, total, self._clock())
+        self._link(ref.name, blob)
         self._entries[ref.name] = entry
-        if old is not None:  # the previous version: its symlink is gone already
+        await asyncio.to_thread(_fsync_dir, self.root)
+        if old is not None:  # the previous version: its symlink points here no more
             await asyncio.to_thread(shutil.rmtree, self._store_dir / old.blob, True)
         self._update_gauges()
         return self._info(entry)
@@ -411,14 +416,18 @@ class AdapterStore:
             log.info("found %d staged adapters (%d bytes) in %s", len(self._entries), self.used_bytes, self.root)
         self._update_gauges()
 
-    def _place(self, tmp: Path, blob: str, name: str) -> None:
+    def _store_blob(self, tmp: Path, blob: str) -> None:
+        """Move a verified download into .store under its version's directory name (durably)."""
         _fsync_dir(tmp)
         os.rename(tmp, self._store_dir / blob)
         _fsync_dir(self._store_dir)
+
+    def _link(self, name: str, blob: str) -> None:
+        """Point the name's symlink at `blob`: a new link renamed over the old, so a reader sees
+        one version or the other. Two quick syscalls, run on the event loop (see the caller)."""
         link_tmp = self.root / f".{name}.{uuid.uuid4().hex[:8]}.link"
         os.symlink(os.path.join(".store", blob), link_tmp)
         os.replace(link_tmp, self.root / name)
-        _fsync_dir(self.root)
 
     async def _write_serving_copy(self, directory: Path, ref: AdapterRef) -> int:
         """Write the weights' F32 tensors in `ref.dtype` beside them in `directory` and reserve

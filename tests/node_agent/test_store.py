@@ -327,3 +327,24 @@ async def test_a_serving_copy_takes_only_free_budget(tmp_path, session, clock):
     assert staged.bytes == size and [a.name for a in store.list()] == ["first", "second"]
     assert store.used_bytes == 2 * size
     assert_clean(root, [])
+
+
+async def test_versions_of_one_name_staged_at_once_leave_the_link_and_the_entry_agreeing(tmp_path, session):
+    """A plan that changes a version while the old one still downloads: several versions of one
+    name finish together. Whichever wins, the name's link must point at the entry's version,
+    whole; the losers' directories go. (The link used to be swapped in a worker thread and the
+    entry after it: in 19 of 60 rounds the entry's cleanup deleted the directory the link
+    pointed at.)"""
+    versions = []
+    for v in range(4):
+        sha = make_adapter(tmp_path / "src" / f"v{v}" / "a", seed=v, rank=16, hidden=256)
+        versions.append(AdapterRef("a", str(tmp_path / "src" / f"v{v}" / "a"), sha))
+    store = open_store(tmp_path / "cache", session, downloads=8)
+    for round_ in range(30):
+        picks = [versions[(round_ + k) % 4] for k in range(3)]
+        await asyncio.gather(*[store.stage(ref) for ref in picks])
+        entry = store.get("a")
+        weights = Path(entry.path, WEIGHTS_FILE).read_bytes()  # through the link
+        assert hashlib.sha256(weights).hexdigest() == entry.sha256, round_
+        assert_clean(tmp_path / "cache", [])
+        assert len(list((tmp_path / "cache" / ".store").iterdir())) == 1
