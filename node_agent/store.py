@@ -79,6 +79,7 @@ REASON_STATUS = {
     "Unreachable": 502,
     "BudgetExceeded": 507,
     "DiskError": 500,
+    "Removed": 409,  # removed (it left the plan) while it downloaded
 }
 
 
@@ -169,7 +170,8 @@ class AdapterStore:
         self._pinned: frozenset[str] = frozenset()
         self._reserved = 0  # bytes promised to downloads in flight
         self._semaphore = asyncio.Semaphore(max_concurrent_downloads)
-        self._inflight: dict[tuple[str, str], asyncio.Future] = {}
+        self._inflight: dict[tuple[str, str, int], asyncio.Future] = {}
+        self._generation: dict[str, int] = {}  # name -> removals so far (a download started before one is void)
         self._copying: set[tuple[str, str]] = set()  # (version, dtype) copies being written
         self.downloads_started = 0
         self.metrics.budget_bytes.set(budget_bytes)
@@ -212,22 +214,25 @@ class AdapterStore:
             if ref.dtype and not (self._store_dir / e.blob / serving_weights_name(ref.dtype)).exists():
                 await self._add_serving_copy(e, ref)
             return self._info(e)
-        key = (ref.name, ref.sha256)
+        generation = self._generation.get(ref.name, 0)
+        key = (ref.name, ref.sha256, generation)
         fut = self._inflight.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(self._download(ref))
+            fut = asyncio.ensure_future(self._download(ref, generation))
             self._inflight[key] = fut
             fut.add_done_callback(lambda f, key=key: self._download_done(key, f))
         # shield: a client that gives up does not cancel a download others wait for.
         return await asyncio.shield(fut)
 
-    def _download_done(self, key: tuple[str, str], fut: asyncio.Future) -> None:
+    def _download_done(self, key: tuple[str, str, int], fut: asyncio.Future) -> None:
         self._inflight.pop(key, None)
         if not fut.cancelled():
             fut.exception()  # retrieved here: waiters that left early must not leave it unseen
 
     async def remove(self, name: str) -> bool:
-        """Remove `name` from disk (an adapter deleted from the plan). True if it was there."""
+        """Remove `name` from disk (an adapter deleted from the plan). True if it was there.
+        A download of it in flight is void: it ends with StoreError("Removed") and leaves nothing."""
+        self._generation[name] = self._generation.get(name, 0) + 1
         e = self._entries.pop(name, None)
         if e is None:
             return False
@@ -235,7 +240,7 @@ class AdapterStore:
         self._update_gauges()
         return True
 
-    async def _download(self, ref: AdapterRef) -> StagedAdapter:
+    async def _download(self, ref: AdapterRef, generation: int) -> StagedAdapter:
         self.metrics.downloads_waiting.inc()
         try:
             await self._semaphore.acquire()
@@ -245,7 +250,7 @@ class AdapterStore:
         self.metrics.downloads_in_flight.inc()
         t0 = time.monotonic()
         try:
-            staged = await self._fetch_verify_place(ref)
+            staged = await self._fetch_verify_place(ref, generation)
         except StoreError as err:
             self.metrics.failures.labels(err.reason).inc()
             log.warning("staging %s failed: %s: %s", ref.name, err.reason, err)
@@ -262,7 +267,7 @@ class AdapterStore:
         log.info("staged %s (%d bytes) in %.2f s", ref.name, staged.bytes, seconds)
         return staged
 
-    async def _fetch_verify_place(self, ref: AdapterRef) -> StagedAdapter:
+    async def _fetch_verify_place(self, ref: AdapterRef, generation: int) -> StagedAdapter:
         try:
             source = open_source(ref.source, self._session)
         except SourceError as e:
@@ -306,6 +311,9 @@ class AdapterStore:
             self._reserved -= reserved
             raise
         self._reserved -= reserved
+        if self._generation.get(ref.name, 0) != generation:  # removed while the directory moved
+            await asyncio.to_thread(shutil.rmtree, self._store_dir / blob, True)
+            raise StoreError("Removed", f"{ref.name} was removed (it left the plan) while it downloaded")
         # The name's symlink and its entry change together, with no await between them: two
         # versions of one name staged at once must not leave the link on one and the entry on
         # the other (whose cleanup then deletes the linked directory).

@@ -346,6 +346,8 @@ class Warmer:
         try:
             staged = await self.store.stage(ref)
         except StoreError as e:
+            if e.reason == "Removed":  # it left the plan while it downloaded: nothing to report
+                raise
             self._watch.errors[ref.name] = f"{e.reason}: {e}"
             self._watch.reasons[ref.name] = e.reason
             if e.reason not in RETRYABLE:

@@ -348,3 +348,29 @@ async def test_versions_of_one_name_staged_at_once_leave_the_link_and_the_entry_
         assert hashlib.sha256(weights).hexdigest() == entry.sha256, round_
         assert_clean(tmp_path / "cache", [])
         assert len(list((tmp_path / "cache" / ".store").iterdir())) == 1
+
+
+async def test_an_adapter_removed_while_it_downloads_leaves_nothing(tmp_path, object_store, session):
+    """The plan drops an adapter whose download is in flight: the download is void when it
+    ends (StoreError "Removed"), nothing of it stays on disk, and a stage asked after the
+    removal (it came back into the plan) downloads afresh and stays."""
+    src = object_store.add("gone", tmp_path)
+    ref = AdapterRef("gone", src, object_store.adapters["gone"].sha256)
+    object_store.gate = asyncio.Event()
+    store = open_store(tmp_path / "cache", session)
+    first = asyncio.ensure_future(store.stage(ref))
+    while object_store.active == 0:
+        await asyncio.sleep(0.005)
+    assert await store.remove("gone") is False  # nothing staged yet
+    again = asyncio.ensure_future(store.stage(ref))  # back in the plan: not the void download
+    object_store.gate.set()
+    with pytest.raises(StoreError) as err:
+        await first
+    assert err.value.reason == "Removed" and err.value.status == 409
+    staged = await again
+    assert store.downloads_started == 2 and store.get("gone").sha256 == ref.sha256
+    assert Path(staged.path, WEIGHTS_FILE).read_bytes() == object_store.adapters["gone"].files[WEIGHTS_FILE]
+    assert_clean(tmp_path / "cache", [])
+    assert await store.remove("gone") is True
+    assert_clean(tmp_path / "cache", ["gone"])
+    assert store.used_bytes == 0
