@@ -28,9 +28,10 @@ Running example, 2 slots holding a (pinned) and b (one running request), a reque
 
 Rules: an adapter held by a request (`refs`: from `acquire` when the request is made until
 `release` when it leaves) is never evicted, so an adapter whose load finished stays until
-its waiting requests are admitted; a pinned adapter is never evicted, and pins take at most
+its waiting requests are admitted; a pinned adapter is not evicted, and pins take at most
 all slots but one (the rest stay pending, reported by `describe`) so requests always have a
-slot to page through. At most `max_concurrent_loads` loads run at once. A failed load
+slot to page through (pins made while resident can fill every slot: then an idle one gives
+its slot to a request and waits pending, `SlotTable.take_slot`). At most `max_concurrent_loads` loads run at once. A failed load
 frees its slot, fails its waiters (`take_failures` for the engine's queued requests) and
 is retried by the next request. Under overload (every slot's adapter always has requests) a
 cold request would starve: after `drain_after` seconds one busy adapter stops admitting and
