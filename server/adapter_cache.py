@@ -30,8 +30,8 @@ Rules: an adapter held by a request (`refs`: from `acquire` when the request is 
 `release` when it leaves) is never evicted, so an adapter whose load finished stays until
 its waiting requests are admitted; a pinned adapter is not evicted, and pins take at most
 all slots but one (the rest stay pending, reported by `describe`) so requests always have a
-slot to page through (pins made while resident can fill every slot: then an idle one gives
-its slot to a request and waits pending, `SlotTable.take_slot`). At most `max_concurrent_loads` loads run at once. A failed load
+slot to page through (pins made while resident can fill every slot: then the newest idle
+one gives its slot to a request and waits pending, `SlotTable.take_slot`). At most `max_concurrent_loads` loads run at once. A failed load
 frees its slot, fails its waiters (`take_failures` for the engine's queued requests) and
 is retried by the next request. Under overload (every slot's adapter always has requests) a
 cold request would starve: after `drain_after` seconds one busy adapter stops admitting and
@@ -47,6 +47,7 @@ thread: it only reads `ready_slots`.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import threading
 import time
@@ -85,6 +86,7 @@ class AdapterCache:
         self.host = HostTier(host_slots * buffers.bytes_per_slot,
                              on_evict=lambda name: self.metrics.evictions.labels("host").inc())
         self.wake: Callable[[], None] = lambda: None  # the engine loop's wake-up (set by AsyncEngine)
+        self._pin_orders = itertools.count(1)  # pins are numbered as made: the newest yields first
         self._lock = threading.RLock()
         self._plan_prefetch: set[str] = set()  # the last plan's prefetch list (open warm-up windows)
         self.loader = AdapterLoader(buffers, base, self.host, lock=self._lock, done=self._loaded,
@@ -243,6 +245,8 @@ class AdapterCache:
             e = self._lookup(name)
             if e is None:
                 raise KeyError(name)
+            if not e.pinned:
+                e.pin_order = next(self._pin_orders)
             if plan:
                 e.pinned_plan = True
             else:

@@ -59,6 +59,7 @@ class CachedAdapter:
     refs: int = 0  # requests holding it (queued or running)
     pinned_api: bool = False
     pinned_plan: bool = False
+    pin_order: int = 0  # when it was pinned (a count): over the pins' share, the newest yields
     prefetch: bool = False  # the pending load was asked ahead of demand
     memory: HostCopy | None = None  # installed from memory: its only copy
     hits: int = 0  # requests that found it resident
@@ -150,17 +151,18 @@ class SlotTable:
 
         Pins hold at most all slots but one. `pump` keeps a pin's own load to that, but an
         adapter pinned while resident, or loaded for a request of its own, can take the last
-        slot; then, when nothing unpinned is evictable, the idle pins are: the one evicted goes
-        back to pending (`describe`'s pin_pending) until a pin's share frees up."""
+        slot; then, when nothing unpinned is evictable, the newest idle pin is (the one over
+        the share): it goes back to pending (`describe`'s pin_pending) until a share frees up."""
         if self.free:
             return self.free.pop(0)
         evictable = {n for n, o in self.entries.items()
                      if o.ready and o.refs == 0 and not o.pinned}
-        if not evictable and self.pinned_slots() >= self.num_slots:
-            evictable = {n for n, o in self.entries.items()
-                         if o.ready and o.refs == 0 and not o.unloading and reloadable(o)}
         expired = sorted(n for n in evictable if self.entries[n].expired)
         victim = expired[0] if expired else self.policy.select_victim(evictable)
+        if victim is None and self.pinned_slots() >= self.num_slots:
+            pins = [o for o in self.entries.values()
+                    if o.ready and o.refs == 0 and o.pinned and not o.unloading and reloadable(o)]
+            victim = max(pins, key=lambda o: o.pin_order).name if pins else None
         if victim is None:
             return None
         v = self.entries[victim]
