@@ -30,6 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if settings.demo:
         _prepare_demo(settings)
+    from .engine import check_settings
+
+    try:
+        check_settings(settings)
+    except ValueError as e:  # a wrong device, model folder, dummy shape or adapter path
+        sys.stderr.write(f"loraplex-server: {e}\n")
+        return 2
     try:
         asyncio.run(_serve(settings))
     except KeyboardInterrupt:

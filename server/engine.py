@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .adapter_format import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from .adapter_format import AdapterError, BaseSpec
 from .adapter_cache import AdapterCache
 from .adapters import LoRABuffers, slot_groups
@@ -74,7 +75,30 @@ class RequestFailedError(RuntimeError):
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: not a device (cpu, cuda, cuda:N or auto)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device here (torch {torch.__version__}); use cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def check_settings(settings: ServerSettings) -> None:
+    """The checks `LLMEngine.from_settings` would fail on, made before anything loads, so the
+    CLI answers a wrong device, model folder, dummy shape or adapter path with one line
+    (ValueError) instead of a failed server start."""
+    resolve_device(settings.device)
+    if settings.model:
+        ModelConfig.from_dir(settings.model)
+    else:
+        named_shape(settings.dummy_weights)
+    for item in settings.lora_modules:
+        name, path = item.split("=", 1)
+        if not (Path(path) / ADAPTER_CONFIG_FILE).is_file():
+            raise ValueError(f"--lora-modules {name}={path}: no {ADAPTER_CONFIG_FILE} there")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,3 +59,21 @@ def test_demo_command_serves_and_answers(tmp_path):
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--dummy-weights", "nope", "--device", "cpu"], "unknown dummy shape 'nope'"),
+    (["--model", "/nonexistent"], "/nonexistent: no config.json"),
+    (["--dummy-weights", "tiny", "--device", "cuda:99"], "--device cuda:99"),
+    (["--dummy-weights", "tiny", "--device", "gpu"], "not a device"),
+    (["--dummy-weights", "tiny", "--device", "cpu", "--lora-modules", "x=/nonexistent"], "no adapter_config.json"),
+    (["--dummy-weights", "tiny", "--device", "cpu", "--lora-modules", "x"], "expected NAME=PATH"),
+    (["--dummy-weights", "tiny", "--max-loras", "-1"], "--max-loras must be at least 0"),
+    (["--dummy-weights", "tiny", "--port", "99999"], "not a TCP port"),
+])
+def test_bad_settings_get_one_line_and_exit_2_before_anything_loads(args, words, capsys):
+    from loraplex.server.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("loraplex-server: ") and words in err, err
