@@ -31,12 +31,13 @@ Rules: an adapter held by a request (`refs`: from `acquire` when the request is 
 its waiting requests are admitted; a pinned adapter is not evicted, and pins take at most
 all slots but one (the rest stay pending, reported by `describe`) so requests always have a
 slot to page through (pins made while resident can fill every slot: then the newest idle
-one gives its slot to a request and waits pending, `SlotTable.take_slot`). At most `max_concurrent_loads` loads run at once. A failed load
-frees its slot, fails its waiters (`take_failures` for the engine's queued requests) and
-is retried by the next request. Under overload (every slot's adapter always has requests) a
-cold request would starve: after `drain_after` seconds one busy adapter stops admitting and
-gives up its slot once its running requests finish (`SlotTable.drain`), round robin through
-the slots.
+one gives its slot to a request and waits pending, `SlotTable.take_slot`). At most
+`max_concurrent_loads` loads run at once. A failed load frees its slot, fails its waiters
+(`take_failures` for the engine's queued requests, `failed_load` for one queued after that)
+and is retried by the next request. Under overload (every slot's adapter always has
+requests) a cold request would starve: after `drain_after` seconds one busy adapter stops
+admitting and gives up its slot once its running requests finish (`SlotTable.drain`), round
+robin through the slots.
 
 Threads: one lock (`_lock`) guards the slot table, its rows and the eviction policy; the
 HTTP thread (`acquire`, `prefetch`, `pin`), the engine thread (`ready_slots`, `release`,
