@@ -366,6 +366,23 @@ def test_unloaded_while_its_load_fails_the_row_stays_until_its_requests_leave(di
     check_invariants(cache)
 
 
+def test_drain_skips_a_pending_name_whose_row_was_unloaded(disk):
+    """A prefetch waits for a slot (pending), then is unloaded: its row goes at once, its name
+    stays in the pending queue until pump meets it. The engine's ready_slots, with every slot
+    busy, runs the anti-starvation check over that queue; it raised KeyError there, on the
+    engine thread, which stopped serving for every adapter."""
+    cache = make_cache(disk, slots=2)
+    for name in "ab":
+        cache.acquire(name)
+        wait_ready(cache, name)  # both slots busy: nothing evictable
+    cache.prefetch("c")
+    assert [r["state"] for r in cache.describe() if r["name"] == "c"] == ["pending"]
+    assert cache.unload("c") is True
+    assert "c" in cache.table.pending and "c" not in cache.table.entries
+    assert cache.ready_slots({"a", "b"}).keys() == {"a", "b"}
+    check_invariants(cache)
+
+
 def test_host_tier_serves_a_reload_and_drops_least_recent_by_bytes(disk):
     cache = make_cache(disk, slots=1, max_cpu_loras=2)
     for name in "abc":
