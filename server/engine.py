@@ -48,7 +48,7 @@ from .scheduler import Scheduler
 from .settings import ServerSettings
 from .slot_sizing import resolve_max_loras
 from .tokenizer import Tokenizer
-from .weights import dummy_weights, load_weights
+from .weights import check_checkpoint, dummy_weights, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +88,13 @@ def resolve_device(name: str) -> torch.device:
 
 def check_settings(settings: ServerSettings) -> None:
     """The checks `LLMEngine.from_settings` would fail on, made before anything loads, so the
-    CLI answers a wrong device, model folder, dummy shape or adapter path with one line
-    (ValueError) instead of a failed server start."""
+    CLI answers a wrong device, model folder (no config.json, no readable safetensors), dummy
+    shape or adapter path with one line (ValueError) instead of a failed server start."""
     resolve_device(settings.device)
     if settings.model:
         ModelConfig.from_dir(settings.model)
+        if not settings.dummy_weights:
+            check_checkpoint(settings.model)
     else:
         named_shape(settings.dummy_weights)
     for item in settings.lora_modules:

@@ -74,6 +74,17 @@ class _Shards:
             raise KeyError(f"checkpoint has no tensor {key!r}") from None
 
 
+def check_checkpoint(path: str | Path) -> None:
+    """ValueError unless `path` holds safetensors files whose headers read (no tensor is
+    read: the CLI's check before a server starts)."""
+    try:
+        _Shards(Path(path))
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from None
+    except Exception as e:  # a header safetensors cannot parse, a file cut short
+        raise ValueError(f"{path}: unreadable checkpoint: {type(e).__name__}: {e}") from None
+
+
 def load_weights(path: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> BaseWeights:
     """Read an HF Llama/Mistral/Qwen2 checkpoint, fusing q/k/v and gate/up."""
     shards = _Shards(Path(path))

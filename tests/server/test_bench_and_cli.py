@@ -77,3 +77,18 @@ def test_bad_settings_get_one_line_and_exit_2_before_anything_loads(args, words,
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("loraplex-server: ") and words in err, err
+
+
+@pytest.mark.parametrize("weights, words", [(None, "no *.safetensors files"),
+                                            (b"\x00" * 40, "unreadable checkpoint")])
+def test_a_model_folder_without_readable_weights_is_one_line(hf_llama, tmp_path, weights, words, capsys):
+    from loraplex.server.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_bytes((hf_llama / "config.json").read_bytes())
+    if weights is not None:
+        (model / "model.safetensors").write_bytes(weights)
+    assert main(["--model", str(model), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("loraplex-server: ") and words in err, err
