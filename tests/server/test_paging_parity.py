@@ -30,15 +30,16 @@ async def answers(url: str, cases: list, together: bool) -> list:
         return [await one(*case) for case in cases]
 
 
-async def test_greedy_answers_under_paging_equal_answers_alone(hf_llama, llama_adapters):
+def test_greedy_answers_under_paging_equal_answers_alone(hf_llama, llama_adapters):
+    # Synchronous (asyncio.run), so it also runs where pytest-asyncio is not installed.
     rng = random.Random(4)
     models = ["tiny-llama", *ADAPTERS]
     cases = [(rng.choice(models), [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))],
               rng.randint(1, 24), rng.random() * 0.5) for _ in range(48)]
     with serve_tiny_llama(hf_llama, llama_adapters, max_loras=len(ADAPTERS), max_num_seqs=1) as server:
-        alone = await answers(server.url, cases, together=False)
+        alone = asyncio.run(answers(server.url, cases, together=False))
     with serve_tiny_llama(hf_llama, llama_adapters, max_loras=1, max_num_seqs=8, max_concurrent_loads=1) as server:
-        paged = await answers(server.url, cases, together=True)
+        paged = asyncio.run(answers(server.url, cases, together=True))
         evictions = server.engine.adapters.metrics.evictions.labels("gpu")._value.get()
     assert evictions >= 3  # adapters really went in and out of the one slot
     for case, (tokens, lps), (want_tokens, want_lps) in zip(cases, paged, alone):
