@@ -4,8 +4,8 @@ PEFT often saves adapters in float32. A server with bf16 slots then converts eve
 it reads the file from disk: 168 MB of F32 into 84 MB of bf16 for a rank-16 Llama-3-8B
 adapter on all seven projections. On the H200 host a disk load of the F32 file took 43.5 ms,
 of a bf16 file 14.6-18.0 ms, in separate calls (bench/results/cold_load_h200_notes.md); on a
-2-core machine, 63.7 against 30.7 ms in one run (serving_copy_cpu_notes.md). Staging writes the converted
-tensors beside the original as `adapter_model.<dtype>.safetensors`
+2-core machine, 63.7 against 30.7 ms in one run (serving_copy_cpu_notes.md). Staging writes
+the converted tensors beside the original as `adapter_model.<dtype>.safetensors`
 (adapter_format.serving_weights_name), which a server of that dtype reads instead; the
 original stays as it was fetched, so its digest still holds and a server of another dtype
 still reads it.

@@ -113,7 +113,8 @@ class SlotTable:
     def want(self, e: CachedAdapter) -> None:
         """Queue a load of `e` (if it is neither resident nor on its way) and start what can start."""
         if e.state == "pending":
-            self.pump()  # a pin waiting over its share may hold a request now: it starts then
+            if e.pinned and e.refs == 1:  # a pin waiting over its share has its first request:
+                self.pump()  # pump's rule lets it start now (other pending rows gain nothing)
             return
         if e.state in ("ready", "loading"):
             return
