@@ -22,6 +22,7 @@ threads) into their views of the pinned buffer, no intermediate copy of the adap
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, Executor, wait
+from concurrent.futures import Executor, wait
 from pathlib import Path
 
 import torch
@@ -66,7 +67,12 @@ class HostCopy:
             self.scales = torch.empty(self.layout.n_scales, dtype=torch.float32, pin_memory=pin)
             self.rank = torch.empty(len(PROJECTIONS), dtype=torch.int32, pin_memory=pin)  # per projection
         self.nbytes = self.flat.numel() * self.flat.element_size()
-        self.layers: list[dict[str, LoRAGroup]] = self.layout.views(self.flat, self.scales)
+
+    @functools.cached_property
+    def layers(self) -> list[dict[str, LoRAGroup]]:
+        """Per layer and group, views of the copy (as LoRABuffers.layers, one slot). Made on
+        first use: ~1 ms of views for Llama-3-8B that a load does not need."""
+        return self.layout.views(self.flat, self.scales)
 
     def fill(self, spec: AdapterSpec, put) -> None:
         """Write the adapter into the layout: `put(key, view)` writes the tensor saved under
@@ -77,24 +83,30 @@ class HostCopy:
         mask them by rank), so they are not written at all: nothing for an adapter of one
         rank throughout, whatever the slots' max rank."""
         check_held(spec, self.groups)
-        r_max = self.max_rank
+        r_max, flat = self.max_rank, self.flat
         modules = {(m.layer, m.proj): m for m in spec.modules}
         read = dict(zip(PROJECTIONS, projection_ranks(spec)))  # rank rows the kernels read
         scales = [0.0] * self.layout.n_scales  # written in one copy: a setitem per module costs more
-        for layer, (groups, places) in enumerate(zip(self.layers, self.layout.layers)):
-            for name, g in groups.items():
-                projs = GROUPS[name]
+        # Views straight from the layout's offsets, one as_strided each: A_i rows [i*R, i*R + r)
+        # of [n*R, in] (contiguous), B_i columns [0, r) of rows [off, off + width) of
+        # [sum(slices), R] (contiguous only at r == R).
+        view = functools.partial(torch.as_strided, flat)
+        for layer, places in enumerate(self.layout.layers):
+            for name, g in places.items():
+                in_f = g.a_shape[1]
                 off = 0
-                for i, (proj, width) in enumerate(zip(projs, g.slices)):
+                for i, (proj, width) in enumerate(zip(GROUPS[name], g.slices)):
                     m = modules.get((layer, proj))
                     r, r_read = (m.rank if m is not None else 0), read[proj]
+                    a_row = g.a_off + i * r_max * in_f  # this slice's first rank row of A
+                    b_row = g.b_off + off * r_max  # this slice's first output row of B
                     if r < r_read:
-                        g.a[i * r_max + r: i * r_max + r_read].zero_()  # [r_read - r, in]
-                        g.b[off: off + width, r:r_read].zero_()  # [out, r_read - r]
+                        view((r_read - r, in_f), (in_f, 1), a_row + r * in_f).zero_()
+                        view((width, r_read - r), (r_max, 1), b_row + r).zero_()
                     if m is not None:
-                        put(m.key_a, g.a[i * r_max: i * r_max + r])  # [r, in]
-                        put(m.key_b, g.b[off: off + width, :r])  # [out, r]
-                        scales[places[name].s_off + i] = m.scaling
+                        put(m.key_a, view((r, in_f), (in_f, 1), a_row))
+                        put(m.key_b, view((width, r), (r_max, 1), b_row))
+                        scales[g.s_off + i] = m.scaling
                     off += width
         self.scales.copy_(torch.tensor(scales, dtype=torch.float32))
         self.rank.copy_(torch.tensor(list(read.values()), dtype=torch.int32))
@@ -102,13 +114,25 @@ class HostCopy:
     def copy_to(self, buffers: LoRABuffers, slot: int) -> None:
         """Enqueue the copy into `slot` on the current stream: transfers (non-blocking from
         pinned memory) straight into the slot's rows of the device buffers, which have this
-        copy's layout: the weights in chunks of SLOT_COPY_CHUNK_BYTES (0: one transfer), then
-        the scales and the rank. (Copying view by view paid a fixed cost per view: 448 of them
-        for Llama-3-8B, 2.4x the bytes/bandwidth floor on an H200.)"""
-        dst = buffers.flat[slot]
-        step = SLOT_COPY_CHUNK_BYTES // self.flat.element_size() or self.flat.numel()
-        for start in range(0, self.flat.numel(), step):
-            dst[start: start + step].copy_(self.flat[start: start + step], non_blocking=True)
+        copy's layout: the weights (copy_weights), then the scales and the rank (copy_meta).
+        (Copying view by view paid a fixed cost per view: 448 of them for Llama-3-8B, 2.4x the
+        bytes/bandwidth floor on an H200.)"""
+        self.copy_weights(buffers, slot, 0, self.nbytes)
+        self.copy_meta(buffers, slot)
+
+    def copy_weights(self, buffers: LoRABuffers, slot: int, start: int, end: int) -> None:
+        """Enqueue bytes [start, end) of the flat buffer into the slot's, in transfers of
+        SLOT_COPY_CHUNK_BYTES (0: one transfer). Bounds are multiples of the element size."""
+        size = self.flat.element_size()
+        if start % size or end % size:
+            raise ValueError(f"copy_weights: [{start}, {end}) is not a whole number of {size}-byte elements")
+        src, dst = self.flat[start // size: end // size], buffers.flat[slot][start // size: end // size]
+        step = SLOT_COPY_CHUNK_BYTES // size or src.numel()
+        for lo in range(0, src.numel(), step):
+            dst[lo: lo + step].copy_(src[lo: lo + step], non_blocking=True)
+
+    def copy_meta(self, buffers: LoRABuffers, slot: int) -> None:
+        """Enqueue the scales and the projection ranks into the slot's."""
         buffers.scales[slot].copy_(self.scales, non_blocking=True)
         buffers.ranks[slot].copy_(self.rank, non_blocking=True)
         buffers.group_masks[slot] = group_mask(self.rank.tolist())  # the host's copy of the ranks
@@ -120,16 +144,20 @@ READ_CHUNK_BYTES = 4 << 20
 
 def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pin: bool,
                    lock: threading.Lock | None = None, pool: Executor | None = None,
-                   chunk_bytes: int | None = None) -> HostCopy:
+                   chunk_bytes: int | None = None,
+                   on_region: Callable[["HostCopy", int, int], None] | None = None) -> HostCopy:
     """Read the adapter's weights under `path` straight into a new HostCopy: allocate it
     (holding `lock`, see AdapterCache.cuda_lock: pinned allocations are CUDA calls), fill it
     (HostCopy.fill), read the tensors into their views (`read_tensors`, on `pool`). The file is
     the node agent's copy in the slots' dtype where it wrote one (an F32 adapter for bf16
-    slots, converted once at staging), else `adapter_model.safetensors`."""
+    slots, converted once at staging), else `adapter_model.safetensors`. With `on_region`,
+    `on_region(copy, start, end)` hears each range of the copy's flat bytes once it is
+    written, chunk after chunk of the file (read_tensors)."""
     copy = HostCopy(buffers, pin, lock)
     targets: list[tuple[str, torch.Tensor]] = []
     copy.fill(spec, lambda key, dst: targets.append((key, dst)))
-    read_tensors(serving_weights(path, str(buffers.dtype).removeprefix("torch.")), targets, pool, chunk_bytes)
+    read_tensors(serving_weights(path, str(buffers.dtype).removeprefix("torch.")), targets, pool, chunk_bytes,
+                 None if on_region is None else lambda lo, hi: on_region(copy, lo, hi))
     return copy
 
 
@@ -155,7 +183,7 @@ def _staging_bytes(nbytes: int) -> torch.Tensor:
 
 
 def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: Executor | None = None,
-                 chunk_bytes: int | None = None) -> None:
+                 chunk_bytes: int | None = None, on_region: Callable[[int, int], None] | None = None) -> None:
     """Read each (key, view) of `targets` from the safetensors file `weights` into its view.
 
     A tensor whose dtype and shape are the view's, in a contiguous view, is read straight
@@ -165,7 +193,17 @@ def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: E
     `preadv` each into the buffers its bytes belong to (a buffer that straddles two chunks is
     split), the chunks on `pool`'s threads at once when given (preadv releases the GIL), else
     one after another here. One copy from the page cache; raises AdapterError on a file cut
-    short, once no read it started is running."""
+    short, once no read it started is running.
+
+    With `on_region(start, end)` (the views all of one storage, a HostCopy's flat buffer): as
+    each chunk's tensors are written (converted ones included), in file order, `on_region`
+    hears the byte ranges [start, end) of the storage they occupy, gaps to the next view
+    included, joined with those of earlier chunks where they meet, each once it spans half a
+    chunk (all that is left after the last chunk): the ranges tile the storage from 0 to its
+    end. The caller
+    copies them to the device while later chunks are read (AdapterLoader: a disk load's copy
+    into its slot)."""
+    chunk_bytes = chunk_bytes or READ_CHUNK_BYTES
     with weights.open("rb", buffering=0) as f:
         fd = f.fileno()
         if hasattr(os, "posix_fadvise"):
@@ -193,22 +231,79 @@ def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: E
                 reads.append((start, dst, stage[off: off + nbytes].view(dtype).view(shape)))
         reads.sort(key=lambda r: r[0])
         byte_views = _byte_views([buf for _, _, buf in reads])
-        calls = plan_reads([(start, b) for (start, _, _), b in zip(reads, byte_views)], chunk_bytes or READ_CHUNK_BYTES)
-        if pool is None or len(calls) < 2:
-            for offset, views in calls:
-                _preadv_all(fd, views, offset)
-        else:
-            futures = [pool.submit(_preadv_all, fd, views, offset) for offset, views in calls]
-            _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            for future in pending:
+        # The file's chunks, each with the tensors that start in it.
+        chunks: list[list[int]] = []
+        for i, (start, _, _) in enumerate(reads):
+            if not chunks or start // chunk_bytes != reads[chunks[-1][0]][0] // chunk_bytes:
+                chunks.append([])
+            chunks[-1].append(i)
+        calls = [plan_reads([(reads[i][0], byte_views[i]) for i in chunk], chunk_bytes) for chunk in chunks]
+        tiles = _tiles([dst for _, dst, _ in reads]) if on_region is not None else None
+        written: list[tuple[int, int]] = []  # tiles written and not handed on yet
+
+        def chunk_read(c: int) -> None:
+            for i in chunks[c]:
+                _, dst, buf = reads[i]
+                if buf is not dst:
+                    dst.copy_(buf)
+            if tiles is None:
+                return
+            # A chunk ends inside a layer: its last tensors' ranges wait for the rest of their
+            # layer (the next chunk), so the device gets a few large copies, not many small ones.
+            written[:] = _merged([*written, *(tiles[i] for i in chunks[c])])
+            last = c == len(chunks) - 1
+            for lo, hi in [r for r in written if last or r[1] - r[0] >= chunk_bytes // 2]:
+                written.remove((lo, hi))
+                on_region(lo, hi)
+
+        if pool is None or sum(map(len, calls)) < 2:
+            for c, chunk_calls in enumerate(calls):
+                for offset, views in chunk_calls:
+                    _preadv_all(fd, views, offset)
+                chunk_read(c)
+            return
+        # Every call submitted at once (in file order), so the read threads never idle while
+        # a chunk's tensors are converted and handed on.
+        futures = [[pool.submit(_preadv_all, fd, views, offset) for offset, views in cc] for cc in calls]
+        try:
+            for c, chunk_futures in enumerate(futures):
+                for future in chunk_futures:
+                    future.result()
+                chunk_read(c)
+        finally:
+            everything = [future for chunk_futures in futures for future in chunk_futures]
+            for future in everything:
                 future.cancel()
-            wait(futures)  # no read may outlive the file descriptor
-            for future in futures:
-                if not future.cancelled() and future.exception() is not None:
-                    raise future.exception()
-    for _, dst, buf in reads:
-        if buf is not dst:
-            dst.copy_(buf)
+            wait(everything)  # no read may outlive the file descriptor
+
+
+def _tiles(views: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Byte ranges of one storage, one per view, that tile it: each from the view's first byte
+    (0 for the lowest) to the next view's first byte (the storage's end for the highest). Views
+    that do not interleave (a HostCopy's) lie each inside its own range."""
+    if not views:
+        return []
+    storage = views[0].untyped_storage()
+    base, total = storage.data_ptr(), storage.nbytes()
+    starts = [v.data_ptr() - base for v in views]
+    if not all(0 <= lo < total for lo in starts):
+        raise ValueError("read_tensors: on_region needs every target in one storage")
+    order = sorted(range(len(views)), key=starts.__getitem__)
+    tiles = [(0, 0)] * len(views)
+    for k, i in enumerate(order):
+        tiles[i] = (starts[i] if k else 0, starts[order[k + 1]] if k + 1 < len(order) else total)
+    return tiles
+
+
+def _merged(ranges) -> list[tuple[int, int]]:
+    """Byte ranges, sorted and joined where one ends where the next starts."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024

@@ -54,6 +54,7 @@ class CachedAdapter:
     sha256: str | None = None  # the plan's digest of adapter_model.safetensors
     id: AdapterId | None = None  # set once its files are read
     spec: AdapterSpec | None = None
+    read_stamp: tuple | None = None  # its files' stamps when `spec` was read from them: reused while they match
     state: str = "cold"  # cold -> pending -> loading -> ready (-> cold when evicted or failed)
     slot: int = -1
     refs: int = 0  # requests holding it (queued or running)

@@ -147,6 +147,68 @@ def test_a_host_copy_lands_in_its_slot_as_written_view_by_view(disk, monkeypatch
     assert torch.equal(buffers.ranks[2], buffers.ranks[0]) and buffers.ranks[0].max() == spec.max_rank
 
 
+@pytest.mark.parametrize("chunk_bytes", [256, 4 << 20], ids=["256-bytes", "default"])
+def test_a_disk_load_copied_chunk_by_chunk_holds_what_a_direct_write_does(disk, monkeypatch, chunk_bytes):
+    """A load from disk copies each chunk's tensors into the slot as soon as they are read:
+    the slot ends up as the host copy, byte for byte, and equal to a direct write where the
+    kernels read; a load from the host tier after it gives the same bytes again."""
+    from safetensors.torch import load_file
+
+    from loraplex.server import host_tier
+
+    monkeypatch.setattr(host_tier, "READ_CHUNK_BYTES", chunk_bytes)
+    cache = make_cache(disk, slots=2)
+    cache.buffers.flat.normal_()  # poison: every byte of the slot must come from the load
+    slot = cache.prefetch("a").result(10)
+    host = cache.host.get("a")
+    assert torch.equal(cache.buffers.flat[slot].view(torch.int32), host.flat.view(torch.int32))
+    clean = LoRABuffers(CFG, 1, RANK, torch.device("cpu"), torch.float32)
+    spec = read_adapter(disk / "a", base_spec())
+    clean.write(0, spec, load_file(str(disk / "a" / "adapter_model.safetensors")))
+    read = clean.layout.read_mask(host.rank.tolist())
+    assert torch.equal(cache.buffers.flat[slot][read], clean.flat[0][read])
+    assert torch.equal(cache.buffers.scales[slot], clean.scales[0])
+    cache.evict("a")
+    cache.buffers.flat.normal_()
+    slot = cache.prefetch("a").result(10)  # from the host tier now
+    assert torch.equal(cache.buffers.flat[slot][read], clean.flat[0][read])
+    cache.close()
+
+
+def test_a_reload_from_disk_reads_the_files_again_only_when_they_changed(disk, monkeypatch):
+    """A load after the host copy was dropped reuses the spec the last read checked, while the
+    adapter's files are the same ones; a new version put in place (renamed over, as the node
+    agent stages one) is read and checked again, and its own scaling lands in the slot."""
+    import loraplex.server.adapter_loader as loader
+
+    reads = []
+    real = loader.read_adapter
+    monkeypatch.setattr(loader, "read_adapter", lambda path, base: reads.append(path) or real(path, base))
+    cache = make_cache(disk, slots=2)
+
+    def reload() -> int:
+        cache.evict("a")
+        cache.host.discard("a")
+        return cache.prefetch("a").result(10)
+
+    slot = cache.prefetch("a").result(10)
+    first_scale = cache.buffers.scales[slot].clone()
+    assert len(reads) == 1
+    reload()
+    reload()
+    assert len(reads) == 1, "unchanged files were parsed again"
+    new = write_adapter(disk / "a-next", seed=42, rank=4)
+    cfg = json.loads((new / "adapter_config.json").read_text())
+    (new / "adapter_config.json").write_text(json.dumps(cfg | {"lora_alpha": 3 * cfg["r"]}))
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        os.replace(new / name, disk / "a" / name)
+    slot = reload()
+    assert len(reads) == 2
+    scales = cache.buffers.scales[slot]
+    assert torch.allclose(scales[first_scale != 0], 1.5 * first_scale[first_scale != 0])
+    cache.close()
+
+
 def test_slot_views_are_aligned_and_disjoint():
     buffers = LoRABuffers(CFG, 2, RANK, torch.device("cpu"), torch.float16)
     spans = []
@@ -239,13 +301,13 @@ def test_load_cap_holds_under_a_storm_of_cold_requests(disk, tmp_path, monkeypat
     lock = threading.Lock()
     copy = cache.loader.copy_to_slot
 
-    def slow_copy(host, slot):
+    def slow_copy(host, slot, *rest):
         nonlocal running, peak
         with lock:
             running += 1
             peak = max(peak, running)
         time.sleep(0.01)
-        copy(host, slot)
+        copy(host, slot, *rest)
         with lock:
             running -= 1
 
@@ -319,10 +381,10 @@ def test_out_of_memory_fails_only_that_load(disk, monkeypatch):
 
     real = loader.read_into_host
 
-    def oom(path, *a):
+    def oom(path, *a, **kw):
         if Path(path).name == "b":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 84.00 MiB")
-        return real(path, *a)
+        return real(path, *a, **kw)
 
     monkeypatch.setattr(loader, "read_into_host", oom)
     with pytest.raises(AdapterLoadError, match="out of memory") as err:
@@ -341,7 +403,7 @@ def test_unloaded_while_its_load_fails_the_row_stays_until_its_requests_leave(di
     cache = make_cache(disk, slots=2)
     started, fail = threading.Event(), threading.Event()
 
-    def failing_read(path, *a):
+    def failing_read(path, *a, **kw):
         started.set()
         assert fail.wait(10)
         raise OSError("disk gone")

@@ -45,10 +45,10 @@ def gate_loads(engine: LLMEngine, name: str) -> threading.Event:
     loader, entries = engine.adapters.loader, engine.adapters.table.entries
     real = loader.copy_to_slot
 
-    def copy(host, slot):
+    def copy(host, slot, *rest):
         if entries.get(name) is not None and entries[name].state == "loading" and entries[name].slot == slot:
             assert gate.wait(20)
-        real(host, slot)
+        real(host, slot, *rest)
 
     loader.copy_to_slot = copy
     return gate
