@@ -39,6 +39,7 @@ from .adapter_sources import AdapterLoadError
 from .adapters import AdapterId
 from .cache_metrics import CacheMetrics
 from .cache_policy import EvictionPolicy
+from .disk_read import DiskRead
 from .host_tier import HostCopy, HostTier
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class CachedAdapter:
     sha256: str | None = None  # the plan's digest of adapter_model.safetensors
     id: AdapterId | None = None  # set once its files are read
     spec: AdapterSpec | None = None
-    read_stamp: tuple | None = None  # its files' stamps when `spec` was read from them: reused while they match
+    disk_read: DiskRead | None = None  # its last read from disk (spec, read plan): reused while its files match
     state: str = "cold"  # cold -> pending -> loading -> ready (-> cold when evicted or failed)
     slot: int = -1
     refs: int = 0  # requests holding it (queued or running)

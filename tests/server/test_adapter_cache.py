@@ -154,9 +154,9 @@ def test_a_disk_load_copied_chunk_by_chunk_holds_what_a_direct_write_does(disk, 
     kernels read; a load from the host tier after it gives the same bytes again."""
     from safetensors.torch import load_file
 
-    from loraplex.server import host_tier
+    from loraplex.server import disk_read
 
-    monkeypatch.setattr(host_tier, "READ_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(disk_read, "READ_CHUNK_BYTES", chunk_bytes)
     cache = make_cache(disk, slots=2)
     cache.buffers.flat.normal_()  # poison: every byte of the slot must come from the load
     slot = cache.prefetch("a").result(10)
@@ -176,9 +176,10 @@ def test_a_disk_load_copied_chunk_by_chunk_holds_what_a_direct_write_does(disk, 
 
 
 def test_a_reload_from_disk_reads_the_files_again_only_when_they_changed(disk, monkeypatch):
-    """A load after the host copy was dropped reuses the spec the last read checked, while the
-    adapter's files are the same ones; a new version put in place (renamed over, as the node
-    agent stages one) is read and checked again, and its own scaling lands in the slot."""
+    """A load after the host copy was dropped reuses the spec the last read checked and its read
+    plan, while the adapter's files are the same ones, and lands the same bytes; a new version
+    put in place (renamed over, as the node agent stages one) is read and checked again, and
+    its own scaling lands in the slot."""
     import loraplex.server.adapter_loader as loader
 
     reads = []
@@ -193,10 +194,14 @@ def test_a_reload_from_disk_reads_the_files_again_only_when_they_changed(disk, m
 
     slot = cache.prefetch("a").result(10)
     first_scale = cache.buffers.scales[slot].clone()
+    first = cache.buffers.flat[slot].clone()
+    read = cache.buffers.layout.read_mask(cache.host.get("a").rank.tolist())
     assert len(reads) == 1
     reload()
-    reload()
+    cache.buffers.flat.normal_()  # poison: the planned reload must write every byte read
+    slot = reload()
     assert len(reads) == 1, "unchanged files were parsed again"
+    assert torch.equal(cache.buffers.flat[slot][read], first[read])
     new = write_adapter(disk / "a-next", seed=42, rank=4)
     cfg = json.loads((new / "adapter_config.json").read_text())
     (new / "adapter_config.json").write_text(json.dumps(cfg | {"lora_alpha": 3 * cfg["r"]}))

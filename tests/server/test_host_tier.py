@@ -26,13 +26,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.kernels import LoRABatch, add_lora
-from loraplex.server import host_tier
+from loraplex.server import disk_read, host_tier
 from loraplex.server.adapter_cache import AdapterCache
 from loraplex.server.adapter_format import WEIGHTS_FILE, AdapterError, BaseSpec, read_adapter, write_adapter_config
 from loraplex.server.adapter_sources import AdapterLoadError
 from loraplex.server.adapters import GROUPS, PROJECTIONS, LoRABuffers, projection_ranks, random_adapter
 from loraplex.server.config import named_shape
-from loraplex.server.host_tier import host_copy_from_tensors, plan_reads, read_into_host
+from loraplex.server.disk_read import plan_reads
+from loraplex.server.host_tier import host_copy_from_tensors, read_into_host
 
 # Sizes that are not multiples of ALIGN_ELEMS, so the layout has gaps between views.
 ODD = dataclasses.replace(named_shape("tiny"), hidden_size=40, intermediate_size=72, head_dim=10)
@@ -151,7 +152,7 @@ def test_a_poisoned_allocation_is_filled_where_the_kernels_read(tmp_path, monkey
     ([(0, 0), (0, 5)], 10, 1024, [(0, [5])]),  # an empty tensor reads nothing
 ])
 def test_plan_reads(monkeypatch, reads, chunk, iov_max, want):
-    monkeypatch.setattr(host_tier, "_IOV_MAX", iov_max)
+    monkeypatch.setattr(disk_read, "_IOV_MAX", iov_max)
     buffers = [(off, bytearray(n)) for off, n in reads]
     calls = plan_reads([(off, memoryview(b)) for off, b in buffers], chunk)
     assert [(off, [len(v) for v in views]) for off, views in calls] == want
@@ -255,7 +256,7 @@ def test_a_load_of_a_file_cut_during_the_read_leaves_nothing_behind(tmp_path, mo
     write_mixed_adapter(tmp_path / "b")
     buffers = LoRABuffers(ODD, 2, R_MAX, torch.device("cpu"), torch.float32)
     cache = AdapterCache(buffers, base_spec(), cache_dir=tmp_path)
-    monkeypatch.setattr(host_tier, "READ_CHUNK_BYTES", 512)
+    monkeypatch.setattr(disk_read, "READ_CHUNK_BYTES", 512)
     weights = tmp_path / "a" / WEIGHTS_FILE
     spy = PreadvSpy(monkeypatch, delay=0.002, before=lambda: os.truncate(weights, weights.stat().st_size // 2))
     with pytest.raises(AdapterLoadError, match="cut short") as err:
@@ -275,21 +276,21 @@ def test_converted_tensors_go_through_one_staging_buffer_kept_per_thread(tmp_pat
     spec = read_adapter(path, base_spec())
     tensors = load_file(str(path / WEIGHTS_FILE))
     buffers = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), torch.float16)
-    monkeypatch.setattr(host_tier, "_staging", threading.local())
+    monkeypatch.setattr(disk_read, "_staging", threading.local())
     first = read_into_host(path, spec, buffers, pin=False, pool=pool)
-    kept = host_tier._staging.buf
+    kept = disk_read._staging.buf
     assert kept.numel() >= sum(t.numel() * t.element_size() for t in tensors.values())
     second = read_into_host(path, spec, buffers, pool=pool, pin=False)
-    assert host_tier._staging.buf is kept
+    assert disk_read._staging.buf is kept
     read = read_region(buffers, spec)
     assert torch.equal(first.flat[read], second.flat[read])
     m = spec.module(1, "q_proj")
     assert torch.equal(second.layers[1]["qkv"].a[: m.rank], tensors[m.key_a].to(torch.float16))
 
-    monkeypatch.setattr(host_tier, "_staging", threading.local())
-    monkeypatch.setattr(host_tier, "STAGING_KEEP_BYTES", 1024)  # smaller than this adapter's
+    monkeypatch.setattr(disk_read, "_staging", threading.local())
+    monkeypatch.setattr(disk_read, "STAGING_KEEP_BYTES", 1024)  # smaller than this adapter's
     third = read_into_host(path, spec, buffers, pin=False, pool=pool)
-    assert getattr(host_tier._staging, "buf", None) is None
+    assert getattr(disk_read._staging, "buf", None) is None
     assert torch.equal(third.flat[read], first.flat[read])
 
 
@@ -356,3 +357,23 @@ def test_ranges_handed_on_tile_the_copy_and_are_final_when_handed_on(tmp_path, m
     for start, end, snapshot in seen:
         mask = read[start:end]
         assert torch.equal(snapshot[mask], final[start:end][mask]), f"range [{start}, {end}) handed on unfinished"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16: every tensor converted
+def test_a_plan_run_again_into_a_new_copy_reads_the_same_bytes(tmp_path, monkeypatch, pool, dtype):
+    """A reload runs the plan of the first read (the loader keeps it): into a fresh (poisoned)
+    copy, with no header read, no views and no planning, it writes what the first read did,
+    zeros and scales included."""
+    path = write_mixed_adapter(tmp_path / "a")
+    spec = read_adapter(path, base_spec())
+    buffers = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), dtype)
+    first = read_into_host(path, spec, buffers, pin=False, pool=pool, chunk_bytes=256)
+    assert first.read_plan is not None and len(first.read_plan.chunks) > 2
+    monkeypatch.setattr(host_tier, "plan_read", None)  # a reload must not plan
+    poison_allocations(monkeypatch)
+    again = read_into_host(path, spec, buffers, pin=False, pool=pool, plan=first.read_plan)
+    monkeypatch.undo()
+    read = read_region(buffers, spec)
+    assert torch.equal(again.flat[read], first.flat[read]) and bool(torch.isfinite(again.flat[read]).all())
+    assert torch.equal(again.scales, first.scales) and torch.equal(again.rank, first.rank)
+    assert again.read_plan is first.read_plan
