@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -48,21 +49,12 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" i
 FLAT, STAGED = 0, 1  # the buffers a planned read writes into
 
 
-@dataclass(frozen=True)
-class Span:
-    """`nbytes` bytes at `offset` of buffer `buf` (FLAT or STAGED); sliced as a memoryview is,
-    so plan_reads can split it."""
+class Span(NamedTuple):
+    """`nbytes` bytes at `offset` of buffer `buf` (FLAT or STAGED)."""
 
     buf: int
     offset: int
     nbytes: int
-
-    def __len__(self) -> int:
-        return self.nbytes
-
-    def __getitem__(self, s: slice) -> "Span":
-        lo, hi, _ = s.indices(self.nbytes)
-        return Span(self.buf, self.offset + lo, max(0, hi - lo))
 
 
 @dataclass(frozen=True)
@@ -253,25 +245,24 @@ def files_stamp(directory: Path, weights: Path) -> tuple:
     return tuple(stamps)
 
 
-def plan_reads(reads: list, chunk_bytes: int) -> list[tuple[int, list]]:
-    """(file offset, buffer) reads, sorted by offset -> `preadv` calls (file offset, buffers).
+def plan_reads(reads: list[tuple[int, Span]], chunk_bytes: int) -> list[tuple[int, list[Span]]]:
+    """(file offset, span) reads, sorted by offset -> `preadv` calls (file offset, spans).
 
     A call reads bytes that lie back to back in the file, within one chunk_bytes-aligned
-    chunk of it, into at most IOV_MAX buffers; a buffer across a chunk boundary is split
-    there (buffers: memoryviews, or Spans). E.g. chunk 10, buffers of 6, 6 and 4 bytes at
-    offsets 8, 14 and 20::
+    chunk of it, into at most IOV_MAX spans; a span across a chunk boundary is split there.
+    E.g. chunk 10, spans of 6, 6 and 4 bytes at offsets 8, 14 and 20::
 
         [(8, [2 bytes]), (10, [4 bytes, 6 bytes]), (20, [4 bytes])]
     """
-    calls: list[tuple[int, list]] = []
+    calls: list[tuple[int, list[Span]]] = []
     end = -1
-    for offset, view in reads:
-        while len(view):
-            n = min(len(view), chunk_bytes - offset % chunk_bytes)
+    for offset, (buf, at, left) in reads:
+        while left:
+            n = min(left, chunk_bytes - offset % chunk_bytes)
             if offset != end or offset % chunk_bytes == 0 or len(calls[-1][1]) == _IOV_MAX:
                 calls.append((offset, []))
-            calls[-1][1].append(view[:n])
-            offset, end, view = offset + n, offset + n, view[n:]
+            calls[-1][1].append(Span(buf, at, n))
+            offset, end, at, left = offset + n, offset + n, at + n, left - n
     return calls
 
 
