@@ -16,11 +16,15 @@ another dtype than the slots', as PEFT often saves float32):
   median of `--repeats` loads timed from the prefetch call until the adapter is resident,
   against the floor (targets: host within 2x; disk with the page cache warm within 2x);
   disk loads also against their own floor, file bytes / measured read bandwidth (page
-  cache dropped) + the host-to-device floor;
+  cache dropped) + the host-to-device floor. A reload from disk runs what the loader kept
+  from the first read (spec, read plan); `disk_page_cache_warm_first` times loads with
+  that forgotten, as a first read of the file is; after the timed loads, the slot's bytes
+  are checked against a fresh read (`disk_load_bytes_match`);
 - where the time goes: a host load's bare H2D and copy into its slot; a disk load's (page
-  cache warm) stages as the loader runs them: allocating the pinned HostCopy, zeroing its
-  padding (`fill`), reading the file into it on the loader's read threads, the copy into
-  the slot;
+  cache warm) stages one by one: parsing and checking the files, allocating the pinned
+  HostCopy, zeroing its padding (`fill`), reading the file into it on the loader's read
+  threads, the copy into the slot; the loader's own path on the calling thread (the read
+  streamed into the slot); a timed load cut into dispatch, the worker's run and completion;
 - decode step time, p50 and p99, of a `--batch`-row batch over 8 resident adapters, in
   alternating chunks with no load running and with `--loads` loads in flight (a storm of
   cold adapters paging from host memory through the spare slots), on the same requests
@@ -58,7 +62,12 @@ from loraplex.server.adapters import AdapterId, LoRABuffers, random_adapter, slo
 from loraplex.server.config import named_shape  # noqa: E402
 from loraplex.server.engine import LLMEngine  # noqa: E402
 from loraplex.server import host_tier  # noqa: E402
-from loraplex.server.host_tier import READ_CHUNK_BYTES, HostCopy, read_tensors  # noqa: E402
+from loraplex.server.host_tier import HostCopy  # noqa: E402
+
+try:  # the read's own module since the read plans; a tree before them (--prev runs) has it in host_tier
+    from loraplex.server.disk_read import READ_CHUNK_BYTES, read_tensors  # noqa: E402
+except ImportError:
+    from loraplex.server.host_tier import READ_CHUNK_BYTES, read_tensors  # noqa: E402
 from loraplex.server.sampling import SamplingParams  # noqa: E402
 from loraplex.server.settings import ServerSettings  # noqa: E402
 
@@ -90,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dtype of the adapter file on disk (PEFT often saves float32; default: the slots')")
     p.add_argument("--targets", default=",".join(TARGETS_ALL),
                    help="projections the adapters target and the slots hold (default all seven)")
+    p.add_argument("--profile-disk", action="store_true",
+                   help="also print a profile (cProfile, the loading thread) of the loader's disk path")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     a = p.parse_args(argv)
     a.targets = tuple(t.strip() for t in a.targets.split(",") if t.strip())
@@ -171,15 +182,38 @@ def file_read_bandwidth(path: Path, repeats: int) -> float:
     return size / statistics.median(times)
 
 
-def time_loads(engine: LLMEngine, name: str, repeats: int, before) -> list[float]:
-    """Seconds from prefetch to resident, `repeats` times; `before()` makes it cold each time."""
+def time_loads(engine: LLMEngine, name: str, repeats: int, before, split: dict | None = None) -> list[float]:
+    """Seconds from prefetch to resident, `repeats` times; `before()` makes it cold each time.
+    `split`, when given, gets each load's time cut in three (seconds, lists): from the prefetch
+    call to the load worker starting (`dispatch`), the worker's run (`run`), and from its end
+    to the prefetch's future done (`complete`)."""
     cache = engine.adapters
+    loader = cache.loader
+    marks: list[float] = []
+    real_run = loader._run
+
+    def run(e, slot):
+        marks.append(time.perf_counter())
+        try:
+            real_run(e, slot)
+        finally:
+            marks.append(time.perf_counter())
+
     times = []
-    for _ in range(repeats):
-        before()
-        t0 = time.perf_counter()
-        cache.prefetch(name).result(120)
-        times.append(time.perf_counter() - t0)
+    loader._run = run
+    try:
+        for _ in range(repeats):
+            before()
+            marks.clear()
+            t0 = time.perf_counter()
+            cache.prefetch(name).result(120)
+            t1 = time.perf_counter()
+            times.append(t1 - t0)
+            if split is not None and len(marks) == 2:
+                for key, t in zip(("dispatch", "run", "complete"), (marks[0] - t0, marks[1] - marks[0], t1 - marks[1])):
+                    split.setdefault(key, []).append(t)
+    finally:
+        del loader._run
     return times
 
 
@@ -201,32 +235,74 @@ def host_copy_breakdown(cache, name: str, repeats: int) -> dict:
     return {"flat_h2d": stats(h2d), "copy_to_slot": stats(to_slot), "flat_pinned": copy.flat.is_pinned()}
 
 
-def disk_load_breakdown(cache, name: str, path: Path, repeats: int) -> dict:
+def disk_load_breakdown(cache, name: str, path: Path, repeats: int, profile: bool = False) -> dict:
     """Where a disk load's time goes, page cache warm: read_into_host's stages timed one by
-    one as the loader runs them (allocate the HostCopy, pinned on CUDA; `fill`: zero what the
-    adapter does not write; read the file into it on the loader's read threads), then the
-    loader's copy into the slot `name` sits in (H2D on a side stream, waited for)."""
+    one (parse and check the files: `read_adapter`; allocate the HostCopy, pinned on CUDA;
+    `fill`: zero what the adapter does not write; read the file into it on the loader's read
+    threads), then the loader's copy into the slot `name` sits in (H2D on a side stream,
+    waited for). Then the loader's own path on this thread, as a load worker runs it (the
+    read streamed into the slot region by region, the spec reused), without the hand-off to
+    a worker and back: `loader_path`."""
     loader, slot = cache.loader, cache.slot_of(name)
-    spec = read_adapter(path, loader.base)
-    times: dict[str, list[float]] = {"alloc": [], "fill": [], "read": [], "copy_to_slot": []}
+    times: dict[str, list[float]] = {"read_adapter": [], "alloc": [], "fill": [], "read": [], "copy_to_slot": []}
     for _ in range(repeats):
         t0 = time.perf_counter()
-        copy = HostCopy(cache.buffers, loader.pin_memory, loader.cuda_lock)
+        spec = read_adapter(path, loader.base)
         t1 = time.perf_counter()
+        copy = HostCopy(cache.buffers, loader.pin_memory, loader.cuda_lock)
+        t2 = time.perf_counter()
         targets: list = []
         copy.fill(spec, lambda key, dst: targets.append((key, dst)))
-        t2 = time.perf_counter()
-        read_tensors(path / WEIGHTS_FILE, targets, loader.read_pool)
         t3 = time.perf_counter()
-        loader.copy_to_slot(copy, slot)
+        read_tensors(path / WEIGHTS_FILE, targets, loader.read_pool)
         t4 = time.perf_counter()
-        for stage, t in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        loader.copy_to_slot(copy, slot)
+        t5 = time.perf_counter()
+        for stage, t in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             times[stage].append(t)
         pinned = copy.flat.is_pinned()
         copy = targets = None  # freed before the next allocation, as a discarded host copy is
     out: dict = {stage: stats(ts) for stage, ts in times.items()}
     out["sum_of_medians_ms"] = sum(v["median_ms"] for v in out.values())
+    if hasattr(HostCopy, "copy_weights"):  # the loader streams the read into the slot
+        from loraplex.server.adapter_loader import SlotWriter
+        e, path_times = cache._lookup(name), []
+        for _ in range(repeats):
+            cache.host.discard(name)
+            t0 = time.perf_counter()
+            writer = SlotWriter(loader, slot)
+            copy, tier = loader.host_copy(e, writer)
+            loader.copy_to_slot(copy, slot, writer)
+            path_times.append(time.perf_counter() - t0)
+            assert tier == "disk"
+        out["loader_path"] = stats(path_times)
+        if profile:
+            import cProfile
+            import io
+            import pstats
+            prof = cProfile.Profile()
+            for _ in range(repeats):
+                cache.host.discard(name)
+                prof.enable()
+                writer = SlotWriter(loader, slot)
+                copy, _ = loader.host_copy(e, writer)
+                loader.copy_to_slot(copy, slot, writer)
+                prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            log.info("profile of %d disk loads on the loading thread:\n%s", repeats, text.getvalue())
     return out | {"read_threads": loader.read_threads, "chunk_bytes": READ_CHUNK_BYTES, "flat_pinned": pinned}
+
+
+def slot_matches_a_fresh_read(cache, name: str, path: Path) -> bool:
+    """Whether the slot `name` sits in holds, wherever the kernels read, what a fresh read of
+    its file gives (read_into_host into unpinned memory, planned anew): the timed loads' bytes
+    are checked, not only their speed."""
+    slot = cache.slot_of(name)
+    fresh = host_tier.read_into_host(path, read_adapter(path, cache.loader.base), cache.buffers, pin=False)
+    read = cache.buffers.layout.read_mask(fresh.rank.tolist())
+    got = cache.buffers.flat[slot].cpu()
+    return bool(torch.equal(got[read], fresh.flat[read]) and torch.equal(cache.buffers.scales[slot].cpu(), fresh.scales))
 
 
 def read_sweep(cache, path: Path, repeats: int) -> dict:
@@ -411,8 +487,22 @@ def main(argv=None) -> int:
         cache.evict("cold")
         cache.host.discard("cold")
 
-    disk_warm = time_loads(engine, "cold", args.repeats, off_host)
-    disk_breakdown = disk_load_breakdown(cache, "cold", tmp / "cold", args.repeats)
+    def off_host_and_forgotten() -> None:
+        """As a first load from disk: nothing kept from an earlier read (spec, read plan)."""
+        off_host()
+        with cache._lock:
+            e = cache._lookup("cold")
+            e.spec = None
+            if hasattr(e, "disk_read"):
+                e.disk_read = None
+
+    disk_first = time_loads(engine, "cold", args.repeats, off_host_and_forgotten)
+    disk_split: dict = {}
+    disk_warm = time_loads(engine, "cold", args.repeats, off_host, disk_split)
+    disk_bytes_match = slot_matches_a_fresh_read(cache, "cold", tmp / "cold")
+    log.info("disk load: the slot's bytes %s a fresh read of the file", "match" if disk_bytes_match else "DO NOT MATCH")
+    disk_breakdown = disk_load_breakdown(cache, "cold", tmp / "cold", args.repeats, args.profile_disk)
+    disk_breakdown["split"] = {key: stats(ts) for key, ts in disk_split.items()}
     if args.read_sweep:
         disk_breakdown["read_sweep"] = sweep = read_sweep(cache, tmp / "cold", args.repeats)
         for r in sweep["reads"]:
@@ -426,14 +516,15 @@ def main(argv=None) -> int:
         dropped.append(drop_page_cache(tmp / "cold" / WEIGHTS_FILE))
 
     disk_cold = time_loads(engine, "cold", args.repeats, off_host_and_page_cache)
-    loads = {"host": stats(host), "disk_page_cache_warm": stats(disk_warm), "disk_page_cache_dropped": stats(disk_cold)}
+    loads = {"host": stats(host), "disk_page_cache_warm": stats(disk_warm),
+             "disk_page_cache_warm_first": stats(disk_first), "disk_page_cache_dropped": stats(disk_cold)}
     for v in loads.values():
         v["vs_floor"] = v["median_ms"] / (1e3 * floor_s)
     loads["disk_page_cache_dropped"]["fadvise_used"] = all(dropped)
     # What a disk load cannot beat: reading the file (page cache dropped) plus the copy to the device.
     disk_bw = file_read_bandwidth(tmp / "cold" / WEIGHTS_FILE, args.repeats)
     disk_floor_s = (tmp / "cold" / WEIGHTS_FILE).stat().st_size / disk_bw + floor_s
-    for key in ("disk_page_cache_warm", "disk_page_cache_dropped"):
+    for key in ("disk_page_cache_warm", "disk_page_cache_warm_first", "disk_page_cache_dropped"):
         loads[key]["vs_disk_floor"] = loads[key]["median_ms"] / (1e3 * disk_floor_s)
 
     storm = Storm(engine, storm_names, args.loads)
@@ -464,7 +555,8 @@ def main(argv=None) -> int:
         "adapter_bytes": spec.nbytes, "slot_bytes": slot_bytes,
         "h2d_bandwidth_GBps": bw / 1e9, "floor_ms": 1e3 * floor_s,
         "disk_read_GBps": disk_bw / 1e9, "disk_floor_ms": 1e3 * disk_floor_s,
-        "cold_load": loads, "host_copy_breakdown": breakdown, "disk_load_breakdown": disk_breakdown,
+        "cold_load": loads, "disk_load_bytes_match": disk_bytes_match,
+        "host_copy_breakdown": breakdown, "disk_load_breakdown": disk_breakdown,
         "decode": decode, "checks": checks,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -473,15 +565,22 @@ def main(argv=None) -> int:
     rows = [("cold load from host", loads["host"]["median_ms"], loads["host"]["vs_floor"]),
             ("cold load from disk (page cache)", loads["disk_page_cache_warm"]["median_ms"],
              loads["disk_page_cache_warm"]["vs_floor"]),
+            ("  the same, first read of the file", loads["disk_page_cache_warm_first"]["median_ms"],
+             loads["disk_page_cache_warm_first"]["vs_floor"]),
             ("cold load from disk (dropped)", loads["disk_page_cache_dropped"]["median_ms"],
              loads["disk_page_cache_dropped"]["vs_floor"])]
     parts = {  # printed under the row they break down
         "cold load from host": [(f"  of which: {label}", breakdown[key]) for label, key in (
             ("bare H2D of the buffer", "flat_h2d"), ("copy into the slot", "copy_to_slot")) if key in breakdown],
         "cold load from disk (page cache)": [(f"  stage: {label}", disk_breakdown[key]) for label, key in (
+            ("parse and check (read_adapter)", "read_adapter"),
             ("allocate the host copy", "alloc"), ("zero its padding (fill)", "fill"),
             (f"read the file ({disk_breakdown['read_threads']} threads)", "read"),
-            ("copy into the slot", "copy_to_slot"))],
+            ("copy into the slot", "copy_to_slot"),
+            ("the loader's path, no hand-off", "loader_path")) if key in disk_breakdown] + [
+            (f"  load: {label}", disk_breakdown["split"][key]) for label, key in (
+                ("prefetch to worker start", "dispatch"), ("the worker's run", "run"),
+                ("worker end to future done", "complete")) if key in disk_breakdown["split"]],
     }
     sys.stderr.write(f"\n{'':36s} {'median ms':>10s} {'x floor':>8s}   (floor {1e3 * floor_s:.2f} ms)\n")
     for label, ms, ratio in rows:

@@ -26,8 +26,10 @@ def test_cold_load_bench_quick_on_cpu(tmp_path):
         assert decode[phase]["steps"] == 8 and 0 < decode[phase]["p50_ms"] <= decode[phase]["p99_ms"]
     assert decode["loads_started"] > 0 and decode["loads_in_flight_mean"] > 0
     stages = doc["disk_load_breakdown"]
-    for stage in ("alloc", "fill", "read", "copy_to_slot"):
+    for stage in ("read_adapter", "alloc", "fill", "read", "copy_to_slot", "loader_path"):
         assert stages[stage]["n"] == 3 and 0 < stages[stage]["min_ms"] <= stages[stage]["median_ms"]
+    assert set(stages["split"]) == {"dispatch", "run", "complete"}
+    assert doc["disk_load_bytes_match"] is True
     assert stages["read_threads"] >= 1 and stages["chunk_bytes"] > 0 and stages["flat_pinned"] is False
     assert set(doc["checks"]) == {"host_load_vs_floor", "decode_p99_with_loads", "disk_warm_load_vs_floor"}
     assert doc["checks"]["disk_warm_load_vs_floor"]["value"] == doc["cold_load"]["disk_page_cache_warm"]["vs_floor"]
