@@ -38,7 +38,7 @@ import torch
 from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, BaseSpec, read_adapter, serving_weights
 from .adapter_sources import AdapterLoadError, fetch_adapter, load_error
 from .adapters import AdapterId, LoRABuffers
-from .disk_read import DiskRead, files_stamp
+from .disk_read import DiskRead, StalePlan, files_stamp
 from .host_tier import HostCopy, HostTier, read_into_host
 from .slot_table import CachedAdapter
 
@@ -68,6 +68,7 @@ class AdapterLoader:
         self.node_agent_url = node_agent_url.rstrip("/") if node_agent_url else None
         self.clock = clock
         self.pin_memory = buffers.device.type == "cuda"
+        self.dtype_name = str(buffers.dtype).removeprefix("torch.")  # the slots' dtype, as files name it
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, max_concurrent_loads),
                                                            thread_name_prefix="loraplex-load")
         # One file is read as a few MB-sized chunks at once: a single thread copies from the page
@@ -139,17 +140,26 @@ class AdapterLoader:
         tier = "disk"
         if path is None:
             path, tier = fetch_adapter(e.name, e.source, e.sha256, self.cache_dir, self.node_agent_url,
-                                       missing=e.path, dtype=str(self.buffers.dtype).removeprefix("torch.")), "source"
+                                       missing=e.path, dtype=self.dtype_name), "source"
         # A reload (its host copy dropped) of the same files reuses the spec and the read plan
         # of the last read: parsing, checking and planning again cost ~4 ms for Llama-3-8B.
-        stamp = files_stamp(path, serving_weights(path, str(self.buffers.dtype).removeprefix("torch.")))
+        stamp = files_stamp(path, serving_weights(path, self.dtype_name))
         with self._lock:
             last = e.disk_read if e.disk_read is not None and e.disk_read.stamp == stamp else None
-        spec = last.spec if last is not None else read_adapter(path, self.base)
+        on_region = writer.weights if writer is not None else None
+        copy = None
+        if last is not None:
+            spec = last.spec
+            try:
+                copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock, self.read_pool,
+                                      on_region=on_region, plan=last.plan)
+            except StalePlan:  # replaced since the stamp was taken: read it as a new file
+                stamp = files_stamp(path, serving_weights(path, self.dtype_name))
+        if copy is None:
+            spec = read_adapter(path, self.base)
+            copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock, self.read_pool,
+                                  on_region=on_region)
         digest = e.sha256 or _stat_digest(path / WEIGHTS_FILE)
-        copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock, self.read_pool,
-                              on_region=writer.weights if writer is not None else None,
-                              plan=last.plan if last is not None else None)
         with self._lock:
             e.spec, e.disk_read = spec, DiskRead(stamp, spec, copy.read_plan)
             e.id = AdapterId(name=e.name, digest=digest, uri=str(path))

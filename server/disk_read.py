@@ -84,11 +84,17 @@ class Chunk:
     ranges: tuple[tuple[int, int], ...]
 
 
+class StalePlan(AdapterError):
+    """The file at a plan's path is no longer the one it was made from (replaced since)."""
+
+
 @dataclass(frozen=True)
 class ReadPlan:
-    """Which bytes of `weights` go where in a flat buffer of `nbytes` bytes (a HostCopy's)."""
+    """Which bytes of `weights` go where in a flat buffer of `nbytes` bytes (a HostCopy's);
+    made from the file whose (inode, size, mtime) is `file_id`, and only valid for it."""
 
     weights: Path
+    file_id: tuple[int, int, int]
     nbytes: int
     chunk_bytes: int
     staged_bytes: int
@@ -113,7 +119,8 @@ def plan_read(weights: Path, targets: list[tuple[str, torch.Tensor]], chunk_byte
     with weights.open("rb", buffering=0) as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-        size = os.fstat(f.fileno()).st_size
+        file_id = _file_id(os.fstat(f.fileno()))
+        size = file_id[1]
     reads = []  # (file offset, nbytes, dst byte offset in flat, Convert or None)
     staged_bytes = 0
     for key, dst in targets:
@@ -154,8 +161,8 @@ def plan_read(weights: Path, targets: list[tuple[str, torch.Tensor]], chunk_byte
         i = j
     if not reads:
         chunks.append(Chunk(calls=(), converts=(), ranges=((0, total),) if total else ()))
-    return ReadPlan(weights=weights, nbytes=total, chunk_bytes=chunk_bytes, staged_bytes=staged_bytes,
-                    chunks=tuple(chunks))
+    return ReadPlan(weights=weights, file_id=file_id, nbytes=total, chunk_bytes=chunk_bytes,
+                    staged_bytes=staged_bytes, chunks=tuple(chunks))
 
 
 def run_read(plan: ReadPlan, flat: torch.Tensor, pool: Executor | None = None,
@@ -164,7 +171,9 @@ def run_read(plan: ReadPlan, flat: torch.Tensor, pool: Executor | None = None,
     calls on `pool`'s threads at once when given (preadv releases the GIL), else one after
     another here. After each chunk, in file order, its staged tensors are converted into their
     views, then `on_region(start, end)` hears the flat buffer's ranges that are complete.
-    Raises AdapterError on a file cut short, once no read it started is running."""
+    Raises AdapterError on a file cut short, once no read it started is running, and
+    StalePlan, before reading anything, when the file at the plan's path is not the one it was
+    made from (the node agent renamed a new version over it)."""
     if flat.numel() * flat.element_size() != plan.nbytes or not flat.is_contiguous():
         raise ValueError(f"run_read: the plan is for a contiguous buffer of {plan.nbytes} bytes")
     buffers = [_bytes_of(flat), None]
@@ -187,6 +196,8 @@ def run_read(plan: ReadPlan, flat: torch.Tensor, pool: Executor | None = None,
 
     with plan.weights.open("rb", buffering=0) as f:
         fd = f.fileno()
+        if _file_id(os.fstat(fd)) != plan.file_id:
+            raise StalePlan(f"{plan.weights.name} changed since its read was planned")
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         if pool is None or sum(len(c.calls) for c in plan.chunks) < 2:
@@ -275,6 +286,10 @@ def _merged(ranges) -> list[tuple[int, int]]:
         else:
             out.append((lo, hi))
     return out
+
+
+def _file_id(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _one_storage(views: list[torch.Tensor]) -> torch.UntypedStorage:

@@ -35,7 +35,7 @@ import torch
 
 from .adapter_format import AdapterSpec, serving_weights
 from .adapters import GROUPS, PROJECTIONS, LoRABuffers, LoRAGroup, check_held, group_mask, projection_ranks
-from .disk_read import ReadPlan, plan_read, run_read
+from .disk_read import ReadPlan, StalePlan, plan_read, run_read
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class HostCopy:
         if start % size or end % size:
             raise ValueError(f"copy_weights: [{start}, {end}) is not a whole number of {size}-byte elements")
         src, dst = self.flat[start // size: end // size], buffers.flat[slot][start // size: end // size]
-        step = SLOT_COPY_CHUNK_BYTES // size or src.numel()
+        step = SLOT_COPY_CHUNK_BYTES // size or max(1, src.numel())
         for lo in range(0, src.numel(), step):
             dst[lo: lo + step].copy_(src[lo: lo + step], non_blocking=True)
 
@@ -155,13 +155,22 @@ def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pi
     `plan`: the plan of an earlier read of the same files into this layout (the copy's
     `read_plan`, kept by the loader): run again with no header, views or planning."""
     copy = HostCopy(buffers, pin, lock)
-    if plan is None:
+    hand_on = None if on_region is None else lambda lo, hi: on_region(copy, lo, hi)
+    if plan is not None:  # StalePlan, if the file was replaced since: the caller reads it anew
+        copy.fill(spec)
+        run_read(plan, copy.flat, pool, hand_on)
+    else:
         targets: list[tuple[str, torch.Tensor]] = []
         copy.fill(spec, lambda key, dst: targets.append((key, dst)))
-        plan = plan_read(serving_weights(path, str(buffers.dtype).removeprefix("torch.")), targets, chunk_bytes)
-    else:
-        copy.fill(spec)
-    run_read(plan, copy.flat, pool, None if on_region is None else lambda lo, hi: on_region(copy, lo, hi))
+        weights = serving_weights(path, str(buffers.dtype).removeprefix("torch."))
+        for attempt in range(3):  # a file replaced between planning and reading is planned again
+            plan = plan_read(weights, targets, chunk_bytes)
+            try:
+                run_read(plan, copy.flat, pool, hand_on)
+                break
+            except StalePlan:
+                if attempt == 2:
+                    raise
     copy.read_plan = plan
     return copy
 

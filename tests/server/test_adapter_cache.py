@@ -214,6 +214,33 @@ def test_a_reload_from_disk_reads_the_files_again_only_when_they_changed(disk, m
     cache.close()
 
 
+def test_a_reload_racing_a_new_version_loads_the_new_version(disk, monkeypatch):
+    """The node agent renames a new version over an adapter's file after the loader saw the old
+    stamp: the kept read plan must not run on the new file (its offsets moved); the load reads
+    the new file as a new one, and the slot holds its weights."""
+    from safetensors.torch import load_file
+
+    import loraplex.server.adapter_loader as loader
+
+    cache = make_cache(disk, slots=2)
+    cache.prefetch("a").result(10)
+    old_stamp = cache._lookup("a").disk_read.stamp
+    cache.evict("a")
+    cache.host.discard("a")
+    spec, tensors = random_adapter(CFG, 4, targets=("q_proj", "v_proj", "o_proj", "down_proj"), seed=77)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(disk / "new.safetensors"),
+              metadata={"pad": "x" * 200})  # the data's offsets move
+    os.replace(disk / "new.safetensors", disk / "a" / "adapter_model.safetensors")
+    monkeypatch.setattr(loader, "files_stamp", lambda *a: old_stamp)  # the stamp was read before the rename
+    cache.buffers.flat.normal_()
+    slot = cache.prefetch("a").result(10)
+    clean = LoRABuffers(CFG, 1, RANK, torch.device("cpu"), torch.float32)
+    clean.write(0, read_adapter(disk / "a", base_spec()), load_file(str(disk / "a" / "adapter_model.safetensors")))
+    read = clean.layout.read_mask(cache.host.get("a").rank.tolist())
+    assert torch.equal(cache.buffers.flat[slot][read], clean.flat[0][read])
+    cache.close()
+
+
 def test_slot_views_are_aligned_and_disjoint():
     buffers = LoRABuffers(CFG, 2, RANK, torch.device("cpu"), torch.float16)
     spans = []

@@ -40,18 +40,19 @@ ODD = dataclasses.replace(named_shape("tiny"), hidden_size=40, intermediate_size
 R_MAX = 6
 
 
-def write_mixed_adapter(path: Path, cfg=ODD) -> Path:
+def write_mixed_adapter(path: Path, cfg=ODD, seed: int = 0, metadata: dict | None = None) -> Path:
     """q_proj at rank 3 in layer 0 and 6 in layer 1, down_proj at rank 3, v_proj at rank 6
-    (rank_pattern); k, o, gate, up not targeted."""
-    _, low = random_adapter(cfg, 3, targets=("q_proj", "down_proj"), seed=1)
-    _, full = random_adapter(cfg, R_MAX, targets=("q_proj", "v_proj"), seed=2)
+    (rank_pattern); k, o, gate, up not targeted. `seed` changes the values, `metadata` (the
+    safetensors header's) the data's offsets in the file."""
+    _, low = random_adapter(cfg, 3, targets=("q_proj", "down_proj"), seed=1 + 2 * seed)
+    _, full = random_adapter(cfg, R_MAX, targets=("q_proj", "v_proj"), seed=2 + 2 * seed)
     layer1_q = ".layers.1.self_attn.q_proj."
     tensors = {k: v for k, v in low.items() if layer1_q not in k}
     tensors |= {k: v for k, v in full.items() if "v_proj" in k or layer1_q in k}
     path.mkdir(parents=True, exist_ok=True)
     write_adapter_config(path, r=3, lora_alpha=6, target_modules=["q_proj", "v_proj", "down_proj"],
                          rank_pattern={"v_proj": R_MAX, "layers.1.self_attn.q_proj": R_MAX})
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / WEIGHTS_FILE))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / WEIGHTS_FILE), metadata=metadata)
     return path
 
 
@@ -377,3 +378,45 @@ def test_a_plan_run_again_into_a_new_copy_reads_the_same_bytes(tmp_path, monkeyp
     assert torch.equal(again.flat[read], first.flat[read]) and bool(torch.isfinite(again.flat[read]).all())
     assert torch.equal(again.scales, first.scales) and torch.equal(again.rank, first.rank)
     assert again.read_plan is first.read_plan
+
+
+def test_a_plan_for_a_file_since_replaced_reads_nothing(tmp_path):
+    """The node agent renames a new version over an adapter's file: a kept plan must not read
+    the new file with the old offsets. It refuses before reading (StalePlan), and a read
+    without a plan takes the new file whole."""
+    path = write_mixed_adapter(tmp_path / "a")
+    spec = read_adapter(path, base_spec())
+    buffers = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), torch.float32)
+    first = read_into_host(path, spec, buffers, pin=False)
+    other = write_mixed_adapter(tmp_path / "b", seed=1, metadata={"pad": "x" * 100})  # other values and offsets
+    (tmp_path / "a.tmp").write_bytes((other / WEIGHTS_FILE).read_bytes())
+    os.replace(tmp_path / "a.tmp", path / WEIGHTS_FILE)
+    with pytest.raises(disk_read.StalePlan):
+        read_into_host(path, spec, buffers, pin=False, plan=first.read_plan)
+    fresh = read_into_host(path, spec, buffers, pin=False)
+    assert fresh.read_plan.file_id != first.read_plan.file_id
+    read = read_region(buffers, spec)
+    want = read_into_host(other, spec, buffers, pin=False)
+    assert torch.equal(fresh.flat[read], want.flat[read]) and not torch.equal(fresh.flat[read], first.flat[read])
+
+
+def test_a_file_replaced_between_planning_and_reading_is_planned_again(tmp_path, monkeypatch):
+    path = write_mixed_adapter(tmp_path / "a")
+    spec = read_adapter(path, base_spec())
+    buffers = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), torch.float32)
+    want = read_into_host(write_mixed_adapter(tmp_path / "b", seed=1, metadata={"pad": "x" * 100}), spec, buffers,
+                          pin=False)
+    real, plans = host_tier.plan_read, []
+
+    def plan_then_replace(weights, targets, chunk_bytes=None):
+        plans.append(real(weights, targets, chunk_bytes))
+        if len(plans) == 1:  # the race: a new version lands after the header was read
+            (tmp_path / "a.tmp").write_bytes((tmp_path / "b" / WEIGHTS_FILE).read_bytes())
+            os.replace(tmp_path / "a.tmp", weights)
+        return plans[-1]
+
+    monkeypatch.setattr(host_tier, "plan_read", plan_then_replace)
+    got = read_into_host(path, spec, buffers, pin=False)
+    assert len(plans) == 2 and got.read_plan is plans[1]
+    read = read_region(buffers, spec)
+    assert torch.equal(got.flat[read], want.flat[read])  # the first plan's offsets would have read shifted bytes
