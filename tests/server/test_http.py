@@ -203,8 +203,8 @@ def test_disconnect_without_streaming_frees_the_row(served):
             httpx.post(served.url + "/v1/completions", timeout=httpx.Timeout(5.0, read=0.05), json={
                 "model": "tiny-llama", "prompt": [1, 4, 4], "max_tokens": 500, "temperature": 0,
                 "ignore_eos": True})
-        assert wait_until(lambda: not engine.scheduler.running, timeout=5)
-        assert aborted(engine) == before + 1
+        # The row leaves the batch a moment before the abort is counted, in the same step.
+        assert wait_until(lambda: not engine.scheduler.running and aborted(engine) == before + 1, timeout=5)
         assert engine.kv.num_free == engine.kv.rows
         time.sleep(0.1)  # the handler returns after the abort
     finally:

@@ -177,6 +177,7 @@ def test_streamed_chat_choices_join_into_the_non_streamed_ones(served, client):
 
 
 def test_n_above_the_cap_and_best_of_are_refused(served):
+    before = aborted(served.engine)
     with httpx.Client(base_url=served.url, timeout=30) as c:
         for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MSGS})):
             r = c.post(path, json={"model": "tiny-llama", "n": MAX_N + 1, **body})
@@ -189,10 +190,12 @@ def test_n_above_the_cap_and_best_of_are_refused(served):
         r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": [1, 5], "n": 2, "best_of": 2,
                                             "max_tokens": 2})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
-        # A bad prompt among several queues nothing: the choices already queued are aborted.
+        # A bad prompt among several queues nothing: the choice already queued (the first
+        # prompt's) is aborted. Its queueing and its abort reach the engine thread as commands,
+        # after the response: wait for the abort's count, or the next test would see it.
         r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": [[1, 5], [5] * 300], "n": 3})
         assert r.status_code == 400
-    assert wait_until(lambda: not served.engine.has_work(), timeout=5)
+    assert wait_until(lambda: aborted(served.engine) == before + 1 and not served.engine.has_work(), timeout=5)
 
 
 def test_disconnect_aborts_every_choice(served):
@@ -208,8 +211,7 @@ def test_disconnect_aborts_every_choice(served):
                 if seen >= 6:
                     break
             assert len(engine.scheduler.running) == 3
-    assert wait_until(lambda: not engine.scheduler.running, timeout=5)
-    assert aborted(engine) == before + 3
+    assert wait_until(lambda: not engine.scheduler.running and aborted(engine) == before + 3, timeout=5)
     assert engine.kv.num_free == engine.kv.rows
 
 
@@ -238,6 +240,5 @@ def test_disconnect_without_streaming_aborts_every_choice(served):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(served.url + "/v1/chat/completions", timeout=httpx.Timeout(5.0, read=0.05), json={
             "model": "tiny-llama", "messages": MSGS, "n": 4, "max_tokens": 200, "ignore_eos": True})
-    assert wait_until(lambda: not engine.scheduler.running, timeout=5)
-    assert aborted(engine) == before + 4
+    assert wait_until(lambda: not engine.scheduler.running and aborted(engine) == before + 4, timeout=5)
     assert engine.kv.num_free == engine.kv.rows
