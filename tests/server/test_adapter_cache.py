@@ -241,6 +241,81 @@ def test_a_reload_racing_a_new_version_loads_the_new_version(disk, monkeypatch):
     cache.close()
 
 
+def test_loads_racing_new_versions_land_one_whole_version(disk):
+    """A storm: four adapters paged through two slots (a host tier of one copy, so reloads read
+    the disk, through kept read plans) while another thread renames new versions over their
+    files, each version with its own values and its own data offsets (a longer or shorter
+    header). Whenever an adapter is resident and held, its slot holds exactly one version's
+    weights: never a mix of two, never bytes read at another version's offsets."""
+    import random
+
+    from safetensors.torch import load_file
+
+    names, targets = ["a", "b", "c", "d"], ("q_proj", "v_proj", "o_proj", "down_proj")
+    versions: dict[str, list[Path]] = {}
+    for i, name in enumerate(names):
+        versions[name] = []
+        for v in range(3):
+            _, tensors = random_adapter(CFG, 4, targets=targets, seed=100 + 10 * i + v)
+            f = disk / f"{name}.v{v}.safetensors"
+            save_file({k: t.contiguous() for k, t in tensors.items()}, str(f), metadata={"pad": "x" * (40 * v)})
+            versions[name].append(f)
+    spec = read_adapter(disk / "a", base_spec())
+    clean = LoRABuffers(CFG, 1, RANK, torch.device("cpu"), torch.float32)
+    read = clean.layout.read_mask([4 if p in targets else 0 for p in
+                                   ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")])
+    want: dict[str, list[torch.Tensor]] = {}
+    for name in names:
+        want[name] = []
+        for f in versions[name]:
+            clean.write(0, spec, load_file(str(f)))
+            want[name].append(clean.flat[0][read].clone())
+    for name in names:  # version 0 in place before the first load
+        (disk / name / "adapter_model.safetensors").write_bytes(versions[name][0].read_bytes())
+    cache = make_cache(disk, slots=2, max_cpu_loras=1, max_concurrent_loads=2)
+    stop, errors, checks = threading.Event(), [], [0]
+
+    def publish():
+        rng = random.Random(1)
+        while not stop.is_set():
+            name, v = rng.choice(names), rng.randrange(3)
+            tmp = disk / f".{name}.tmp"
+            tmp.write_bytes(versions[name][v].read_bytes())
+            os.replace(tmp, disk / name / "adapter_model.safetensors")  # as the node agent stages
+            time.sleep(0.001)
+
+    def client(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                name = rng.choice(names)
+                cache.acquire(name)
+                try:
+                    slot = wait_ready(cache, name)
+                    got = cache.buffers.flat[slot][read]
+                    if not any(torch.equal(got, w) for w in want[name]):
+                        errors.append(f"{name} in slot {slot} is no whole version")
+                    checks[0] += 1
+                finally:
+                    cache.release(name)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    publisher = threading.Thread(target=publish)
+    clients = [threading.Thread(target=client, args=(s,)) for s in range(2)]
+    publisher.start()
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(60)
+    stop.set()
+    publisher.join(10)
+    assert errors == [] and checks[0] == 300
+    assert cache.metrics.evictions.labels("gpu")._value.get() > 20  # really paged, through the disk
+    check_invariants(cache)
+    cache.close()
+
+
 def test_slot_views_are_aligned_and_disjoint():
     buffers = LoRABuffers(CFG, 2, RANK, torch.device("cpu"), torch.float16)
     spans = []
