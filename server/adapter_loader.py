@@ -38,7 +38,7 @@ import torch
 from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, BaseSpec, read_adapter, serving_weights
 from .adapter_sources import AdapterLoadError, fetch_adapter, load_error
 from .adapters import AdapterId, LoRABuffers
-from .disk_read import DiskRead, StalePlan, files_stamp
+from .disk_read import DiskRead, PlanCache, StalePlan, files_stamp
 from .host_tier import HostCopy, HostTier, read_into_host
 from .slot_table import CachedAdapter
 
@@ -69,6 +69,7 @@ class AdapterLoader:
         self.clock = clock
         self.pin_memory = buffers.device.type == "cuda"
         self.dtype_name = str(buffers.dtype).removeprefix("torch.")  # the slots' dtype, as files name it
+        self.read_plans = PlanCache()  # the first read of a fleet's next adapter is planned already
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, max_concurrent_loads),
                                                            thread_name_prefix="loraplex-load")
         # One file is read as a few MB-sized chunks at once: a single thread copies from the page
@@ -158,7 +159,7 @@ class AdapterLoader:
         if copy is None:
             spec = read_adapter(path, self.base)
             copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock, self.read_pool,
-                                  on_region=on_region)
+                                  on_region=on_region, plans=self.read_plans)
         digest = e.sha256 or _stat_digest(path / WEIGHTS_FILE)
         with self._lock:
             e.spec, e.disk_read = spec, DiskRead(stamp, spec, copy.read_plan)

@@ -20,10 +20,12 @@ max rank, a strided view).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
@@ -100,8 +102,53 @@ class ReadPlan:
     staged_bytes: int
     chunks: tuple[Chunk, ...]
 
+    def for_file(self, weights: Path, file_id: tuple[int, int, int]) -> "ReadPlan":
+        """This plan for another file whose header is this one's byte for byte (so its tensors
+        lie at the same offsets): an adapter of the same fleet."""
+        return dataclasses.replace(self, weights=weights, file_id=file_id)
 
-def plan_read(weights: Path, targets: list[tuple[str, torch.Tensor]], chunk_bytes: int | None = None) -> ReadPlan:
+
+class PlanCache:
+    """Read plans by header and adapter structure, for one layout (an AdapterLoader's): the
+    adapters of one fleet share both, so the first read of each after the first is planned
+    already. Thread-safe, least recently used out past `size`."""
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self._plans: OrderedDict[tuple, ReadPlan] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(raw_header: bytes, spec: AdapterSpec, chunk_bytes: int) -> tuple:
+        """What a plan depends on besides the layout: the header (offsets, dtypes, shapes), the
+        tensors read and where they go (each module's layer, projection, rank and keys)."""
+        return raw_header, tuple((m.layer, m.proj, m.rank, m.key_a, m.key_b) for m in spec.modules), chunk_bytes
+
+    def get(self, key: tuple) -> ReadPlan | None:
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+            return plan
+
+    def put(self, key: tuple, plan: ReadPlan) -> None:
+        with self._lock:
+            self._plans[key] = plan
+            self._plans.move_to_end(key)
+            while len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+
+
+def read_header(weights: Path) -> tuple[bytes, tuple[int, int, int]]:
+    """The safetensors header's JSON bytes and the file's (inode, size, mtime), from one open."""
+    with weights.open("rb", buffering=0) as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(n)
+        return raw, _file_id(os.fstat(f.fileno()))
+
+
+def plan_read(weights: Path, targets: list[tuple[str, torch.Tensor]], chunk_bytes: int | None = None,
+              header: tuple[bytes, tuple[int, int, int]] | None = None) -> ReadPlan:
     """The plan that reads each (key, view) of `targets` from the safetensors file `weights`
     into its view; the views are all of one flat buffer (a HostCopy's). Raises AdapterError
     when a tensor ends past the end of the file (cut short).
@@ -112,15 +159,14 @@ def plan_read(weights: Path, targets: list[tuple[str, torch.Tensor]], chunk_byte
     its tensors occupy (gaps to the next view included, so that all ranges tile the buffer),
     joined with those of earlier chunks where they meet, are complete: each is handed on once
     it spans half a chunk (everything left, after the last chunk). A chunk ends inside a layer,
-    so a layer's ranges wait for its end: the device gets a few large copies, not many small."""
+    so a layer's ranges wait for its end: the device gets a few large copies, not many small.
+
+    `header`: the file's (read_header), read already."""
     chunk_bytes = chunk_bytes or READ_CHUNK_BYTES
     flat = _one_storage([dst for _, dst in targets])
     base, total = flat.data_ptr(), flat.nbytes()
-    with weights.open("rb", buffering=0) as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        file_id = _file_id(os.fstat(f.fileno()))
-        size = file_id[1]
+    raw, file_id = header or read_header(weights)
+    n, size, header = len(raw), file_id[1], json.loads(raw)
     reads = []  # (file offset, nbytes, dst byte offset in flat, Convert or None)
     staged_bytes = 0
     for key, dst in targets:

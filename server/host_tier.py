@@ -35,7 +35,8 @@ import torch
 
 from .adapter_format import AdapterSpec, serving_weights
 from .adapters import GROUPS, PROJECTIONS, LoRABuffers, LoRAGroup, check_held, group_mask, projection_ranks
-from .disk_read import ReadPlan, StalePlan, plan_read, run_read
+from . import disk_read
+from .disk_read import PlanCache, ReadPlan, StalePlan, plan_read, read_header, run_read
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pi
                    lock: threading.Lock | None = None, pool: Executor | None = None,
                    chunk_bytes: int | None = None,
                    on_region: Callable[["HostCopy", int, int], None] | None = None,
-                   plan: ReadPlan | None = None) -> HostCopy:
+                   plan: ReadPlan | None = None, plans: PlanCache | None = None) -> HostCopy:
     """Read the adapter's weights under `path` straight into a new HostCopy: allocate it
     (holding `lock`, see AdapterCache.cuda_lock: pinned allocations are CUDA calls), fill it
     (HostCopy.fill), read the tensors into their views (disk_read: `plan_read`, then `run_read`
@@ -152,25 +153,39 @@ def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pi
     `on_region`, `on_region(copy, start, end)` hears each range of the copy's flat bytes once
     it is written, chunk after chunk of the file.
 
-    `plan`: the plan of an earlier read of the same files into this layout (the copy's
-    `read_plan`, kept by the loader): run again with no header, views or planning."""
+    `plan`: the plan of an earlier read of the same file into this layout (the copy's
+    `read_plan`, kept by the loader): run again with no header, views or planning; StalePlan
+    if the file was replaced since. `plans`: plans of other files of the same header and
+    adapter structure (PlanCache, for this layout), used and added to."""
     copy = HostCopy(buffers, pin, lock)
     hand_on = None if on_region is None else lambda lo, hi: on_region(copy, lo, hi)
-    if plan is not None:  # StalePlan, if the file was replaced since: the caller reads it anew
+    if plan is not None:
         copy.fill(spec)
         run_read(plan, copy.flat, pool, hand_on)
-    else:
-        targets: list[tuple[str, torch.Tensor]] = []
-        copy.fill(spec, lambda key, dst: targets.append((key, dst)))
-        weights = serving_weights(path, str(buffers.dtype).removeprefix("torch."))
-        for attempt in range(3):  # a file replaced between planning and reading is planned again
-            plan = plan_read(weights, targets, chunk_bytes)
-            try:
-                run_read(plan, copy.flat, pool, hand_on)
-                break
-            except StalePlan:
-                if attempt == 2:
-                    raise
+        copy.read_plan = plan
+        return copy
+    weights = serving_weights(path, str(buffers.dtype).removeprefix("torch."))
+    targets: list[tuple[str, torch.Tensor]] | None = None
+    for attempt in range(3):  # a file replaced between planning and reading is planned again
+        header = read_header(weights)
+        key = PlanCache.key(header[0], spec, chunk_bytes or disk_read.READ_CHUNK_BYTES) if plans is not None else None
+        known = plans.get(key) if plans is not None else None
+        if known is not None:
+            copy.fill(spec)
+            plan = known.for_file(weights, header[1])
+        else:
+            if targets is None:
+                targets = []
+                copy.fill(spec, lambda name, dst: targets.append((name, dst)))
+            plan = plan_read(weights, targets, chunk_bytes, header)
+            if plans is not None:
+                plans.put(key, plan)
+        try:
+            run_read(plan, copy.flat, pool, hand_on)
+            break
+        except StalePlan:
+            if attempt == 2:
+                raise
     copy.read_plan = plan
     return copy
 

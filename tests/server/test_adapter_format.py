@@ -33,6 +33,34 @@ def test_header_matches_safetensors(tmp_path):
     assert h["a"]["shape"] == [3, 4] and h["a"]["dtype"] == "BF16" and h["b"]["dtype"] == "F32"
 
 
+def test_adapters_that_share_a_header_are_parsed_once_and_each_keeps_its_own_config(tmp_path, monkeypatch):
+    """A fleet's adapters share their header byte for byte: the second is not parsed again,
+    yet each spec follows its own config (alpha here) and path, a caller changing a returned
+    header changes nothing for the next, and a header that differs in one byte is parsed."""
+    from loraplex.server import adapter_format
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_random_adapter(a, CFG, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    write_random_adapter(b, CFG, r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], seed=9)
+    raw = lambda d: adapter_format._header_bytes(d / "adapter_model.safetensors")[0]  # noqa: E731
+    assert raw(a) == raw(b)
+    adapter_format._checked_header.cache_clear()
+    adapter_format._header_modules.cache_clear()
+    parses = []
+    real = adapter_format.json.loads
+    monkeypatch.setattr(adapter_format.json, "loads", lambda text, *k, **kw: parses.append(1) or real(text, *k, **kw))
+    spec_a, spec_b = read_adapter(a, BASE), read_adapter(b, BASE)
+    assert len(parses) == 3  # a's config, a's header, b's config: b's header came from the cache
+    assert spec_a.path == str(a) and spec_b.path == str(b)
+    assert spec_a.module(0, "q_proj").scaling == 2.0 and spec_b.module(0, "q_proj").scaling == 4.0
+    header = read_safetensors_header(a / "adapter_model.safetensors")
+    header.clear()
+    assert read_safetensors_header(b / "adapter_model.safetensors")
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "c.safetensors"), metadata={"format": "pt", "n": "1"})
+    parses.clear()
+    assert list(read_safetensors_header(tmp_path / "c.safetensors")) == ["x"] and len(parses) == 1
+
+
 def test_patterns_and_rslora_scaling(tmp_path):
     write_random_adapter(tmp_path, CFG, r=8, lora_alpha=16, target_modules=["q_proj", "o_proj"],
                          rank_pattern={"o_proj": 4})

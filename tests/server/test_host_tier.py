@@ -408,8 +408,8 @@ def test_a_file_replaced_between_planning_and_reading_is_planned_again(tmp_path,
                           pin=False)
     real, plans = host_tier.plan_read, []
 
-    def plan_then_replace(weights, targets, chunk_bytes=None):
-        plans.append(real(weights, targets, chunk_bytes))
+    def plan_then_replace(weights, targets, chunk_bytes=None, header=None):
+        plans.append(real(weights, targets, chunk_bytes, header))
         if len(plans) == 1:  # the race: a new version lands after the header was read
             (tmp_path / "a.tmp").write_bytes((tmp_path / "b" / WEIGHTS_FILE).read_bytes())
             os.replace(tmp_path / "a.tmp", weights)
@@ -420,3 +420,25 @@ def test_a_file_replaced_between_planning_and_reading_is_planned_again(tmp_path,
     assert len(plans) == 2 and got.read_plan is plans[1]
     read = read_region(buffers, spec)
     assert torch.equal(got.flat[read], want.flat[read])  # the first plan's offsets would have read shifted bytes
+
+
+def test_a_fleets_next_adapter_is_read_with_the_plan_of_the_first(tmp_path, monkeypatch, pool):
+    """Adapters of one fleet share their header byte for byte: the first read of the second
+    runs the first's plan (PlanCache), made for its own file, and lands its own values; an
+    adapter of another header is planned anew."""
+    a = write_mixed_adapter(tmp_path / "a")
+    b = write_mixed_adapter(tmp_path / "b", seed=1)  # the same header, other values
+    c = write_mixed_adapter(tmp_path / "c", seed=2, metadata={"pad": "x" * 64})  # another header
+    spec = read_adapter(a, base_spec())
+    buffers = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), torch.float16)  # f16: conversions planned too
+    plans = disk_read.PlanCache()
+    real, planned = host_tier.plan_read, []
+    monkeypatch.setattr(host_tier, "plan_read", lambda *args: planned.append(args[0]) or real(*args))
+    copies = {p.name: read_into_host(p, spec, buffers, pin=False, pool=pool, plans=plans) for p in (a, b, c)}
+    assert [w.parent.name for w in planned] == ["a", "c"]
+    assert copies["b"].read_plan.weights == b / WEIGHTS_FILE and copies["b"].read_plan.chunks == copies["a"].read_plan.chunks
+    read = read_region(buffers, spec)
+    monkeypatch.undo()
+    for p in (a, b, c):  # each its own values, as a read with no cache gives
+        assert torch.equal(copies[p.name].flat[read], read_into_host(p, spec, buffers, pin=False).flat[read])
+    assert not torch.equal(copies["a"].flat[read], copies["b"].flat[read])
