@@ -32,7 +32,7 @@ from loraplex.server.adapter_format import WEIGHTS_FILE, AdapterError, BaseSpec,
 from loraplex.server.adapter_sources import AdapterLoadError
 from loraplex.server.adapters import GROUPS, PROJECTIONS, LoRABuffers, projection_ranks, random_adapter
 from loraplex.server.config import named_shape
-from loraplex.server.disk_read import Span, plan_reads
+from loraplex.server.disk_read import plan_reads
 from loraplex.server.host_tier import host_copy_from_tensors, read_into_host
 
 # Sizes that are not multiples of ALIGN_ELEMS, so the layout has gaps between views.
@@ -155,13 +155,13 @@ def test_a_poisoned_allocation_is_filled_where_the_kernels_read(tmp_path, monkey
 def test_plan_reads(monkeypatch, reads, chunk, iov_max, want):
     monkeypatch.setattr(disk_read, "_IOV_MAX", iov_max)
     buffers = [(off, bytearray(n)) for off, n in reads]
-    calls = plan_reads([(off, Span(i, 0, len(b))) for i, (off, b) in enumerate(buffers)], chunk)
-    assert [(off, [s.nbytes for s in spans]) for off, spans in calls] == want
+    calls = plan_reads([(off, (i, 0, len(b))) for i, (off, b) in enumerate(buffers)], chunk)
+    assert [(off, [n for _, _, n in spans]) for off, spans in calls] == want
     file = bytes(range(256))
     for off, spans in calls:  # what preadv does with them
-        for s in spans:
-            buffers[s.buf][1][s.offset: s.offset + s.nbytes] = file[off: off + s.nbytes]
-            off += s.nbytes
+        for buf, at, n in spans:
+            buffers[buf][1][at: at + n] = file[off: off + n]
+            off += n
     assert all(b == file[off: off + len(b)] for off, b in buffers)
 
 
