@@ -104,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="projections the adapters target and the slots hold (default all seven)")
     p.add_argument("--profile-disk", action="store_true",
                    help="also print a profile (cProfile, the loading thread) of the loader's disk path")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave the start-up objects to the garbage collector (the server freezes them)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     a = p.parse_args(argv)
     a.targets = tuple(t.strip() for t in a.targets.split(",") if t.strip())
@@ -269,32 +271,57 @@ def disk_load_breakdown(cache, name: str, path: Path, repeats: int, profile: boo
     out["sum_of_medians_ms"] = sum(v["median_ms"] for v in out.values())
     if hasattr(HostCopy, "copy_weights"):  # the loader streams the read into the slot
         from loraplex.server.adapter_loader import SlotWriter
-        e, path_times = cache._lookup(name), []
-        for _ in range(repeats):
-            cache.host.discard(name)
-            t0 = time.perf_counter()
-            writer = SlotWriter(loader, slot)
-            copy, tier = loader.host_copy(e, writer)
-            loader.copy_to_slot(copy, slot, writer)
-            path_times.append(time.perf_counter() - t0)
-            assert tier == "disk"
-        out["loader_path"] = stats(path_times)
+        e = cache._lookup(name)
+
+        def loader_path(new_header: bool, prof=None) -> list[float]:
+            times = []
+            for _ in range(repeats):
+                cache.host.discard(name)
+                if new_header:
+                    forget_reads(cache, name, headers=True)
+                if prof is not None:
+                    prof.enable()
+                t0 = time.perf_counter()
+                writer = SlotWriter(loader, slot)
+                copy, tier = loader.host_copy(e, writer)
+                loader.copy_to_slot(copy, slot, writer)
+                times.append(time.perf_counter() - t0)
+                if prof is not None:
+                    prof.disable()
+                assert tier == "disk"
+            return times
+
+        out["loader_path"] = stats(loader_path(False))
+        out["loader_path_new_header"] = stats(loader_path(True))
         if profile:
             import cProfile
             import io
             import pstats
-            prof = cProfile.Profile()
-            for _ in range(repeats):
-                cache.host.discard(name)
-                prof.enable()
-                writer = SlotWriter(loader, slot)
-                copy, _ = loader.host_copy(e, writer)
-                loader.copy_to_slot(copy, slot, writer)
-                prof.disable()
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-            log.info("profile of %d disk loads on the loading thread:\n%s", repeats, text.getvalue())
+            for label, new_header in (("reloads", False), ("first reads of a new header", True)):
+                prof = cProfile.Profile()
+                loader_path(new_header, prof)
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+                log.info("profile of %d disk loads (%s) on the loading thread:\n%s", repeats, label, text.getvalue())
     return out | {"read_threads": loader.read_threads, "chunk_bytes": READ_CHUNK_BYTES, "flat_pinned": pinned}
+
+
+def forget_reads(cache, name: str, headers: bool) -> None:
+    """As before the first load of `name`'s file from disk: nothing kept from its earlier read
+    (spec, read plan). `headers`: nor anything of other files of its header (parsed headers,
+    the loader's plans): the first adapter of a header the server never saw. Without it, what
+    the server keeps of other files of the same header stays: a fleet's next adapter."""
+    with cache._lock:
+        e = cache._lookup(name)
+        e.spec = None
+        if hasattr(e, "disk_read"):
+            e.disk_read = None
+    if headers:
+        if hasattr(cache.loader, "read_plans"):
+            cache.loader.read_plans = type(cache.loader.read_plans)()
+        for cached in ("_checked_header", "_header_modules"):
+            if hasattr(adapter_format, cached):
+                getattr(adapter_format, cached).cache_clear()
 
 
 def slot_matches_a_fresh_read(cache, name: str, path: Path) -> bool:
@@ -464,6 +491,9 @@ def main(argv=None) -> int:
         max_loras=slots, max_lora_rank=args.max_lora_rank, max_cpu_loras=4, max_concurrent_loads=args.loads,
         adapter_cache_dir=str(tmp), kv_block=args.kv_block, lora_target_modules=list(args.targets))
     engine = LLMEngine.from_settings(settings)
+    from loraplex.server import engine as engine_module
+    if not args.no_gc_freeze and hasattr(engine_module, "freeze_start_up_objects"):
+        engine_module.freeze_start_up_objects()  # as the server does once started
     device, dtype, cache = engine.device, engine.dtype, engine.adapters
     slot_bytes = LoRABuffers.slot_bytes(cfg, args.max_lora_rank, dtype, slot_groups(args.targets))
     assert slot_bytes == cache.buffers.bytes_per_slot, "the bench's slot bytes are not the engine's"
@@ -491,25 +521,12 @@ def main(argv=None) -> int:
         cache.host.discard("cold")
 
     def off_host_and_forgotten() -> None:
-        """As a first load of this file from disk: nothing kept from its earlier read (spec,
-        read plan); what the server keeps of other files of the same header stays (the next
-        adapter of a fleet)."""
         off_host()
-        with cache._lock:
-            e = cache._lookup("cold")
-            e.spec = None
-            if hasattr(e, "disk_read"):
-                e.disk_read = None
+        forget_reads(cache, "cold", headers=False)
 
     def off_host_and_all_forgotten() -> None:
-        """As the first load of a file of a header the server never saw: no spec, no plan, no
-        parsed header anywhere."""
-        off_host_and_forgotten()
-        if hasattr(cache.loader, "read_plans"):
-            cache.loader.read_plans = type(cache.loader.read_plans)()
-        for cached in ("_checked_header", "_header_modules"):
-            if hasattr(adapter_format, cached):
-                getattr(adapter_format, cached).cache_clear()
+        off_host()
+        forget_reads(cache, "cold", headers=True)
 
     disk_first = time_loads(engine, "cold", args.repeats, off_host_and_forgotten)
     disk_first_new = time_loads(engine, "cold", args.repeats, off_host_and_all_forgotten)
@@ -569,7 +586,7 @@ def main(argv=None) -> int:
                    "file_dtype": args.file_dtype or str(dtype).removeprefix("torch."),
                    "targets": ",".join(args.targets), "repeats": args.repeats, "batch": args.batch,
                    "prompt_len": args.prompt_len, "loads": args.loads, "chunk": args.chunk, "pairs": args.pairs,
-                   "slots": slots, "quick": args.quick},
+                   "slots": slots, "quick": args.quick, "gc_freeze": not args.no_gc_freeze},
         "adapter_bytes": spec.nbytes, "slot_bytes": slot_bytes,
         "h2d_bandwidth_GBps": bw / 1e9, "floor_ms": 1e3 * floor_s,
         "disk_read_GBps": disk_bw / 1e9, "disk_floor_ms": 1e3 * disk_floor_s,
@@ -597,7 +614,8 @@ def main(argv=None) -> int:
             ("allocate the host copy", "alloc"), ("zero its padding (fill)", "fill"),
             (f"read the file ({disk_breakdown['read_threads']} threads)", "read"),
             ("copy into the slot", "copy_to_slot"),
-            ("the loader's path, no hand-off", "loader_path")) if key in disk_breakdown] + [
+            ("the loader's path, no hand-off", "loader_path"),
+            ("  the same, a new header", "loader_path_new_header")) if key in disk_breakdown] + [
             (f"  load: {label}", disk_breakdown["split"][key]) for label, key in (
                 ("prefetch to worker start", "dispatch"), ("the worker's run", "run"),
                 ("worker end to future done", "complete")) if key in disk_breakdown["split"]],
