@@ -18,6 +18,7 @@ only touched by that thread. Outputs go back to each request's asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import queue
@@ -58,6 +59,19 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # comes back from the GPU it asks for the GIL, and a thread holding it may run for up to
 # the switch interval (5 ms by default, most of a 7 ms decode step) before it lets go.
 GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+def freeze_start_up_objects() -> None:
+    """Put every object alive now out of the garbage collector's walks (`gc.freeze`), once a
+    server has started: the engine, its model and compiled kernels, the web app and the
+    libraries it imported live as long as the process. Left in, a full collection walks them
+    all, and any burst of allocations can trigger one, on whichever thread allocates, the
+    decode loop's included. Measured on the CPU (a process that has imported the engine,
+    170,000 objects): parsing a Llama-3-8B adapter's safetensors header 20 times took 0.34 ms
+    each at the median and 89-113 ms at the slowest (a full collection), 0.61 ms at the slowest
+    after the freeze. Objects made later are collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 class RequestError(ValueError):

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from ..engine import AsyncEngine, LLMEngine
+from ..engine import AsyncEngine, LLMEngine, freeze_start_up_objects
 from ..settings import ServerSettings
 from . import adapter_cache, adapters, chat, completions, health, models
 from .errors import install_error_handlers
@@ -48,6 +48,7 @@ def create_app_from_settings(settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine = await asyncio.to_thread(LLMEngine.from_settings, settings)
+        freeze_start_up_objects()  # what start-up made lives on: no collection walks it again
         async_engine = AsyncEngine(engine)
         async_engine.start()
         app.state.engine = async_engine

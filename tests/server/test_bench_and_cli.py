@@ -92,3 +92,23 @@ def test_a_model_folder_without_readable_weights_is_one_line(hf_llama, tmp_path,
     assert main(["--model", str(model), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("loraplex-server: ") and words in err, err
+
+
+def test_a_started_server_puts_its_start_up_objects_out_of_the_collectors_walks():
+    """The server's start (create_app_from_settings' lifespan) freezes what start-up made, so
+    no full collection walks the engine and the libraries again (engine.freeze_start_up_objects).
+    In a process of its own: a freeze outlives everything frozen."""
+    code = """
+import gc
+from fastapi.testclient import TestClient
+from loraplex.server.api.app import create_app_from_settings
+from loraplex.server.settings import ServerSettings
+assert gc.get_freeze_count() == 0
+app = create_app_from_settings(ServerSettings(dummy_weights="tiny", device="cpu", max_num_seqs=2, max_model_len=64))
+with TestClient(app) as client:
+    assert client.get("/healthz").status_code == 200
+    print(gc.get_freeze_count())
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert int(r.stdout.split()[-1]) > 50_000  # torch alone is more than that
