@@ -319,7 +319,7 @@ def forget_reads(cache, name: str, headers: bool) -> None:
     if headers:
         if hasattr(cache.loader, "read_plans"):
             cache.loader.read_plans = type(cache.loader.read_plans)()
-        for cached in ("_checked_header", "_header_modules"):
+        for cached in ("checked_header", "_checked_header", "_header_modules"):
             if hasattr(adapter_format, cached):
                 getattr(adapter_format, cached).cache_clear()
 

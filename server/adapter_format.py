@@ -116,7 +116,7 @@ def read_safetensors_header(path: str | Path) -> dict[str, dict]:
     """
     path = Path(path)
     raw, data_len = _header_bytes(path)
-    return dict(_checked_header(raw, data_len, path.name))
+    return dict(checked_header(raw, data_len, path.name))
 
 
 def _header_bytes(path: Path) -> tuple[bytes, int]:
@@ -137,7 +137,8 @@ def _header_bytes(path: Path) -> tuple[bytes, int]:
 # byte: a server reads each distinct header once (~1-2 ms for Llama-3-8B's 448 tensors). The
 # results are shared: callers must not change them (read_safetensors_header hands out a copy).
 @functools.lru_cache(maxsize=32)
-def _checked_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
+def checked_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
+    """A safetensors header's JSON bytes parsed and checked against the data's length (cached)."""
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -171,10 +172,10 @@ def _checked_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
 @functools.lru_cache(maxsize=32)
 def _header_modules(raw: bytes, data_len: int, name: str) -> tuple[dict, int]:
     """The header's LoRA pairs {(layer, proj): {"A"/"B": (key, info)}} and their bytes, each
-    tensor name checked (cached as _checked_header is)."""
+    tensor name checked (cached as checked_header is)."""
     pairs: dict[tuple[int, str], dict[str, tuple[str, dict]]] = {}
     nbytes = 0
-    for key, info in _checked_header(raw, data_len, name).items():
+    for key, info in checked_header(raw, data_len, name).items():
         m = _KEY.match(key)
         if m is None:
             raise AdapterError(f"tensor {key!r} is not a LoRA A/B weight of a decoder layer projection")

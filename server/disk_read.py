@@ -21,7 +21,6 @@ max rank, a strided view).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import struct
 import threading
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec
+from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec, checked_header
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
@@ -162,7 +161,10 @@ def plan_read(weights: Path, targets: list[tuple[str, torch.Tensor]], chunk_byte
     flat = _one_storage([dst for _, dst in targets])
     base, total = flat.data_ptr(), flat.nbytes()
     raw, file_id = header or read_header(weights)
-    n, size, header = len(raw), file_id[1], json.loads(raw)
+    n, size = len(raw), file_id[1]
+    # Parsed and checked as read_adapter does, and through its cache: the header read_adapter
+    # just parsed (or a fleet's shared one) is not parsed again.
+    header = checked_header(raw, size - 8 - n, weights.name)
     reads = []  # (file offset, nbytes, dst byte offset in flat, Convert or None)
     staged_bytes = 0
     for key, dst in targets:

@@ -44,7 +44,7 @@ def test_adapters_that_share_a_header_are_parsed_once_and_each_keeps_its_own_con
     write_random_adapter(b, CFG, r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], seed=9)
     raw = lambda d: adapter_format._header_bytes(d / "adapter_model.safetensors")[0]  # noqa: E731
     assert raw(a) == raw(b)
-    adapter_format._checked_header.cache_clear()
+    adapter_format.checked_header.cache_clear()
     adapter_format._header_modules.cache_clear()
     parses = []
     real = adapter_format.json.loads
