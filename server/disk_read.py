@@ -8,9 +8,12 @@ Where it sits in a load from disk (adapter_loader.py)::
                        each chunk's ranges of the copy handed on as they complete,
                        so the loader copies them to the slot under the rest of the read
 
-A plan depends only on the file and the slots' layout, so a loader keeps it with the
-adapter and a reload of the same file (its host copy dropped) runs it again without the
-header, the views or the planning (~2 ms of Python for Llama-3-8B).
+A plan depends only on the file's header and the slots' layout, so a loader keeps it with
+the adapter (DiskRead) and a reload of the same file (its host copy dropped) runs it again
+without the header, the views or the planning (~2 ms of Python for Llama-3-8B); and it keeps
+plans by header (PlanCache), so the first read of a fleet's next adapter, whose header is the
+first's byte for byte, runs the first's. A plan runs only on the file it was made for (its
+inode, size and mtime): a version renamed over the file since is read anew (StalePlan).
 
 One copy from the page cache: `preadv` into the flat buffer's bytes where the file's dtype
 and shape are the view's (the common case), else into a per-thread staging buffer, converted
