@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec, checked_header
+from .adapter_format import CONFIG_FILE, MAX_HEADER_BYTES, WEIGHTS_FILE, AdapterError, AdapterSpec, checked_header
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
@@ -140,9 +140,12 @@ class PlanCache:
 def read_header(weights: Path) -> tuple[bytes, tuple[int, int, int]]:
     """The safetensors header's JSON bytes and the file's (inode, size, mtime), from one open."""
     with weights.open("rb", buffering=0) as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        raw = f.read(n)
-        return raw, _file_id(os.fstat(f.fileno()))
+        file_id = _file_id(os.fstat(f.fileno()))
+        head = f.read(8)
+        (n,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+        if not 0 <= n <= MAX_HEADER_BYTES or 8 + n > file_id[1]:
+            raise AdapterError(f"{weights.name}: no safetensors header of a sane size in its {file_id[1]} bytes")
+        return f.read(n), file_id
 
 
 def plan_read(weights: Path, targets: list[tuple[str, torch.Tensor]], chunk_bytes: int | None = None,

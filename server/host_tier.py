@@ -77,10 +77,10 @@ class HostCopy:
 
     def fill(self, spec: AdapterSpec, put: Callable[[str, torch.Tensor], None] | None = None) -> None:
         """Write the adapter into the layout: `put(key, view)` writes the tensor saved under
-        `key` into `view` (None: the tensors are written otherwise, by a ReadPlan); zeros go where the kernels read past a module's own rank: a
-        projection's rank in the slot is its largest in any layer (projection_ranks), so a
-        layer where it is lower, or untargeted, has rows of A and columns of B up to that
-        rank zeroed. Rows and columns past a projection's rank are never read (the kernels
+        `key` into `view` (None: the tensors are written otherwise, by a ReadPlan); zeros go
+        where the kernels read past a module's own rank: a projection's rank in the slot is
+        its largest in any layer (projection_ranks), so a layer where it is lower, or
+        untargeted, has rows of A and columns of B up to that rank zeroed. Rows and columns past a projection's rank are never read (the kernels
         mask them by rank), so they are not written at all: nothing for an adapter of one
         rank throughout, whatever the slots' max rank."""
         check_held(spec, self.groups)

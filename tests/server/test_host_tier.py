@@ -442,3 +442,16 @@ def test_a_fleets_next_adapter_is_read_with_the_plan_of_the_first(tmp_path, monk
     for p in (a, b, c):  # each its own values, as a read with no cache gives
         assert torch.equal(copies[p.name].flat[read], read_into_host(p, spec, buffers, pin=False).flat[read])
     assert not torch.equal(copies["a"].flat[read], copies["b"].flat[read])
+
+
+@pytest.mark.parametrize("head", [b"\xff" * 8, (1 << 40).to_bytes(8, "little"), b"\x03\x00"])
+def test_a_weights_file_with_an_absurd_header_length_is_refused_before_any_allocation(tmp_path, head):
+    """The served weights file (the node agent's copy, which read_adapter does not parse) with
+    a header length past its size, or too short to hold one: an AdapterError, not a read of
+    2**40 bytes."""
+    path = write_mixed_adapter(tmp_path / "a")
+    spec = read_adapter(path, base_spec())
+    (path / WEIGHTS_FILE).write_bytes(head + b"{}" * 8)
+    buffers = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), torch.float32)
+    with pytest.raises(AdapterError, match="no safetensors header of a sane size"):
+        read_into_host(path, spec, buffers, pin=False)
