@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -120,9 +121,11 @@ def read_safetensors_header(path: str | Path) -> dict[str, dict]:
 
 
 def _header_bytes(path: Path) -> tuple[bytes, int]:
-    """The safetensors header's JSON bytes and the length of the data after it."""
-    size = path.stat().st_size
+    """The safetensors header's JSON bytes and the length of the data after it, both of the
+    file opened (not a size stat'ed by path: a new version renamed in between would pair one
+    file's header with another's size)."""
     with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) != 8:
             raise AdapterError(f"{path.name}: not a safetensors file (shorter than 8 bytes)")

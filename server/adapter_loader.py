@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, BaseSpec, read_adapter, serving_weights
+from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, read_adapter, serving_weights
 from .adapter_sources import AdapterLoadError, fetch_adapter, load_error
 from .adapters import AdapterId, LoRABuffers
 from .disk_read import DiskRead, PlanCache, StalePlan, files_stamp
@@ -142,24 +142,7 @@ class AdapterLoader:
         if path is None:
             path, tier = fetch_adapter(e.name, e.source, e.sha256, self.cache_dir, self.node_agent_url,
                                        missing=e.path, dtype=self.dtype_name), "source"
-        # A reload (its host copy dropped) of the same files reuses the spec and the read plan
-        # of the last read: parsing, checking and planning again cost ~4 ms for Llama-3-8B.
-        stamp = files_stamp(path, serving_weights(path, self.dtype_name))
-        with self._lock:
-            last = e.disk_read if e.disk_read is not None and e.disk_read.stamp == stamp else None
-        on_region = writer.weights if writer is not None else None
-        copy = None
-        if last is not None:
-            spec = last.spec
-            try:
-                copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock, self.read_pool,
-                                      on_region=on_region, plan=last.plan)
-            except StalePlan:  # replaced since the stamp was taken: read it as a new file
-                stamp = files_stamp(path, serving_weights(path, self.dtype_name))
-        if copy is None:
-            spec = read_adapter(path, self.base)
-            copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock, self.read_pool,
-                                  on_region=on_region, plans=self.read_plans)
+        copy, spec, stamp = self._read_disk(e, path, writer)
         digest = e.sha256 or _stat_digest(path / WEIGHTS_FILE)
         with self._lock:
             e.spec, e.disk_read = spec, DiskRead(stamp, spec, copy.read_plan)
@@ -167,6 +150,50 @@ class AdapterLoader:
         if not self.host.add(e.name, copy):
             log.debug("adapter %s: no room in the host tier", e.name)
         return copy, tier
+
+    # A disk read whose files changed under it is read again, this many times at most; then the
+    # load fails (its requests get the reason) rather than pair one version's spec with another's
+    # weights.
+    DISK_READ_ATTEMPTS = 5
+
+    def _read_disk(self, e: CachedAdapter, path: Path, writer: "SlotWriter | None"
+                   ) -> tuple[HostCopy, AdapterSpec, tuple]:
+        """Read `e`'s files under `path` into a new host copy; (copy, spec, the files' stamp).
+
+        A reload (its host copy dropped) of the same files reuses the spec and the read plan of
+        the last read: parsing, checking and planning again cost ~4 ms for Llama-3-8B. The
+        config and the weights are read at different moments, so a new version renamed in
+        meanwhile (the node agent staging a rollout) could pair one version's spec with
+        another's weights, or fail on their mismatch: when the files' stamp changed during a
+        read, it is read again from the start, DISK_READ_ATTEMPTS times at most."""
+        on_region = writer.weights if writer is not None else None
+
+        def files_now() -> tuple:
+            return files_stamp(path, serving_weights(path, self.dtype_name))
+
+        for _ in range(self.DISK_READ_ATTEMPTS):
+            stamp = files_now()
+            with self._lock:
+                last = e.disk_read if e.disk_read is not None and e.disk_read.stamp == stamp else None
+            try:
+                if last is not None:
+                    spec = last.spec
+                    copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock,
+                                          self.read_pool, on_region=on_region, plan=last.plan)
+                else:
+                    spec = read_adapter(path, self.base)
+                    copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock,
+                                          self.read_pool, on_region=on_region, plans=self.read_plans)
+            except (StalePlan, AdapterError, RuntimeError, OSError):
+                if files_now() == stamp:
+                    raise  # the files are as they were: the error is theirs
+                log.info("adapter %s: its files changed during a read that failed; reading them again", e.name)
+                continue
+            if files_now() == stamp:
+                return copy, spec, stamp
+            log.info("adapter %s: its files changed during the read; reading them again", e.name)
+        raise AdapterError(f"its files changed during each of {self.DISK_READ_ATTEMPTS} reads (a new version "
+                           f"being staged?); a later request loads the version in place then")
 
     def copy_to_slot(self, copy: HostCopy, slot: int, writer: "SlotWriter | None" = None) -> None:
         """Host -> slot: the weights `writer` has not copied yet (all of them without one), the

@@ -291,15 +291,18 @@ class DiskRead:
 
 
 def files_stamp(directory: Path, weights: Path) -> tuple:
-    """What identifies an adapter directory's files as read: the directory, and the inode, size
-    and modification time of its config, its weights and the file the weights are read from
-    (`weights`: the node agent's copy in the slots' dtype, where there is one). The node agent
-    replaces a file by renaming a new one over it, which changes the inode. A missing file
-    stamps as None."""
-    stamps: list = [str(directory)]
-    for path in (directory / CONFIG_FILE, directory / WEIGHTS_FILE, weights):
+    """What identifies an adapter directory's files as read: the directory's own entry (not
+    followed: a symlink the node agent renames over the name to switch versions is a new one
+    each time, and a directory's mtime moves when a file is renamed into it), and the inode,
+    size and modification time of its config, its weights and the file the weights are read
+    from (`weights`: the node agent's copy in the slots' dtype, where there is one). So a
+    version switched in and back during a read (A, B, A) stamps differently from A read
+    whole. A missing file stamps as None."""
+    stamps: list = []
+    for path, follow in ((directory, False), (directory / CONFIG_FILE, True), (directory / WEIGHTS_FILE, True),
+                         (weights, True)):
         try:
-            st = path.stat()
+            st = path.stat() if follow else path.lstat()
             stamps.append((str(path), st.st_ino, st.st_size, st.st_mtime_ns))
         except OSError:
             stamps.append(None)
