@@ -455,3 +455,27 @@ def test_a_weights_file_with_an_absurd_header_length_is_refused_before_any_alloc
     buffers = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), torch.float32)
     with pytest.raises(AdapterError, match="no safetensors header of a sane size"):
         read_into_host(path, spec, buffers, pin=False)
+
+
+def test_a_version_switched_in_and_back_stamps_anew(tmp_path):
+    """The node agent switches an adapter's name to a new version by renaming a new symlink
+    over it. A load that read the config of A, then (after A -> B -> A) the weights of A again,
+    could have read B's weights in between: the stamp after such a read must differ from the
+    one before, though the name points at the same files again."""
+    from loraplex.server.disk_read import files_stamp
+
+    for v in ("v0", "v1"):
+        write_mixed_adapter(tmp_path / v, seed=int(v[1]))
+
+    def switch(to: str) -> None:
+        (tmp_path / ".link").symlink_to(to)
+        os.replace(tmp_path / ".link", tmp_path / "a")
+
+    switch("v0")
+    name = tmp_path / "a"
+    before = files_stamp(name, name / WEIGHTS_FILE)
+    assert files_stamp(name, name / WEIGHTS_FILE) == before  # nothing changed: the same stamp
+    switch("v1")
+    assert files_stamp(name, name / WEIGHTS_FILE) != before
+    switch("v0")
+    assert files_stamp(name, name / WEIGHTS_FILE) != before  # A -> B -> A is seen
