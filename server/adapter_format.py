@@ -137,7 +137,8 @@ def _header_bytes(path: Path) -> tuple[bytes, int]:
 
 # Parsing and checking a header is a pure function of its bytes and the data's length, and the
 # adapters of one fleet (one base, rank and targets, saved by one tool) share theirs byte for
-# byte: a server reads each distinct header once (~1-2 ms for Llama-3-8B's 448 tensors). The
+# byte: a server reads each distinct header once (read_adapter 3.6 against 1.0 ms for a
+# Llama-3-8B adapter's 448 tensors, bench/results/disk_read_cpu.json). The
 # results are shared: callers must not change them (read_safetensors_header hands out a copy).
 @functools.lru_cache(maxsize=32)
 def checked_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:

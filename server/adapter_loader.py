@@ -38,7 +38,7 @@ import torch
 from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, read_adapter, serving_weights
 from .adapter_sources import AdapterLoadError, fetch_adapter, load_error
 from .adapters import AdapterId, LoRABuffers
-from .disk_read import DiskRead, PlanCache, StalePlan, files_stamp
+from .disk_read import DiskRead, PlanCache, files_stamp
 from .host_tier import HostCopy, HostTier, read_into_host
 from .slot_table import CachedAdapter
 
@@ -161,7 +161,8 @@ class AdapterLoader:
         """Read `e`'s files under `path` into a new host copy; (copy, spec, the files' stamp).
 
         A reload (its host copy dropped) of the same files reuses the spec and the read plan of
-        the last read: parsing, checking and planning again cost ~4 ms for Llama-3-8B. The
+        the last read: parsing, checking and planning again cost 4-8 ms for Llama-3-8B
+        (bench/results/disk_read_cpu_notes.md). The
         config and the weights are read at different moments, so a new version renamed in
         meanwhile (the node agent staging a rollout) could pair one version's spec with
         another's weights, or fail on their mismatch: when the files' stamp changed during a
@@ -184,7 +185,7 @@ class AdapterLoader:
                     spec = read_adapter(path, self.base)
                     copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock,
                                           self.read_pool, on_region=on_region, plans=self.read_plans)
-            except (StalePlan, AdapterError, RuntimeError, OSError):
+            except (AdapterError, RuntimeError, OSError):  # StalePlan among them
                 if files_now() == stamp:
                     raise  # the files are as they were: the error is theirs
                 log.info("adapter %s: its files changed during a read that failed; reading them again", e.name)

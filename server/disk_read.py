@@ -10,7 +10,8 @@ Where it sits in a load from disk (adapter_loader.py)::
 
 A plan depends only on the file's header and the slots' layout, so a loader keeps it with
 the adapter (DiskRead) and a reload of the same file (its host copy dropped) runs it again
-without the header, the views or the planning (~2 ms of Python for Llama-3-8B); and it keeps
+without the header, the views or the planning (4-8 ms of Python for Llama-3-8B on a 2-core
+CPU, bench/results/disk_read_cpu_notes.md); and it keeps
 plans by header (PlanCache), so the first read of a fleet's next adapter, whose header is the
 first's byte for byte, runs the first's. A plan runs only on the file it was made for (its
 inode, size and mtime): a version renamed over the file since is read anew (StalePlan).
@@ -117,10 +118,12 @@ class PlanCache:
         self._lock = threading.Lock()
 
     @staticmethod
-    def key(raw_header: bytes, spec: AdapterSpec, chunk_bytes: int) -> tuple:
+    def key(raw_header: bytes, spec: AdapterSpec, chunk_bytes: int | None) -> tuple:
         """What a plan depends on besides the layout: the header (offsets, dtypes, shapes), the
-        tensors read and where they go (each module's layer, projection, rank and keys)."""
-        return raw_header, tuple((m.layer, m.proj, m.rank, m.key_a, m.key_b) for m in spec.modules), chunk_bytes
+        tensors read and where they go (each module's layer, projection, rank and keys), the
+        chunks (default READ_CHUNK_BYTES)."""
+        modules = tuple((m.layer, m.proj, m.rank, m.key_a, m.key_b) for m in spec.modules)
+        return raw_header, modules, chunk_bytes or READ_CHUNK_BYTES
 
     def get(self, key: tuple) -> ReadPlan | None:
         with self._lock:

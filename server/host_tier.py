@@ -35,7 +35,6 @@ import torch
 
 from .adapter_format import AdapterSpec, serving_weights
 from .adapters import GROUPS, PROJECTIONS, LoRABuffers, LoRAGroup, check_held, group_mask, projection_ranks
-from . import disk_read
 from .disk_read import PlanCache, ReadPlan, StalePlan, plan_read, read_header, run_read
 
 log = logging.getLogger(__name__)
@@ -72,7 +71,8 @@ class HostCopy:
     @functools.cached_property
     def layers(self) -> list[dict[str, LoRAGroup]]:
         """Per layer and group, views of the copy (as LoRABuffers.layers, one slot). Made on
-        first use: ~1 ms of views for Llama-3-8B that a load does not need."""
+        first use: 1-2 ms of views for Llama-3-8B that a load does not need
+        (bench/results/disk_read_cpu.json)."""
         return self.layout.views(self.flat, self.scales)
 
     def fill(self, spec: AdapterSpec, put: Callable[[str, torch.Tensor], None] | None = None) -> None:
@@ -168,7 +168,7 @@ def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pi
     targets: list[tuple[str, torch.Tensor]] | None = None
     for attempt in range(3):  # a file replaced between planning and reading is planned again
         header = read_header(weights)
-        key = PlanCache.key(header[0], spec, chunk_bytes or disk_read.READ_CHUNK_BYTES) if plans is not None else None
+        key = PlanCache.key(header[0], spec, chunk_bytes) if plans is not None else None
         known = plans.get(key) if plans is not None else None
         if known is not None:
             copy.fill(spec)
