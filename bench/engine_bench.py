@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -67,9 +68,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="decode's projections as cuBLAS then add_lora, not kernels.linear (for comparison)")
     p.add_argument("--profile", action="store_true",
                    help="also record per-kernel GPU time of eager decode steps (torch.profiler)")
+    p.add_argument("--profile-graph", action="store_true",
+                   help="also record the kernels of CUDA-graph decode steps (torch.profiler): GPU busy time, "
+                        "and the gaps between kernels by the pair of kernels around them")
     p.add_argument("--every-slot-too", action="store_true",
                    help="also time each adapter count with the LoRA grid sized for every slot, not for the "
                         "step's adapters (the before/after of that change, in one run)")
+    p.add_argument("--no-look-ahead", action="store_true",
+                   help="wait for each decode step's tokens before launching the next (settings.decode_look_ahead "
+                        "off; for comparison)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up that compiles every kernel (for comparison)")
     p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
@@ -189,6 +196,112 @@ def profile_decode(engine: LLMEngine, prompts, names, repeats: int = 5) -> list[
     return rows[:25]
 
 
+def host_share(engine: LLMEngine, prompts, names, steps: int = 24) -> dict:
+    """Where a decode step's wall time goes: the step (engine.step(), host and GPU) against
+    its decode graph replayed alone, back to back (GPU time only), and the host functions
+    that take the most of the steps (cProfile, own time)."""
+    import cProfile
+    import pstats
+
+    reqs = [engine.make_request(p, SamplingParams(max_tokens=2 * steps + 8, temperature=0, ignore_eos=True), n)
+            for p, n in zip(prompts, names)]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()  # prefill
+    for _ in range(3):
+        engine.step()
+    sync(engine.device)
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+    graph, _ = engine.decoder._graphs[engine.decoder.last_key]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sync(engine.device)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    sync(engine.device)
+    replay_ms = start.elapsed_time(end) / steps
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    while engine.has_work():
+        engine.step()
+    stats = pstats.Stats(prof)
+    top = sorted(((v[2], f"{k[0].rsplit('/', 1)[-1]}:{k[1]}({k[2]})", v[1]) for k, v in stats.stats.items()),
+                 reverse=True)[:15]
+    step_ms = 1e3 * statistics.median(walls)
+    return {"step_ms_median": step_ms, "graph_replay_ms": replay_ms, "host_ms": step_ms - replay_ms,
+            "host_share": 1 - replay_ms / step_ms,
+            "profiled_own_ms_per_step": [{"function": f, "ms": 1e3 * t / steps, "calls": c / steps}
+                                         for t, f, c in top]}
+
+
+def profile_graph_decode(engine: LLMEngine, prompts, names, steps: int = 6) -> dict:
+    """The kernels of `steps` decode steps as the engine runs them (graph replays), from a
+    trace: per step the kernels, the GPU busy time (the union of kernel intervals) and the
+    idle gaps between one kernel's end and the next one's start inside the step (gaps over
+    `STEP_GAP_US` are the host between steps), with the pairs of kernels around the largest."""
+    import tempfile
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    reqs = [engine.make_request(p, SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True), n)
+            for p, n in zip(prompts, names)]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()  # prefill
+    engine.step()  # a decode step: its graph is captured (or was)
+    sync(engine.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(engine.device)
+    while engine.has_work():
+        engine.step()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.get("traceEvents", [])
+                     if e.get("cat") == "kernel" and "dur" in e)
+    if not kernels:
+        return {"error": "the trace holds no kernel events"}
+    gaps, pairs, by_name = [], defaultdict(lambda: [0.0, 0]), defaultdict(lambda: [0.0, 0])
+    busy, end = 0.0, kernels[0][0]
+    short = lambda n: re.sub(r"_kernel.*$|^void |<.*$|\(.*$", "", n)[:48]  # noqa: E731
+    for i, (t0, t1, name) in enumerate(kernels):
+        busy += max(0.0, t1 - max(t0, end))
+        by_name[short(name)][0] += t1 - t0
+        by_name[short(name)][1] += 1
+        if i:
+            gap = t0 - end
+            if 0 < gap < STEP_GAP_US:
+                gaps.append(gap)
+                key = f"{short(kernels[i - 1][2])} -> {short(name)}"
+                pairs[key][0] += gap
+                pairs[key][1] += 1
+        end = max(end, t1)
+    span = kernels[-1][1] - kernels[0][0]
+    top = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:15]
+    return {"steps": steps, "kernels_per_step": len(kernels) / steps, "span_us_per_step": span / steps,
+            "busy_us_per_step": busy / steps, "gaps_in_step_us_per_step": sum(gaps) / steps,
+            "gap_us_median": statistics.median(gaps) if gaps else 0.0,
+            "top_gap_pairs": [{"pair": k, "us_per_step": v[0] / steps, "count_per_step": v[1] / steps,
+                               "us_each": v[0] / v[1]} for k, v in top],
+            "kernels": sorted(({"kernel": k, "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps}
+                               for k, v in by_name.items()), key=lambda r: -r["us_per_step"])[:20]}
+
+
+# A gap between kernels longer than this is the host between two steps, not inside one.
+STEP_GAP_US = 200.0
+
+
 def hf_decode_rate(args, cfg, device, dtype, prompts, counts, on_result=None) -> list[dict]:
     """HF transformers + peft: decode tokens/s of a mixed-adapter batch, per adapter count.
     `on_result(results so far)` runs after each count, so a run cut short keeps what it timed."""
@@ -251,7 +364,7 @@ def main(argv=None) -> int:
         max_prefill_tokens=args.batch * args.prompt_len,
         max_loras=max(n_max, 1), max_lora_rank=args.rank, cuda_graphs=not args.no_cuda_graphs,
         kv_block=args.kv_block, fused_ops=not args.no_fused_ops,
-        triton_gemm=not args.no_triton_gemm, warmup=False)
+        triton_gemm=not args.no_triton_gemm, decode_look_ahead=not args.no_look_ahead, warmup=False)
     engine = LLMEngine.from_settings(settings)
     device, dtype = engine.device, engine.dtype
     # The adapters are in their slots before the warm-up, as a server's --lora-modules are.
@@ -265,7 +378,7 @@ def main(argv=None) -> int:
         prefills, steps = engine.warm_up()
         warmup = {"prefills": prefills, "steps": steps, "seconds": time.perf_counter() - t0}
         log.info("warm-up: %d prefills and %d eager decode steps in %.1f s", prefills, steps, warmup["seconds"])
-    fused_ops, triton_gemm = engine.model.fused_ops, engine.model.triton_gemm
+    fused_ops, triton_gemm, look_ahead = engine.model.fused_ops, engine.model.triton_gemm, engine.look_ahead
     bw = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 256 << 20)
     log.info("device %s, %s, copy bandwidth %.0f GB/s", device, dtype, bw / 1e9)
     prompts = make_requests(args, cfg.vocab_size)
@@ -292,6 +405,23 @@ def main(argv=None) -> int:
             profiles[str(n)] = prof = profile_decode(engine, prompts, assignment(args.batch, n))
             log.info("profile, %d adapters: %s", n, ", ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us"
                                                              for r in prof[:8]))
+    graph_profiles = {}
+    if args.profile_graph and not args.no_cuda_graphs:
+        for n in sorted({0, min(32, n_max)}):
+            h = host_share(engine, prompts, assignment(args.batch, n))
+            log.info("host share, %d adapters: step %.3f ms, its graph replayed alone %.3f ms: host %.3f ms (%.1f%%); "
+                     "%s", n, h["step_ms_median"], h["graph_replay_ms"], h["host_ms"], 100 * h["host_share"],
+                     "; ".join(f"{r['function']} {r['ms']:.3f}" for r in h["profiled_own_ms_per_step"][:8]))
+            graph_profiles[str(n)] = g = profile_graph_decode(engine, prompts, assignment(args.batch, n))
+            g["host_share"] = h
+            if "error" not in g:
+                log.info("graph profile, %d adapters: %.0f kernels, span %.0f us, busy %.0f us, gaps %.0f us a step "
+                         "(median gap %.2f us); largest: %s", n, g["kernels_per_step"], g["span_us_per_step"],
+                         g["busy_us_per_step"], g["gaps_in_step_us_per_step"], g["gap_us_median"],
+                         "; ".join(f"{p['pair']} {p['us_per_step']:.0f}us/{p['count_per_step']:.0f}"
+                                   for p in g["top_gap_pairs"][:6]))
+            else:
+                log.info("graph profile, %d adapters: %s", n, g["error"])
     base = next((r for r in results if r["adapters"] == 0), None)
     if base:
         for r in results:
@@ -342,7 +472,7 @@ def main(argv=None) -> int:
                        "targets": args.targets, "cuda_graphs": not args.no_cuda_graphs,
                        "kv_block": args.kv_block, "max_model_len": settings.max_model_len, "hf_steps": args.hf_steps, "quick": args.quick,
                        "pdl": os.environ.get("LORAPLEX_PDL", "1") != "0", "fused_ops": fused_ops,
-                       "triton_gemm": triton_gemm},
+                       "triton_gemm": triton_gemm, "decode_look_ahead": look_ahead},
             "warmup": warmup,
             "copy_bandwidth_GBps": bw / 1e9,
             "loraplex": results,
@@ -351,6 +481,7 @@ def main(argv=None) -> int:
             "floor": floor,
             "checks": checks,
             "profile_eager_decode": profiles,
+            "profile_graph_decode": graph_profiles,
         }
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=2)

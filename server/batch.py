@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from collections.abc import Callable, Hashable
 
 import torch
@@ -37,6 +38,7 @@ from loraplex.kernels.batch import step_grids
 
 from .model import LlamaModel, PrefillSeq
 from .request import Request
+from .sampling import to_device
 from .scheduler import PrefillChunk
 
 log = logging.getLogger(__name__)
@@ -163,6 +165,21 @@ def build_prefill(chunks: list[PrefillChunk],
             torch.tensor(slots, dtype=torch.int32, device=device), seqs)
 
 
+@dataclass
+class LookAhead:
+    """A decode step launched before the tokens it decodes reached the host (LLMEngine.step):
+    the requests of its rows, the position each row decodes at, and its logits (not read yet)."""
+
+    rows: dict[int, Request]
+    positions: dict[int, int]
+    logits: torch.Tensor
+
+    def covers(self, decoding: dict[int, Request]) -> bool:
+        """A step that decodes `decoding` may take these logits: every one of its rows was
+        decoded here, for the same request at the position it is at now."""
+        return all(self.rows.get(row) is req and self.positions[row] == req.position for row, req in decoding.items())
+
+
 class DecodeRunner:
     def __init__(self, model: LlamaModel, max_rows: int, kv_block: int, cuda_graphs: bool):
         self.model = model
@@ -172,13 +189,18 @@ class DecodeRunner:
         self.buckets = batch_buckets(max_rows)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         pin = self.device.type == "cuda"
-        self._host = {
+        # Two sets of pinned input buffers, used in turn: a step's inputs are written while the
+        # copy of the step before it may still wait in the stream (behind a look-ahead step:
+        # LLMEngine). A set is written again only once its last copy ran (`_copied`).
+        self._hosts = [{
             "tokens": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
             "positions": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
             "token_slots": torch.full((max_rows,), -1, dtype=torch.int32, pin_memory=pin),
-        }
-        self._np = {k: v.numpy() for k, v in self._host.items()}
-        self._dev = {k: torch.zeros_like(v, device=self.device) for k, v in self._host.items()}
+        } for _ in range(2)]
+        self._nps = [{k: v.numpy() for k, v in host.items()} for host in self._hosts]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self._dev = {k: torch.zeros_like(v, device=self.device) for k, v in self._hosts[0].items()}
         self._graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Every graph writes its logits here (allocated at the first capture, outside the
         # graphs' pool): no graph keeps an output of its own, so capturing many costs no memory
@@ -189,6 +211,7 @@ class DecodeRunner:
         self.bound_adapters = True
         self._pool = None
         self.last_args: tuple | None = None
+        self.last_key: tuple | None = None  # the last replayed graph's key (benchmarks replay it alone)
         # Held while a graph is captured: the adapter cache's CUDA lock, so no load thread makes
         # a CUDA call (pinned alloc, event sync) that a global-mode capture forbids.
         self.capture_guard = contextlib.nullcontext()
@@ -200,25 +223,45 @@ class DecodeRunner:
     def kv_len_for(self, max_position: int) -> int:
         return kv_bucket(max_position, self.kv_block, self.model.kv.max_len, self.use_graphs)
 
-    def run(self, running: dict[int, Request], span: int) -> torch.Tensor:
-        """Logits float32 [span, vocab] for KV rows 0..span-1 (rows without a request: garbage)."""
+    def run(self, running: dict[int, Request], span: int,
+            sampled: list[tuple[list[int], torch.Tensor, list[int]]] | None = None) -> torch.Tensor:
+        """Logits float32 [b, vocab] for KV rows 0..b-1, b >= span (rows without a request:
+        garbage). Each row of `running` decodes its request's last token at its position.
+
+        `sampled`: a look-ahead step (LLMEngine.step), launched before the tokens it decodes
+        reach the host: every request of `running` is one token further than it knows, at
+        its position + 1, and the tokens are on the device: for each (rows, tokens, index),
+        row rows[j] decodes tokens[index[j]] (a Sampled.tokens)."""
         b = bucket(span, self.buckets)
+        turn = self._turn
+        self._turn ^= 1
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # its last copy ran long ago: two steps back
+        host = self._hosts[turn]
         # numpy views of the pinned host buffers: element writes cost ~100 ns, not a torch call.
-        tokens, positions, slots = (self._np[k] for k in ("tokens", "positions", "token_slots"))
+        tokens, positions, slots = (self._nps[turn][k] for k in ("tokens", "positions", "token_slots"))
         tokens[:b] = 0
         positions[:b] = self.model.kv.max_len - 1
         slots[:b] = -1
+        ahead = 1 if sampled is not None else 0
         max_pos = 0
         adapters = set()
         for row, req in running.items():
-            tokens[row] = req.output_ids[-1]
-            positions[row] = p = req.position
+            if not ahead:
+                tokens[row] = req.output_ids[-1]
+            positions[row] = p = req.position + ahead
             slots[row] = req.slot
             max_pos = max(max_pos, p)
             if req.slot >= 0:
                 adapters.add(req.slot)
-        for k, host in self._host.items():
-            self._dev[k][:b].copy_(host[:b], non_blocking=True)
+        for k, h in host.items():
+            self._dev[k][:b].copy_(h[:b], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
+        for rows, values, index in sampled or ():
+            rows_d, index_d = (to_device(v, torch.int64, self.device) for v in (rows, index))
+            self._dev["tokens"].index_copy_(0, rows_d, values.index_select(0, index_d))
         kv_len = self.kv_len_for(max_pos)
         max_adapters = adapter_bucket(len(adapters))
         if max_adapters and not self.bound_adapters:
@@ -229,13 +272,14 @@ class DecodeRunner:
                 max_adapters, groups)
         self.last_args = args
         if not self.use_graphs:
-            return self.model.decode(*args)[:span]
+            return self.model.decode(*args)
         key = (b, kv_len, -1 if max_adapters is None else max_adapters, groups)
         if key not in self._graphs:
             self._graphs[key] = self._capture(args)
         graph, out = self._graphs[key]
+        self.last_key = key
         graph.replay()
-        return out[:span]
+        return out
 
     def warm_up(self) -> int:
         """Before the first request, with graphs: run each of `warmup_plan`'s decode steps, so

@@ -36,7 +36,7 @@ from .adapter_format import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from .adapter_format import AdapterError, BaseSpec
 from .adapter_cache import AdapterCache
 from .adapters import LoRABuffers, slot_groups
-from .batch import DecodeRunner, adapter_bucket, build_prefill, warm_up_prefill
+from .batch import DecodeRunner, LookAhead, adapter_bucket, build_prefill, warm_up_prefill
 from .cache_metrics import CacheMetrics
 from .config import ModelConfig, named_shape
 from .kv_cache import KVCache
@@ -44,7 +44,7 @@ from .metrics import EngineMetrics
 from .model import LlamaModel
 from .plan_watch import PlanWatcher
 from .request import Request, RequestOutput
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampled, Sampler, SamplingParams
 from .scheduler import Scheduler
 from .settings import ServerSettings
 from .slot_sizing import resolve_max_loras
@@ -167,6 +167,13 @@ class LLMEngine:
                  self.kv.nbytes() / 1e9, self.kv.rows, self.kv.max_len, self.lora.nbytes() / 1e9,
                  self.lora.num_slots, self.lora.max_rank)
         self.sampler = Sampler()
+        # Each decode step launched before the last one's tokens reach the host (settings:
+        # decode_look_ahead; CUDA only, where launches are asynchronous). Tests turn it on on
+        # the CPU to check the bookkeeping. Steps that took a look-ahead's logits, and
+        # look-aheads a step could not use (it decoded a row they did not cover).
+        self.look_ahead = settings.decode_look_ahead and self.device.type == "cuda"
+        self._ahead: LookAhead | None = None
+        self.look_ahead_hits = self.look_ahead_misses = 0
         eos = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -290,6 +297,7 @@ class LLMEngine:
         # Rows mid chunked prefill have no token yet: they are not decoded.
         decoding = {row: r for row, r in self.scheduler.running.items() if r.output_ids}
         prefilled: list[Request] = []  # prompts completed this step
+        launched: list[tuple[list[Request], Sampled]] = []  # sampling queued on the device, per batch
         if chunks:
             tokens, slots, seqs = build_prefill(chunks, self.device)
             reqs = [c.req for c in chunks]
@@ -311,11 +319,26 @@ class LLMEngine:
                 prefilled.append(reqs[i])
             rows = [i for i in last if not reqs[i].finished]  # max_tokens 0: done already
             if rows:
-                self._sample([reqs[i] for i in rows], logits, rows=rows)
+                launched.append(([reqs[i] for i in rows], self._launch_sample([reqs[i] for i in rows], logits, rows)))
             self.metrics.prompt_tokens.inc(tokens.shape[0])
+        ahead, self._ahead = self._ahead, None
         if decoding:
-            logits = self.decoder.run(decoding, self.kv.span())
-            self._sample(list(decoding.values()), logits, rows=list(decoding))
+            if ahead is not None and ahead.covers(decoding):
+                logits = ahead.logits
+                self.look_ahead_hits += 1
+            else:
+                if ahead is not None:
+                    self.look_ahead_misses += 1
+                logits = self.decoder.run(decoding, self.kv.span())
+            reqs = list(decoding.values())
+            launched.append((reqs, self._launch_sample(reqs, logits, list(decoding))))
+        if self.look_ahead and launched:
+            self._ahead = self._look_ahead(launched)
+        for reqs, sampled in launched:
+            tokens, logprobs = sampled.result()
+            for req, tok, lp in zip(reqs, tokens, logprobs):
+                req.append(tok, self.eos_ids, self.max_model_len, lp)
+            self.metrics.generation_tokens.inc(len(reqs))
         outputs += [r.take_output() for r in itertools.chain(prefilled, decoding.values())]
         outputs += self._reap()
         self.stalled = not chunks and not decoding
@@ -325,13 +348,32 @@ class LLMEngine:
         m.waiting.set(len(self.scheduler.waiting))
         return outputs
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor, rows: list[int] | None = None) -> None:
-        tokens, logprobs = self.sampler.sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
-                                               [len(r.output_ids) for r in reqs], rows,
-                                               [r.output_ids for r in reqs])
-        for req, tok, lp in zip(reqs, tokens, logprobs):
-            req.append(tok, self.eos_ids, self.max_model_len, lp)
-        self.metrics.generation_tokens.inc(len(reqs))
+    def _launch_sample(self, reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> Sampled:
+        return self.sampler.launch(logits, [r.params for r in reqs], [r.seed for r in reqs],
+                                   [len(r.output_ids) for r in reqs], rows, [r.output_ids for r in reqs])
+
+    def _look_ahead(self, launched: list[tuple[list[Request], Sampled]]) -> LookAhead | None:
+        """Launch the next step's decode now, on the tokens just sampled, still on the device:
+        every request of `launched` one token further (a request its next token surely ends,
+        by max_tokens or the context length, left out). The next step takes its logits if the
+        rows it decodes are among these, each one token further, which is the case unless a
+        request joined the batch some other way."""
+        rows: dict[int, Request] = {}
+        sampled = []
+        for reqs, s in launched:
+            keep = [j for j, r in enumerate(reqs) if not r.finished and not self._ends_by_length(r)]
+            if keep:
+                sampled.append(([reqs[j].row for j in keep], s.tokens, [s.rows[j] for j in keep]))
+                rows.update((reqs[j].row, reqs[j]) for j in keep)
+        if not rows:
+            return None
+        positions = {row: r.position + 1 for row, r in rows.items()}
+        return LookAhead(rows, positions, self.decoder.run(rows, self.kv.span(), sampled))
+
+    def _ends_by_length(self, req: Request) -> bool:
+        """The request's next token (sampled, not yet appended) ends it by its length."""
+        n = len(req.output_ids) + 1
+        return n >= req.params.max_tokens or len(req.prompt_ids) + n >= self.max_model_len
 
     def _reap(self) -> list[RequestOutput]:
         """Remove finished and aborted requests; return the final outputs of aborted ones

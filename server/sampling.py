@@ -80,6 +80,14 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small tensor of host values on `device`, sent without waiting for the device's queue
+    (a plain `torch.tensor(..., device=cuda)` synchronises the stream first: it would wait for
+    a look-ahead decode step queued behind the sampling)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
     """MurmurHash3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
     h = h ^ (h >> 16)
@@ -142,12 +150,52 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, generated: list[li
     return logits.index_add(0, rows, penalty, alpha=-1)
 
 
+@dataclass
+class Sampled:
+    """One batch's sampling, queued on the device (Sampler.launch): `tokens` holds the
+    sampled token of logits row r at index r (rows nobody samples hold argmax tokens). Its
+    copies to the host are queued too, behind an event; `result` waits for that event only,
+    not for work queued on the device after the sampling (a look-ahead decode step)."""
+
+    rows: list[int]
+    params: list[SamplingParams]
+    tokens: torch.Tensor  # int64 [logits rows], on the logits' device
+    _tokens: torch.Tensor  # its copy on the host (pinned, filled once `_done`)
+    _wanted: list[int]
+    _chosen: torch.Tensor | None
+    _top_values: torch.Tensor | None
+    _top_indices: torch.Tensor | None
+    _done: torch.cuda.Event | None
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per request, and its logprobs where the request asked (None where not)."""
+        if self._done is not None:
+            self._done.synchronize()
+        out = self._tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(self.params)
+        if self._wanted:
+            chosen = self._chosen.tolist()
+            top_v = self._top_values.tolist() if self._top_values is not None else [[] for _ in self._wanted]
+            top_i = self._top_indices.tolist() if self._top_indices is not None else [[] for _ in self._wanted]
+            for j, i in enumerate(self._wanted):
+                n = self.params[i].logprobs
+                logprobs[i] = TokenLogprobs(chosen[j], tuple(zip(top_i[j][:n], top_v[j][:n])))
+        return [out[r] for r in self.rows], logprobs
+
+
 class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                counters: list[int], rows: list[int] | None = None,
                generated: list[list[int]] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
         """One token per request, and its logprobs where the request asks for them (None where
-        it does not). All device work is queued before the first copy to the host.
+        it does not): `launch`, then its result."""
+        return self.launch(logits, params, seeds, counters, rows, generated).result()
+
+    def launch(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+               counters: list[int], rows: list[int] | None = None,
+               generated: list[list[int]] | None = None) -> Sampled:
+        """Queue the sampling on the logits' device, and the copies of what the host reads
+        back, with no synchronisation: `Sampled.result` waits for them.
 
         logits float32 [n, V]; request i reads row rows[i] (default i); `seeds` and
         `counters` (the request's output-token index) feed the noise; generated[i] (its
@@ -159,40 +207,40 @@ class Sampler:
         penalised = [i for i, p in enumerate(params) if p.penalised and generated and generated[i]]
         if penalised:  # no row uses them: no count tensor, no copy of the logits
             logits = apply_penalties(
-                logits, torch.tensor([rows[i] for i in penalised], device=device),
+                logits, to_device([rows[i] for i in penalised], torch.int64, device),
                 [generated[i] for i in penalised],
-                torch.tensor([params[i].presence_penalty for i in penalised], device=device, dtype=torch.float32),
-                torch.tensor([params[i].frequency_penalty for i in penalised], device=device, dtype=torch.float32))
+                to_device([params[i].presence_penalty for i in penalised], torch.float32, device),
+                to_device([params[i].frequency_penalty for i in penalised], torch.float32, device))
         tokens = logits.argmax(dim=-1)
         picked = [i for i, p in enumerate(params) if not p.greedy]
         if picked:
-            idx = torch.tensor([rows[i] for i in picked], device=device)
+            idx = to_device([rows[i] for i in picked], torch.int64, device)
             sub = logits[idx]
-            temps = torch.tensor([params[i].temperature for i in picked], device=device, dtype=torch.float32)
+            temps = to_device([params[i].temperature for i in picked], torch.float32, device)
             sub = sub / temps[:, None]
             if any(params[i].top_k > 0 or params[i].top_p < 1 for i in picked):
-                top_k = torch.tensor([params[i].top_k for i in picked], device=device, dtype=torch.int64)
-                top_p = torch.tensor([params[i].top_p for i in picked], device=device, dtype=torch.float32)
+                top_k = to_device([params[i].top_k for i in picked], torch.int64, device)
+                top_p = to_device([params[i].top_p for i in picked], torch.float32, device)
                 sub = apply_top_k_top_p(sub, top_k, top_p)
-            u = uniform_noise(torch.tensor([seeds[i] for i in picked], device=device, dtype=torch.int64),
-                              torch.tensor([counters[i] for i in picked], device=device, dtype=torch.int64),
+            u = uniform_noise(to_device([seeds[i] for i in picked], torch.int64, device),
+                              to_device([counters[i] for i in picked], torch.int64, device),
                               logits.shape[-1])
             gumbel = -torch.log(-torch.log(u))
             tokens[idx] = (torch.log_softmax(sub, dim=-1) + gumbel).argmax(dim=-1)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        chosen = top = None
         if wanted:
-            idx = torch.tensor([rows[i] for i in wanted], device=device)
+            idx = to_device([rows[i] for i in wanted], torch.int64, device)
             lp = torch.log_softmax(raw[idx].float(), dim=-1)  # [w, V]
             chosen = lp.gather(1, tokens[idx][:, None])[:, 0]
             k = max(params[i].logprobs for i in wanted)
             top = lp.topk(k, dim=-1) if k else None  # sorted, most likely first
-        out = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(params)
-        if wanted:
-            chosen_h = chosen.tolist()
-            top_v = top.values.tolist() if top is not None else [[] for _ in wanted]
-            top_i = top.indices.tolist() if top is not None else [[] for _ in wanted]
-            for j, i in enumerate(wanted):
-                n = params[i].logprobs
-                logprobs[i] = TokenLogprobs(chosen_h[j], tuple(zip(top_i[j][:n], top_v[j][:n])))
-        return [out[r] for r in rows], logprobs
+        cuda = device.type == "cuda"
+        to_host = (lambda t: t.to("cpu", non_blocking=True)) if cuda else (lambda t: t)
+        done = None
+        host = [to_host(t) if t is not None else None
+                for t in (tokens, chosen, *((top.values, top.indices) if top is not None else (None, None)))]
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return Sampled(rows, params, tokens, host[0], wanted, host[1], host[2], host[3], done)

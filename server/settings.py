@@ -120,6 +120,12 @@ class ServerSettings:
     """Replay decode steps as CUDA graphs (CUDA devices only; --no-cuda-graphs turns
     them off). Default: on."""
 
+    decode_look_ahead: bool = True
+    """Launch each decode step before the tokens of the step before it reach the host (they
+    stay on the GPU), so the host's work between steps (sampling's results, stop strings,
+    streaming, scheduling) runs while the GPU decodes (CUDA devices only, where a launch is
+    asynchronous; --no-decode-look-ahead waits for each step's tokens first). Default: on."""
+
     warmup: bool = True
     """Before serving, run one prefill per LoRA launch configuration a prefill can reach and
     one decode step per batch and adapter bucket, capturing its CUDA graph, so no serving step

@@ -35,6 +35,7 @@ def build(dtype: str) -> LLMEngine:
     settings = ServerSettings(dummy_weights="tiny", device="cuda", dtype=dtype, max_num_seqs=8, max_model_len=160,
                               max_loras=4, max_lora_rank=16, kv_block=16, seed=3)
     engine = LLMEngine.from_settings(settings)
+    engine.look_ahead = False  # the test below launches decode steps of its own between steps
     for i in range(4):
         spec, tensors = random_adapter(engine.cfg, rank=8 + 2 * i, seed=i, device="cuda", dtype=engine.dtype)
         engine.adapters.install(AdapterId(f"a{i}", str(i), "memory"), spec, tensors)
@@ -66,6 +67,49 @@ def test_cuda_graph_decode_matches_eager(dtype, tol):
         engine.step()
         steps += 1
     assert engine.decoder.num_graphs >= 3 and steps >= 30
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_look_ahead_gives_the_same_outputs_step_by_step(dtype):
+    """Under CUDA graphs, with each decode step launched on the device's tokens before the
+    host has them (the default), a churning workload's outputs equal those of waiting for the
+    tokens, step by step: arrivals between steps, more requests than rows, greedy and seeded
+    sampling, penalties, logprobs, stop tokens, an abort."""
+
+    def run(look_ahead: bool) -> tuple[list, LLMEngine]:
+        settings = ServerSettings(dummy_weights="tiny", device="cuda", dtype=dtype, max_num_seqs=4,
+                                  max_model_len=64, max_loras=4, max_lora_rank=16, kv_block=16, seed=3)
+        engine = LLMEngine.from_settings(settings)
+        assert engine.look_ahead  # on by default on CUDA
+        engine.look_ahead = look_ahead
+        for i in range(3):
+            spec, tensors = random_adapter(engine.cfg, rank=8 + 4 * i, seed=i, device="cuda", dtype=engine.dtype)
+            engine.adapters.install(AdapterId(f"a{i}", str(i), "memory"), spec, tensors)
+        gen = torch.Generator().manual_seed(1)
+        kinds = [dict(temperature=0, ignore_eos=True), dict(temperature=0.8, top_p=0.9, seed=7),
+                 dict(temperature=1.0, top_k=4, seed=8, presence_penalty=1.0), dict(temperature=0, logprobs=2),
+                 dict(temperature=0, stop_token_ids=list(range(3, 200)))]
+        pending = [(i % 9, torch.randint(3, engine.cfg.vocab_size, (3 + 5 * i,), generator=gen).tolist(),
+                    SamplingParams(max_tokens=6 + 3 * (i % 4), **kinds[i % len(kinds)]),
+                    None if i % 4 == 3 else f"a{i % 3}") for i in range(10)]
+        pending.sort(key=lambda w: w[0])
+        steps, step = [], 0
+        while pending or engine.has_work():
+            while pending and pending[0][0] <= step:
+                _, prompt, params, adapter = pending.pop(0)
+                engine.add_request(engine.make_request(prompt, params, adapter, request_id=f"r{step}-{len(pending)}"))
+            if step == 5:
+                engine.abort(min(r.request_id for r in engine.scheduler.running.values() if r.output_ids))
+            steps.append(sorted((o.request_id, tuple(o.token_ids), o.finish_reason, tuple(o.logprobs or ()))
+                                for o in engine.step()))
+            step += 1
+        return steps, engine
+
+    plain, _ = run(False)
+    ahead, engine = run(True)
+    assert ahead == plain
+    assert engine.look_ahead_misses == 0
+    assert {o[2] for s in plain for o in s} >= {"stop", "length", "abort"}
 
 
 def run_to_end(engine: LLMEngine, requests) -> None:
