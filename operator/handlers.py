@@ -77,15 +77,19 @@ def adapters_by_base(body: kopf.Body, namespace: str, **_: Any) -> dict[tuple[st
 @kopf.on.resume(*ADAPTERS)
 async def adapter_changed(body: kopf.Body, old: Any, namespace: str, memo: kopf.Memo, patch: kopf.Patch,
                           basemodels: kopf.Index, adapters_by_base: kopf.Index, **_: Any) -> None:
+    planner: Planner = memo.planner
+    previous = ((old or {}).get("spec") or {}).get("baseModel")
     try:
         spec = AdapterSpec.from_body(body)
     except SpecError as exc:
-        memo.planner.forget_status(body.get("metadata", {}).get("uid", ""))
-        patch.status.update(_invalid_status(body, str(exc), phase="Rejected"))
+        planner.forget_status(body.get("metadata", {}).get("uid", ""))
+        patch.status.update({**_invalid_status(body, str(exc), phase="Rejected"), "pinned": False})
+        # A planned adapter edited into an invalid spec leaves its base's plan now (the
+        # index no longer holds its spec), not at the next resync.
+        for base in {str(b) for b in ((body.get("spec") or {}).get("baseModel"), previous) if b}:
+            await planner.reconcile((namespace, base), basemodels, adapters_by_base)
         raise kopf.PermanentError(f"invalid LoRAAdapter spec: {exc}") from exc
-    planner: Planner = memo.planner
     await planner.reconcile((namespace, spec.base_model), basemodels, adapters_by_base)
-    previous = ((old or {}).get("spec") or {}).get("baseModel")
     if previous and previous != spec.base_model:
         await planner.reconcile((namespace, previous), basemodels, adapters_by_base)
 

@@ -333,3 +333,26 @@ async def test_invalid_spec_is_rejected_with_a_reason(api, operator, eventually_
     assert conditions({"status": status})["Accepted"]["reason"] == "InvalidSpec"
     plan = await eventually_(lambda: plan_of(api))
     assert plan["adapters"] == []
+
+
+async def test_an_adapter_whose_spec_turns_invalid_leaves_the_plan(api, operator, eventually_):
+    """A warm-up that ends before it starts passes the CRD schema; the operator rejects it.
+    A planned (pinned) adapter edited that way must leave the plan then, not at a resync."""
+    await setup_pool(api, eventually_)
+    await eventually_(lambda: _pinned_is(api, "a", True))
+    await api.merge_patch(ADAPTERS.path(NS, "a"), {"spec": {"warmup": {
+        "start": "2026-05-02T08:00:00Z", "end": "2026-05-01T08:00:00Z"}}})
+
+    async def rejected():
+        status = await _status_with(api, ADAPTERS, "a", "phase")
+        return status if status["phase"] == "Rejected" else None
+    status = await eventually_(rejected, what="a Rejected")
+    assert conditions({"status": status})["Accepted"]["reason"] == "InvalidSpec"
+
+    async def left():
+        plan = await plan_of(api)
+        return plan if "a" not in [x["name"] for x in plan["adapters"]] else None
+    plan = await eventually_(left, timeout=5, what="a out of the plan")
+    assert plan["pinned"] == ["b", "c"]
+    status = await eventually_(lambda: _pinned_is(api, "a", False), timeout=5)
+    assert status["phase"] == "Rejected"
