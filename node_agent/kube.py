@@ -132,6 +132,7 @@ class StatusReporter:
         self.node_name = node_name
         self.retry_seconds = retry_seconds
         self._sent: dict[str, dict | None] = {}
+        self._sending: dict[str, dict | None] = {}  # the batch `flush` is sending now
         self._pending: dict[str, dict | None] = {}
         self._wake = asyncio.Event()
 
@@ -149,7 +150,10 @@ class StatusReporter:
         self._record(name, None)
 
     def _record(self, name: str, state: dict | None) -> None:
-        if self._sent.get(name, ...) == state:  # e.g. Staging then the same Failed again
+        # Compared with the state on its way to the API, if any, else the last one sent: a
+        # state equal to the one sent before an in-flight one must still be sent after it.
+        last = self._sending[name] if name in self._sending else self._sent.get(name, ...)
+        if last == state:  # e.g. Staging then the same Failed again
             self._pending.pop(name, None)
             return
         self._pending[name] = state
@@ -162,21 +166,26 @@ class StatusReporter:
     async def flush(self) -> None:
         """Send what is pending now; failed sends stay pending."""
         batch, self._pending = self._pending, {}
-        for name, state in batch.items():
-            path = (f"/apis/{GROUP_VERSION}/namespaces/{self.namespace}/loraadapters/"
-                    f"{urllib.parse.quote(name)}/status")
-            body = {"status": {"nodes": {self.node_name: state}}}
-            try:
-                status = await self.api.merge_patch(path, body)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                status, detail = None, str(e)
-            else:
-                detail = str(status)
-            if status is not None and (status < 300 or status == 404):  # 404: the adapter is gone
-                self._sent[name] = state
-            else:
-                log.warning("cannot report %s on %s: %s; will retry", name, self.node_name, detail)
-                self._pending.setdefault(name, state)
+        self._sending = batch
+        try:
+            for name, state in list(batch.items()):
+                path = (f"/apis/{GROUP_VERSION}/namespaces/{self.namespace}/loraadapters/"
+                        f"{urllib.parse.quote(name)}/status")
+                body = {"status": {"nodes": {self.node_name: state}}}
+                try:
+                    status = await self.api.merge_patch(path, body)
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                    status, detail = None, str(e)
+                else:
+                    detail = str(status)
+                if status is not None and (status < 300 or status == 404):  # 404: the adapter is gone
+                    self._sent[name] = state
+                else:
+                    log.warning("cannot report %s on %s: %s; will retry", name, self.node_name, detail)
+                    self._pending.setdefault(name, state)
+                del batch[name]
+        finally:
+            self._sending = {}
 
     async def run(self) -> None:
         while True:

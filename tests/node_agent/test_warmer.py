@@ -322,3 +322,37 @@ async def test_transient_failures_are_retried_permanent_ones_wait(tmp_path, obje
         assert warmer.errors == {}
     finally:
         await tasks.close()
+
+
+async def test_status_reporter_sends_a_state_recorded_while_an_older_one_is_in_flight():
+    """A new version of the same size: Staging is on its way to the API when Staged (equal
+    to what was sent before it) is recorded. The API must end on Staged, not Staging."""
+
+    class GatedAPI:
+        def __init__(self) -> None:
+            self.gate = asyncio.Event()
+            self.gate.set()
+            self.entered = asyncio.Event()
+            self.bodies: list[dict] = []
+
+        async def merge_patch(self, path: str, body: dict) -> int:
+            self.entered.set()
+            await self.gate.wait()
+            self.bodies.append(body["status"]["nodes"]["node-7"])
+            return 200
+
+    api = GatedAPI()
+    reporter = StatusReporter(api, "ml", "node-7")
+    reporter.staged("a", 10)
+    await reporter.flush()
+    api.gate.clear()
+    api.entered.clear()
+    reporter.staging("a")  # the plan names a new version
+    in_flight = asyncio.ensure_future(reporter.flush())
+    await asyncio.wait_for(api.entered.wait(), 5)
+    reporter.staged("a", 10)  # staged while the Staging patch is on its way
+    api.gate.set()
+    await in_flight
+    await reporter.flush()
+    assert api.bodies[-1] == {"phase": "Staged", "message": "", "bytes": 10}
+    assert reporter.idle
