@@ -161,8 +161,9 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
             *copy.deepcopy(list(serving.volume_mounts)),
         ],
     }
-    if serving.resources:
-        container["resources"] = copy.deepcopy(dict(serving.resources))
+    # Optional parts are null when the BaseModel sets none: a merge patch that omitted them
+    # would keep what an earlier spec set, and `needs_update` would not see them go.
+    container["resources"] = copy.deepcopy(dict(serving.resources)) or None
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": [
@@ -172,10 +173,8 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
             *copy.deepcopy(list(serving.volumes)),
         ],
     }
-    if serving.node_selector:
-        pod_spec["nodeSelector"] = dict(serving.node_selector)
-    if serving.tolerations:
-        pod_spec["tolerations"] = copy.deepcopy(list(serving.tolerations))
+    pod_spec["nodeSelector"] = dict(serving.node_selector) or None
+    pod_spec["tolerations"] = copy.deepcopy(list(serving.tolerations)) or None
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -226,9 +225,11 @@ def needs_update(existing: Mapping[str, Any] | None, desired: Mapping[str, Any])
 
 
 def _contains(have: Any, want: Any) -> bool:
-    """Recursive subset: every key of `want` is in `have` with a containing value."""
+    """Recursive subset: every key of `want` is in `have` with a containing value; a key
+    `want` holds as None must be absent or empty in `have` (the API server may show `{}`)."""
     if isinstance(want, Mapping):
-        return isinstance(have, Mapping) and all(k in have and _contains(have[k], v) for k, v in want.items())
+        return isinstance(have, Mapping) and all(
+            not have.get(k) if v is None else k in have and _contains(have[k], v) for k, v in want.items())
     if isinstance(want, list):
         return isinstance(have, list) and len(have) == len(want) and all(
             _contains(h, w) for h, w in zip(have, want))

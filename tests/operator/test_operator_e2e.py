@@ -356,3 +356,30 @@ async def test_an_adapter_whose_spec_turns_invalid_leaves_the_plan(api, operator
     assert plan["pinned"] == ["b", "c"]
     status = await eventually_(lambda: _pinned_is(api, "a", False), timeout=5)
     assert status["phase"] == "Rejected"
+
+
+async def test_serving_fields_removed_from_the_base_leave_the_deployment(api, operator, eventually_):
+    """A node selector, tolerations or resources dropped from spec.serving must go from the
+    Deployment too, not stay there because a merge patch that omits a key keeps it."""
+    serving = {"replicas": 1, "image": "loraplex/server:test", "nodeSelector": {"gpu": "h100"},
+               "tolerations": [{"key": "gpu", "operator": "Exists"}],
+               "resources": {"limits": {"nvidia.com/gpu": 1}}}
+    await api.create(BASE_MODELS.path(NS), base_body(serving=serving))
+
+    async def pod_spec(check):
+        dep = await api.get(DEPLOYMENTS.path(NS, "llama-3-8b"))
+        pod = dep["spec"]["template"]["spec"]
+        return pod if check(pod) else None
+    await eventually_(lambda: pod_spec(lambda pod: pod.get("nodeSelector") == {"gpu": "h100"}))
+    await api.merge_patch(BASE_MODELS.path(NS, "llama-3-8b"), {"spec": {"serving": {"nodeSelector": None}}})
+    await eventually_(lambda: pod_spec(lambda pod: not pod.get("nodeSelector")), timeout=5, what="no nodeSelector")
+    await api.merge_patch(BASE_MODELS.path(NS, "llama-3-8b"), {"spec": {"serving": {"resources": None}}})
+    await eventually_(lambda: pod_spec(lambda pod: not pod["containers"][0].get("resources")), timeout=5,
+                      what="no resources")
+    pod = await pod_spec(lambda pod: True)
+    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    await api.merge_patch(BASE_MODELS.path(NS, "llama-3-8b"), {"spec": {"serving": {
+        "tolerations": None, "image": "loraplex/server:test2"}}})
+    pod = await eventually_(lambda: pod_spec(lambda pod: pod["containers"][0]["image"] == "loraplex/server:test2"),
+                            timeout=5, what="the new image")
+    assert not pod.get("tolerations")

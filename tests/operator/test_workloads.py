@@ -119,3 +119,17 @@ def test_a_plan_too_large_even_gzipped_is_refused():
     noise = "".join(rng.choice("0123456789abcdef") for _ in range(2_600_000))  # ~1.3 MB gzipped
     with pytest.raises(PlanTooLarge, match="a ConfigMap holds"):
         plan_config_map(BASE, json.dumps({"noise": noise}))
+
+
+def test_serving_parts_the_base_dropped_are_nulled_and_absent_ones_match():
+    plain = BaseModelSpec(name="tiny", namespace="ml", source="s3://m/tiny", max_lora_rank=8)
+    desired = deployment(plain, 4)
+    pod = desired["spec"]["template"]["spec"]
+    # null in the merge patch removes what an earlier spec set
+    assert pod["nodeSelector"] is None and pod["tolerations"] is None and pod["containers"][0]["resources"] is None
+    assert needs_update(deployment(BASE, 4), desired)
+    # what the API server answers for a pod without them (no keys, resources {}) is no change
+    existing = copy.deepcopy(desired)
+    del existing["spec"]["template"]["spec"]["nodeSelector"], existing["spec"]["template"]["spec"]["tolerations"]
+    existing["spec"]["template"]["spec"]["containers"][0]["resources"] = {}
+    assert not needs_update(existing, desired)
