@@ -346,7 +346,10 @@ class Warmer:
         try:
             staged = await self.store.stage(ref)
         except StoreError as e:
-            if e.reason == "Removed":  # it left the plan while it downloaded: nothing to report
+            if e.reason == "Removed":  # it left the plan while it downloaded: nothing of it here
+                plan = self._watch.plan
+                if plan is None or ref.name not in plan.adapters:  # (back in it: that stage reports)
+                    self._report_removed(ref.name)  # not Staging for good
                 raise
             self._watch.errors[ref.name] = f"{e.reason}: {e}"
             self._watch.reasons[ref.name] = e.reason

@@ -356,3 +356,35 @@ async def test_status_reporter_sends_a_state_recorded_while_an_older_one_is_in_f
     await reporter.flush()
     assert api.bodies[-1] == {"phase": "Staged", "message": "", "bytes": 10}
     assert reporter.idle
+
+
+async def test_a_session_download_voided_by_the_plan_leaves_no_staging_report(tmp_path, object_store, session,
+                                                                            kube_api):
+    """A session stages "late" (reported Staging); the plan drops it before the download
+    ends, so it is void (Removed). The node's entry must not stay Staging for good."""
+    object_store.add("keep", tmp_path)
+    object_store.add("late", tmp_path, seed=1)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, pinned=["keep"], others=["late"]))
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7")
+    warmer = Warmer(store, cm.path, session, reporter=reporter)
+    await warmer.check_plan()
+    await warmer.reconcile()
+    object_store.gate = asyncio.Event()
+    started = asyncio.ensure_future(warmer.start_session("late"))
+    while object_store.active == 0:
+        await asyncio.sleep(0.005)
+    await reporter.flush()  # Staging is on the CR now
+    previous = warmer.plan
+    cm.write(plan_json(object_store, pinned=["keep"]))  # "late" left the plan (say it was rejected)
+    assert await warmer.check_plan()
+    await warmer.reconcile(previous)
+    object_store.gate.set()
+    with pytest.raises(StoreError) as err:
+        await started
+    assert err.value.reason == "Removed"
+    await reporter.flush()
+    late = [body["status"]["nodes"]["node-7"] for _, name, body, _ in kube_api.patches if name == "late"]
+    assert late[0] == {"phase": "Staging", "message": ""}
+    assert late[-1] is None  # the node's key deleted: nothing of it is on this node
