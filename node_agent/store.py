@@ -406,8 +406,14 @@ class AdapterStore:
                 meta = json.loads((blob_dir / META_FILE).read_text())
                 for f in (CONFIG_FILE, WEIGHTS_FILE):
                     (blob_dir / f).stat()  # both must be there
-                nbytes = sum(f.stat().st_size for f in blob_dir.iterdir() if f.name != META_FILE)
                 mtime = blob_dir.stat().st_mtime
+                # A serving copy cut short by a crash, under its temporary name.
+                leftovers = [f for f in blob_dir.iterdir() if f.name.startswith(".") and f.name != META_FILE]
+                for f in leftovers:
+                    f.unlink()
+                if leftovers:
+                    os.utime(blob_dir, (mtime, mtime))  # the last use, not this clean-up
+                nbytes = sum(f.stat().st_size for f in blob_dir.iterdir() if f.name != META_FILE)
             except (OSError, ValueError):
                 log.warning("removing %s: its version directory is missing or incomplete", link)
                 link.unlink()

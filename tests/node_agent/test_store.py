@@ -374,3 +374,18 @@ async def test_an_adapter_removed_while_it_downloads_leaves_nothing(tmp_path, ob
     assert await store.remove("gone") is True
     assert_clean(tmp_path / "cache", ["gone"])
     assert store.used_bytes == 0
+
+
+async def test_restart_drops_a_serving_copy_cut_short_in_a_staged_version(tmp_path, session, clock):
+    """A crash while a serving copy is written beside a staged version (its temporary
+    name, half written) must not leave that file there, counted in the budget for good."""
+    root = tmp_path / "cache"
+    store = open_store(root, session, clock)
+    staged = await _stage_local(store, tmp_path, "a", 1)
+    blob = root / ".store" / Path(os.readlink(root / "a")).name
+    (blob / ".adapter_model.bfloat16.safetensors.1a2b3c4d").write_bytes(b"\0" * 4096)
+    last_use = blob.stat().st_mtime
+    again = open_store(root, session, clock)
+    assert again.get("a").bytes == staged.bytes and again.used_bytes == staged.bytes
+    assert again.get("a").last_used == last_use  # the clean-up is not a use
+    assert sorted(p.name for p in blob.iterdir()) == sorted([CONFIG_FILE, WEIGHTS_FILE, ".loraplex.json"])
