@@ -112,7 +112,7 @@ class AdapterRef:
             raise StoreError("InvalidRequest", f"sha256 {self.sha256!r} is not 64 lowercase hex digits")
         if not isinstance(self.source, str) or not self.source:
             raise StoreError("InvalidRequest", "source must be a non-empty string")
-        if self.dtype is not None and self.dtype not in SERVING_DTYPES:
+        if self.dtype is not None and (not isinstance(self.dtype, str) or self.dtype not in SERVING_DTYPES):
             raise StoreError("InvalidRequest", f"dtype {self.dtype!r} is not one of {sorted(SERVING_DTYPES)}")
 
 

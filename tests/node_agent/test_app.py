@@ -74,6 +74,7 @@ ERRORS = [
     ({"name": "x", "source": "GOOD", "sha256": "0" * 64}, 422, "DigestMismatch"),
     ({"name": "x", "source": "CUT", "sha256": "CUT"}, 502, "Truncated"),
     ({"name": "x", "source": "GOOD", "sha256": "GOOD", "budget": 100}, 507, "BudgetExceeded"),
+    ({"name": "x", "source": "GOOD", "sha256": "GOOD", "dtype": ["bfloat16"]}, 400, "InvalidRequest"),
 ]
 
 
