@@ -190,7 +190,7 @@ class AdapterCache:
             e.refs -= 1
             if e.refs > 0:
                 return
-            if e.unloading:
+            if e.unloading and e.state != "loading":  # a load's end drops it (finish_load)
                 self.table.drop(e)
             self.table.pump()
 

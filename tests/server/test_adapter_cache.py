@@ -844,3 +844,37 @@ def test_a_starved_load_drains_one_busy_adapter_after_its_running_requests(disk)
     cache.release("c")  # c's request done: a pages back in
     assert wait_ready(cache, "a") == slots["a"]
     check_invariants(cache)
+
+
+def test_unloaded_while_loading_and_its_last_request_leaves_the_row_stays_until_the_load_ends(disk):
+    """unload_lora_adapter during a load, then the only request leaves (aborted) before the load
+    ends: the row must stay (unknown to new requests) until the load ends, as unload promised.
+    release dropped it at once; a request then found the folder on disk again under a new row
+    that loaded into the other slot, and the old load's end took the name out of `ready`: the
+    new row was "ready" but never admitted its requests."""
+    cache = make_cache(disk, slots=2)
+    started, go = threading.Event(), threading.Event()
+    real = cache.loader.copy_to_slot
+
+    def slow_first(host, slot, *rest):
+        if not started.is_set():
+            started.set()
+            assert go.wait(10)
+        real(host, slot, *rest)
+
+    cache.loader.copy_to_slot = slow_first
+    assert cache.acquire("a") == -1
+    assert started.wait(10)
+    assert cache.unload("a") is False  # deferred: a request holds it and it loads
+    cache.release("a")  # the request is aborted while the load still runs
+    assert not cache.has("a")  # still unloading: unknown until its load ends
+    go.set()
+    deadline = time.monotonic() + 10
+    while cache.in_flight:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    check_invariants(cache)
+    assert cache.num_free == 2 and cache.has("a")  # gone, then found on disk again: a fresh row
+    slot = use(cache, "a")
+    assert cache.ready_slots() == {"a": slot}
+    check_invariants(cache)
