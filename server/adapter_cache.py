@@ -448,7 +448,7 @@ class AdapterCache:
     def refresh_metrics(self) -> None:
         with self._lock:
             self.metrics.loads_in_flight.set(self.table.in_flight)
-            self.metrics.loads_pending.set(len(self.table.pending))
+            self.metrics.loads_pending.set(self.table.num_pending())
             self._update_pinned_gauge()
         names = self.host.names()
         self.metrics.host.set(len(names))

@@ -146,7 +146,13 @@ class SlotTable:
             self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
             self.metrics.loads_in_flight.set(self.in_flight)
             self.start_load(e, slot)
-        self.metrics.loads_pending.set(len(self.pending))
+        self.metrics.loads_pending.set(self.num_pending())
+
+    def num_pending(self) -> int:
+        """Loads pending now: `pending` may still name rows unloaded since, once more if a new row
+        of the name is pending (pump drops them as it meets them, and it stops at the first load
+        that finds no slot)."""
+        return sum(1 for n in set(self.pending) if (e := self.entries.get(n)) is not None and e.state == "pending")
 
     def take_slot(self, e: CachedAdapter) -> int | None:
         """A free slot, or one taken from an evictable adapter: an expired one first (its

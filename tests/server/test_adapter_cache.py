@@ -878,3 +878,26 @@ def test_unloaded_while_loading_and_its_last_request_leaves_the_row_stays_until_
     slot = use(cache, "a")
     assert cache.ready_slots() == {"a": slot}
     check_invariants(cache)
+
+
+def test_loads_pending_counts_only_loads_still_pending(disk):
+    """An unloaded pending row leaves its name in the pending queue until pump meets it, and
+    pump stops at the first load that finds no slot: loraplex_adapter_loads_pending counted
+    the queue's names, so it stayed one too high while every slot was busy."""
+    cache = make_cache(disk, slots=1)
+    cache.acquire("a")
+    wait_ready(cache, "a")  # the only slot busy
+    cache.acquire("b")  # a request waits for a slot
+    cache.prefetch("c")
+    cache.refresh_metrics()
+    assert cache.metrics.loads_pending._value.get() == 2
+    assert cache.unload("c") is True
+    cache.refresh_metrics()
+    assert cache.metrics.loads_pending._value.get() == 1
+    cache.release("b")  # pump runs: b still finds no slot, c's name stays behind it
+    assert cache.metrics.loads_pending._value.get() == 1
+    cache.release("a")
+    wait_ready(cache, "b")
+    cache.refresh_metrics()
+    assert cache.metrics.loads_pending._value.get() == 0
+    check_invariants(cache)
