@@ -30,8 +30,9 @@ Rules: an adapter held by a request (`refs`: from `acquire` when the request is 
 `release` when it leaves) is never evicted, so an adapter whose load finished stays until
 its waiting requests are admitted; a pinned adapter is not evicted, and pins take at most
 all slots but one (the rest stay pending, reported by `describe`) so requests always have a
-slot to page through (pins made while resident can fill every slot: then the newest idle
-one gives its slot to a request and waits pending, `SlotTable.take_slot`). At most
+slot to page through (pins made while resident, or loaded for a request or a prefetch of
+their own, can fill every slot: then the newest idle one gives its slot to a request and
+waits pending, `SlotTable.take_slot`). At most
 `max_concurrent_loads` loads run at once. A failed load frees its slot, fails its waiters
 (`take_failures` for the engine's queued requests, `failed_load` for one queued after that)
 and is retried by the next request. Under overload (every slot's adapter always has
@@ -224,7 +225,11 @@ class AdapterCache:
 
     def prefetch(self, name: str) -> concurrent.futures.Future:
         """Bring `name` into a GPU slot ahead of its requests (through every tier). The future
-        gives its slot once resident, or raises AdapterLoadError; KeyError if unknown."""
+        gives its slot once resident, or raises AdapterLoadError; KeyError if unknown. A pin
+        waiting over the pins' share loads for it, as for a request (a session start waits)."""
+        return self._prefetch(name, asked=True)
+
+    def _prefetch(self, name: str, *, asked: bool) -> concurrent.futures.Future:
         with self._lock:
             e = self._lookup(name)
             if e is None:
@@ -237,6 +242,7 @@ class AdapterCache:
             e.waiters.append(fut)
             if e.state == "cold":
                 e.prefetch = e.refs == 0
+            e.asked = e.asked or asked
             self.table.want(e)
             return fut
 
@@ -253,7 +259,7 @@ class AdapterCache:
             else:
                 e.pinned_api = True
             self._update_pinned_gauge()
-            return self.prefetch(name)
+            return self._prefetch(name, asked=False)  # a pin alone keeps to the pins' share
 
     def unpin(self, name: str, *, plan: bool = False) -> bool:
         """Unpin `name`; returns whether it is still pinned (by the other of API and plan)."""

@@ -63,6 +63,7 @@ class CachedAdapter:
     pinned_plan: bool = False
     pin_order: int = 0  # when it was pinned (a count): over the pins' share, the newest yields
     prefetch: bool = False  # the pending load was asked ahead of demand
+    asked: bool = False  # a prefetch (not its pin) waits for its pending load: a pin over the share loads
     memory: HostCopy | None = None  # installed from memory: its only copy
     hits: int = 0  # requests that found it resident
     misses: int = 0  # requests that had to wait for a load
@@ -115,7 +116,7 @@ class SlotTable:
     def want(self, e: CachedAdapter) -> None:
         """Queue a load of `e` (if it is neither resident nor on its way) and start what can start."""
         if e.state == "pending":
-            if e.pinned and e.refs == 1:  # a pin waiting over its share has its first request:
+            if e.pinned and (e.refs == 1 or e.asked):  # a pin waiting over its share is asked for:
                 self.pump()  # pump's rule lets it start now (other pending rows gain nothing)
             return
         if e.state in ("ready", "loading"):
@@ -134,13 +135,13 @@ class SlotTable:
             if e is None or e.state != "pending":
                 self.pending.remove(name)
                 continue
-            if e.pinned and e.refs == 0 and pinned_slots >= self.num_slots - 1:
+            if e.pinned and e.refs == 0 and not e.asked and pinned_slots >= self.num_slots - 1:
                 continue  # pins take all slots but one: this pin waits, requests still page
             slot = self.take_slot(e)
             if slot is None:
                 break  # no slot free or evictable: none of the others would get one either
             self.pending.remove(name)
-            e.state, e.slot = "loading", slot
+            e.state, e.slot, e.asked = "loading", slot, False
             pinned_slots = self.pinned_slots()  # take_slot may have evicted a pin
             self.in_flight += 1
             self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
@@ -159,8 +160,8 @@ class SlotTable:
         campaign ended), else the policy's pick.
 
         Pins hold at most all slots but one. `pump` keeps a pin's own load to that, but an
-        adapter pinned while resident, or loaded for a request of its own, can take the last
-        slot; then, when nothing unpinned is evictable, the newest idle pin is (the one over
+        adapter pinned while resident, or loaded for a request or a prefetch of its own, can
+        take the last slot; then, when nothing unpinned is evictable, the newest idle pin is (the one over
         the share): it goes back to pending (`describe`'s pin_pending) until a share frees up."""
         if self.free:
             return self.free.pop(0)

@@ -901,3 +901,24 @@ def test_loads_pending_counts_only_loads_still_pending(disk):
     cache.refresh_metrics()
     assert cache.metrics.loads_pending._value.get() == 0
     check_invariants(cache)
+
+
+def test_a_prefetch_loads_a_pin_waiting_over_its_share_as_a_request_does(disk):
+    """Two slots: a pinned and resident, b pinned over the pins' share (pending), one slot
+    free. A session start or the warmer's prefetch of b waited for ever (503 after the
+    session's timeout) while a prefetch of an unpinned adapter loaded at once and a request
+    for b would too: a prefetch asks for the adapter as a request does, so the pin loads;
+    requests still page, through the newest idle pin's slot."""
+    cache = make_cache(disk, slots=2)
+    cache.pin("a").result(10)
+    pin_b = cache.pin("b")
+    assert [r["pin_pending"] for r in cache.describe() if r["name"] == "b"] == [True]
+    assert cache.num_free == 1
+    slot_b = cache.prefetch("b").result(10)
+    assert pin_b.result(10) == slot_b and set(cache.ready_slots()) == {"a", "b"}
+    assert use(cache, "c") == slot_b  # b, the newest idle pin, gives its slot to a request
+    rows = {r["name"]: r for r in cache.describe()}
+    assert rows["b"]["pin_pending"] and rows["a"]["state"] == "ready"
+    time.sleep(0.05)
+    assert "b" not in cache.ready_slots()  # back to waiting over the share: no new prefetch asked
+    check_invariants(cache)
