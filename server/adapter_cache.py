@@ -65,7 +65,7 @@ from .adapters import AdapterId, LoRABuffers
 from .cache_metrics import CacheMetrics
 from .cache_policy import make_policy
 from .host_tier import HostTier, host_copy_from_tensors
-from .slot_table import CachedAdapter, SlotTable
+from .slot_table import CachedAdapter, SlotTable, tell
 
 log = logging.getLogger(__name__)
 
@@ -490,10 +490,5 @@ class AdapterCache:
         with self._lock:
             waiters = self.table.finish_load(e, slot, tier, error, t0)
         for fut in waiters:
-            if fut.done():
-                continue
-            if error is None:
-                fut.set_result(slot)
-            else:
-                fut.set_exception(error)
+            tell(fut, slot, error)
         self.wake()

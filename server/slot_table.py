@@ -83,6 +83,18 @@ class CachedAdapter:
         return self.state == "ready"
 
 
+def tell(fut: concurrent.futures.Future, slot: int = -1, error: BaseException | None = None) -> None:
+    """Resolve a prefetch's future with its slot or its error, unless its client gave up: a
+    timeout cancels it from the event loop's thread at any moment, even after a done() check."""
+    try:
+        if error is None:
+            fut.set_result(slot)
+        else:
+            fut.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled
+
+
 def reloadable(e: CachedAdapter) -> bool:
     """Whether `e` can be loaded again once evicted (one installed from memory alone cannot)."""
     return e.memory is not None or e.path is not None or e.source is not None
@@ -214,8 +226,7 @@ class SlotTable:
         self.host.discard(e.name)
         waiters, e.waiters = e.waiters, []
         for fut in waiters:  # a prefetch of a pending load that will never run
-            if not fut.done():
-                fut.set_exception(AdapterLoadError(e.name, "other", "unloaded before it was loaded"))
+            tell(fut, error=AdapterLoadError(e.name, "other", "unloaded before it was loaded"))
         log.info("adapter %s unloaded", e.name)
 
     # -- which resident adapters admit requests ------------------------------------------------------

@@ -8,6 +8,7 @@ holds exactly what a direct write puts there.
 
 from __future__ import annotations
 
+import concurrent.futures
 import gzip
 import json
 import os
@@ -921,4 +922,47 @@ def test_a_prefetch_loads_a_pin_waiting_over_its_share_as_a_request_does(disk):
     assert rows["b"]["pin_pending"] and rows["a"]["state"] == "ready"
     time.sleep(0.05)
     assert "b" not in cache.ready_slots()  # back to waiting over the share: no new prefetch asked
+    check_invariants(cache)
+
+
+class _CancelledAfterTheCheck(concurrent.futures.Future):
+    """A prefetch's future whose client gives up (a session start's timeout: asyncio cancels
+    the future it wraps) just after the load's end checked that it is not done."""
+
+    def done(self) -> bool:
+        was = super().done()
+        self.cancel()
+        return was
+
+
+@pytest.mark.parametrize("end", ["loaded", "unloaded"])
+def test_a_waiter_cancelled_as_its_load_ends_leaves_the_others_told(disk, end):
+    """The load's end resolved each waiting future after checking it was not done; a future
+    cancelled in between (a client's timeout, from the event loop's thread) raised
+    InvalidStateError in the load worker: the other waiters were never told (a second session
+    start hung to its timeout), and the engine was not woken for the requests queued on it.
+    The same in unload's drop of a pending adapter."""
+    cache = make_cache(disk, slots=1)
+    woken = []
+    cache.wake = lambda: woken.append(1)
+    if end == "loaded":
+        gate = threading.Event()
+        real = cache.loader.copy_to_slot
+        cache.loader.copy_to_slot = lambda *a: gate.wait(10) and real(*a)
+    else:
+        cache.acquire("b")
+        wait_ready(cache, "b")  # the only slot busy: a stays pending
+    first = cache.prefetch("a")
+    with cache._lock:
+        cache.table.entries["a"].waiters.insert(0, _CancelledAfterTheCheck())
+    second = cache.prefetch("a")
+    if end == "loaded":
+        gate.set()
+        assert first.result(10) == second.result(10) == 0
+        assert woken
+    else:
+        assert cache.unload("a") is True
+        for fut in (first, second):
+            with pytest.raises(AdapterLoadError, match="unloaded"):
+                fut.result(1)
     check_invariants(cache)
