@@ -394,7 +394,10 @@ class AdapterCache:
             e.unloading = True
             if e.refs > 0 or e.state == "loading":
                 return False
+            freed = e.ready
             self.table.drop(e)
+            if freed:
+                self.table.pump()  # its slot may be the one a pending load waits for
             return True
 
     # -- inspection -------------------------------------------------------------------------------

@@ -966,3 +966,21 @@ def test_a_waiter_cancelled_as_its_load_ends_leaves_the_others_told(disk, end):
             with pytest.raises(AdapterLoadError, match="unloaded"):
                 fut.result(1)
     check_invariants(cache)
+
+
+def test_unloading_an_idle_adapter_starts_a_load_waiting_for_its_slot(disk):
+    """Two slots: a pinned and idle, b held by a long request, a request for c waiting for a
+    slot. unload_lora_adapter a freed its slot but started nothing: c's request waited until
+    some other event (b's request ending) ran the pending loads, and the engine's starvation
+    check stands aside while a slot is free."""
+    cache = make_cache(disk, slots=2)
+    cache.pin("a").result(10)
+    cache.acquire("b")
+    wait_ready(cache, "b")
+    assert cache.acquire("c") == -1
+    time.sleep(0.05)
+    assert [r["state"] for r in cache.describe() if r["name"] == "c"] == ["pending"]
+    slot_a = cache.table.entries["a"].slot
+    assert cache.unload("a") is True
+    assert wait_ready(cache, "c", timeout=5) == slot_a
+    check_invariants(cache)
