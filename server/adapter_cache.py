@@ -323,14 +323,14 @@ class AdapterCache:
         taken); returns the slot. Raises AdapterError when it does not fit the base, or when no
         slot frees up within `timeout` seconds (it stays registered and queued for one)."""
         spec = read_adapter(path, self.base)  # a refused adapter is refused before anything changes
-        with self._lock:
+        with self._lock:  # one step: a second load of the name (or an unload) cannot come between
             if name in self.table.entries:
                 raise AdapterError(f"adapter {name!r} is already loaded")
-        self.register(name, path=path)
-        with self._lock:
+            self.register(name, path=path)
             self.table.entries[name].spec = spec
+            fut = self.prefetch(name)
         try:
-            return self.prefetch(name).result(timeout)
+            return fut.result(timeout)
         except AdapterLoadError as e:
             raise AdapterError(str(e)) from None
         except concurrent.futures.TimeoutError:

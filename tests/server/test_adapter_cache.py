@@ -984,3 +984,40 @@ def test_unloading_an_idle_adapter_starts_a_load_waiting_for_its_slot(disk):
     assert cache.unload("a") is True
     assert wait_ready(cache, "c", timeout=5) == slot_a
     check_invariants(cache)
+
+
+def test_two_loads_of_one_name_at_once_register_it_once(disk, tmp_path_factory):
+    """Two load_lora_adapter calls for one name (two paths) at once: load checked the name
+    under the lock, let go of it, then registered: both calls passed the check, both answered
+    success, and the second's path silently replaced the first's. One must be refused."""
+    other = write_adapter(tmp_path_factory.mktemp("other") / "z", seed=7)
+    cache = make_cache(disk, slots=2)
+    both_in = threading.Barrier(2, timeout=1)
+    real = cache.register
+
+    def register(*a, **kw):
+        try:
+            both_in.wait()  # the other call is past its check too (never, when the check holds the lock)
+        except threading.BrokenBarrierError:
+            pass
+        return real(*a, **kw)
+
+    cache.register = register
+    outcomes = {}
+
+    def load(path):
+        try:
+            outcomes[path] = cache.load("zed", path, timeout=10)
+        except Exception as e:  # noqa: BLE001
+            outcomes[path] = e
+
+    threads = [threading.Thread(target=load, args=(p,)) for p in (disk / "a", other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    refused = [p for p, o in outcomes.items() if isinstance(o, Exception)]
+    assert len(refused) == 1 and "already loaded" in str(outcomes[refused[0]])
+    (served,) = set(outcomes) - set(refused)
+    assert cache.table.entries["zed"].path == served
+    check_invariants(cache)
