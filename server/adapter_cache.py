@@ -307,7 +307,10 @@ class AdapterCache:
         with self._lock:
             before = {n for n, e in self.table.entries.items() if e.pinned_plan}
         for name in sorted(before - pinned):
-            self.unpin(name, plan=True)
+            try:
+                self.unpin(name, plan=True)
+            except KeyError:
+                pass  # unloaded since `before` was read: nothing left to unpin
         for name in sorted(pinned - before):
             try:
                 self.pin(name, plan=True)

@@ -1021,3 +1021,25 @@ def test_two_loads_of_one_name_at_once_register_it_once(disk, tmp_path_factory):
     (served,) = set(outcomes) - set(refused)
     assert cache.table.entries["zed"].path == served
     check_invariants(cache)
+
+
+def test_a_plan_applied_as_an_old_pin_is_unloaded_still_pins_its_set(disk):
+    """apply_plan lists the plan's old pins, then unpins those that left it; an unload_lora_adapter
+    in between made unpin raise KeyError out of apply_plan, before the new pins were made, and
+    the plan watcher does not apply a plan it has seen again: the new pinned set stayed unpinned
+    until the next plan."""
+    cache = make_cache(disk, slots=3)
+    cache.apply_plan({"pinned": ["a"], "adapters": [], "prefetch": []})
+    wait_ready(cache, "a")
+    real = cache.unpin
+
+    def unpin(name, **kw):
+        cache.unpin = real
+        cache.unload(name)  # the admin's unload, just after apply_plan listed the old pins
+        return real(name, **kw)
+
+    cache.unpin = unpin
+    cache.apply_plan({"pinned": ["b"], "adapters": [], "prefetch": []})
+    wait_ready(cache, "b")
+    assert {r["name"] for r in cache.describe() if r["pinned"]} == {"b"}
+    check_invariants(cache)
