@@ -237,6 +237,8 @@ class AdapterCache:
             fut: concurrent.futures.Future = concurrent.futures.Future()
             e.expired = False  # wanted again (a new window, a session)
             if e.ready:
+                if asked:  # about to be used, as a prefetch's load tells the policy (finish_load)
+                    self.policy.record_insert(name, cost=1.0, prefetch=True)
                 fut.set_result(e.slot)
                 return fut
             e.waiters.append(fut)

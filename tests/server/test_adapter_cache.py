@@ -1043,3 +1043,22 @@ def test_a_plan_applied_as_an_old_pin_is_unloaded_still_pins_its_set(disk):
     wait_ready(cache, "b")
     assert {r["name"] for r in cache.describe() if r["pinned"]} == {"b"}
     check_invariants(cache)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu-aged", "wtinylfu"])
+def test_a_session_start_on_a_resident_adapter_keeps_it_for_the_first_request(disk, policy):
+    """A session start prefetches its adapter so that the first request hits. Resident already
+    (and the policy's next victim), the prefetch answered at once without telling the policy,
+    which evicts on the next miss what the session is about to use; a load for a prefetch
+    tells it (record_insert(prefetch=True)), so a resident one must be told too."""
+    cache = make_cache(disk, slots=3, policy=policy)
+    use(cache, "a")
+    use(cache, "d")
+    for _ in range(3):
+        use(cache, "b")  # b: recent and frequent
+    assert cache.table.policy.select_victim({"a", "b", "d"}) == "a"
+    slot_a = cache.prefetch("a").result(5)  # the session starts: a is resident
+    use(cache, "c")  # another tenant's miss takes a slot
+    assert cache.ready_slots().get("a") == slot_a  # d went, not the session's adapter
+    assert set(cache.ready_slots()) == {"a", "b", "c"}
+    check_invariants(cache)
