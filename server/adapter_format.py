@@ -247,6 +247,8 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
     alpha = cfg.get("lora_alpha", r)
     if not isinstance(r, int) or r < 1:
         raise AdapterError(f"r={r!r}: expected a positive integer")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise AdapterError(f"lora_alpha={alpha!r}: expected a number")
     rslora = bool(cfg.get("use_rslora", False))
     rank_pattern = cfg.get("rank_pattern") or {}
     alpha_pattern = cfg.get("alpha_pattern") or {}
@@ -298,7 +300,10 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
         if ra > base.max_rank:
             raise AdapterError(
                 f"layer {layer} {proj}: rank {ra} exceeds this server's max LoRA rank {base.max_rank}")
-        a = float(_pattern_value(alpha_pattern, module_key, alpha))
+        a = _pattern_value(alpha_pattern, module_key, alpha)
+        if isinstance(a, bool) or not isinstance(a, (int, float)):
+            raise AdapterError(f"layer {layer} {proj}: lora_alpha {a!r} (alpha_pattern): expected a number")
+        a = float(a)
         scaling = a / math.sqrt(ra) if rslora else a / ra
         modules.append(ModuleLoRA(layer, proj, ra, a, scaling, key_a, key_b))
 

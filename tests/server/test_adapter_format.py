@@ -105,6 +105,11 @@ Q_A, Q_B = torch.zeros(4, 64), torch.zeros(64, 4)  # tiny: hidden 64, q 64
      {"targets": ["q_proj", "lm_head"]}, "lm_head"),
     ("foreign key", {"base_model.model.lm_head.lora_A.weight": Q_A}, {}, "not a LoRA A/B weight"),
     ("dtype", {peft_key(0, "q_proj", "A"): Q_A.to(torch.int32), peft_key(0, "q_proj", "B"): Q_B}, {}, "dtype"),
+    # Not a number: a TypeError or ValueError here was a 500 from load_lora_adapter, not a 400.
+    ("alpha", {peft_key(0, "q_proj", "A"): Q_A, peft_key(0, "q_proj", "B"): Q_B}, {"lora_alpha": None},
+     "lora_alpha"),
+    ("alpha pattern", {peft_key(0, "q_proj", "A"): Q_A, peft_key(0, "q_proj", "B"): Q_B},
+     {"alpha_pattern": {"q_proj": "high"}}, "lora_alpha"),
 ])
 def test_refusals_say_why(tmp_path, case, tensors, cfg, words):
     path = _adapter(tmp_path, tensors, **cfg)
