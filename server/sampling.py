@@ -219,7 +219,10 @@ class Sampler:
             temps = to_device([params[i].temperature for i in picked], torch.float32, device)
             sub = sub / temps[:, None]
             if any(params[i].top_k > 0 or params[i].top_p < 1 for i in picked):
-                top_k = to_device([params[i].top_k for i in picked], torch.int64, device)
+                # A top_k past the vocabulary keeps every token; clamped, any int a request
+                # sends fits the int64 tensor (10**20 would not, and would stop the engine).
+                vocab = logits.shape[-1]
+                top_k = to_device([min(params[i].top_k, vocab) for i in picked], torch.int64, device)
                 top_p = to_device([params[i].top_p for i in picked], torch.float32, device)
                 sub = apply_top_k_top_p(sub, top_k, top_p)
             u = uniform_noise(to_device([seeds[i] for i in picked], torch.int64, device),

@@ -116,6 +116,21 @@ def test_error_shapes(served):
         assert "loraplex_generation_tokens_total" in metrics and "vllm:lora_requests_info" in metrics
 
 
+
+def test_a_huge_top_k_is_served_and_the_engine_keeps_running(served):
+    # top_k has no upper bound in the API; 10**20 once overflowed the sampler's int64 tensor
+    # inside the engine thread, which stopped the engine: every later request got a 503.
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        for top_k in (10**20, 2**63):
+            r = c.post("/v1/completions", json={"model": "qv-r8", "prompt": "hi", "max_tokens": 2, "top_k": top_k})
+            assert r.status_code == 200, r.text
+        r = c.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
+                                                 "max_tokens": 2, "top_k": 10**20, "stream": True})
+        assert r.status_code == 200 and '"error"' not in r.text and r.text.rstrip().endswith("data: [DONE]")
+        assert c.get("/healthz").status_code == 200
+        assert c.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
 def test_load_unload_and_refused_adapters(served, hf_llama, tmp_path):
     # Same shapes, other weights: its adapters fit (shapes are what the server can check).
     sibling_base = make_hf_base(tmp_path / "sibling-base", "llama", seed=9)

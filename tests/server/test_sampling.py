@@ -65,6 +65,18 @@ def test_sampling_follows_the_distribution_and_respects_top_k():
     assert topk_seen == {0, 1}
 
 
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token():
+    # Any int a client sends is a valid top_k (pydantic takes 10**20); past the vocabulary it
+    # is no mask, and it must not overflow the int64 tensor on its way to the device.
+    torch.manual_seed(4)
+    logits = torch.randn(3, 50)
+    s = Sampler()
+    want = s.sample(logits, [SamplingParams(temperature=1.0, top_k=50)] * 3, [3, 4, 5], [0, 0, 0])
+    for k in (51, 2**63 - 1, 2**63, 10**20):
+        assert s.sample(logits, [SamplingParams(temperature=1.0, top_k=k)] * 3, [3, 4, 5], [0, 0, 0]) == want
+
+
 class CharTokenizer:
     """Token id i is chr(i); enough to test text handling."""
 
