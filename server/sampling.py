@@ -23,12 +23,15 @@ import torch
 
 _M32 = 0xFFFFFFFF
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by
+# one near 0 (1e-40) gives inf, log_softmax then NaN, and the draw the argmax of NaNs (token 0).
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) = greedy
     top_p: float = 1.0  # keep the smallest set of tokens whose mass reaches top_p
     top_k: int = 0  # 0 or -1 = all tokens
     seed: int | None = None  # None: the engine draws one per request
@@ -59,7 +62,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def penalised(self) -> bool:

@@ -66,6 +66,18 @@ def test_sampling_follows_the_distribution_and_respects_top_k():
 
 
 
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-40, 1e-45])
+def test_a_temperature_near_zero_samples_greedily(temperature):
+    # logits / 1e-40 overflows float32: the draw was the argmax of NaNs, token 0 every time.
+    torch.manual_seed(5)
+    logits = torch.randn(4, 50) * 10
+    s = Sampler()
+    tokens, _ = s.sample(logits, [SamplingParams(temperature=temperature, seed=j) for j in range(4)],
+                         list(range(4)), [0] * 4)
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
 def test_a_top_k_past_the_vocabulary_keeps_every_token():
     # Any int a client sends is a valid top_k (pydantic takes 10**20); past the vocabulary it
     # is no mask, and it must not overflow the int64 tensor on its way to the device.
