@@ -18,17 +18,18 @@ import uuid
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from ..adapter_sources import AdapterLoadError
 from ..engine import AsyncEngine
 from .deps import get_engine
 from .errors import APIError, model_not_found
+from .schemas import RequestBody
 
 router = APIRouter(tags=["adapter cache"])
 
 
-class SessionRequest(BaseModel):
+class SessionRequest(RequestBody):
     model: str = Field(min_length=1)
 
 

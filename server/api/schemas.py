@@ -13,18 +13,55 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # the most choices one request may ask for (`n`); each is a batch row of its own
 
 
+def _unpaired_surrogate(body) -> str | None:
+    """Where in a decoded JSON value a string holds an unpaired UTF-16 surrogate ("messages.0.content"),
+    or None. A loop over a stack, not recursion: json.loads takes nesting as deep as the
+    interpreter's recursion limit allows."""
+    stack = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and _unpaired_surrogate(key) is not None:
+                    return path or "body"  # not the key itself: the message must stay encodable
+                stack.append((item, f"{path}.{key}" if path else str(key)))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}.{i}" if path else str(i)) for i, item in enumerate(value))
+    return None
+
+
+class RequestBody(BaseModel):
+    """A JSON request body of text. JSON may escape half of a UTF-16 surrogate pair alone
+    ("\\ud800"), which decodes to a Python str that is no Unicode text: the tokenizer refuses
+    it and a response that quotes it (an echo, a 404 naming the model) cannot be written as
+    UTF-8, each a 500. Such a body is refused here (422), naming the field that holds it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data):
+        where = _unpaired_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where} holds an unpaired UTF-16 surrogate, which is not text")
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -141,12 +178,12 @@ class ChatCompletionRequest(_SamplingFields):
         return super().refusal() or self._logprobs_bound("top_logprobs", self.top_logprobs)
 
 
-class LoadAdapterRequest(BaseModel):
+class LoadAdapterRequest(RequestBody):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
 
 
-class UnloadAdapterRequest(BaseModel):
+class UnloadAdapterRequest(RequestBody):
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
 

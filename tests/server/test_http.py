@@ -131,6 +131,32 @@ def test_a_huge_top_k_is_served_and_the_engine_keeps_running(served):
         assert c.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
+
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/completions", '{"model": "tiny-llama", "prompt": "hi \\ud800 there"}', "prompt"),
+    ("/v1/completions", '{"model": "tiny-llama", "prompt": ["ok", "\\udfff"], "echo": true}', "prompt.1"),
+    ("/v1/completions", '{"model": "tiny-\\ud800", "prompt": "hi"}', "model"),
+    ("/v1/completions", '{"model": "tiny-llama", "prompt": "hi", "stop": ["\\ud800"]}', "stop.0"),
+    ("/v1/chat/completions", '{"model": "tiny-llama", "messages": [{"role": "user", "content": "\\ud83d"}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions", '{"model": "qv-r8", "messages": [{"role": "user", "content": '
+                             '[{"type": "text", "text": "a\\udc00"}]}]}', "messages.0.content.0.text"),
+    ("/v1/load_lora_adapter", '{"lora_name": "x\\ud800", "lora_path": "/nowhere"}', "lora_name"),
+    ("/v1/sessions", '{"model": "\\ud800"}', "model"),
+])
+def test_an_unpaired_surrogate_is_a_422_not_a_500(served, path, body, where):
+    # JSON may escape half a surrogate pair alone; decoded, it is a str no tokenizer takes and
+    # no UTF-8 response can quote (the 404 for an unknown model names it): each was a 500.
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        r = c.post(path, content=body.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert where in error_of(r)["message"] and "surrogate" in error_of(r)["message"]
+        # A pair that makes one character is text, and served.
+        ok = c.post("/v1/completions", content=b'{"model": "tiny-llama", "prompt": "\\ud83d\\ude00", "max_tokens": 2}',
+                    headers={"content-type": "application/json"})
+        assert ok.status_code == 200, ok.text
+
+
 def test_load_unload_and_refused_adapters(served, hf_llama, tmp_path):
     # Same shapes, other weights: its adapters fit (shapes are what the server can check).
     sibling_base = make_hf_base(tmp_path / "sibling-base", "llama", seed=9)
