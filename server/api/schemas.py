@@ -157,8 +157,9 @@ class ChatMessage(BaseModel):
     content: str | list[TextContent] | None = None
 
     def text(self) -> str:
+        """The content as one string; text parts joined by newlines, as vLLM joins them."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 

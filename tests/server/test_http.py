@@ -75,6 +75,21 @@ def test_openai_client_completions_and_chat(served):
     assert "".join(parts) == chat.choices[0].message.content
 
 
+
+def test_chat_text_parts_join_with_newlines_as_vllm_does(served):
+    # vLLM renders a message's text parts as one string joined by "\n"; joined by "" the
+    # template saw "Question:What is it?" and the adapter another prompt than on vLLM.
+    parts = [{"type": "text", "text": "Question:"}, {"type": "text", "text": "What is it?"}]
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        def reply(content):
+            r = c.post("/v1/chat/completions", json={"model": "qv-r8", "max_tokens": 6, "temperature": 0,
+                                                     "messages": [{"role": "user", "content": content}]})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"], r.json()["usage"]["prompt_tokens"]
+        assert reply(parts) == reply("Question:\nWhat is it?")
+        assert reply(parts[:1]) == reply("Question:")  # one part: its text as it is
+
+
 def test_seeded_sampling_is_reproducible_over_http(served):
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
     kw = dict(model="patterns", prompt="Pack my box", max_tokens=8, temperature=1.0, top_p=0.9, extra_body={"top_k": 50})
