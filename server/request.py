@@ -69,7 +69,7 @@ class Request:
             seed: int, tokenizer: Tokenizer | None) -> "Request":
         req = cls(request_id, list(prompt_ids), params, adapter, seed)
         if tokenizer is not None:
-            req.detok = IncrementalDetokenizer(tokenizer)
+            req.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         return req
 
     @property

@@ -83,19 +83,28 @@ def plain_chat_prompt(messages: list[dict]) -> str:
     return "\n".join(lines + ["assistant:"])
 
 
+# Prompt tokens the first window starts with (vLLM starts its window on the prompt's last 5).
+PROMPT_CONTEXT = 5
+
+
 class IncrementalDetokenizer:
     """Text of a growing token list, emitted as deltas.
 
     Decodes a short window (`prefix` .. end) rather than all tokens each step; holds text
     back while it ends in an incomplete UTF-8 sequence ("\\ufffd").
+
+    The first window starts on the prompt's last tokens, so the first output token decodes as
+    it reads after the prompt: a SentencePiece decoder (Llama 2, Mistral) drops the leading
+    space of the first token it decodes, and "The fox" + "▁jumps" decoded alone would give
+    "jumps", glued to the prompt, where vLLM gives " jumps".
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] = ()):
         self.tok = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])  # context, then the output tokens
         self.text = ""
         self._prefix = 0  # window start
-        self._read = 0  # tokens whose text is already in self.text
+        self._read = len(self.ids)  # tokens whose text is in self.text (or, at first, the context's)
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)

@@ -1,0 +1,77 @@
+"""Text out of token ids while streaming: each step's delta, joined, is the text the output
+continues the prompt with, whatever the tokenizer's decoder does at a window's start (a
+SentencePiece decoder drops a leading space) and however a UTF-8 character is split."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+from loraplex.server.demo import _CORPUS, build_tokenizer
+from loraplex.server.request import Request
+from loraplex.server.sampling import SamplingParams
+from loraplex.server.tokenizer import Tokenizer
+
+# The decoders of SentencePiece models' tokenizer.json: Llama 2's (Replace, ByteFallback, Fuse,
+# Strip one leading space) and the newer Metaspace one; both drop the first token's space.
+SENTENCEPIECE_DECODERS = {
+    "llama-2": lambda: decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                          decoders.Strip(" ", 1, 0)]),
+    "metaspace": lambda: decoders.Metaspace(replacement="▁", prepend_scheme="first"),
+}
+
+
+def sentencepiece_tokenizer(path, decoder: str) -> Tokenizer:
+    tok = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+    tok.decoder = SENTENCEPIECE_DECODERS[decoder]()
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator([_CORPUS] * 4, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                               show_progress=False))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                            "add_bos_token": True}))
+    return Tokenizer(path)
+
+
+def stream(tok: Tokenizer, prompt: list[int], output: list[int], stop: list[str] = ()) -> tuple[list[str], Request]:
+    req = Request.new("r", prompt, SamplingParams(max_tokens=1000, stop=list(stop)), None, 0, tok)
+    deltas = []
+    for t in output:
+        if req.finished:
+            break
+        req.append(t, (), 10_000)
+        deltas.append(req.take_output().text)
+    return deltas, req
+
+
+@pytest.mark.parametrize("decoder", SENTENCEPIECE_DECODERS)
+@pytest.mark.parametrize("prompt, completion", [("The quick brown fox", " jumps over the lazy dog"),
+                                                ("Pack my box", " with five dozen liquor jugs.")])
+def test_the_first_token_keeps_its_leading_space_after_the_prompt(tmp_path, decoder, prompt, completion):
+    # Decoded alone, "▁jumps" is "jumps": the completion read "The quick brown foxjumps".
+    tok = sentencepiece_tokenizer(tmp_path, decoder)
+    prompt_ids = tok.encode(prompt)
+    full = tok.encode(prompt + completion)
+    assert full[:len(prompt_ids)] == prompt_ids
+    deltas, _ = stream(tok, prompt_ids, full[len(prompt_ids):])
+    assert "".join(deltas) == completion
+
+
+@pytest.mark.parametrize("text", ["héllo 中文 😀 wörld", "日本語のテキスト", "😀😀 a😀"])
+def test_characters_split_over_tokens_are_never_sent_in_pieces(tmp_path, text):
+    build_tokenizer(tmp_path, vocab_size=320)  # byte-level BPE: these characters are 2-4 tokens each
+    tok = Tokenizer(tmp_path)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)
+    deltas, _ = stream(tok, tok.encode("Say:"), ids)
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    for stop in ("中文", "😀 a", "ö"):  # stop strings of split characters, never sent in part
+        if stop in text:
+            deltas, req = stream(tok, tok.encode("Say:"), ids, [stop])
+            assert "".join(deltas) == text[:text.index(stop)] and req.finish_reason == "stop"
+            assert not any("\ufffd" in d for d in deltas)
