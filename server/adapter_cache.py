@@ -337,10 +337,21 @@ class AdapterCache:
         try:
             return fut.result(timeout)
         except AdapterLoadError as e:
+            self._forget_failed(name)
             raise AdapterError(str(e)) from None
         except concurrent.futures.TimeoutError:
             raise AdapterError(f"adapter {name!r} is registered, but no slot freed up within {timeout:g}s "
                                f"(every slot is pinned or in use); it loads when one does") from None
+
+    def _forget_failed(self, name: str) -> None:
+        """After `load`'s load failed: the name is forgotten, as vLLM registers nothing for a
+        load_lora_adapter that fails, so that the call can be made again (it would find the name
+        "already loaded"). Kept if a request or a pin holds it meanwhile: a request retries it."""
+        with self._lock:
+            e = self.table.entries.get(name)
+            if e is not None and e.state == "cold" and e.refs == 0 and not e.pinned and not e.unloading:
+                self.table.failures.pop(name, None)  # nobody queued for it to fail
+                self.table.drop(e)
 
     def install(self, adapter: AdapterId, spec: AdapterSpec, tensors: dict[str, torch.Tensor], *,
                 keep_host_copy: bool = False) -> int:

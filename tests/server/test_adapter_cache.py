@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from loraplex.server.adapter_cache import AdapterCache
-from loraplex.server.adapter_format import BaseSpec, read_adapter, write_adapter_config
+from loraplex.server.adapter_format import AdapterError, BaseSpec, read_adapter, write_adapter_config
 from loraplex.server.adapter_sources import AdapterLoadError
 from loraplex.server.adapters import LoRABuffers, random_adapter, slot_groups
 from loraplex.server.config import named_shape
@@ -813,8 +813,6 @@ def test_unload_while_in_use_or_pending(disk):
         waiting.result(5)
     assert not cache.unload("a")  # in use: goes when its request ends
     assert not cache.has("a")  # new requests cannot name it
-    from loraplex.server.adapter_format import AdapterError
-
     with pytest.raises(AdapterError, match="being unloaded"):
         cache.register("a", path=disk / "a")
     cache.release("a")
@@ -1061,4 +1059,26 @@ def test_a_session_start_on_a_resident_adapter_keeps_it_for_the_first_request(di
     use(cache, "c")  # another tenant's miss takes a slot
     assert cache.ready_slots().get("a") == slot_a  # d went, not the session's adapter
     assert set(cache.ready_slots()) == {"a", "b", "c"}
+    check_invariants(cache)
+
+
+def test_a_load_whose_read_fails_registers_nothing_and_can_be_made_again(tmp_path, monkeypatch):
+    """load_lora_adapter whose load fails after the adapter checked out (the files unreadable,
+    out of memory) leaves no name behind, as in vLLM: the same call made again loads it, where
+    it used to answer "already loaded" until an unload."""
+    import loraplex.server.adapter_loader as loader
+
+    src = write_adapter(tmp_path / "src" / "x", seed=3)
+    cache = make_cache(tmp_path / "cache", slots=2)
+
+    def broken(*a, **kw):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(loader, "read_into_host", broken)
+    with pytest.raises(AdapterError, match="disk gone"):
+        cache.load("x", src)
+    assert not cache.has("x") and "x" not in {r["name"] for r in cache.describe()}
+    assert cache.take_failures() == {}  # no request of it waits to be failed
+    monkeypatch.setattr(loader, "read_into_host", read_into_host)
+    assert cache.load("x", src) in (0, 1)
     check_invariants(cache)
