@@ -63,6 +63,8 @@ class Request:
     _emitted_chars: int = 0
     _text_end: int | None = None  # where a stop string cut the text
     _emitted_prompt: bool = False  # the prompt logprobs went out (with the first output)
+    _stop_match: tuple | None = None  # per stop string: (it, its prefix function), and a matcher state
+    _stop_fed: int = 0  # characters of the text the stop matchers have read
 
     @classmethod
     def new(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
@@ -132,14 +134,29 @@ class Request:
         return False
 
     def _holdback(self, text: str) -> int:
-        """Characters at the end of `text` that could begin a stop string."""
-        best = 0
-        for s in self.params.stop:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+        """Characters at the end of `text` that could begin a stop string: the longest n with
+        text ending in s[:n] (n < len(s)), over the stop strings s.
+
+        `text` only grows between calls (the detokenizer appends), so each stop string keeps
+        the state of a Knuth-Morris-Pratt matcher over the text so far: each call feeds it the
+        new characters only, in amortised constant time per character, however long or
+        repetitive the stop string. (Comparing every prefix at every step made the engine
+        thread's work per row grow with the square of a stop string's length.)"""
+        stops = self.params.stop
+        if self._stop_match is None:
+            matchers = [(s, _prefix_function(s)) for s in stops if s]
+            self._stop_match = matchers, [0] * len(matchers)
+        matchers, states = self._stop_match
+        for c in text[self._stop_fed:]:
+            for i, (s, fail) in enumerate(matchers):
+                k = states[i]
+                if k == len(s):  # a whole match last time: go on from its longest border
+                    k = fail[k - 1]
+                while k and s[k] != c:
+                    k = fail[k - 1]
+                states[i] = k + 1 if s[k] == c else k
+        self._stop_fed = len(text)
+        return max((k if k < len(s) else fail[k - 1] for (s, fail), k in zip(matchers, states)), default=0)
 
     def take_output(self) -> RequestOutput:
         """The new tokens and text since the last call."""
@@ -163,3 +180,16 @@ class Request:
                 self._emitted_chars = end
         return RequestOutput(self.request_id, new_ids, text, self.finished, self.finish_reason,
                              len(self.prompt_ids), len(self.output_ids), self.error, logprobs, prompt_logprobs)
+
+
+def _prefix_function(s: str) -> list[int]:
+    """fail[i]: the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    fail = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail

@@ -18,6 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # the most choices one request may ask for (`n`); each is a batch row of its own
+# Stop strings a request may give, and their length (OpenAI takes up to 4): each is matched
+# against the text as it grows, on the engine thread, for every row (Request._holdback,
+# _find_stop), and its matcher is built there once.
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
 
 
 def _unpaired_surrogate(body) -> str | None:
@@ -90,6 +95,12 @@ class _SamplingFields(RequestBody):
             return f"n must be at most {MAX_N}, got {self.n}", "n"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of is not supported (other than best_of equal to n)", "best_of"
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP:
+            return f"stop takes at most {MAX_STOP} strings, got {len(stop)}", "stop"
+        longest = max(map(len, stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            return f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}", "stop"
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and not -2.0 <= value <= 2.0:

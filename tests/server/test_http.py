@@ -122,6 +122,18 @@ def test_error_shapes(served):
         assert r.status_code == 400
         r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x", "n": 17})
         assert r.status_code == 400
+        # Stop strings are checked at every step on the engine thread: their number and length
+        # are bounded (a 30,000-character one cost every row ~12 ms a step).
+        for stop in (["s"] * 17, "x" * 257, ["ok", "y" * 300]):
+            for path, body in (("/v1/completions", {"prompt": "x"}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+                r = c.post(path, json={"model": "tiny-llama", "stop": stop, "max_tokens": 2, **body})
+                assert r.status_code == 400 and error_of(r)["param"] == "stop", (path, r.text)
+        r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2,
+                                            "stop": ["s"] * 16})
+        assert r.status_code == 200
+        r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2, "stop": "z" * 256})
+        assert r.status_code == 200
         for echo in (False, True):  # echo decodes the ids: they are checked before
             for ids in ([-1, 5], [10**9], [[1, 2], [3, 2**40]]):
                 r = c.post("/v1/completions", json={"model": "qv-r8", "prompt": ids, "echo": echo, "max_tokens": 1})

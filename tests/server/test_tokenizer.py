@@ -75,3 +75,30 @@ def test_characters_split_over_tokens_are_never_sent_in_pieces(tmp_path, text):
             deltas, req = stream(tok, tok.encode("Say:"), ids, [stop])
             assert "".join(deltas) == text[:text.index(stop)] and req.finish_reason == "stop"
             assert not any("\ufffd" in d for d in deltas)
+
+
+def test_the_stop_hold_back_is_the_longest_stop_prefix_ending_the_text():
+    """What streaming holds back while it could still become a stop string: the longest
+    prefix s[:n] (n < len(s)) of any stop string that ends the text, against every prefix
+    compared, on random texts and stops, the text growing by random pieces as it does
+    between steps (the matchers read only what is new)."""
+    import random
+
+    def every_prefix(text: str, stops: list[str]) -> int:
+        return max((n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])),
+                   default=0)
+
+    rng = random.Random(7)
+    for _ in range(600):
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randrange(1, 9))) for _ in range(rng.randrange(1, 4))]
+        req = Request("r", [1], SamplingParams(stop=stops), None, 0)
+        text = ""
+        for _ in range(rng.randrange(1, 8)):
+            text += "".join(rng.choice("ab c") for _ in range(rng.randrange(0, 5)))
+            assert req._holdback(text) == every_prefix(text, stops), (text, stops)
+    # A repetitive stop string, the text growing past it: the longest proper prefix stays held.
+    req = Request("r", [1], SamplingParams(stop=["a" * 255 + "b"]), None, 0)
+    text = ""
+    for _ in range(100):
+        text += "aaaa"
+        assert req._holdback(text) == min(len(text), 255)
