@@ -1,6 +1,6 @@
 """The node agent's HTTP API (aiohttp) and the object that owns its parts.
 
-    POST /v1/stage     {"name", "source", "sha256"[, "dtype"]}  -> 200 {"adapter": {...}} once on disk
+    POST /v1/stage     {"name", "source"[, "sha256"][, "dtype"]}  -> 200 {"adapter": {...}} once on disk
                        (dtype: the server's; a copy of the adapter's F32 tensors in it is staged too)
     POST /v1/sessions  {"model": name}               -> 200 {"adapter": {...}, "servers": [...]}
                         stages a plan adapter and prefetches it into this node's servers
@@ -155,12 +155,12 @@ async def _json_body(request: web.Request) -> dict:
 
 async def stage(request: web.Request) -> web.Response:
     body = await _json_body(request)
-    missing = [k for k in ("name", "source", "sha256") if k not in body]
+    missing = [k for k in ("name", "source") if k not in body]
     if missing:
         return error("InvalidRequest", f"missing fields: {', '.join(missing)}", 400)
     try:
         staged = await _agent(request).store.stage(
-            AdapterRef(body["name"], body["source"], body["sha256"], body.get("dtype")))
+            AdapterRef(body["name"], body["source"], body.get("sha256"), body.get("dtype")))
     except StoreError as e:
         return _store_error(e)
     return web.json_response({"adapter": staged.as_json()})

@@ -98,22 +98,32 @@ class StoreError(Exception):
 @dataclass(frozen=True)
 class AdapterRef:
     """An adapter's identity as the plan or a client gives it: name, source URI, digest; and
-    the dtype its servers hold adapters in (a copy of its F32 tensors in it is staged too)."""
+    the dtype its servers hold adapters in (a copy of its F32 tensors in it is staged too).
+
+    The digest is optional, as in the LoRAAdapter CRD: with one, a download is checked against
+    it and a different digest is a new version; without, the source is staged as found (its
+    digest computed on the way and shown), and a new version needs a new source or a digest."""
 
     name: str
     source: str
-    sha256: str
+    sha256: str | None
     dtype: str | None = None
 
     def validate(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise StoreError("InvalidRequest", f"adapter name {self.name!r} is not a Kubernetes object name")
-        if not isinstance(self.sha256, str) or not _SHA256.match(self.sha256):
+        if self.sha256 is not None and (not isinstance(self.sha256, str) or not _SHA256.match(self.sha256)):
             raise StoreError("InvalidRequest", f"sha256 {self.sha256!r} is not 64 lowercase hex digits")
         if not isinstance(self.source, str) or not self.source:
             raise StoreError("InvalidRequest", "source must be a non-empty string")
         if self.dtype is not None and (not isinstance(self.dtype, str) or self.dtype not in SERVING_DTYPES):
             raise StoreError("InvalidRequest", f"dtype {self.dtype!r} is not one of {sorted(SERVING_DTYPES)}")
+
+
+def is_version(staged: "_Entry | StagedAdapter", ref: AdapterRef) -> bool:
+    """`staged` (on disk) is the version `ref` asks for: the same digest, or, where `ref` gives
+    none, the same source."""
+    return staged.sha256 == ref.sha256 if ref.sha256 is not None else staged.source == ref.source
 
 
 @dataclass
@@ -209,13 +219,13 @@ class AdapterStore:
         """Make `ref` present and verified on local disk; return it. Raises StoreError."""
         ref.validate()
         e = self._entries.get(ref.name)
-        if e is not None and e.sha256 == ref.sha256:
+        if e is not None and is_version(e, ref):
             self.touch(ref.name)
             if ref.dtype and not (self._store_dir / e.blob / serving_weights_name(ref.dtype)).exists():
                 await self._add_serving_copy(e, ref)
             return self._info(e)
         generation = self._generation.get(ref.name, 0)
-        key = (ref.name, ref.sha256, generation)
+        key = (ref.name, ref.sha256 or ref.source, generation)
         fut = self._inflight.get(key)
         if fut is None:
             fut = asyncio.ensure_future(self._download(ref, generation))
@@ -289,7 +299,7 @@ class AdapterStore:
             total = nbytes + config_bytes
             if total > reserved:  # the size was not known up front
                 reserved += self._reserve(ref, total - reserved)
-            if digest != ref.sha256:
+            if ref.sha256 is not None and digest != ref.sha256:
                 raise StoreError(
                     "DigestMismatch",
                     f"{ref.name}: sha256 of {WEIGHTS_FILE} is {digest}, the adapter declares {ref.sha256}",
@@ -302,9 +312,9 @@ class AdapterStore:
                 extra = await self._write_serving_copy(tmp, ref)
                 reserved += extra
                 total += extra
-            meta = {"name": ref.name, "sha256": ref.sha256, "source": ref.source}
+            meta = {"name": ref.name, "sha256": digest, "source": ref.source}
             await asyncio.to_thread(_write_synced, tmp / META_FILE, json.dumps(meta).encode())
-            blob = f"{ref.sha256[:16]}-{uuid.uuid4().hex[:8]}"
+            blob = f"{digest[:16]}-{uuid.uuid4().hex[:8]}"
             await asyncio.to_thread(self._store_blob, tmp, blob)
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, tmp, True)
@@ -318,7 +328,7 @@ class AdapterStore:
         # versions of one name staged at once must not leave the link on one and the entry on
         # the other (whose cleanup then deletes the linked directory).
         old = self._entries.get(ref.name)
-        entry = _Entry(ref.name, ref.sha256, ref.source, blob, total, self._clock())
+        entry = _Entry(ref.name, digest, ref.source, blob, total, self._clock())
         self._link(ref.name, blob)
         self._entries[ref.name] = entry
         await asyncio.to_thread(_fsync_dir, self.root)

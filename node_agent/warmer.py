@@ -40,7 +40,7 @@ import aiohttp
 
 from loraplex.node_agent.kube import StatusReporter
 from loraplex.node_agent.metrics import Metrics
-from loraplex.node_agent.store import AdapterRef, AdapterStore, StagedAdapter, StoreError
+from loraplex.node_agent.store import AdapterRef, AdapterStore, StagedAdapter, StoreError, is_version
 from loraplex.server.adapter_format import SERVING_DTYPES
 from loraplex.server.plan_file import PlanFileError, decode_plan, read_plan_file
 
@@ -94,7 +94,7 @@ def parse_plan(data: object) -> Plan:
         if dtype is not None and dtype not in SERVING_DTYPES:
             raise PlanError(f"dtype {dtype!r} is not one of {sorted(SERVING_DTYPES)}")
         for a in data.get("adapters") or []:
-            ref = AdapterRef(a["name"], a["source"], a["sha256"], dtype)
+            ref = AdapterRef(a["name"], a["source"], a.get("sha256"), dtype)
             adapters[ref.name] = PlanAdapter(ref, a.get("tenant"), int(a.get("priority", 0)), bool(a.get("pinned")))
         pinned = tuple(data.get("pinned") or [n for n, a in adapters.items() if a.pinned])
         unknown = [n for n in pinned if n not in adapters]
@@ -320,7 +320,7 @@ class Warmer:
         if self.reporter is not None:  # what an earlier run (or a session) left on disk
             for name, a in plan.adapters.items():
                 staged = self.store.get(name)
-                if staged is not None and staged.sha256 == a.ref.sha256:
+                if staged is not None and is_version(staged, a.ref):
                     self.reporter.staged(name, staged.bytes)
         await self._stage_all([plan.adapters[n].ref for n in plan.pinned])
         now = self._now()
@@ -341,7 +341,7 @@ class Warmer:
     async def _stage(self, ref: AdapterRef) -> StagedAdapter:
         """Stage one plan adapter, keeping its error and its status.nodes entry up to date."""
         have = self.store.get(ref.name)
-        if self.reporter is not None and (have is None or have.sha256 != ref.sha256):
+        if self.reporter is not None and (have is None or not is_version(have, ref)):
             self.reporter.staging(ref.name)
         try:
             staged = await self.store.stage(ref)

@@ -389,3 +389,28 @@ async def test_restart_drops_a_serving_copy_cut_short_in_a_staged_version(tmp_pa
     assert again.get("a").bytes == staged.bytes and again.used_bytes == staged.bytes
     assert again.get("a").last_used == last_use  # the clean-up is not a use
     assert sorted(p.name for p in blob.iterdir()) == sorted([CONFIG_FILE, WEIGHTS_FILE, ".loraplex.json"])
+
+
+async def test_an_adapter_without_a_digest_is_staged_as_found(tmp_path, session, object_store):
+    """The LoRAAdapter CRD makes sha256 optional: without one the source is staged as the agent
+    finds it, its digest computed on the way (and shown), staged once per source; a new source
+    is a new version; a cut download still leaves nothing that looks whole. (The agent used to
+    refuse such an adapter, so a CR the operator accepted could never be served.)"""
+    store = open_store(tmp_path / "cache", session)
+    src = object_store.add("plain", tmp_path, seed=4)
+    staged = await store.stage(AdapterRef("plain", src, None))
+    assert staged.sha256 == object_store.adapters["plain"].sha256  # what it got, verified by hashing
+    assert Path(staged.path, WEIGHTS_FILE).read_bytes() == object_store.adapters["plain"].files[WEIGHTS_FILE]
+    again = await store.stage(AdapterRef("plain", src, None))
+    assert again.sha256 == staged.sha256 and object_store.gets["plain/" + WEIGHTS_FILE] == 1
+    sha2 = make_adapter(tmp_path / "v2" / "plain", seed=5)
+    v2 = await store.stage(AdapterRef("plain", str(tmp_path / "v2" / "plain"), None))  # another source
+    assert v2.sha256 == sha2 and v2.path == staged.path
+    cut = object_store.add("cut", tmp_path, seed=6, mode="cut")
+    with pytest.raises(StoreError):
+        await store.stage(AdapterRef("cut", cut, None))
+    assert_clean(tmp_path / "cache", ["cut"])
+    # Read back after a restart, with the digest it computed.
+    reopened = open_store(tmp_path / "cache", session)
+    assert reopened.get("plain").sha256 == sha2
+    assert (await reopened.stage(AdapterRef("plain", str(tmp_path / "v2" / "plain"), None))).sha256 == sha2

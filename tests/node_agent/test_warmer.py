@@ -388,3 +388,24 @@ async def test_a_session_download_voided_by_the_plan_leaves_no_staging_report(tm
     late = [body["status"]["nodes"]["node-7"] for _, name, body, _ in kube_api.patches if name == "late"]
     assert late[0] == {"phase": "Staging", "message": ""}
     assert late[-1] is None  # the node's key deleted: nothing of it is on this node
+
+
+async def test_a_planned_adapter_without_a_digest_is_staged(tmp_path, object_store, session):
+    """The operator writes `"sha256": null` for a LoRAAdapter that gives none (the CRD makes it
+    optional): the agent stages it as found, where it used to refuse it (InvalidRequest) and
+    the adapter could never reach a server."""
+    object_store.add("a", tmp_path, seed=1)
+    doc = plan_json(object_store, pinned=["a"])
+    doc["adapters"][0]["sha256"] = None
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(doc)
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    warmer = Warmer(store, cm.path, session, poll_seconds=0.05)
+    tasks = TaskGuard()
+    tasks.spawn(warmer.run(), "plan-watch")
+    try:
+        await _until(lambda: store.get("a") is not None)
+        assert store.get("a").pinned and store.get("a").sha256 == object_store.adapters["a"].sha256
+        assert tasks.crashed == {}
+    finally:
+        await tasks.close()
