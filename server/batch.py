@@ -161,8 +161,8 @@ def build_prefill(chunks: list[PrefillChunk],
         seqs.append(PrefillSeq(row=req.row, start=len(tokens), length=c.length, pos=c.pos))
         tokens += req.prompt_ids[c.pos: c.pos + c.length]
         slots += [req.slot] * c.length
-    return (torch.tensor(tokens, dtype=torch.int64, device=device),
-            torch.tensor(slots, dtype=torch.int32, device=device), seqs)
+    # Sent without waiting for the device's queue: a decode step launched ahead may be in it.
+    return to_device(tokens, torch.int64, device), to_device(slots, torch.int32, device), seqs
 
 
 @dataclass

@@ -43,7 +43,7 @@ from loraplex.kernels import LoRABatch, add_lora
 from .adapters import GROUPS
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .sampling import TokenLogprobs
+from .sampling import TokenLogprobs, to_device
 from .weights import BaseWeights
 
 
@@ -305,7 +305,7 @@ class LlamaModel:
                 attn[sl] = out[0].transpose(0, 1)
             x = x + self._linear(attn.reshape(x.shape[0], cfg.q_size), lw.o, None, i, "o", lora)
             x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, lora)
-        last = torch.tensor([s.start + s.length - 1 for s in seqs], device=self.device)
+        last = to_device([s.start + s.length - 1 for s in seqs], torch.int64, self.device)
         logits = self._logits(x[last])
         if prompt_logprobs is None:
             return logits
