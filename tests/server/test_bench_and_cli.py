@@ -30,6 +30,19 @@ def test_engine_bench_quick_on_cpu(tmp_path):
     assert {"speedup_vs_hf_peft", "base_step_vs_floor"} <= set(doc["checks"])
 
 
+def test_serving_mix_bench_quick_on_cpu(tmp_path):
+    """Requests arriving while others run, the same ones with and without the look-ahead: the
+    same tokens either way, every look-ahead used."""
+    out = tmp_path / "mix.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "serving_mix_bench.py"), "--shape", "tiny", "--quick",
+                        "--device", "cpu", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    waiting, ahead = doc["rounds"]["waiting"][0], doc["rounds"]["look_ahead"][0]
+    assert waiting["tokens"] == ahead["tokens"] > 0 and waiting["steps"] == ahead["steps"]
+    assert ahead["look_ahead_hits"] > 0 == ahead["look_ahead_misses"] == waiting["look_ahead_hits"]
+
+
 def test_demo_command_serves_and_answers(tmp_path):
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
     proc = subprocess.Popen([str(Path(sys.executable).parent / "loraplex-server"), "--demo", "--port", "0"],
