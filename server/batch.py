@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 import torch
 
