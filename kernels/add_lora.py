@@ -54,6 +54,9 @@ def _check(y, x, lora_a, lora_b, scaling, batch, ranks, output_slices) -> tuple[
     for name, t in (("x", x), ("y", y), ("lora_a", lora_a), ("lora_b", lora_b)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along its last dimension (stride {t.stride(-1)}); call .contiguous()")
+    if num_tokens > 1 and y.stride(0) < out_features:
+        raise ValueError(f"rows of y overlap (row stride {y.stride(0)} < {out_features} columns): each row adds "
+                         "its own term in place, so each needs its own memory")
     if lora_a.stride(1) < in_features or lora_b.stride(1) < rank:
         raise ValueError("lora_a and lora_b rows must not overlap")
     devices = {t.device for t in (y, x, lora_a, lora_b, scaling, batch.token_slots)}

@@ -212,9 +212,11 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     out_features = weight.shape[0]
     config = config or gemm_config(num_tokens, weight)
     y = out if out is not None else torch.empty(num_tokens, out_features, dtype=x.dtype, device=x.device)
-    if tuple(y.shape) != (num_tokens, out_features) or y.dtype != x.dtype or (out_features > 1 and y.stride(-1) != 1):
+    if (tuple(y.shape) != (num_tokens, out_features) or y.dtype != x.dtype or (out_features > 1 and y.stride(-1) != 1)
+            or (num_tokens > 1 and y.stride(0) < out_features)):
         raise ValueError(f"out must be {x.dtype} [{num_tokens}, {out_features}], contiguous along its last "
-                         f"dimension; got {y.dtype} {tuple(y.shape)} with strides {y.stride()}")
+                         f"dimension, its rows not overlapping; got {y.dtype} {tuple(y.shape)} with strides "
+                         f"{y.stride()}")
     if num_tokens == 0:
         return y
     row_tiles = triton.cdiv(num_tokens, config.block_m)

@@ -247,6 +247,17 @@ def test_refuses_bad_calls(overrides, error, match):
         add_lora(**_call_args(**overrides))
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_refuses_y_whose_rows_overlap(backend):
+    """Rows of y that share memory (a broadcast row, a row stride under the width) would each
+    add their own term into the same elements: refused, on either backend."""
+    for y in (torch.zeros(32).expand(4, 32), torch.zeros(4 * 16 + 16).as_strided((4, 32), (16, 1))):
+        with pytest.raises(ValueError, match="rows of y overlap"):
+            add_lora(**_call_args(y=y), backend=backend)
+    add_lora(**_call_args(y=torch.zeros(32).expand(4, 32)[:1], x=torch.zeros(1, 16),
+                          batch=LoRABatch.build(torch.tensor([0], dtype=torch.int32), 2)), backend=backend)
+
+
 def test_triton_backend_needs_block_m_of_16():
     args = _call_args(batch=LoRABatch.build(torch.tensor([0, 1, -1, 0], dtype=torch.int32), 2, block_m=2))
     with pytest.raises(ValueError, match="block_m"):

@@ -65,6 +65,8 @@ def test_gemm_refuses_bad_inputs():
         gemm(x, torch.randn(32, 64), out=torch.empty(32, 4).T)  # a column-major out
     with pytest.raises(ValueError, match="out must be"):
         gemm(x, torch.randn(32, 64), out=torch.empty(4, 32, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out must be"):
+        gemm(x, torch.randn(32, 64), out=torch.empty(32).expand(4, 32))  # rows that share memory
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -111,6 +113,8 @@ def test_lora_linear_checks_like_add_lora():
     a, b, sc = torch.randn(2, 16, 64), torch.randn(2, 32, 16), torch.ones(2)
     with pytest.raises(ValueError, match="lora_b has 32 output rows"):
         lora_linear(x, torch.randn(48, 64), a, b, sc, batch)
+    with pytest.raises(ValueError, match="rows of y overlap"):
+        lora_linear(x, torch.randn(32, 64), a, b, sc, batch, out=torch.empty(32).expand(4, 32))
     with pytest.raises(ValueError, match="built for 2 slots"):
         lora_linear(x, torch.randn(32, 64), torch.randn(3, 16, 64), torch.randn(3, 32, 16), torch.ones(3), batch)
 
