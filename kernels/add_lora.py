@@ -18,6 +18,34 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("auto", "triton", "torch")
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share bytes, from their sizes and strides alone (no host sync).
+
+    Exact for two row-major 2-D views of one row stride (column ranges of one buffer, say);
+    otherwise whether their extents meet, which may refuse views that only interleave."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def extent(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a_lo, a_hi), (b_lo, b_hi) = extent(a), extent(b)
+    if not (a_lo < b_hi and b_lo < a_hi):
+        return False
+    size = a.element_size()
+    row, a_width, b_width = a.stride(0) * size, a.shape[-1] * size, b.shape[-1] * size
+    if (a.dim() == b.dim() == 2 and a.stride() == b.stride() and a.stride(1) == 1 and b.element_size() == size
+            and row >= max(a_width, b_width)):
+        # Row j of b starts d + (j - i) * row bytes after row i of a: they meet iff some
+        # k = j - i in [1 - rows of a, rows of b - 1] has -b_width < d + k * row < a_width.
+        d = b_lo - a_lo
+        k_lo = max(1 - a.shape[0], (-b_width - d) // row + 1)
+        k_hi = min(b.shape[0] - 1, (a_width - d - 1) // row)
+        return k_lo <= k_hi
+    return True
+
+
 def _check(y, x, lora_a, lora_b, scaling, batch, ranks, output_slices) -> tuple[int, ...]:
     """Validates a call; returns the output slices (one slice when none are given)."""
     if x.dim() != 2 or y.dim() != 2:
@@ -59,6 +87,10 @@ def _check(y, x, lora_a, lora_b, scaling, batch, ranks, output_slices) -> tuple[
                          "its own term in place, so each needs its own memory")
     if lora_a.stride(1) < in_features or lora_b.stride(1) < rank:
         raise ValueError("lora_a and lora_b rows must not overlap")
+    for name, t in (("x", x), ("lora_a", lora_a), ("lora_b", lora_b), ("scaling", scaling), ("ranks", ranks)):
+        if t is not None and _overlaps(y, t):
+            raise ValueError(f"y shares memory with {name}: the term is added into y in place, while {name} is "
+                             "read, so y must not overlap its inputs")
     devices = {t.device for t in (y, x, lora_a, lora_b, scaling, batch.token_slots)}
     if ranks is not None:
         devices.add(ranks.device)

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .add_lora import _check
+from .add_lora import _check, _overlaps
 from .batch import LoRABatch
 from .configs import multiprocessors, sgmv_config, supports_pdl
 from .expand import sgmv_expand
@@ -217,6 +217,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         raise ValueError(f"out must be {x.dtype} [{num_tokens}, {out_features}], contiguous along its last "
                          f"dimension, its rows not overlapping; got {y.dtype} {tuple(y.shape)} with strides "
                          f"{y.stride()}")
+    for name, t in (("x", x), ("weight", weight)):
+        if _overlaps(y, t):
+            raise ValueError(f"out shares memory with {name}: its tiles are written while {name} is read")
     if num_tokens == 0:
         return y
     row_tiles = triton.cdiv(num_tokens, config.block_m)

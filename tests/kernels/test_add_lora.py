@@ -258,6 +258,40 @@ def test_refuses_y_whose_rows_overlap(backend):
                           batch=LoRABatch.build(torch.tensor([0], dtype=torch.int32), 2)), backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_refuses_y_that_shares_memory_with_x(backend):
+    """y is written while x is read: y as x itself, or as a view that overlaps it, is refused."""
+    buf = torch.zeros(4, 32)
+    for x in (buf[:, :16], buf[:, 16:]):
+        with pytest.raises(ValueError, match="y shares memory with x"):
+            add_lora(**_call_args(y=buf, x=x), backend=backend)
+    wide = torch.zeros(4, 48)  # side by side in one buffer, apart: accepted
+    add_lora(**_call_args(y=wide[:, :32], x=wide[:, 32:][:4]), backend=backend)
+
+
+def test_overlap_test_agrees_with_the_elements():
+    """_overlaps on random blocks of one buffer (rows and columns of it) against the elements
+    the blocks touch."""
+    from loraplex.kernels.add_lora import _overlaps
+
+    buf = torch.zeros(6, 10)
+    gen = torch.Generator().manual_seed(5)
+
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi, (), generator=gen))
+
+    def block():
+        r, c = draw(0, 6), draw(0, 10)
+        h, w = draw(1, 7 - r), draw(1, 11 - c)
+        mark = torch.zeros(6, 10, dtype=torch.bool)
+        mark[r : r + h, c : c + w] = True
+        return buf[r : r + h, c : c + w], mark
+
+    for _ in range(300):
+        (a, a_mark), (b, b_mark) = block(), block()
+        assert _overlaps(a, b) == _overlaps(b, a) == bool((a_mark & b_mark).any()), (a.shape, b.shape)
+
+
 def test_triton_backend_needs_block_m_of_16():
     args = _call_args(batch=LoRABatch.build(torch.tensor([0, 1, -1, 0], dtype=torch.int32), 2, block_m=2))
     with pytest.raises(ValueError, match="block_m"):

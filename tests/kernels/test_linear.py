@@ -67,6 +67,11 @@ def test_gemm_refuses_bad_inputs():
         gemm(x, torch.randn(32, 64), out=torch.empty(4, 32, dtype=torch.float16))
     with pytest.raises(ValueError, match="out must be"):
         gemm(x, torch.randn(32, 64), out=torch.empty(32).expand(4, 32))  # rows that share memory
+    square = torch.randn(64, 64)
+    with pytest.raises(ValueError, match="out shares memory with x"):
+        gemm(x, square, out=x)  # tiles written while other tiles still read x: wrong with K split
+    with pytest.raises(ValueError, match="out shares memory with weight"):
+        gemm(x, square, out=square[:4])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
