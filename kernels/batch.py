@@ -102,7 +102,8 @@ class LoRABatch:
         ``max_adapters``: an upper bound on the distinct slots in ``token_slots``, known to the
         caller (default: ``num_slots``). It sizes the grid, so it is a contract: rows of
         adapters past it would fall outside the grid. Device ops only (sort, scatter, scan,
-        searchsorted): no host synchronisation, so the bound cannot be checked here.
+        searchsorted): no host synchronisation, so the bound cannot be checked here, nor
+        can slots past ``num_slots`` on a GPU (on the CPU they are refused).
         """
         if token_slots.dim() != 1:
             raise ValueError(f"token_slots must be 1-D [num_tokens], got shape {tuple(token_slots.shape)}")
@@ -113,6 +114,10 @@ class LoRABatch:
         if max_adapters is not None and max_adapters < 1:
             raise ValueError(f"max_adapters must be >= 1 (a step without adapters needs no batch), "
                              f"got {max_adapters}")
+        if block_m is not None and block_m < 0:
+            raise ValueError(f"block_m must be >= 1 (or 0 or None for the default), got {block_m}")
+        if token_slots.device.type == "cpu" and token_slots.numel() and int(token_slots.max()) >= num_slots:
+            raise ValueError(f"token_slots names slot {int(token_slots.max())}, past the {num_slots} slots")
         num_tokens = token_slots.shape[0]
         block_m = block_m or default_block_m(num_tokens)
         device = token_slots.device

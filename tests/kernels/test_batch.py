@@ -92,3 +92,16 @@ def test_a_bound_on_distinct_adapters_shrinks_the_grid_not_the_blocks():
 def test_refuses_bad_token_slots(bad, error):
     with pytest.raises(error):
         LoRABatch.build(bad, 4)
+
+
+@pytest.mark.parametrize("slot", [4, 9])
+def test_refuses_slots_past_num_slots(slot):
+    """A slot past the buffers: on the CPU a clear error, not a row silently taken for a base
+    row by the Triton path (slot == num_slots) or an index error deep in torch."""
+    with pytest.raises(ValueError, match=f"slot {slot}, past the 4 slots"):
+        LoRABatch.build(torch.tensor([0, slot, -1], dtype=torch.int32), 4)
+
+
+def test_refuses_a_negative_block_m():
+    with pytest.raises(ValueError, match="block_m"):
+        LoRABatch.build(torch.tensor([0, 1], dtype=torch.int32), 4, block_m=-16)
