@@ -105,7 +105,8 @@ def add_lora_torch(
         v = torch.bmm(a, xs.unsqueeze(2)).squeeze(2).float()  # shrink, all slices: [t, n*R]
         for i, (offset, width) in enumerate(bounds):
             keep_i = keep[:, min(i, keep.shape[1] - 1)]  # [t, R]
-            vi = torch.where(keep_i, v[:, i * rank : (i + 1) * rank], 0.0) * scale[slots, i][:, None]
+            # Scaled before the `where`: base rows gather slot 0's scale, which may be anything.
+            vi = torch.where(keep_i, v[:, i * rank : (i + 1) * rank] * scale[slots, i][:, None], 0.0)
             b = torch.where(keep_i[:, None, :], lora_b[slots, offset : offset + width, :], 0)  # [t, o, R]
             delta = torch.bmm(b, vi.to(b.dtype).unsqueeze(2)).squeeze(2)  # expand: [t, o]
             y[start:stop, offset : offset + width] += delta.to(y.dtype)

@@ -194,6 +194,22 @@ def test_uniform_ranks_without_ranks_tensor(backend):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_scales_of_unused_slots_and_idle_slices_are_never_read(backend):
+    """Only a row's own slot and its slices of nonzero rank read a scale: NaN in slot 0 (no
+    row uses it) and in a slice of rank 0 leave base rows and that slice's columns alone."""
+    gen = torch.Generator().manual_seed(13)
+    token_slots = torch.tensor([1, -1, 1, -1], dtype=torch.int32)
+    lora_a, lora_b = torch.randn(2, 16, 16, generator=gen), torch.randn(2, 32, 8, generator=gen)
+    scaling = torch.tensor([[float("nan"), float("nan")], [0.5, float("nan")]])
+    ranks = torch.tensor([[8, 8], [8, 0]], dtype=torch.int32)
+    x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 32, generator=gen)
+    expected = add_lora_reference(y, x, lora_a, lora_b, scaling.nan_to_num(), token_slots, ranks, (16, 16))
+    add_lora(y, x, lora_a, lora_b, scaling, LoRABatch.build(token_slots, 2), ranks, backend=backend,
+             output_slices=(16, 16))
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_fused_slices_equal_separate_calls(backend):
     """One launch over q/k/v gives what three single-slice calls give."""
     gen = torch.Generator().manual_seed(11)
