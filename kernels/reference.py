@@ -64,10 +64,14 @@ def add_lora_reference(
     for i, (offset, width) in enumerate(bounds):
         a = lora_a[slots, i * rank : (i + 1) * rank, :].to(compute_dtype)  # [t, R, in]
         b = lora_b[slots, offset : offset + width, :].to(compute_dtype)  # [t, o, R]
+        s = scale[slots, i]  # [t]
+        if mask is not None:  # past the rank is no part of the adapter, whatever it holds
+            keep = mask[slots, i]  # [t, R]
+            a = torch.where(keep[:, :, None], a, 0)
+            b = torch.where(keep[:, None, :], b, 0)
+            s = torch.where(keep.any(1), s, 0)  # a slice of rank 0 adds nothing
         v = torch.einsum("tk,trk->tr", xs, a)  # shrink: [t, R]
-        if mask is not None:
-            v = v * mask[slots, i].to(compute_dtype)
-        delta = torch.einsum("tr,tor->to", v, b) * scale[slots, i][:, None]  # expand: [t, o]
+        delta = torch.einsum("tr,tor->to", v, b) * s[:, None]  # expand: [t, o]
         out[rows, offset : offset + width] += delta
     return out
 

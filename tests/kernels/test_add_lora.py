@@ -209,6 +209,22 @@ def test_scales_of_unused_slots_and_idle_slices_are_never_read(backend):
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_reference_reads_nothing_past_the_ranks():
+    """The reference's own contract: what lies past a slice's rank (and the scale of a slice
+    of rank 0) does not change its result."""
+    gen = torch.Generator().manual_seed(17)
+    token_slots = torch.tensor([0, 1, -1, 1, 0], dtype=torch.int32)
+    ranks = torch.tensor([[3, 0], [8, 5]], dtype=torch.int32)
+    lora_a, lora_b, scaling = make_weights(2, 8, 16, (12, 20), ranks, torch.float32, gen, {0, 1})
+    scaling[0, 1] = float("nan")
+    x, y = torch.randn(5, 16, generator=gen), torch.randn(5, 32, generator=gen)
+    got = add_lora_reference(y, x, lora_a, lora_b, scaling, token_slots, ranks, (12, 20))
+    clean = add_lora_reference(y, x, lora_a.nan_to_num(), lora_b.nan_to_num(), scaling.nan_to_num(), token_slots,
+                               ranks, (12, 20))
+    assert torch.equal(got, clean)
+    assert torch.equal(got[:, 12:][token_slots == 0], y[:, 12:][token_slots == 0].double())
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_fused_slices_equal_separate_calls(backend):
     """One launch over q/k/v gives what three single-slice calls give."""
