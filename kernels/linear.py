@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .add_lora import _check, _overlaps
+from .add_lora import SUPPORTED_DTYPES, _check, _overlaps
 from .batch import LoRABatch
 from .configs import multiprocessors, sgmv_config, supports_pdl
 from .expand import sgmv_expand
@@ -206,6 +206,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         raise ValueError(f"x must be [T, in] and weight [out, in], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("x and weight must be contiguous along their last dimension")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype {x.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     if weight.dtype != x.dtype:
         raise TypeError(f"weight is {weight.dtype} but x is {x.dtype}")
     num_tokens, in_features = x.shape

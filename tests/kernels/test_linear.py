@@ -61,6 +61,9 @@ def test_gemm_refuses_bad_inputs():
         gemm(torch.randn(64, 4).T, torch.randn(32, 64))
     with pytest.raises(TypeError, match="weight is"):
         gemm(x, torch.randn(32, 64, dtype=torch.float16))
+    for dtype in (torch.float64, torch.int32):  # float64 came out wrong, int32 failed inside Triton
+        with pytest.raises(TypeError, match="not supported"):
+            gemm(x.to(dtype), torch.randn(32, 64).to(dtype))
     with pytest.raises(ValueError, match="out must be"):
         gemm(x, torch.randn(32, 64), out=torch.empty(32, 4).T)  # a column-major out
     with pytest.raises(ValueError, match="out must be"):
