@@ -127,7 +127,7 @@ def add_lora(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     slices = _check(y, x, lora_a, lora_b, scaling, batch, ranks, output_slices)
-    if x.shape[0] == 0:
+    if x.numel() == 0:  # no rows, or no input columns: the term is zero
         return y
     if backend == "auto":
         backend = "triton" if x.is_cuda else "torch"

@@ -224,6 +224,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
             raise ValueError(f"out shares memory with {name}: its tiles are written while {name} is read")
     if num_tokens == 0:
         return y
+    if in_features == 0:
+        return y.zero_()
     row_tiles = triton.cdiv(num_tokens, config.block_m)
     col_tiles = triton.cdiv(out_features, config.block_n)
     k_chunk = triton.cdiv(triton.cdiv(in_features, config.splits), config.block_k) * config.block_k
@@ -271,8 +273,8 @@ def lora_linear(
     if batch.block_m < 16 or batch.block_m & (batch.block_m - 1):
         raise ValueError(f"the Triton path needs block_m a power of two >= 16, the batch has {batch.block_m}")
     config = config or gemm_config(x.shape[0], weight)
-    if x.shape[0] == 0:
-        return y
+    if x.numel() == 0:  # no rows, or no input columns: no LoRA term
+        return gemm(x, weight, y, config)
     rank = lora_b.shape[2]
     sgmv = sgmv_config(batch.num_blocks, batch.block_m, x.shape[1], slices, rank, x.dtype, x.device)
     partial = sgmv_shrink(x, lora_a, batch, ranks, rank, config.shrink_splits or sgmv.k_splits, sgmv.block_k,

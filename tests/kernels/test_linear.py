@@ -115,6 +115,16 @@ def test_lora_linear_matches_gemm_then_add_lora(num_tokens, num_slots, shape, pa
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
+def test_no_input_columns_gives_zeros():
+    """in_features 0 (an empty sum): zeros, and y unchanged by add_lora, on every path."""
+    batch = LoRABatch.build(torch.tensor([0, -1, 1], dtype=torch.int32), 2)
+    x, weight, a, b, sc = torch.zeros(3, 0), torch.zeros(32, 0), torch.zeros(2, 8, 0), torch.ones(2, 32, 8), torch.ones(2)
+    assert torch.equal(gemm(x, weight, out=torch.full((3, 32), 7.0)), torch.zeros(3, 32))
+    assert torch.equal(lora_linear(x, weight, a, b, sc, batch, out=torch.full((3, 32), 7.0)), torch.zeros(3, 32))
+    for backend in ("triton", "torch"):
+        assert torch.equal(add_lora(torch.ones(3, 32), x, a, b, sc, batch, backend=backend), torch.ones(3, 32))
+
+
 def test_lora_linear_checks_like_add_lora():
     x = torch.randn(4, 64)
     batch = LoRABatch.build(torch.zeros(4, dtype=torch.int32), 2)
