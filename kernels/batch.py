@@ -102,8 +102,8 @@ class LoRABatch:
         ``max_adapters``: an upper bound on the distinct slots in ``token_slots``, known to the
         caller (default: ``num_slots``). It sizes the grid, so it is a contract: rows of
         adapters past it would fall outside the grid. Device ops only (sort, scatter, scan,
-        searchsorted): no host synchronisation, so the bound cannot be checked here, nor
-        can slots past ``num_slots`` on a GPU (on the CPU they are refused).
+        searchsorted): no host synchronisation, so on a GPU neither the bound nor slots past
+        ``num_slots`` can be checked here; on the CPU both are.
         """
         if token_slots.dim() != 1:
             raise ValueError(f"token_slots must be 1-D [num_tokens], got shape {tuple(token_slots.shape)}")
@@ -116,8 +116,12 @@ class LoRABatch:
                              f"got {max_adapters}")
         if block_m is not None and block_m < 0:
             raise ValueError(f"block_m must be >= 1 (or 0 or None for the default), got {block_m}")
-        if token_slots.device.type == "cpu" and token_slots.numel() and int(token_slots.max()) >= num_slots:
-            raise ValueError(f"token_slots names slot {int(token_slots.max())}, past the {num_slots} slots")
+        if token_slots.device.type == "cpu" and token_slots.numel():
+            if int(token_slots.max()) >= num_slots:
+                raise ValueError(f"token_slots names slot {int(token_slots.max())}, past the {num_slots} slots")
+            if max_adapters is not None and (distinct := token_slots[token_slots >= 0].unique().numel()) > max_adapters:
+                raise ValueError(f"token_slots use {distinct} distinct slots, more than max_adapters={max_adapters}: "
+                                 "the grid would leave some rows out")
         num_tokens = token_slots.shape[0]
         block_m = block_m or default_block_m(num_tokens)
         device = token_slots.device

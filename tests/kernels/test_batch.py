@@ -105,3 +105,12 @@ def test_refuses_slots_past_num_slots(slot):
 def test_refuses_a_negative_block_m():
     with pytest.raises(ValueError, match="block_m"):
         LoRABatch.build(torch.tensor([0, 1], dtype=torch.int32), 4, block_m=-16)
+
+
+def test_refuses_more_adapters_than_max_adapters():
+    """On the CPU the grid's bound is checked: rows of adapters past it would get no block,
+    and so, on the Triton path, silently no term."""
+    slots = torch.tensor([0, 2, -1, 3, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="3 distinct slots, more than max_adapters=2"):
+        LoRABatch.build(slots, 4, max_adapters=2)
+    LoRABatch.build(slots, 4, max_adapters=3)
