@@ -48,6 +48,8 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _check(y, x, lora_a, lora_b, scaling, batch, ranks, output_slices) -> tuple[int, ...]:
     """Validates a call; returns the output slices (one slice when none are given)."""
+    if not isinstance(batch, LoRABatch):
+        raise TypeError(f"batch must be a LoRABatch (LoRABatch.build(token_slots, num_slots)), got {type(batch).__name__}")
     if x.dim() != 2 or y.dim() != 2:
         raise ValueError(f"x and y must be 2-D [tokens, features], got {tuple(x.shape)} and {tuple(y.shape)}")
     num_tokens, in_features = x.shape

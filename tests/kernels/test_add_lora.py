@@ -271,6 +271,7 @@ def _call_args(**overrides):
         (dict(x=torch.zeros(16, 4).t()), ValueError, "contiguous"),
         (dict(output_slices=(16, 8)), ValueError, "output_slices"),
         (dict(backend="cuda"), ValueError, "backend"),
+        (dict(batch=torch.tensor([0, 1, -1, 0], dtype=torch.int32)), TypeError, "LoRABatch"),  # token_slots itself
         (dict(x=torch.zeros(4, 16, dtype=torch.int32)), TypeError, "not supported"),
     ],
 )
