@@ -39,6 +39,8 @@ class Tokenizer:
         self.add_bos = bool(cfg.get("add_bos_token", False))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        # Special tokens: `decode` skips them, so they add no text wherever they stand.
+        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self._template = None
 
     @property
@@ -107,6 +109,11 @@ class IncrementalDetokenizer:
         self._read = len(self.ids)  # tokens whose text is in self.text (or, at first, the context's)
 
     def add(self, token_id: int) -> str:
+        if token_id in self.tok.special_ids:
+            # No text wherever it stands (decode skips it), and kept out of the window: a run of
+            # them (EOS after EOS with ignore_eos, as benchmarks ask) made every later step
+            # decode a window as long as the run, each row's cost growing with its output.
+            return ""
         self.ids.append(token_id)
         before = self.tok.decode(self.ids[self._prefix:self._read])
         after = self.tok.decode(self.ids[self._prefix:])

@@ -102,3 +102,24 @@ def test_the_stop_hold_back_is_the_longest_stop_prefix_ending_the_text():
     for _ in range(100):
         text += "aaaa"
         assert req._holdback(text) == min(len(text), 255)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "llama-2"])
+def test_special_tokens_add_no_text_and_do_not_grow_the_window(tmp_path, kind):
+    """A run of special tokens (EOS after EOS, as a benchmark's ignore_eos gets) adds no text,
+    wherever it stands, and stays out of the detokenizer's window: the window used to grow
+    with every one, each step decoding the whole run again."""
+    if kind == "byte-level":
+        build_tokenizer(tmp_path, vocab_size=320)
+        tok = Tokenizer(tmp_path)
+    else:
+        tok = sentencepiece_tokenizer(tmp_path, kind)
+    eos = tok.eos_token_id
+    assert eos in tok.special_ids
+    prompt = tok.encode("The quick brown fox")
+    words = tok.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)[-6:]
+    plain, _ = stream(tok, prompt, words)
+    mixed = [eos] * 3 + words[:2] + [eos] * 500 + words[2:] + [eos] * 50
+    deltas, req = stream(tok, prompt, mixed)
+    assert "".join(deltas) == "".join(plain) and "".join(plain).strip()
+    assert len(req.detok.ids) <= 5 + len(words)  # the prompt's context and the words, no EOS
