@@ -84,6 +84,12 @@ class _SamplingFields(RequestBody):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    # Parts of the OpenAI API this server does not implement: refused when they would change
+    # the output (a 400 naming them), accepted when neutral (empty, or plain text), never
+    # silently dropped.
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    tools: list | None = None
 
     def top_logprobs_k(self) -> int | None:
         """How many alternatives per token the response lists (None: no logprobs)."""
@@ -101,6 +107,13 @@ class _SamplingFields(RequestBody):
         longest = max(map(len, stop), default=0)
         if longest > MAX_STOP_CHARS:
             return f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}", "stop"
+        if self.logit_bias:
+            return "logit_bias is not supported", "logit_bias"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return f"response_format {self.response_format.get('type')!r} is not supported (only text)", \
+                "response_format"
+        if self.tools:
+            return "tools are not supported", "tools"
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and not -2.0 <= value <= 2.0:
