@@ -35,7 +35,7 @@ their own, can fill every slot: then the newest idle one gives its slot to a req
 waits pending, `SlotTable.take_slot`). At most
 `max_concurrent_loads` loads run at once. A failed load frees its slot, fails its waiters
 (`take_failures` for the engine's queued requests, `failed_load` for one queued after that)
-and is retried by the next request. Under overload (every slot's adapter always has
+and is retried by the next request; a pin's also on its own, after a back-off (`_retry_pin`). Under overload (every slot's adapter always has
 requests) a cold request would starve: after `drain_after` seconds one busy adapter stops
 admitting and gives up its slot once its running requests finish (`SlotTable.drain`), round
 robin through the slots.
@@ -68,6 +68,11 @@ from .host_tier import HostTier, host_copy_from_tensors
 from .slot_table import CachedAdapter, SlotTable, tell
 
 log = logging.getLogger(__name__)
+
+# A pin whose load failed is loaded again after this many seconds, doubled after each failure
+# in a row, up to the most (a request for it, or a new plan, tries at once as before).
+PIN_RETRY_FIRST_S = 2.0
+PIN_RETRY_MAX_S = 120.0
 
 
 class AdapterCache:
@@ -505,9 +510,27 @@ class AdapterCache:
 
     def _loaded(self, e: CachedAdapter, slot: int, tier: str, error: AdapterLoadError | None, t0: float) -> None:
         """The loader's `done`: the table marks `e` ready (or failed) and starts the next loads;
-        then the prefetches waiting on it hear the outcome and the engine wakes up."""
+        then the prefetches waiting on it hear the outcome and the engine wakes up. A pin whose
+        load failed is tried again later (`_retry_pin`)."""
         with self._lock:
             waiters = self.table.finish_load(e, slot, tier, error, t0)
+            e.failed_in_row = e.failed_in_row + 1 if error is not None else 0
+            retry = error is not None and e.pinned and not e.unloading
         for fut in waiters:
             tell(fut, slot, error)
+        if retry:
+            delay = min(PIN_RETRY_MAX_S, PIN_RETRY_FIRST_S * 2 ** (e.failed_in_row - 1))
+            timer = threading.Timer(delay, self._retry_pin, (e,))
+            timer.daemon = True
+            timer.start()
         self.wake()
+
+    def _retry_pin(self, e: CachedAdapter) -> None:
+        """Load a pin again after its load failed, if it is still this name's row, pinned and
+        cold: a pin is wanted resident whether or not a request asks for it (a plan's pins
+        would otherwise stay cold after one failure, the node agent down for a moment, say,
+        until traffic or a new plan came)."""
+        with self._lock:
+            if self.table.entries.get(e.name) is e and e.pinned and not e.unloading and e.state == "cold":
+                log.info("adapter %s: pinned, its last load failed (%s); loading it again", e.name, e.error)
+                self.table.want(e)

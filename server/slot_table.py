@@ -68,6 +68,7 @@ class CachedAdapter:
     hits: int = 0  # requests that found it resident
     misses: int = 0  # requests that had to wait for a load
     error: str | None = None  # the last load's error
+    failed_in_row: int = 0  # loads that failed since the last that did not (a pin's retries back off)
     unloading: bool = False
     draining: bool = False  # no new admissions; evicted once its running requests finish
     expired: bool = False  # its warm-up window ended with no request since: evicted before any other

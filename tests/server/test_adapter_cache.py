@@ -1082,3 +1082,33 @@ def test_a_load_whose_read_fails_registers_nothing_and_can_be_made_again(tmp_pat
     monkeypatch.setattr(loader, "read_into_host", read_into_host)
     assert cache.load("x", src) in (0, 1)
     check_invariants(cache)
+
+
+def test_a_pin_whose_load_failed_is_loaded_again_on_its_own(disk, monkeypatch):
+    """A pinned adapter (a plan's, say) whose load fails (the node agent down for a moment) is
+    loaded again after a back-off, with no request for it; it used to stay cold until a
+    request or a new plan came. An unpinned one waits for its next request, as before."""
+    import loraplex.server.adapter_cache as cache_module
+    import loraplex.server.adapter_loader as loader
+
+    monkeypatch.setattr(cache_module, "PIN_RETRY_FIRST_S", 0.05)
+    cache = make_cache(disk, slots=3)
+    calls = {"a": 0, "b": 0}
+
+    def flaky(path, *a, **kw):
+        name = Path(path).name
+        calls[name] = calls.get(name, 0) + 1
+        if calls[name] <= 2:  # the first two reads fail: the retry backs off once, then loads
+            raise OSError("node agent unreachable")
+        return read_into_host(path, *a, **kw)
+
+    monkeypatch.setattr(loader, "read_into_host", flaky)
+    with pytest.raises(AdapterLoadError):
+        cache.pin("a").result(10)
+    with pytest.raises(AdapterLoadError):
+        cache.prefetch("b").result(10)
+    wait_ready(cache, "a")
+    assert calls["a"] == 3 and {r["name"]: r["error"] for r in cache.describe()}["a"] is None
+    time.sleep(0.3)
+    assert calls["b"] == 1 and "b" not in cache.ready_slots()  # not pinned: no retry of its own
+    check_invariants(cache)
