@@ -138,16 +138,22 @@ class AdapterLoader:
             return copy, "host"
         with self._lock:
             path = self.disk_dir(e)
+            version = e.sha256  # a new one registered during the read: this copy is not it
         tier = "disk"
         if path is None:
-            path, tier = fetch_adapter(e.name, e.source, e.sha256, self.cache_dir, self.node_agent_url,
+            path, tier = fetch_adapter(e.name, e.source, version, self.cache_dir, self.node_agent_url,
                                        missing=e.path, dtype=self.dtype_name), "source"
         copy, spec, stamp = self._read_disk(e, path, writer)
-        digest = e.sha256 or _stat_digest(path / WEIGHTS_FILE)
+        digest = version or _stat_digest(path / WEIGHTS_FILE)
         with self._lock:
             e.spec, e.disk_read = spec, DiskRead(stamp, spec, copy.read_plan)
             e.id = AdapterId(name=e.name, digest=digest, uri=str(path))
-        if not self.host.add(e.name, copy):
+            current = e.sha256 == version
+        if not current:
+            # The slot gets this copy (a new version takes effect at the next load), but the host
+            # tier must not keep it: the next load would serve the old version from there.
+            log.info("adapter %s: a new version was registered during its load; its host copy is not kept", e.name)
+        elif not self.host.add(e.name, copy):
             log.debug("adapter %s: no room in the host tier", e.name)
         return copy, tier
 

@@ -1112,3 +1112,32 @@ def test_a_pin_whose_load_failed_is_loaded_again_on_its_own(disk, monkeypatch):
     time.sleep(0.3)
     assert calls["b"] == 1 and "b" not in cache.ready_slots()  # not pinned: no retry of its own
     check_invariants(cache)
+
+
+def test_a_version_registered_during_a_load_keeps_the_old_copy_out_of_the_host_tier(disk, monkeypatch):
+    """The plan registers a new sha256 for an adapter while its load reads the old files: the
+    slot gets what was read (a new version takes effect at the next load), but the host tier
+    must not keep that copy, or every later load would serve the old version from it."""
+    import loraplex.server.adapter_loader as loader
+
+    cache = make_cache(disk, slots=2)
+    cache.register("a", sha256="1" * 64)
+    reading, go = threading.Event(), threading.Event()
+
+    def slow(path, *a, **kw):
+        reading.set()
+        assert go.wait(10)
+        return read_into_host(path, *a, **kw)
+
+    monkeypatch.setattr(loader, "read_into_host", slow)
+    fut = cache.prefetch("a")
+    assert reading.wait(10)
+    cache.register("a", sha256="2" * 64)  # the node agent stages version 2 meanwhile
+    go.set()
+    assert fut.result(10) in (0, 1)
+    assert "a" not in cache.host  # the next load reads the files again, not this copy
+    monkeypatch.setattr(loader, "read_into_host", read_into_host)
+    assert cache.evict("a")
+    assert cache.prefetch("b").result(10) in (0, 1) and cache.prefetch("a").result(10) in (0, 1)
+    assert "a" in cache.host  # read at version 2: kept
+    check_invariants(cache)
