@@ -887,6 +887,7 @@ def test_loads_pending_counts_only_loads_still_pending(disk):
     cache.acquire("a")
     wait_ready(cache, "a")  # the only slot busy
     cache.acquire("b")  # a request waits for a slot
+    cache.prefetch("b")  # and a session start (it keeps the load wanted once the request leaves)
     cache.prefetch("c")
     cache.refresh_metrics()
     assert cache.metrics.loads_pending._value.get() == 2
@@ -1140,4 +1141,21 @@ def test_a_version_registered_during_a_load_keeps_the_old_copy_out_of_the_host_t
     assert cache.evict("a")
     assert cache.prefetch("b").result(10) in (0, 1) and cache.prefetch("a").result(10) in (0, 1)
     assert "a" in cache.host  # read at version 2: kept
+    check_invariants(cache)
+
+
+def test_a_pending_load_whose_requests_all_left_is_called_off(disk):
+    """One slot, held by a running request for "a"; a request for "b" queues its load, then is
+    aborted. When "a" is released, "b" must not load (evicting "a" for nobody); it used to."""
+    cache = make_cache(disk, slots=1)
+    assert use(cache, "a") == 0  # loaded, and held again
+    assert cache.acquire("a") == 0
+    assert cache.acquire("b") == -1  # pending: the only slot is in use
+    cache.release("b")  # its request is aborted before the load could start
+    cache.release("a")
+    time.sleep(0.2)
+    assert cache.ready_slots() == {"a": 0} and cache.in_flight == 0
+    assert {r["name"]: r["state"] for r in cache.describe()}["b"] == "idle"
+    assert cache.acquire("b") == -1  # a new request for it queues the load again
+    cache.release("b")
     check_invariants(cache)
