@@ -428,7 +428,9 @@ class AdapterStore:
                 log.warning("removing %s: its version directory is missing or incomplete", link)
                 link.unlink()
                 continue
-            if meta.get("name") != link.name:
+            if (not isinstance(meta, dict) or meta.get("name") != link.name
+                    or not isinstance(meta.get("sha256"), str) or not isinstance(meta.get("source"), str)):
+                log.warning("removing %s: its version's %s does not describe it", link, META_FILE)
                 link.unlink()
                 continue
             used_blobs.add(target.name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -414,3 +415,19 @@ async def test_an_adapter_without_a_digest_is_staged_as_found(tmp_path, session,
     reopened = open_store(tmp_path / "cache", session)
     assert reopened.get("plain").sha256 == sha2
     assert (await reopened.stage(AdapterRef("plain", str(tmp_path / "v2" / "plain"), None))).sha256 == sha2
+
+
+@pytest.mark.parametrize("meta", [{"name": "odd"}, {"name": "odd", "sha256": None, "source": "/x"}, ["odd"]])
+async def test_restart_drops_a_version_whose_metadata_does_not_describe_it(tmp_path, session, clock, meta):
+    """A version directory whose metadata file parses but lacks its digest or source (edited by
+    hand, say) is dropped at start with the others' leftovers; it used to stop the agent's
+    start with a KeyError, taking every staged adapter of the node with it."""
+    root = tmp_path / "cache"
+    store = open_store(root, session, clock)
+    await _stage_local(store, tmp_path, "keep", 1)
+    await _stage_local(store, tmp_path, "odd", 2)
+    blob = Path(os.readlink(root / "odd")).name
+    (root / ".store" / blob / ".loraplex.json").write_text(json.dumps(meta))
+    again = open_store(root, session, clock)
+    assert [a.name for a in again.list()] == ["keep"]
+    assert_clean(root, ["odd"])
