@@ -103,13 +103,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] = ()):
         self.tok = tokenizer
+        self._special = getattr(tokenizer, "special_ids", frozenset())  # a stand-in may have none
         self.ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])  # context, then the output tokens
         self.text = ""
         self._prefix = 0  # window start
         self._read = len(self.ids)  # tokens whose text is in self.text (or, at first, the context's)
 
     def add(self, token_id: int) -> str:
-        if token_id in self.tok.special_ids:
+        if token_id in self._special:
             # No text wherever it stands (decode skips it), and kept out of the window: a run of
             # them (EOS after EOS with ignore_eos, as benchmarks ask) made every later step
             # decode a window as long as the run, each row's cost growing with its output.
