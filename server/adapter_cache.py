@@ -96,6 +96,7 @@ class AdapterCache:
         self._pin_orders = itertools.count(1)  # pins are numbered as made: the newest yields first
         self._lock = threading.RLock()
         self._plan_prefetch: set[str] = set()  # the last plan's prefetch list (open warm-up windows)
+        self._closed = False
         self.loader = AdapterLoader(buffers, base, self.host, lock=self._lock, done=self._loaded,
                                     max_concurrent_loads=max_concurrent_loads, cache_dir=cache_dir,
                                     node_agent_url=node_agent_url, clock=clock)
@@ -112,6 +113,7 @@ class AdapterCache:
                    node_agent_url=settings.node_agent_url, metrics=metrics)
 
     def close(self) -> None:
+        self._closed = True  # no pin retry starts a load after this
         self.loader.close()
 
     @property
@@ -536,6 +538,8 @@ class AdapterCache:
         would otherwise stay cold after one failure, the node agent down for a moment, say,
         until traffic or a new plan came)."""
         with self._lock:
+            if self._closed:
+                return
             if self.table.entries.get(e.name) is e and e.pinned and not e.unloading and e.state == "cold":
                 log.info("adapter %s: pinned, its last load failed (%s); loading it again", e.name, e.error)
                 self.table.want(e)
