@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import datetime
 import pathlib
+import re
 
 import jsonschema
 import pytest
@@ -15,6 +16,7 @@ import yaml
 
 from loraplex.operator.plan import build_plan
 from loraplex.operator.specs import ALL_TARGET_MODULES, AdapterSpec, BaseModelSpec
+from loraplex.operator.workloads import service
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRDS = {doc["spec"]["names"]["kind"]: doc for doc in
@@ -153,3 +155,21 @@ def test_basemodel_schema_quantities_and_modules():
         doc = copy.deepcopy(good)
         doc["spec"].update(bad)
         assert not validator("BaseModel").is_valid(doc), bad
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "b", "llama-3.1-8b", "3b-instruct", "a" * 63, "a" * 64])
+def test_basemodel_names_the_schema_takes_name_its_service_and_label_its_pods(name):
+    """The operator names the Service `<base>` (a DNS-1035 label: no dots, a letter first) and
+    puts the name in pod labels (63 characters at most); a BaseModel the API server takes
+    under another name would leave its servers unwritten, the Service refused on every retry."""
+    doc = {"apiVersion": "loraplex.io/v1alpha1", "kind": "BaseModel", "metadata": {"name": name},
+           "spec": {"source": "/models/m", "maxLoraRank": 8}}
+    servable = re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) is not None and len(name) <= 63
+    assert validator("BaseModel").is_valid(doc) == servable
+    if servable:
+        base = BaseModelSpec.from_body({**doc, "metadata": {"name": name, "namespace": "ml"}})
+        assert service(base)["metadata"]["name"] == name
+    # An adapter names its base the same way.
+    adapter = copy.deepcopy(GOOD_ADAPTER)
+    adapter["spec"]["baseModel"] = name
+    assert validator("LoRAAdapter").is_valid(adapter) == servable
