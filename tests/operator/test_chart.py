@@ -16,6 +16,7 @@ import re
 import shlex
 from typing import Any
 
+import kopf
 import pytest
 import yaml
 
@@ -221,6 +222,20 @@ def test_operator_rbac_covers_its_calls(group, resource, verbs):
     role = render_all()[("ClusterRole", "lp-loraplex-operator")]
     for verb in verbs:
         assert _allows(role, group, resource, verb), (group, resource, verb)
+
+
+def test_operator_may_block_the_deletion_of_what_it_adopts():
+    """The Deployment, Service and plan ConfigMap are adopted with blockOwnerDeletion; the
+    OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened clusters)
+    refuses such a reference unless its writer may update the owner's finalizers."""
+    owner = {"apiVersion": "loraplex.io/v1alpha1", "kind": "BaseModel",
+             "metadata": {"name": "llama-3-8b", "namespace": "ml", "uid": "u"}}
+    child: dict[str, Any] = {"metadata": {}}
+    kopf.adopt(child, owner=owner)
+    (ref,) = child["metadata"]["ownerReferences"]
+    assert ref["blockOwnerDeletion"] and ref["kind"] == "BaseModel"
+    role = render_all()[("ClusterRole", "lp-loraplex-operator")]
+    assert _allows(role, "loraplex.io", "basemodels/finalizers", "update")
 
 
 def test_node_agent_may_patch_only_adapter_status():
