@@ -271,6 +271,17 @@ def test_node_agent_daemonset_contract():
     assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
 
 
+def test_node_agent_extra_args_stay_strings():
+    """Container args are strings: an extra argument that reads as a YAML number or boolean
+    (a value such as 0.5 or 2) must still render as one, or the API server refuses the DaemonSet."""
+    values = copy.deepcopy(VALUES)
+    values["nodeAgent"]["extraArgs"] = ["--poll-seconds", "0.5", "--server-poll-seconds", "2", "--log-level", "DEBUG"]
+    (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+    assert container["args"][-6:] == values["nodeAgent"]["extraArgs"]
+    settings = AgentSettings.from_env_and_args(container["args"], env={"NODE_NAME": "n1", "POD_NAMESPACE": "ml"})
+    assert (settings.poll_seconds, settings.server_poll_seconds, settings.log_level) == (0.5, 2.0, "DEBUG")
+
+
 def test_operator_deployment_follows_values():
     values = copy.deepcopy(VALUES)
     values["operator"].update(watchNamespaces=["ml", "research"], verbose=True)
