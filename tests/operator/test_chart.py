@@ -245,6 +245,18 @@ def test_node_agent_may_patch_only_adapter_status():
     assert not _allows(role, "", "configmaps", "patch")
 
 
+def test_node_agent_role_grants_its_calls_and_no_more():
+    """The agent runs on every node with the host's adapter cache mounted; its token may do
+    what node_agent/kube.py does: GET one plan ConfigMap by name, list the pods on its node,
+    get / merge-patch LoRAAdapter status. Not list every ConfigMap of the cluster, read
+    objects it never reads, or write events."""
+    role = render_all()[("ClusterRole", "lp-loraplex-node-agent")]
+    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    assert granted == {("loraplex.io", "loraadapters/status", "get"), ("loraplex.io", "loraadapters/status", "patch"),
+                       ("", "configmaps", "get"), ("", "pods", "list")}
+
+
 def test_node_agent_daemonset_contract():
     ds = render_all()[("DaemonSet", "lp-loraplex-node-agent")]
     pod = ds["spec"]["template"]["spec"]
