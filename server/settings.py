@@ -23,6 +23,8 @@ import typing
 from dataclasses import dataclass, field
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The levels both `logging` and uvicorn's `log_level` take (in any case).
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass
@@ -175,6 +177,8 @@ class ServerSettings:
         for item in self.lora_modules:
             if "=" not in item:
                 raise ValueError(f"--lora-modules {item!r}: expected NAME=PATH")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"--log-level {self.log_level!r}: use {', '.join(LOG_LEVELS)}")
 
     @classmethod
     def from_env_and_args(cls, argv: list[str] | None = None) -> "ServerSettings":

@@ -83,6 +83,10 @@ def test_demo_command_serves_and_answers(tmp_path):
     (["--dummy-weights", "tiny", "--device", "cpu", "--lora-modules", "x"], "expected NAME=PATH"),
     (["--dummy-weights", "tiny", "--max-loras", "-1"], "--max-loras must be at least 0"),
     (["--dummy-weights", "tiny", "--port", "99999"], "not a TCP port"),
+    # logging.basicConfig raised on "verbose"; "warn", which logging takes, failed in uvicorn's
+    # Config only after the model had loaded.
+    (["--dummy-weights", "tiny", "--device", "cpu", "--log-level", "verbose"], "--log-level 'verbose'"),
+    (["--dummy-weights", "tiny", "--device", "cpu", "--log-level", "warn"], "--log-level 'warn'"),
 ])
 def test_bad_settings_get_one_line_and_exit_2_before_anything_loads(args, words, capsys):
     from loraplex.server.cli import main
