@@ -222,9 +222,15 @@ def _kind(f: dataclasses.Field) -> str:
 def _parse_env(f: dataclasses.Field, raw: str):
     kind = _kind(f)
     if kind == "bool":
-        return raw.strip().lower() in ("1", "true", "yes", "on")
+        value = raw.strip().lower()
+        if value not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+            raise ValueError(f"LORAPLEX_{f.name.upper()}={raw!r}: use 1/true/yes/on or 0/false/no/off")
+        return value in ("1", "true", "yes", "on")
     if kind == "int":
-        return int(raw)
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"LORAPLEX_{f.name.upper()}={raw!r}: not an integer") from None
     if kind == "list":
         return [x for x in raw.replace(",", " ").split() if x]
     return raw

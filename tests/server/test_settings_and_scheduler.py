@@ -39,6 +39,21 @@ def test_flags_env_and_validation(monkeypatch):
             ServerSettings.from_env_and_args(bad)
 
 
+@pytest.mark.parametrize("var, raw, words", [
+    ("LORAPLEX_PORT", "80a", "LORAPLEX_PORT='80a': not an integer"),
+    # A typo of "true" turned the feature off without a word.
+    ("LORAPLEX_CUDA_GRAPHS", "ture", "LORAPLEX_CUDA_GRAPHS='ture'"),
+])
+def test_a_bad_environment_value_names_its_variable(monkeypatch, var, raw, words):
+    monkeypatch.setenv(var, raw)
+    with pytest.raises(ValueError, match=words):
+        ServerSettings.from_env_and_args(["--demo"])
+    monkeypatch.setenv("LORAPLEX_CUDA_GRAPHS", "off")
+    monkeypatch.setenv("LORAPLEX_PORT", "8080")
+    s = ServerSettings.from_env_and_args(["--demo"])
+    assert (s.cuda_graphs, s.port) == (False, 8080)
+
+
 def test_hf_config_variants():
     llama31 = ModelConfig.from_hf({
         "model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 128,
