@@ -29,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if settings.demo:
-        _prepare_demo(settings)
+        try:
+            _prepare_demo(settings)
+        except OSError as e:  # a --demo-dir that cannot be written (read-only, under a file, full)
+            sys.stderr.write(f"loraplex-server: --demo-dir: cannot write the demo's files: {e}\n")
+            return 2
     from .engine import check_settings
 
     try:

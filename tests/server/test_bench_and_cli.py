@@ -96,6 +96,15 @@ def test_bad_settings_get_one_line_and_exit_2_before_anything_loads(args, words,
     assert err.count("\n") == 1 and err.startswith("loraplex-server: ") and words in err, err
 
 
+def test_a_demo_dir_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    from loraplex.server.cli import main
+
+    (tmp_path / "file").write_text("")  # a folder under a file: unwritable, even for root
+    assert main(["--demo", "--demo-dir", str(tmp_path / "file" / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("loraplex-server: --demo-dir") and "Not a directory" in err, err
+
+
 @pytest.mark.parametrize("weights, words", [(None, "no *.safetensors files"),
                                             (b"\x00" * 40, "unreadable checkpoint")])
 def test_a_model_folder_without_readable_weights_is_one_line(hf_llama, tmp_path, weights, words, capsys):
