@@ -207,7 +207,10 @@ class LLMEngine:
         engine = cls(settings, cfg, weights, tokenizer, name, metrics)
         for item in settings.lora_modules:
             lora_name, lora_path = item.split("=", 1)
-            engine.adapters.load(lora_name, lora_path)
+            try:
+                engine.adapters.load(lora_name, lora_path)
+            except AdapterError as e:  # one that does not fit is refused; the rest are served
+                log.error("adapter %s (%s) refused: %s", lora_name, lora_path, e)
         if settings.warmup:
             engine.warm_up()
         return engine

@@ -105,6 +105,24 @@ def test_a_demo_dir_that_cannot_be_written_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("loraplex-server: --demo-dir") and "Not a directory" in err, err
 
 
+def test_an_adapter_that_does_not_fit_is_refused_at_start_and_the_rest_served(tmp_path, caplog):
+    """README: one whose target modules (or base, shapes, rank) do not fit is refused with the
+    reason; the server keeps serving the others. It failed the whole start instead."""
+    from loraplex.server.config import named_shape
+    from loraplex.server.demo import write_random_adapter
+    from loraplex.server.engine import LLMEngine
+    from loraplex.server.settings import ServerSettings
+
+    cfg = named_shape("tiny")
+    write_random_adapter(tmp_path / "qv", cfg, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    write_random_adapter(tmp_path / "mlp", cfg, r=4, lora_alpha=8, target_modules=["gate_proj"])
+    engine = LLMEngine.from_settings(ServerSettings(
+        dummy_weights="tiny", device="cpu", max_num_seqs=2, max_model_len=64,
+        lora_target_modules=["q_proj", "v_proj"], lora_modules=[f"mlp={tmp_path / 'mlp'}", f"qv={tmp_path / 'qv'}"]))
+    assert [e.id.name for e in engine.adapters.list()] == ["qv"]
+    assert "mlp" in caplog.text and "gate_proj" in caplog.text
+
+
 @pytest.mark.parametrize("weights, words", [(None, "no *.safetensors files"),
                                             (b"\x00" * 40, "unreadable checkpoint")])
 def test_a_model_folder_without_readable_weights_is_one_line(hf_llama, tmp_path, weights, words, capsys):
