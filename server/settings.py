@@ -174,9 +174,14 @@ class ServerSettings:
         bad = sorted(set(self.lora_target_modules) - set(TARGET_MODULES))
         if bad:
             raise ValueError(f"--lora-target-modules: unknown {bad}; allowed {list(TARGET_MODULES)}")
+        names = set()
         for item in self.lora_modules:
-            if "=" not in item:
+            name, eq, path = item.partition("=")
+            if not (name and eq and path):
                 raise ValueError(f"--lora-modules {item!r}: expected NAME=PATH")
+            if name in names:
+                raise ValueError(f"--lora-modules: {name!r} is given twice")
+            names.add(name)
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"--log-level {self.log_level!r}: use {', '.join(LOG_LEVELS)}")
 

@@ -81,6 +81,10 @@ def test_demo_command_serves_and_answers(tmp_path):
     (["--dummy-weights", "tiny", "--device", "gpu"], "not a device"),
     (["--dummy-weights", "tiny", "--device", "cpu", "--lora-modules", "x=/nonexistent"], "no adapter_config.json"),
     (["--dummy-weights", "tiny", "--device", "cpu", "--lora-modules", "x"], "expected NAME=PATH"),
+    # An empty name was served as the adapter "" (an empty id in /v1/models); a name given
+    # twice had its second path found "already loaded" only once the model had loaded.
+    (["--dummy-weights", "tiny", "--device", "cpu", "--lora-modules", f"={ROOT}"], "expected NAME=PATH"),
+    (["--dummy-weights", "tiny", "--device", "cpu", "--lora-modules", f"a={ROOT}", f"a={ROOT}"], "'a' is given twice"),
     (["--dummy-weights", "tiny", "--max-loras", "-1"], "--max-loras must be at least 0"),
     (["--dummy-weights", "tiny", "--port", "99999"], "not a TCP port"),
     # logging.basicConfig raised on "verbose"; "warn", which logging takes, failed in uvicorn's
