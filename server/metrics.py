@@ -39,6 +39,7 @@ class EngineMetrics:
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV rows in use (0..1)", registry=r)
         self.vllm_lora = Gauge("vllm:lora_requests_info", "Running and waiting adapters; value: update time",
                                ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
+        self._lora_labels: tuple[str, str, str] | None = None  # vllm_lora's one series
 
     def refresh(self, engine) -> None:
         """Gauges read from the engine at scrape time."""
@@ -53,8 +54,13 @@ class EngineMetrics:
         self.adapter_slots.set(engine.lora.num_slots)
         engine.adapters.refresh_metrics()
         run_names, wait_names = engine.lora_state()
-        self.vllm_lora.clear()
-        self.vllm_lora.labels(",".join(run_names), ",".join(wait_names), str(engine.lora.num_slots)).set(time.time())
+        # The new series first, then the old one gone: a scrape rendering meanwhile (on another
+        # thread) finds one or both, and the picker reads the newest; never none.
+        labels = (",".join(run_names), ",".join(wait_names), str(engine.lora.num_slots))
+        self.vllm_lora.labels(*labels).set(time.time())
+        if self._lora_labels not in (None, labels):
+            self.vllm_lora.remove(*self._lora_labels)
+        self._lora_labels = labels
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

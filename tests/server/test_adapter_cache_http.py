@@ -6,6 +6,7 @@ Gateway API Inference Extension's endpoint picker reads."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -236,6 +237,36 @@ def epp_lora_info(metrics_text: str) -> tuple[list[str], list[str], int]:
     split = lambda v: [x for x in v.split(",") if x]  # noqa: E731
     return (split(newest.labels["running_lora_adapters"]), split(newest.labels["waiting_lora_adapters"]),
             int(newest.labels["max_lora"]))
+
+
+def test_lora_requests_info_never_scrapes_empty_while_it_changes():
+    """A scrape renders on the event loop's thread while another scrape's refresh runs on the
+    engine's: the series was cleared, then set, so a render between the two found no
+    vllm:lora_requests_info at all (the endpoint picker then has no adapters for the pod)."""
+    from types import SimpleNamespace as NS
+
+    from loraplex.server.metrics import EngineMetrics
+
+    states = [(["a"], []), (["b"], ["a"])]
+    turn = itertools.count()
+    engine = NS(scheduler=NS(running={}, waiting=[]), kv=NS(num_free=1, rows=2), lora=NS(num_slots=4),
+                adapters=NS(list=list, refresh_metrics=lambda: None), lora_state=lambda: states[next(turn) % 2])
+    metrics = EngineMetrics()
+    stop = threading.Event()
+
+    def refresh() -> None:
+        while not stop.is_set():
+            metrics.refresh(engine)
+
+    thread = threading.Thread(target=refresh)
+    thread.start()
+    try:
+        for _ in range(3000):
+            running, waiting, max_lora = epp_lora_info(metrics.render().decode())
+            assert (running, waiting) in states and max_lora == 4
+    finally:
+        stop.set()
+        thread.join()
 
 
 def gauge(metrics_text: str, name: str) -> float:
