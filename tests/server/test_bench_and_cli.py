@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,11 +44,16 @@ def test_serving_mix_bench_quick_on_cpu(tmp_path):
     assert ahead["look_ahead_hits"] > 0 == ahead["look_ahead_misses"] == waiting["look_ahead_hits"]
 
 
-def test_demo_command_serves_and_answers(tmp_path):
+# On an IPv6 address the demo's requests went to "http://::1:PORT", which is no URL: they were
+# never sent, and nothing said so.
+@pytest.mark.parametrize("host", [[], ["--host", "::1"]], ids=["default", "ipv6"])
+def test_demo_command_serves_and_answers(tmp_path, host):
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "loraplex-server"), "--demo", "--port", "0"],
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "loraplex-server"), "--demo", "--port", "0", *host],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
+    watchdog = threading.Timer(120, proc.kill)  # a server that never says "try it:" blocks readline
+    watchdog.start()
     try:
         deadline = time.monotonic() + 120
         url = None
@@ -67,6 +73,7 @@ def test_demo_command_serves_and_answers(tmp_path):
         assert {m["id"] for m in models} == {"base", "sql-expert", "poet", "pirate"}
         assert (tmp_path / "loraplex" / "demo" / "adapters" / "poet" / "adapter_config.json").is_file()
     finally:
+        watchdog.cancel()
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=20)
