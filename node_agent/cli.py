@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import sys
 import typing
@@ -88,8 +89,8 @@ class Settings:
             raise ValueError(f"--max-concurrent-downloads must be positive, got {self.max_concurrent_downloads}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be 1..65535, got {self.port}")
-        if self.poll_seconds <= 0 or self.server_poll_seconds <= 0:
-            raise ValueError("--poll-seconds and --server-poll-seconds must be positive")
+        if not (0 < self.poll_seconds < math.inf and 0 < self.server_poll_seconds < math.inf):  # nan too
+            raise ValueError("--poll-seconds and --server-poll-seconds must be positive and finite")
         if self.plan_file is not None and self.plan_configmap is not None:
             raise ValueError("give --plan-file or --plan-configmap, not both")
         if self.plan_configmap is not None:

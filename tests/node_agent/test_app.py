@@ -217,6 +217,15 @@ def test_bad_settings_exit_2(argv, capsys, monkeypatch):
     assert "loraplex-node-agent:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--poll-seconds", "--server-poll-seconds"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_poll_intervals_must_be_finite(flag, value):
+    # nan passed "<= 0" and made every sleep a no-op: the plan and the node's server pods
+    # polled in a busy loop (the Kubernetes API listed without pause); inf never polled.
+    with pytest.raises(ValueError, match="positive and finite"):
+        Settings.from_env_and_args([flag, value], {})
+
+
 def test_agent_config_maps_settings(tmp_path):
     s = Settings.from_env_and_args(["--cache-dir", str(tmp_path), "--server-url", "http://x:8000"], {})
     c = s.agent_config()
