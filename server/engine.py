@@ -420,6 +420,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        # `call`s queued and not run yet: a crash of the loop fails them (else they wait forever).
+        self._calls: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()
         self.plan_watcher: PlanWatcher | None = None
         # A finished adapter load wakes a loop that waits with only loading requests queued.
         engine.adapters.wake = lambda: self._commands.put(_noop)
@@ -464,6 +466,9 @@ class AsyncEngine:
             self.error = e
             for rid in list(self._streams):
                 self._deliver(e, rid)
+            stopped = RuntimeError(f"the engine has stopped: {e!r}")
+            for loop, fut in list(self._calls):  # a call queued after this raises in _submit
+                loop.call_soon_threadsafe(_set_exception, fut, stopped)
 
     def _deliver(self, out, request_id: str | None = None) -> None:
         stream = self._streams.get(request_id or out.request_id)
@@ -505,8 +510,10 @@ class AsyncEngine:
         """Run `fn` in the engine thread between steps and return its result."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        entry = (loop, fut)
 
         def run() -> None:
+            self._calls.discard(entry)
             try:
                 result = fn()
             except BaseException as e:
@@ -514,7 +521,12 @@ class AsyncEngine:
             else:
                 loop.call_soon_threadsafe(_set_result, fut, result)
 
-        self._submit(run)
+        self._calls.add(entry)  # before the submit: a crash from now on fails it
+        try:
+            self._submit(run)
+        except BaseException:
+            self._calls.discard(entry)
+            raise
         return await fut
 
     async def load_adapter(self, name: str, path: str) -> int:

@@ -161,3 +161,37 @@ async def test_an_engine_crash_ends_streams_with_an_error_event_and_fails_health
             assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
             assert (await client.get("/healthz")).status_code == 503
             assert (await client.get("/readyz")).status_code == 503
+
+
+async def test_a_call_queued_as_the_loop_crashes_fails_instead_of_waiting_for_ever(disk):
+    """A `call` (what /metrics, the adapter admin and the cache endpoints run on the engine
+    thread) queued behind the step that crashes the loop gets the crash as its error; it used
+    to wait for ever, hanging its request, since nothing would run it."""
+    import threading
+
+    from loraplex.server.engine import AsyncEngine
+    from loraplex.server.sampling import SamplingParams
+
+    engine = LLMEngine.from_settings(settings(disk))
+    entered, go = threading.Event(), threading.Event()
+
+    def step():
+        entered.set()
+        assert go.wait(10)
+        raise RuntimeError("boom")
+
+    engine.add_request(engine.make_request(PROMPT, SamplingParams(max_tokens=4)))
+    engine.step = step
+    runner = AsyncEngine(engine)
+    runner.start()
+    try:
+        assert await asyncio.to_thread(entered.wait, 10)
+        queued = asyncio.ensure_future(runner.call(lambda: 42))
+        await asyncio.sleep(0.05)
+        go.set()
+        with pytest.raises(RuntimeError, match="boom"):
+            await asyncio.wait_for(queued, 5)
+        with pytest.raises(RuntimeError, match="stopped"):
+            await runner.call(lambda: 42)
+    finally:
+        runner.stop()
