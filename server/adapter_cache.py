@@ -200,7 +200,7 @@ class AdapterCache:
                 return
             if e.unloading and e.state != "loading":  # a load's end drops it (finish_load)
                 self.table.drop(e)
-            elif e.state == "pending" and not e.pinned and not any(not f.done() for f in e.waiters):
+            elif e.state == "pending" and not e.pinned and all(f.done() for f in e.waiters):
                 # Its last request left (an abort) before its load started, and no prefetch
                 # waits for it: the load is called off, not run later to evict an idle adapter
                 # for nobody (pump drops the name from the queue when it meets it).

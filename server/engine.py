@@ -364,7 +364,8 @@ class LLMEngine:
         rows: dict[int, Request] = {}
         sampled = []
         for reqs, s in launched:
-            keep = [j for j, r in enumerate(reqs) if not r.finished and not self._ends_by_length(r)]
+            keep = [j for j, r in enumerate(reqs)
+                    if not r.finished and not r.next_token_ends_by_length(self.max_model_len)]
             if keep:
                 sampled.append(([reqs[j].row for j in keep], s.tokens, [s.rows[j] for j in keep]))
                 rows.update((reqs[j].row, reqs[j]) for j in keep)
@@ -372,11 +373,6 @@ class LLMEngine:
             return None
         positions = {row: r.position + 1 for row, r in rows.items()}
         return LookAhead(rows, positions, self.decoder.run(rows, self.kv.span(), sampled))
-
-    def _ends_by_length(self, req: Request) -> bool:
-        """The request's next token (sampled, not yet appended) ends it by its length."""
-        n = len(req.output_ids) + 1
-        return n >= req.params.max_tokens or len(req.prompt_ids) + n >= self.max_model_len
 
     def _reap(self) -> list[RequestOutput]:
         """Remove finished and aborted requests; return the final outputs of aborted ones

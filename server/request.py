@@ -98,8 +98,15 @@ class Request:
             return self._finish("stop")
         if token in p.stop_token_ids:
             return self._finish("stop")
-        if len(self.output_ids) >= p.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= max_len:
+        if self._at_length(len(self.output_ids), max_len):
             return self._finish("length")
+
+    def next_token_ends_by_length(self, max_len: int) -> bool:
+        """The next token (sampled, not yet appended) ends the request by its length."""
+        return self._at_length(len(self.output_ids) + 1, max_len)
+
+    def _at_length(self, outputs: int, max_len: int) -> bool:
+        return outputs >= self.params.max_tokens or len(self.prompt_ids) + outputs >= max_len
 
     def prefilled(self, prompt_logprobs: list[TokenLogprobs | None] | None) -> None:
         """The prompt is in the KV cache: keep its logprobs; with max_tokens 0 (echo only)

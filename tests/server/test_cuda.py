@@ -23,6 +23,7 @@ from loraplex.server.model import PrefillSeq
 from loraplex.server.sampling import SamplingParams
 from loraplex.server.settings import ServerSettings
 
+from .test_look_ahead import rounded
 from .test_ops import CUDA_CFG, tiny_model
 
 pytestmark = [
@@ -100,7 +101,7 @@ def test_cuda_look_ahead_gives_the_same_outputs_step_by_step(dtype):
                 engine.add_request(engine.make_request(prompt, params, adapter, request_id=f"r{step}-{len(pending)}"))
             if step == 5:
                 engine.abort(min(r.request_id for r in engine.scheduler.running.values() if r.output_ids))
-            steps.append(sorted((o.request_id, tuple(o.token_ids), o.finish_reason, rounded(o.logprobs))
+            steps.append(sorted((o.request_id, tuple(o.token_ids), o.finish_reason, rounded(o.logprobs, 3))
                                 for o in engine.step()))
             step += 1
         return steps, engine
@@ -110,12 +111,6 @@ def test_cuda_look_ahead_gives_the_same_outputs_step_by_step(dtype):
     assert ahead == plain
     assert engine.look_ahead_misses == 0
     assert {o[2] for s in plain for o in s} >= {"stop", "length", "abort"}
-
-
-def rounded(logprobs) -> tuple:
-    """Logprobs to 3 decimals: a look-ahead may decode in another batch size (a row joining in
-    between), whose kernels may round the last bits differently; tokens compare exactly."""
-    return tuple((round(t.logprob, 3), tuple((i, round(v, 3)) for i, v in t.top)) for t in logprobs or ())
 
 
 def run_to_end(engine: LLMEngine, requests) -> None:

@@ -52,11 +52,11 @@ def workload(seed: int) -> list[tuple[int, list[int], SamplingParams, str | None
     return sorted(out, key=lambda w: w[0])
 
 
-def rounded(logprobs) -> tuple:
-    """Logprobs to 4 decimals: a look-ahead may decode its rows in another batch size than the
-    step would have (a row joining in between), and a matmul of another shape may round the
-    last bits differently (~1e-6); the tokens are compared exactly."""
-    return tuple((round(t.logprob, 4), tuple((i, round(v, 4)) for i, v in t.top)) for t in logprobs or ())
+def rounded(logprobs, digits: int = 4) -> tuple:
+    """Logprobs to `digits` decimals: a look-ahead may decode its rows in another batch size
+    than the step would have (a row joining in between), and a matmul of another shape may
+    round the last bits differently; the tokens are compared exactly."""
+    return tuple((round(t.logprob, digits), tuple((i, round(v, digits)) for i, v in t.top)) for t in logprobs or ())
 
 
 def run(engine: LLMEngine, work, abort_at: int = 6) -> list[list[tuple]]:
