@@ -109,7 +109,7 @@ class ServerSettings:
 
     node_agent_url: str | None = None
     """The node agent that stages adapters missing from --adapter-cache-dir (e.g.
-    http://127.0.0.1:8090); without it a plan source is fetched directly. Default: none."""
+    http://127.0.0.1:8081); without it a plan source is fetched directly. Default: none."""
 
     lora_target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
     """Projections that may carry LoRA (subset of q/k/v/o/gate/up/down_proj); adapters

@@ -566,3 +566,11 @@ def test_readme_json_snippets_parse():
     for body in re.findall(r"-d '(\{.*?\})'", README, re.S):
         json.loads(body)
 
+
+def test_the_servers_help_names_the_node_agents_port():
+    """--node-agent-url's example is where the node agent listens by default."""
+    from loraplex.node_agent.cli import Settings
+    from loraplex.server.settings import field_docs
+
+    urls = re.findall(r"https?://[\w.]+:(\d+)", field_docs()["node_agent_url"])
+    assert urls and all(int(port) == Settings.port for port in urls), urls
