@@ -3,7 +3,8 @@
 Each field's docstring (the string literal under it) is its help text and gives the unit
 and the default; `build_parser` reads those docstrings from this file's source, so the
 flags, their help and the dataclass cannot drift apart. The environment is read only in
-`ServerSettings.from_env_and_args` (``LORAPLEX_<FIELD>`` overrides a default).
+`ServerSettings.from_env_and_args` (``LORAPLEX_<FIELD>`` overrides a default; a Kubernetes
+service link ``LORAPLEX_PORT=tcp://...``, from a Service named ``loraplex``, is not a port).
 
 Example::
 
@@ -18,6 +19,7 @@ import ast
 import dataclasses
 import inspect
 import os
+import re
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +27,9 @@ from dataclasses import dataclass, field
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The levels both `logging` and uvicorn's `log_level` take (in any case).
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# Kubernetes puts `<SERVICE>_PORT=tcp://10.96.0.12:8000` into every pod of a namespace for each
+# Service there: a Service named `loraplex` sets LORAPLEX_PORT so. That is no --port.
+SERVICE_LINK = re.compile(r"^(tcp|udp|sctp)://\S+:\d+$")
 
 
 @dataclass
@@ -195,7 +200,7 @@ class ServerSettings:
             env = os.environ.get(f"LORAPLEX_{f.name.upper()}")
             if arg is not None:
                 values[f.name] = arg
-            elif env is not None:
+            elif env is not None and not (f.name == "port" and SERVICE_LINK.match(env)):
                 values[f.name] = _parse_env(f, env)
         return cls(**values)
 
