@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 
 from .settings import ServerSettings
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         check_settings(settings)
-    except ValueError as e:  # a wrong device, model folder, dummy shape or adapter path
+        _check_listen(settings.host, settings.port)
+    except ValueError as e:  # a wrong device, model folder, dummy shape, adapter path or address
         sys.stderr.write(f"loraplex-server: {e}\n")
         return 2
     try:
@@ -46,6 +48,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _check_listen(host: str, port: int) -> None:
+    """ValueError unless `host:port` can be listened on. The server binds only once the model
+    is loaded and warmed up (minutes on a GPU): a port in use, or a --host that is no address
+    here, is said now instead. Bound as uvicorn binds (SO_REUSEADDR), then let go."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            shown = f"[{host}]" if ":" in host else host
+            raise ValueError(f"--host/--port {shown}:{port}: cannot listen there: "
+                             f"{e.strerror or e}") from None
 
 
 def _prepare_demo(settings: ServerSettings) -> None:
