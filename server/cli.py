@@ -16,7 +16,8 @@ from .settings import ServerSettings
 
 log = logging.getLogger("loraplex.server")
 
-DEMO_PROMPTS = [("base", "The quick brown fox"), ("sql-expert", "SELECT name FROM"),
+# (model, prompt); None is the base, by its served name ("base" unless --served-model-name).
+DEMO_PROMPTS = [(None, "The quick brown fox"), ("sql-expert", "SELECT name FROM"),
                 ("poet", "Shall I compare thee"), ("pirate", "Ahoy matey")]
 
 
@@ -113,7 +114,7 @@ async def _demo_requests(server, settings: ServerSettings) -> None:
             return model, prompt, r.json()["choices"][0]["text"]
 
         try:
-            results = await asyncio.gather(*(one(m, p) for m, p in DEMO_PROMPTS))
+            results = await asyncio.gather(*(one(m or settings.served_model_name, p) for m, p in DEMO_PROMPTS))
         except httpx.HTTPError as e:
             log.error("demo requests failed: %s", e)
             return
