@@ -110,17 +110,24 @@ async def _demo_requests(server, settings: ServerSettings) -> None:
         async def one(model: str, prompt: str) -> tuple[str, str, str]:
             r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
                                                           "temperature": 0})
-            r.raise_for_status()
+            if r.is_error:  # the server's own reason, not httpx's "Client error ... for url"
+                try:
+                    why = r.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    why = r.text[:300]
+                raise httpx.HTTPStatusError(f"model {model!r}: HTTP {r.status_code}: {why}",
+                                            request=r.request, response=r)
             return model, prompt, r.json()["choices"][0]["text"]
 
         try:
             results = await asyncio.gather(*(one(m or settings.served_model_name, p) for m, p in DEMO_PROMPTS))
         except httpx.HTTPError as e:
             log.error("demo requests failed: %s", e)
-            return
-    log.info("demo: a random tiny model answered four requests in one batch (gibberish is expected):")
-    for model, prompt, text in results:
-        log.info("  model=%-10s prompt=%r -> %r", model, prompt, text)
+            results = None
+    if results is not None:
+        log.info("demo: a random tiny model answered four requests in one batch (gibberish is expected):")
+        for model, prompt, text in results:
+            log.info("  model=%-10s prompt=%r -> %r", model, prompt, text)
     log.info("try it:  curl %s/v1/completions -H 'Content-Type: application/json' "
              "-d '{\"model\": \"poet\", \"prompt\": \"Shall I\", \"max_tokens\": 16, \"stream\": true}'", url)
     log.info("models:  curl %s/v1/models   (Ctrl-C stops the server)", url)
