@@ -574,3 +574,17 @@ def test_the_servers_help_names_the_node_agents_port():
 
     urls = re.findall(r"https?://[\w.]+:(\d+)", field_docs()["node_agent_url"])
     assert urls and all(int(port) == Settings.port for port in urls), urls
+
+
+def test_the_charts_notes_commands_work_as_written():
+    """What `helm install` prints: the configmap lives in the BaseModel's namespace (a get
+    without -n looked in the default one and found nothing), the example's namespace is the
+    kustomization's, and the value it names exists."""
+    notes = (ROOT / "charts" / "loraplex" / "templates" / "NOTES.txt").read_text()
+    kustomization = yaml.safe_load((ROOT / "examples" / "kustomization.yaml").read_text())
+    assert f"namespace {kustomization['namespace']}" in notes
+    for line in notes.splitlines():
+        if line.strip().startswith("kubectl get configmap"):
+            assert " -n " in line, line
+    for key in re.findall(r"\b(nodeAgent\.\w+)=", notes):
+        lookup(values_yaml(), key)
