@@ -33,8 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     if settings.demo:
         try:
             _prepare_demo(settings)
+            settings.validate()  # the demo's own base and adapter names against the command line's
         except OSError as e:  # a --demo-dir that cannot be written (read-only, under a file, full)
             sys.stderr.write(f"loraplex-server: --demo-dir: cannot write the demo's files: {e}\n")
+            return 2
+        except ValueError as e:
+            sys.stderr.write(f"loraplex-server: --demo: {e}\n")
             return 2
     from .engine import check_settings
 

@@ -23,6 +23,7 @@ import re
 import textwrap
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The levels both `logging` and uvicorn's `log_level` take (in any case).
@@ -187,6 +188,12 @@ class ServerSettings:
             if name in names:
                 raise ValueError(f"--lora-modules: {name!r} is given twice")
             names.add(name)
+        # The base's name in the API, as the engine derives it; an adapter of that name could
+        # never be asked for (POST /v1/load_lora_adapter refuses one as well).
+        base = self.served_model_name or (Path(self.model).name if self.model else self.dummy_weights)
+        if base in names:
+            raise ValueError(f"--lora-modules: {base!r} is the base model's name in the API "
+                             f"(--served-model-name, else the --model folder's name); name the adapter otherwise")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"--log-level {self.log_level!r}: use {', '.join(LOG_LEVELS)}")
 
