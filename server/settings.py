@@ -114,8 +114,8 @@ class ServerSettings:
     registered and its pinned set pinned, re-read when it changes. Default: none."""
 
     node_agent_url: str | None = None
-    """The node agent that stages adapters missing from --adapter-cache-dir (e.g.
-    http://127.0.0.1:8081); without it a plan source is fetched directly. Default: none."""
+    """The node agent that stages adapters missing from --adapter-cache-dir, which it needs
+    (e.g. http://127.0.0.1:8081); without it a plan source is fetched directly. Default: none."""
 
     lora_target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
     """Projections that may carry LoRA (subset of q/k/v/o/gate/up/down_proj); adapters
@@ -194,6 +194,12 @@ class ServerSettings:
         if base in names:
             raise ValueError(f"--lora-modules: {base!r} is the base model's name in the API "
                              f"(--served-model-name, else the --model folder's name); name the adapter otherwise")
+        if self.node_agent_url is not None:
+            if not self.node_agent_url.startswith(("http://", "https://")):
+                raise ValueError(f"--node-agent-url {self.node_agent_url!r}: give an http:// or https:// URL")
+            if not self.adapter_cache_dir:  # the agent stages into its cache: the server reads it there
+                raise ValueError("--node-agent-url needs --adapter-cache-dir, the agent's cache folder as this "
+                                 "server sees it (without it the agent would never be asked)")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"--log-level {self.log_level!r}: use {', '.join(LOG_LEVELS)}")
 
