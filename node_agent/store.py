@@ -25,7 +25,10 @@ never evicts an adapter, and without room the adapter is staged without it.
 Budget: staged bytes plus bytes reserved by downloads in flight stay within `budget_bytes`.
 To make room the store evicts least recently used adapters, unpinned first, pinned last
 and only for another pinned adapter; if even that cannot make room, the staging fails with
-`BudgetExceeded` and nothing is evicted. At most `max_concurrent_downloads` downloads run at
+`BudgetExceeded` and nothing is evicted. A download whose size the source does not give up
+front (no Content-Length) reserves its bytes as they arrive, evicting as it grows, and fails
+with `BudgetExceeded` the moment it outgrows what can be made room for (what it evicted on
+the way stays evicted; room held by a download that started before it is waited for). At most `max_concurrent_downloads` downloads run at
 once; concurrent requests for the same adapter version share one download.
 """
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -42,7 +46,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,6 +183,9 @@ class AdapterStore:
         self._entries: dict[str, _Entry] = {}
         self._pinned: frozenset[str] = frozenset()
         self._reserved = 0  # bytes promised to downloads in flight
+        self._holding: dict[int, int] = {}  # download (in start order) -> bytes it reserved
+        self._started = itertools.count()
+        self._released = asyncio.Event()  # set (and replaced) when a download gives bytes back
         self._semaphore = asyncio.Semaphore(max_concurrent_downloads)
         self._inflight: dict[tuple[str, str, int], asyncio.Future] = {}
         self._generation: dict[str, int] = {}  # name -> removals so far (a download started before one is void)
@@ -284,21 +291,42 @@ class AdapterStore:
             raise StoreError(e.reason, str(e)) from None
         tmp = Path(await asyncio.to_thread(_mkdtemp, self._tmp_dir, ref.name))
         reserved = 0
+        config_bytes = 0
+        me = next(self._started)
+
+        async def grow(nbytes: int, up_front: bool = False) -> None:
+            """The weights have `nbytes` on disk so far (or in all, `up_front`): keep the budget
+            ahead of them. A size the source did not announce is reserved as the bytes come,
+            evicting as they grow; where the room is then held by a download that started
+            earlier, it waits for that one to end rather than fail, so that two which cannot
+            both fit do not both fail (the earliest never waits: one always goes on)."""
+            nonlocal reserved
+            while config_bytes + nbytes > reserved:
+                released = self._released
+                try:
+                    reserved += self._reserve(ref, config_bytes + nbytes - reserved, config_bytes + nbytes)
+                except StoreError:
+                    if up_front or not any(d < me for d in self._holding):
+                        raise
+                    await released.wait()
+                else:
+                    self._holding[me] = reserved
+
         try:
             try:
                 async with source.open(CONFIG_FILE) as fetch:
                     config_bytes, _ = await self._write(
                         fetch, tmp / CONFIG_FILE, limit=MAX_CONFIG_BYTES, too_big="InvalidAdapter")
                 async with source.open(WEIGHTS_FILE) as fetch:
-                    if fetch.size is not None:
-                        reserved = self._reserve(ref, fetch.size + config_bytes)
+                    if fetch.size is not None:  # all of it up front: fail early, before any byte
+                        await grow(fetch.size, up_front=True)
                     nbytes, digest = await self._write(
-                        fetch, tmp / WEIGHTS_FILE, limit=self.budget_bytes, too_big="BudgetExceeded")
+                        fetch, tmp / WEIGHTS_FILE, limit=self.budget_bytes, too_big="BudgetExceeded",
+                        grow=grow)
             except SourceError as e:
                 raise StoreError(e.reason, str(e)) from None
+            await grow(nbytes)  # (an empty file wrote no chunk)
             total = nbytes + config_bytes
-            if total > reserved:  # the size was not known up front
-                reserved += self._reserve(ref, total - reserved)
             if ref.sha256 is not None and digest != ref.sha256:
                 raise StoreError(
                     "DigestMismatch",
@@ -311,6 +339,7 @@ class AdapterStore:
             if ref.dtype:
                 extra = await self._write_serving_copy(tmp, ref)
                 reserved += extra
+                self._holding[me] = reserved
                 total += extra
             meta = {"name": ref.name, "sha256": digest, "source": ref.source}
             await asyncio.to_thread(_write_synced, tmp / META_FILE, json.dumps(meta).encode())
@@ -318,12 +347,13 @@ class AdapterStore:
             await asyncio.to_thread(self._store_blob, tmp, blob)
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, tmp, True)
-            self._reserved -= reserved
+            self._release(reserved, me)
             raise
-        self._reserved -= reserved
         if self._generation.get(ref.name, 0) != generation:  # removed while the directory moved
             await asyncio.to_thread(shutil.rmtree, self._store_dir / blob, True)
+            self._release(reserved, me)
             raise StoreError("Removed", f"{ref.name} was removed (it left the plan) while it downloaded")
+        self._release(reserved, me)
         # The name's symlink and its entry change together, with no await between them: two
         # versions of one name staged at once must not leave the link on one and the entry on
         # the other (whose cleanup then deletes the linked directory).
@@ -337,8 +367,11 @@ class AdapterStore:
         self._update_gauges()
         return self._info(entry)
 
-    async def _write(self, fetch: Fetch, path: Path, limit: int, too_big: str) -> tuple[int, str]:
-        """Stream `fetch` into `path`; return (bytes, sha256 hex). Refuse more than `limit`."""
+    async def _write(self, fetch: Fetch, path: Path, limit: int, too_big: str,
+                     grow: Callable[[int], Awaitable[None]] | None = None) -> tuple[int, str]:
+        """Stream `fetch` into `path`; return (bytes, sha256 hex). Refuse more than `limit`.
+        `grow(bytes so far)` runs before each chunk is written (it reserves budget for them,
+        or raises)."""
         h = hashlib.sha256()
         n = 0
         with path.open("wb") as f:
@@ -346,6 +379,8 @@ class AdapterStore:
                 n += len(chunk)
                 if n > limit:
                     raise StoreError(too_big, f"{path.name}: more than {limit} bytes")
+                if grow is not None:
+                    await grow(n)
                 h.update(chunk)
                 f.write(chunk)
             f.flush()
@@ -355,8 +390,10 @@ class AdapterStore:
         self.metrics.download_bytes.inc(n)
         return n, h.hexdigest()
 
-    def _reserve(self, ref: AdapterRef, nbytes: int) -> int:
-        """Promise `nbytes` of the budget to a download, evicting to make room."""
+    def _reserve(self, ref: AdapterRef, nbytes: int, total: int | None = None) -> int:
+        """Promise `nbytes` more of the budget to a download (`total` with what it holds
+        already), evicting to make room."""
+        total = nbytes if total is None else total
         need = self.used_bytes + self._reserved + nbytes - self.budget_bytes
         if need > 0:
             pinned = ref.name in self._pinned
@@ -375,14 +412,23 @@ class AdapterStore:
             if freed < need:
                 raise StoreError(
                     "BudgetExceeded",
-                    f"{ref.name}: {nbytes} bytes do not fit the {self.budget_bytes}-byte budget"
-                    f" ({self.used_bytes} staged, {self._reserved} reserved by downloads in flight,"
+                    f"{ref.name}: {total} bytes do not fit the {self.budget_bytes}-byte budget"
+                    f" ({self.used_bytes} staged, {self._reserved - (total - nbytes)} reserved by other"
+                    " downloads in flight,"
                     f" {freed} evictable{'' if pinned else ' without evicting pinned adapters'})",
                 )
             for e in victims:
                 self._evict(e)
         self._reserved += nbytes
         return nbytes
+
+    def _release(self, nbytes: int, download: int | None = None) -> None:
+        """Give back bytes reserved (once they are staged or deleted); wake those waiting."""
+        self._reserved -= nbytes
+        if download is not None:
+            self._holding.pop(download, None)
+        self._released.set()
+        self._released = asyncio.Event()
 
     def _evict(self, e: _Entry) -> None:
         log.info("evicting %s (%d bytes, last used %.0f) to make room", e.name, e.nbytes, e.last_used)
@@ -485,7 +531,7 @@ class AdapterStore:
             extra = await self._write_serving_copy(self._store_dir / e.blob, ref)
         finally:
             self._copying.discard(key)
-        self._reserved -= extra
+        self._release(extra)
         if extra and self._entries.get(e.name) is e:
             e.nbytes += extra
             self._update_gauges()

@@ -1,0 +1,171 @@
+"""The disk budget while a download runs: a source that does not say how big its file is (no
+Content-Length) must not take the cache over its budget before the download ends.
+
+The sources here are real HTTP servers on 127.0.0.1 that stream the weights in small chunks,
+with no Content-Length, and measure the cache directory on disk between chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from loraplex.node_agent.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
+
+from .helpers import make_adapter
+
+CHUNK = 16 * 1024
+
+
+def disk_bytes(root: Path) -> int:
+    """Bytes of every regular file under `root` (staged versions and downloads in progress)."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = Path(dirpath, f)
+            if not p.is_symlink():
+                total += p.stat().st_size
+    return total
+
+
+@dataclass
+class StreamingSource:
+    """GET /<name>/<file>: the config whole, the weights chunked without a length (or for ever)."""
+
+    url: str = ""
+    files: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    endless: set[str] = field(default_factory=set)
+    watch: Path | None = None  # a cache directory measured between chunks
+    peak: int = 0
+
+    def add(self, name: str, directory: Path) -> str:
+        self.files[name] = {f: (directory / f).read_bytes() for f in (CONFIG_FILE, WEIGHTS_FILE)}
+        return f"{self.url}/{name}/"
+
+    def measure(self) -> None:
+        if self.watch is not None:
+            self.peak = max(self.peak, disk_bytes(self.watch))
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        name, filename = request.match_info["name"], request.match_info["file"]
+        files = self.files.get(name)
+        if files is None:
+            raise web.HTTPNotFound()
+        if filename == CONFIG_FILE:
+            return web.Response(body=files[CONFIG_FILE])
+        resp = web.StreamResponse()
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        body = files[WEIGHTS_FILE]
+        sent = 0
+        while sent < len(body) or name in self.endless:
+            await resp.write(body[sent:sent + CHUNK] if sent < len(body) else b"\0" * CHUNK)
+            sent += CHUNK
+            await asyncio.sleep(0.002)  # the agent writes what it got
+            self.measure()
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture
+async def streaming_source():
+    src = StreamingSource()
+    app = web.Application()
+    app.router.add_get("/{name}/{file}", src.handle)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    src.url = str(server.make_url("")).rstrip("/")
+    yield src
+    await server.close()
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+def _adapter(tmp_path: Path, name: str, seed: int) -> tuple[Path, str]:
+    d = tmp_path / "volume" / name
+    sha = make_adapter(d, seed=seed, rank=16, hidden=256)
+    return d, sha
+
+
+def _size(d: Path) -> int:
+    return sum((d / f).stat().st_size for f in (CONFIG_FILE, WEIGHTS_FILE))
+
+
+async def test_a_download_of_unknown_size_evicts_as_it_grows(tmp_path, session, streaming_source):
+    """The cache is full of unpinned adapters; an adapter whose source gives no length
+    arrives. It used to be written whole beside them (the budget checked only once it had
+    ended: the disk held 4 adapters under a budget of 3); it must evict the least recently
+    used as it grows, so the disk never holds more than the budget."""
+    root = tmp_path / "cache"
+    dirs = [_adapter(tmp_path, n, i) for i, n in enumerate(["a", "b", "c", "d"])]
+    size = _size(dirs[0][0])
+    budget = 3 * size + 1024
+    store = AdapterStore(root, budget, session=session)
+    for name, (d, sha) in zip("abc", dirs):
+        await store.stage(AdapterRef(name, str(d), sha))
+    streaming_source.watch = root
+    src = streaming_source.add("d", dirs[3][0])
+    staged = await store.stage(AdapterRef("d", src, dirs[3][1]))
+    assert staged.bytes == size
+    assert streaming_source.peak <= budget, (streaming_source.peak, budget)
+    assert sorted(a.name for a in store.list()) == ["b", "c", "d"]  # a: least recently used
+    assert store.used_bytes <= budget and disk_bytes(root) <= budget
+    assert list((root / ".tmp").iterdir()) == []
+
+
+async def test_a_download_of_unknown_size_stops_once_it_cannot_fit(tmp_path, session, streaming_source):
+    """Pinned adapters fill the budget; an unpinned adapter's source streams without a
+    length, and never ends. The download must stop as soon as it outgrows the room it may
+    take (it used to write a whole budget's worth beside the pinned set first), fail with
+    BudgetExceeded saying so, evict nothing and leave nothing behind."""
+    root = tmp_path / "cache"
+    dirs = [_adapter(tmp_path, n, i) for i, n in enumerate(["p1", "p2", "x"])]
+    size = _size(dirs[0][0])
+    budget = 3 * size
+    store = AdapterStore(root, budget, session=session)
+    store.set_pinned({"p1", "p2"})
+    for name, (d, sha) in zip(["p1", "p2"], dirs):
+        await store.stage(AdapterRef(name, str(d), sha))
+    streaming_source.watch = root
+    src = streaming_source.add("x", dirs[2][0])
+    streaming_source.endless.add("x")
+    with pytest.raises(StoreError) as err:
+        await asyncio.wait_for(store.stage(AdapterRef("x", src, None)), 30)
+    assert err.value.reason == "BudgetExceeded" and err.value.status == 507
+    assert "budget" in str(err.value)
+    assert streaming_source.peak <= budget, (streaming_source.peak, budget)
+    assert sorted(a.name for a in store.list()) == ["p1", "p2"]
+    assert list((root / ".tmp").iterdir()) == [] and not os.path.lexists(root / "x")
+    assert store.metrics.failures.labels("BudgetExceeded")._value.get() == 1
+
+
+async def test_downloads_of_unknown_size_at_once_share_the_budget(tmp_path, session, streaming_source):
+    """Two downloads without a length run together into an empty cache with room for one
+    adapter and a half. They used to be written whole side by side (two adapters on disk),
+    the budget checked only at their ends; now one fails while it runs (not both: the later
+    one waits for room the earlier one holds), and the disk never holds more than the budget."""
+    root = tmp_path / "cache"
+    dirs = [_adapter(tmp_path, n, i) for i, n in enumerate(["e", "f"])]
+    size = _size(dirs[0][0])
+    budget = int(1.5 * size)
+    store = AdapterStore(root, budget, session=session)
+    streaming_source.watch = root
+    refs = [AdapterRef(n, streaming_source.add(n, d), sha) for n, (d, sha) in zip("ef", dirs)]
+    results = await asyncio.gather(*(store.stage(r) for r in refs), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert all(isinstance(r, StoreError) and r.reason == "BudgetExceeded" for r in failed), results
+    assert len(failed) == 1 and len(store.list()) == 1
+    assert streaming_source.peak <= budget, (streaming_source.peak, budget)
+    assert store.used_bytes <= budget and list((root / ".tmp").iterdir()) == []
