@@ -14,7 +14,8 @@ one source per file, which the CRD does not have yet (see the node agent notes).
 
 Every fetch is a stream of chunks with the size when the source knows it up front; errors
 are `SourceError` with a short machine reason (`NotFound`, `Truncated`, `Unreachable`,
-`HTTPError`, `Unsupported`) that the metrics and the HTTP API report as is.
+`HTTPError`, `Unsupported`; `InvalidRequest` for a URL that does not parse or names no
+host) that the metrics and the HTTP API report as is.
 """
 
 from __future__ import annotations
@@ -149,7 +150,11 @@ class HTTPSource:
 def redact(url: str) -> str:
     """The URL without its query string: presigned signatures and tokens never reach logs
     or API answers."""
-    p = urllib.parse.urlsplit(url)
+    try:
+        p = urllib.parse.urlsplit(url)
+    except ValueError:  # not a URL: hide everything from its query string on
+        head, sep, _ = url.partition("?")
+        return head + ("?…" if sep else "")
     return urllib.parse.urlunsplit((p.scheme, p.netloc, p.path, "…" if p.query else "", ""))
 
 
@@ -157,10 +162,17 @@ def open_source(uri: str, session: aiohttp.ClientSession | None) -> Source:
     """The source for `uri`: a plain absolute path, file://, http:// or https://."""
     if uri.startswith("/"):
         return LocalSource(uri, Path(uri))
-    scheme = urllib.parse.urlsplit(uri).scheme
+    try:
+        parts = urllib.parse.urlsplit(uri)
+        parts.port  # parsed here: a bad port is a bad URL, not an unreachable host
+    except ValueError as e:
+        raise SourceError("InvalidRequest", f"source {redact(uri)!r} is not a valid URL ({e})") from None
+    scheme = parts.scheme
     if scheme == "file":
-        return LocalSource(uri, Path(urllib.parse.unquote(urllib.parse.urlsplit(uri).path)))
+        return LocalSource(uri, Path(urllib.parse.unquote(parts.path)))
     if scheme in ("http", "https"):
+        if not parts.hostname:
+            raise SourceError("InvalidRequest", f"source {redact(uri)!r} is not a valid URL (no host)")
         if session is None:
             raise SourceError("Unsupported", f"{redact(uri)}: no HTTP session to fetch it")
         return HTTPSource(uri, session)

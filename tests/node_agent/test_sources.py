@@ -6,7 +6,7 @@ import aiohttp
 import pytest
 
 from loraplex.node_agent.sources import HTTPSource, LocalSource, SourceError, open_source
-from loraplex.node_agent.store import AdapterRef, AdapterStore
+from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 
 from .helpers import make_adapter
 
@@ -68,3 +68,19 @@ async def test_local_source_streams_the_whole_file(tmp_path):
         async with source.open("nope.json"):
             pass
     assert err.value.reason == "NotFound"
+
+
+@pytest.mark.parametrize("uri", ["http://[::1/adapters/a/", "https://[bad/x", "http:///adapters/a/", "https://"])
+async def test_a_malformed_source_url_is_refused_as_such(tmp_path, uri):
+    """A source URL that does not parse, or names no host, is a bad request (400, not retried),
+    not a disk fault (500, logged with a traceback and retried by the plan loop for ever) or
+    an unreachable host (502, retried)."""
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(SourceError) as err:
+            open_source(uri, session)
+        assert err.value.reason == "InvalidRequest" and "URL" in str(err.value)
+        store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+        with pytest.raises(StoreError) as err:
+            await store.stage(AdapterRef("a", uri, None))
+    assert err.value.reason == "InvalidRequest" and err.value.status == 400
+    assert store.metrics.failures.labels("DiskError")._value.get() == 0
