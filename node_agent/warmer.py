@@ -21,7 +21,10 @@ to load the pinned set and the open prefetch entries from local disk:
     POST http://<pod>:8000/v1/adapters/{name}/pin              (pinned adapters only)
 
 The server finds `{name}` in its adapter directory, which is this agent's cache directory
-mounted read-only (the operator's Deployment mounts the same host path).
+mounted read-only (the operator's Deployment mounts the same host path). Servers are called
+side by side; a server that does not answer a call (refused, or no answer within
+`server_timeout_seconds`) has the rest of its warm-up skipped and is tried again at the next
+server check, so a server that is down or hung holds up neither the others nor the plan loop.
 """
 
 from __future__ import annotations
@@ -177,14 +180,15 @@ class StaticServers:
         self._session = session
 
     async def servers(self, base_model: str) -> dict[str, tuple[str, bool]]:
-        out = {}
-        for url in self.urls:
-            try:
-                async with self._session.get(f"{url}/readyz", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    out[url] = (url, r.status == 200)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                out[url] = (url, False)
-        return out
+        ready = await asyncio.gather(*(self._ready(url) for url in self.urls))  # side by side
+        return {url: (url, r) for url, r in zip(self.urls, ready)}
+
+    async def _ready(self, url: str) -> bool:
+        try:
+            async with self._session.get(f"{url}/readyz", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
 
 
 # -- the warmer -------------------------------------------------------------------------------
@@ -196,6 +200,7 @@ class WarmResult:
     action: str
     ok: bool
     detail: str = ""
+    unreachable: bool = False  # no answer at all (refused, reset, timed out), not an error status
 
     def as_json(self) -> dict:
         return {"name": self.name, "action": self.action, "ok": self.ok, "detail": self.detail}
@@ -228,6 +233,7 @@ class Warmer:
         now: Callable[[], datetime.datetime] = utcnow,
         poll_seconds: float = 1.0,
         server_poll_seconds: float = 2.0,
+        server_timeout_seconds: float = 10.0,
         retry_seconds: float = 10.0,
         max_retry_seconds: float = 300.0,
     ) -> None:
@@ -241,6 +247,7 @@ class Warmer:
         self._now = now
         self.poll_seconds = poll_seconds
         self.server_poll_seconds = server_poll_seconds
+        self.server_timeout_seconds = server_timeout_seconds
         self.retry_seconds = retry_seconds
         self.max_retry_seconds = max_retry_seconds
         self._watch = _Watch()
@@ -325,9 +332,9 @@ class Warmer:
         await self._stage_all([plan.adapters[n].ref for n in plan.pinned])
         now = self._now()
         await self._stage_all([plan.adapters[n].ref for n in plan.open_prefetch(now)])
-        # Servers already warm get the new pins and open windows too (idempotent calls).
-        for url in list(self._ready.values()):
-            await self.warm_server(url)
+        # Servers already warm get the new pins and open windows too (idempotent calls), side
+        # by side: a server that hangs costs the plan loop one call timeout, not one per server.
+        await asyncio.gather(*(self.warm_server(url) for url in list(self._ready.values())))
 
     async def _stage_all(self, refs: list[AdapterRef]) -> None:
         # An adapter that failed for good (wrong digest, bad file) is tried again only when
@@ -427,33 +434,48 @@ class Warmer:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             log.warning("cannot list the servers on this node: %s", e)
             return []
-        warmed = []
         for sid, (url, ready) in seen.items():
-            if ready and sid not in self._ready:
-                log.info("server %s is ready: loading its pinned set", url)
-                await self.warm_server(url)
-                self._ready[sid] = url
-                warmed.append(url)
-            elif not ready:
+            if not ready:
                 self._ready.pop(sid, None)  # warm it again when it comes back
         for sid in set(self._ready) - set(seen):
             del self._ready[sid]
+        new = [(sid, url) for sid, (url, ready) in seen.items() if ready and sid not in self._ready]
+        for _, url in new:
+            log.info("server %s is ready: loading its pinned set", url)
+        # Side by side: a server that hangs must not hold up the warm-up of the others.
+        results = await asyncio.gather(*(self.warm_server(url) for _, url in new))
+        warmed = []
+        for (sid, url), res in zip(new, results):
+            if any(r.unreachable for r in res):  # it did not answer: try again at the next check
+                continue
+            self._ready[sid] = url
+            warmed.append(url)
         return warmed
 
     async def warm_server(self, url: str) -> list[WarmResult]:
+        """Ask the server at `url` to load (and pin) the pinned set, then the open warm-up
+        windows, in that order. A call it does not answer at all (refused, timed out) ends
+        the warm-up: the calls left are reported skipped, not made one timeout each."""
         plan = self._watch.plan
         if plan is None:
             return []
+        calls: list[tuple[str, str]] = []
         results = []
         for name in plan.pinned:
             if self.store.get(name) is None:
                 results.append(WarmResult(name, "prefetch", False, "not staged on this node"))
                 continue
-            results.append(await self.call_server(url, name, "prefetch"))
-            results.append(await self.call_server(url, name, "pin"))
+            calls += [(name, "prefetch"), (name, "pin")]
         for name in plan.open_prefetch(self._now()):
             if name not in plan.pinned and self.store.get(name) is not None:
-                results.append(await self.call_server(url, name, "prefetch"))
+                calls.append((name, "prefetch"))
+        for i, (name, action) in enumerate(calls):
+            result = await self.call_server(url, name, action)
+            results.append(result)
+            if result.unreachable:
+                results += [WarmResult(n, a, False, f"skipped: the server did not answer ({result.detail})",
+                                       unreachable=True) for n, a in calls[i + 1:]]
+                break
         return results
 
     async def call_server(self, url: str, name: str, action: str) -> WarmResult:
@@ -461,16 +483,19 @@ class Warmer:
         path = f"/v1/adapters/{urllib.parse.quote(name)}/{action}"
         if action == "prefetch":
             path += "?wait=false"
+        unreachable = False
         try:
-            async with self._session.post(url.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
+            async with self._session.post(url.rstrip("/") + path,
+                                          timeout=aiohttp.ClientTimeout(total=self.server_timeout_seconds)) as r:
                 ok = 200 <= r.status < 300
                 detail = "" if ok else f"{r.status}: {(await r.text())[:200]}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            ok, detail = False, f"{type(e).__name__}: {e}"
+            ok, detail = False, f"{type(e).__name__}: {str(e) or f'no answer in {self.server_timeout_seconds:g} s'}"
+            unreachable = not isinstance(e, aiohttp.ClientResponseError)
         self.metrics.server_calls.labels(action, "ok" if ok else "error").inc()
         if not ok:
             log.warning("%s %s on %s failed: %s", action, name, url, detail)
-        return WarmResult(name, action, ok, detail)
+        return WarmResult(name, action, ok, detail, unreachable)
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -480,5 +505,5 @@ class Warmer:
         if plan is None or name not in plan.adapters:
             raise StoreError("UnknownAdapter", f"adapter {name!r} is not in this node's plan")
         staged = await self._stage(plan.adapters[name].ref)
-        results = [await self.call_server(url, name, "prefetch") for url in list(self._ready.values())]
-        return staged, results
+        results = await asyncio.gather(*(self.call_server(url, name, "prefetch") for url in list(self._ready.values())))
+        return staged, list(results)

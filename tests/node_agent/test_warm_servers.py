@@ -1,0 +1,119 @@
+"""The warmer's calls to the node's servers when one of them misbehaves: a server that is
+down, hangs or answers errors must not hold up the others, nor the plan loop.
+
+Real HTTP on 127.0.0.1: a healthy fake server (conftest.FakeServer) beside one that accepts
+connections and never answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from loraplex.node_agent.store import AdapterStore
+from loraplex.node_agent.warmer import StaticServers, Warmer
+
+from .helpers import ConfigMapDir, plan_json
+
+TIMEOUT = 0.5  # the warmer's per-call timeout in these tests
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+@pytest.fixture
+async def hung_server():
+    """Ready by /readyz, but every adapter call hangs (a server stuck in a long load)."""
+    calls: list[str] = []
+    release = asyncio.Event()
+
+    async def readyz(request):
+        return web.json_response({"ready": True})
+
+    async def admin(request):
+        calls.append(request.match_info["action"] + " " + request.match_info["name"])
+        await release.wait()
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/readyz", readyz)
+    app.router.add_post("/v1/adapters/{name}/{action}", admin)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    server.calls = calls
+    server.base = str(server.make_url("")).rstrip("/")
+    yield server
+    release.set()
+    await server.close()
+
+
+async def _warmer(tmp_path, object_store, session, urls) -> Warmer:
+    names = [f"p{i}" for i in range(4)]
+    for i, n in enumerate(names):
+        object_store.add(n, tmp_path, seed=i)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, pinned=names, others=[]))
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    warmer = Warmer(store, cm.path, session, discovery=StaticServers(urls, session),
+                    server_timeout_seconds=TIMEOUT)
+    assert await warmer.check_plan()
+    await warmer.reconcile()
+    return warmer
+
+
+async def test_a_hung_server_does_not_hold_up_the_others(tmp_path, object_store, session, fake_server,
+                                                         hung_server):
+    """Two servers turn ready, the first hangs on every call. The warm-up of the healthy one
+    used to wait for the hung one's calls, one timeout each (8 calls x 10 s here); now the
+    servers are warmed side by side and a server that does not answer is given up on after
+    one timeout, and tried again at the next check."""
+    fake_server.ready = True
+    warmer = await _warmer(tmp_path, object_store, session, [hung_server.base, fake_server.url])
+    t0 = time.monotonic()
+    warmed = await warmer.check_servers()
+    elapsed = time.monotonic() - t0
+    assert elapsed < 3 * TIMEOUT, elapsed
+    assert warmed == [fake_server.url]  # the hung one is not counted as warm: tried again next time
+    assert [(a, n) for a, n, _ in fake_server.calls] == [
+        (a, f"p{i}") for i in range(4) for a in ("prefetch", "pin")]
+    assert len(hung_server.calls) == 1  # given up on after its first call timed out
+    t0 = time.monotonic()
+    assert await warmer.check_servers() == []
+    assert time.monotonic() - t0 < 3 * TIMEOUT
+    assert len(hung_server.calls) == 2 and len(fake_server.calls) == 8
+
+
+async def test_a_session_answers_without_waiting_on_a_hung_server(tmp_path, object_store, session, fake_server,
+                                                                  hung_server):
+    """A session start prefetches into every warm server: one that hangs costs one timeout
+    overall, not one per server before it, and is reported as failed."""
+    fake_server.ready = True
+    warmer = await _warmer(tmp_path, object_store, session, [fake_server.url])
+    await warmer.check_servers()
+    warmer._ready.update({f"hung-{i}": hung_server.base for i in range(3)})  # three servers that hang
+    t0 = time.monotonic()
+    staged, results = await warmer.start_session("p1")
+    assert time.monotonic() - t0 < 3 * TIMEOUT
+    assert sorted(r.ok for r in results) == [False, False, False, True]
+
+
+async def test_the_plan_loop_is_not_held_by_a_hung_server(tmp_path, object_store, session, fake_server,
+                                                         hung_server):
+    """A new plan re-warms the servers already warm; with several of them hanging, the
+    reconcile (and so the plan loop that stages new adapters) waits one timeout, not one
+    per server and call."""
+    fake_server.ready = True
+    warmer = await _warmer(tmp_path, object_store, session, [fake_server.url])
+    await warmer.check_servers()
+    warmer._ready.update({f"hung-{i}": hung_server.base for i in range(3)})
+    t0 = time.monotonic()
+    await warmer.reconcile()
+    assert time.monotonic() - t0 < 3 * TIMEOUT
