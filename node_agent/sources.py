@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -122,7 +123,7 @@ class HTTPSource:
         try:
             resp = await self._session.get(url)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise SourceError("Unreachable", f"GET {shown}: {e or type(e).__name__}") from None
+            raise SourceError("Unreachable", f"GET {shown}: {describe(e)}") from None
         try:
             if resp.status == 404:
                 raise SourceError("NotFound", f"GET {shown}: 404 Not Found")
@@ -140,11 +141,27 @@ class HTTPSource:
                 seen += len(chunk)
                 yield chunk
         except aiohttp.ClientPayloadError as e:
-            raise SourceError("Truncated", f"GET {shown}: body cut after {seen} bytes ({e})") from None
+            raise SourceError("Truncated", f"GET {shown}: body cut after {seen} bytes ({describe(e)})") from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise SourceError("Unreachable", f"GET {shown}: {e or type(e).__name__} after {seen} bytes") from None
+            raise SourceError("Unreachable", f"GET {shown}: {describe(e)} after {seen} bytes") from None
         if resp.content_length is not None and seen != resp.content_length:
             raise SourceError("Truncated", f"GET {shown}: {seen} of {resp.content_length} bytes")
+
+
+_QUERY = re.compile(r"\?[^\s'\"<>]*")
+
+
+def describe(e: BaseException) -> str:
+    """An aiohttp error in words, with no query string of any URL in it: aiohttp's text of a
+    response error is `0, message='', url='<the whole URL>'`, signature and all (the URL of
+    the last redirect, for too many of them)."""
+    if isinstance(e, aiohttp.TooManyRedirects):
+        text = f"too many redirects ({len(e.history)} followed)"
+    elif isinstance(e, aiohttp.ClientResponseError):
+        text = f"{type(e).__name__}: {e.status} {e.message}".rstrip()
+    else:
+        text = str(e) or type(e).__name__
+    return _QUERY.sub("?…", text)
 
 
 def redact(url: str) -> str:

@@ -84,3 +84,38 @@ async def test_a_malformed_source_url_is_refused_as_such(tmp_path, uri):
             await store.stage(AdapterRef("a", uri, None))
     assert err.value.reason == "InvalidRequest" and err.value.status == 400
     assert store.metrics.failures.labels("DiskError")._value.get() == 0
+
+
+@pytest.fixture
+async def redirector():
+    """/loop/<f> redirects to itself; /away/<f> redirects to a signed URL on a closed port."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    async def loop(request):
+        raise web.HTTPFound(str(request.url))
+
+    async def away(request):
+        raise web.HTTPFound("http://127.0.0.1:1/elsewhere/file?X-Amz-Signature=0th3r")
+
+    app = web.Application()
+    app.router.add_get("/loop/{f}", loop)
+    app.router.add_get("/away/{f}", away)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield str(server.make_url("")).rstrip("/")
+    await server.close()
+
+
+@pytest.mark.parametrize("path,says", [("loop", "redirect"), ("away", "Cannot connect")])
+async def test_a_redirect_that_fails_never_shows_a_signature(tmp_path, redirector, path, says):
+    """A presigned source that redirects for ever (or to a host that does not answer): the
+    error used to carry aiohttp's own text, the full signed URL in it (\"0, message='',
+    url='http://…?X-Signature=s3cr3t'\"), into the log, the API answer and the CR's status."""
+    async with aiohttp.ClientSession() as session:
+        store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+        with pytest.raises(StoreError) as err:
+            await store.stage(AdapterRef("a", f"{redirector}/{path}/?X-Signature=s3cr3t", None))
+    message = str(err.value)
+    assert err.value.reason == "Unreachable" and says in message
+    assert "s3cr3t" not in message and "0th3r" not in message, message
