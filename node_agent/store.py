@@ -486,6 +486,13 @@ class AdapterStore:
                 shutil.rmtree(blob, ignore_errors=True)
         if self._entries:
             log.info("found %d staged adapters (%d bytes) in %s", len(self._entries), self.used_bytes, self.root)
+        if self.used_bytes > self.budget_bytes:  # a smaller budget than the last run's
+            log.warning("%d staged bytes are over the %d-byte budget: evicting the least recently used",
+                        self.used_bytes, self.budget_bytes)
+            for e in sorted(self._entries.values(), key=lambda e: e.last_used):  # (no pins known yet)
+                if self.used_bytes <= self.budget_bytes:
+                    break
+                self._evict(e)
         self._update_gauges()
 
     def _store_blob(self, tmp: Path, blob: str) -> None:

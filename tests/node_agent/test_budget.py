@@ -169,3 +169,23 @@ async def test_downloads_of_unknown_size_at_once_share_the_budget(tmp_path, sess
     assert len(failed) == 1 and len(store.list()) == 1
     assert streaming_source.peak <= budget, (streaming_source.peak, budget)
     assert store.used_bytes <= budget and list((root / ".tmp").iterdir()) == []
+
+
+async def test_a_smaller_budget_at_restart_is_kept(tmp_path, session):
+    """The agent restarts with a smaller --budget-bytes (the node's disk is wanted for
+    something else). What it had staged stayed on disk over the new budget until some
+    download happened to evict (for ever, on a node whose plan does not change); now it
+    evicts least recently used adapters at start until the staged bytes fit."""
+    root = tmp_path / "cache"
+    dirs = [_adapter(tmp_path, n, i) for i, n in enumerate("abc")]
+    size = _size(dirs[0][0])
+    store = AdapterStore(root, 3 * size, session=session)
+    for i, (name, (d, sha)) in enumerate(zip("abc", dirs)):
+        await store.stage(AdapterRef(name, str(d), sha))
+        os.utime(root / ".store" / Path(os.readlink(root / name)).name, (1000 + i, 1000 + i))
+    smaller = AdapterStore(root, 2 * size, session=session)
+    assert sorted(a.name for a in smaller.list()) == ["b", "c"]  # a: least recently used
+    assert smaller.used_bytes <= 2 * size
+    assert not os.path.lexists(root / "a")
+    assert smaller.metrics.evictions._value.get() == 1
+    assert AdapterStore(root, 3 * size, session=session).used_bytes == 2 * size  # nothing more to do
