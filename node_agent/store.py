@@ -239,7 +239,14 @@ class AdapterStore:
             self._inflight[key] = fut
             fut.add_done_callback(lambda f, key=key: self._download_done(key, f))
         # shield: a client that gives up does not cancel a download others wait for.
-        return await asyncio.shield(fut)
+        staged = await asyncio.shield(fut)
+        # A request that joined a download asked for without its dtype gets the copy now.
+        e = self._entries.get(ref.name)
+        if (ref.dtype and e is not None and is_version(e, ref)
+                and not (self._store_dir / e.blob / serving_weights_name(ref.dtype)).exists()):
+            await self._add_serving_copy(e, ref)
+            return self._info(e)
+        return staged
 
     def _download_done(self, key: tuple[str, str, int], fut: asyncio.Future) -> None:
         self._inflight.pop(key, None)

@@ -431,3 +431,27 @@ async def test_restart_drops_a_version_whose_metadata_does_not_describe_it(tmp_p
     again = open_store(root, session, clock)
     assert [a.name for a in again.list()] == ["keep"]
     assert_clean(root, ["odd"])
+
+
+async def test_a_request_naming_a_dtype_that_joins_a_download_gets_its_copy(tmp_path, object_store, session):
+    """Two requests for one version share its download; the second names a serving dtype and
+    the first none (the plan's stage and a bf16 server's, say). The second used to be answered
+    with the version as the first asked for it, with no bf16 copy, so its server converted
+    the F32 weights at every read until some later request named the dtype again."""
+    from loraplex.server.adapter_format import serving_weights_name
+
+    src = object_store.add("shared", tmp_path)
+    sha = object_store.adapters["shared"].sha256
+    object_store.gate = asyncio.Event()
+    store = open_store(tmp_path / "cache", session)
+    plain = asyncio.ensure_future(store.stage(AdapterRef("shared", src, sha)))
+    while object_store.active == 0:
+        await asyncio.sleep(0.005)
+    bf16 = asyncio.ensure_future(store.stage(AdapterRef("shared", src, sha, "bfloat16")))
+    await asyncio.sleep(0.02)
+    object_store.gate.set()
+    first, second = await asyncio.gather(plain, bf16)
+    assert store.downloads_started == 1
+    copy = tmp_path / "cache" / "shared" / serving_weights_name("bfloat16")
+    assert copy.is_file()
+    assert second.bytes == first.bytes + copy.stat().st_size == store.used_bytes
