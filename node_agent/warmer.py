@@ -12,7 +12,9 @@ mtime, since a ConfigMap changes by a symlink swap; through the API: the resourc
 and re-reads it when that changes. On each plan (when a warm-up window opens, and after a
 backoff while a staging failure may pass) it reconciles: the store's pinned set; pinned
 adapters staged first, then prefetch entries whose window is open; adapters that left the
-plan removed from disk. A bad plan is logged and the previous plan kept.
+plan removed from disk (at the first plan after a start, those that left it while the agent
+was down: the plan's adapter names are kept in `<cache>/.plan-adapters.json`). A bad plan is
+logged and the previous plan kept.
 
 Servers: when a server pod of the plan's base on this node turns ready, the warmer asks it
 to load the pinned set and the open prefetch entries from local disk:
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import logging
 import os
 import urllib.parse
@@ -254,6 +257,7 @@ class Warmer:
         self._ready: dict[str, str] = {}  # server id -> URL, servers already warmed
         self._wake = asyncio.Event()
         self.reconciles = 0
+        self._recorded: frozenset[str] | None = None  # the plan's adapter names as last written to disk
 
     @property
     def plan(self) -> Plan | None:
@@ -313,17 +317,22 @@ class Warmer:
             return
         self.reconciles += 1
         self.store.set_pinned(set(plan.pinned))
+        dropped: set[str] = set()
         if previous is not None:
             # A new plan may unpin or drop adapters and so make room: try budget failures again.
             for name in [n for n, r in self._watch.reasons.items() if r == "BudgetExceeded"]:
                 self._watch.failed_for_good.pop(name, None)
-            for name in sorted(set(previous.adapters) - set(plan.adapters)):
-                if await self.store.remove(name):
-                    log.info("removed %s from local disk: it left the plan", name)
-                    self._report_removed(name)
-                self._watch.errors.pop(name, None)
-                self._watch.reasons.pop(name, None)
-                self._watch.failed_for_good.pop(name, None)
+            dropped = set(previous.adapters) - set(plan.adapters)
+        elif self._recorded is None:  # this process's first plan: the one before is the last run's
+            dropped = self._last_run_adapters() - set(plan.adapters)
+        for name in sorted(dropped):
+            if await self.store.remove(name):
+                log.info("removed %s from local disk: it left the plan", name)
+                self._report_removed(name)
+            self._watch.errors.pop(name, None)
+            self._watch.reasons.pop(name, None)
+            self._watch.failed_for_good.pop(name, None)
+        self._record_adapters(frozenset(plan.adapters))
         if self.reporter is not None:  # what an earlier run (or a session) left on disk
             for name, a in plan.adapters.items():
                 staged = self.store.get(name)
@@ -371,6 +380,31 @@ class Warmer:
         if self.reporter is not None:
             self.reporter.staged(ref.name, staged.bytes)
         return staged
+
+    # The plan's adapter names, kept in the cache directory (a dot name: neither the store nor
+    # a server takes it for an adapter), so that an adapter the plan dropped while the agent was
+    # down is removed at its next start like one dropped while it runs.
+    PLAN_ADAPTERS_FILE = ".plan-adapters.json"
+
+    def _last_run_adapters(self) -> set[str]:
+        try:
+            names = json.loads((self.store.root / self.PLAN_ADAPTERS_FILE).read_text())
+        except (OSError, ValueError):
+            return set()
+        return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+
+    def _record_adapters(self, names: frozenset[str]) -> None:
+        if names == self._recorded:
+            return
+        path = self.store.root / self.PLAN_ADAPTERS_FILE
+        tmp = path.with_name(f"{path.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(sorted(names)))
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("cannot record the plan's adapters in %s: %s", path, e)
+            return
+        self._recorded = names
 
     def _evicted(self, name: str) -> None:
         plan = self._watch.plan
