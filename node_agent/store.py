@@ -20,7 +20,8 @@ part. A new version of a name replaces the old one the same way. A request that 
 serving dtype (the plan's, or the server's own) also gets the weights' F32 tensors written
 in that dtype beside the original, once, under a temporary name renamed into place; a staged
 version that lacks it gets it at the next such request. The copy takes only free budget: it
-never evicts an adapter, and without room the adapter is staged without it.
+never evicts an adapter, and without room the adapter is staged without it (its size is
+known from the header, so a copy without room is never written).
 
 Budget: staged bytes plus bytes reserved by downloads in flight stay within `budget_bytes`.
 To make room the store evicts least recently used adapters, unpinned first, pinned last
@@ -59,7 +60,7 @@ from loraplex.node_agent.adapter_files import (
     InvalidAdapter,
     check_adapter_dir,
 )
-from loraplex.node_agent.convert import write_serving_copy
+from loraplex.node_agent.convert import serving_copy_size, write_serving_copy
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.sources import Fetch, SourceError, open_source, redact
 from loraplex.server.adapter_format import SERVING_DTYPES, serving_weights_name
@@ -519,21 +520,28 @@ class AdapterStore:
         """Write the weights' F32 tensors in `ref.dtype` beside them in `directory` and reserve
         its bytes; returns them (0 when there is nothing to convert). A copy that cannot be
         written, or does not fit the budget's free bytes (it never evicts an adapter), is left
-        out, not the adapter: a server then converts as it reads (slower, the same bits)."""
+        out, not the adapter: a server then converts as it reads (slower, the same bits). Its
+        size comes from the header, so one without room is never written."""
         try:
-            copy = await asyncio.to_thread(write_serving_copy, directory, ref.dtype)
+            size = await asyncio.to_thread(serving_copy_size, directory, ref.dtype)
         except (OSError, ValueError, MemoryError) as err:
             log.warning("adapter %s: no %s copy of its weights (%s)", ref.name, ref.dtype, err)
             return 0
-        if copy is None:
+        if size is None:
             return 0
-        size = copy.stat().st_size
         if self.used_bytes + self._reserved + size > self.budget_bytes:
-            copy.unlink()
             log.info("adapter %s: no room in the budget for its %s copy (%d bytes)", ref.name, ref.dtype, size)
             return 0
         self._reserved += size
-        return size
+        try:
+            copy = await asyncio.to_thread(write_serving_copy, directory, ref.dtype)
+            written = copy.stat().st_size if copy is not None else 0
+        except (OSError, ValueError, MemoryError) as err:
+            self._release(size)
+            log.warning("adapter %s: no %s copy of its weights (%s)", ref.name, ref.dtype, err)
+            return 0
+        self._release(size - written)  # (none, unless the file changed between the two reads)
+        return written
 
     async def _add_serving_copy(self, e: _Entry, ref: AdapterRef) -> None:
         """The same for a version staged before without it (one writer at a time)."""

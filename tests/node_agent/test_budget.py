@@ -189,3 +189,34 @@ async def test_a_smaller_budget_at_restart_is_kept(tmp_path, session):
     assert not os.path.lexists(root / "a")
     assert smaller.metrics.evictions._value.get() == 1
     assert AdapterStore(root, 3 * size, session=session).used_bytes == 2 * size  # nothing more to do
+
+
+@pytest.mark.parametrize("staged_before", [False, True])
+async def test_a_serving_copy_without_room_is_never_written(tmp_path, session, monkeypatch, staged_before):
+    """The bf16 copy of an adapter's F32 weights takes only free budget. It used to be written
+    first and measured after, then deleted when it did not fit: for that while the disk held
+    up to half an adapter more than the budget. Its size is known from the header, so a copy
+    without room is never written at all (at staging, and for a version staged before)."""
+    import loraplex.node_agent.store as store_module
+
+    root = tmp_path / "cache"
+    (d1, sha1), (d2, sha2) = _adapter(tmp_path, "first", 1), _adapter(tmp_path, "second", 2)
+    size = _size(d1)
+    budget = 2 * size + 1024
+    store = AdapterStore(root, budget, session=session)
+    await store.stage(AdapterRef("first", str(d1), sha1))
+    if staged_before:
+        await store.stage(AdapterRef("second", str(d2), sha2))
+    peaks = []
+    real = store_module.write_serving_copy
+
+    def measured(directory, dtype):  # the real conversion, and the disk right after it
+        out = real(directory, dtype)
+        peaks.append(disk_bytes(root))
+        return out
+
+    monkeypatch.setattr(store_module, "write_serving_copy", measured)
+    staged = await store.stage(AdapterRef("second", str(d2), sha2, "bfloat16"))
+    assert staged.bytes == size and store.used_bytes == 2 * size
+    assert all(p <= budget for p in peaks), (peaks, budget)
+    assert not any(p.name.startswith("adapter_model.bfloat16") for p in (root / "second").iterdir())
