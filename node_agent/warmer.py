@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import urllib.parse
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,6 +218,7 @@ RETRYABLE = frozenset({"NotFound", "Truncated", "Unreachable", "HTTPError", "Dis
 class _Watch:
     identity: object = None
     missing: bool = False  # logged once per absence
+    read_error: str | None = None  # the last error reading the plan, logged once while it lasts
     plan: Plan | None = None
     errors: dict[str, str] = field(default_factory=dict)  # adapter -> "Reason: message"
     reasons: dict[str, str] = field(default_factory=dict)  # adapter -> Reason
@@ -286,9 +288,14 @@ class Warmer:
             return False
         try:
             identity, raw = await self.plan_source.read(self._watch.identity)
-        except (PlanError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            log.error("cannot read the plan: %s", e)
+        except (ValueError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            # ValueError: PlanError, and a ConfigMap whose binaryData is not base64 or whose
+            # body is not JSON; each poll meets it again, so it is logged once.
+            if str(e) != self._watch.read_error:
+                log.error("cannot read the plan %s: %s", self.plan_source, e)
+            self._watch.read_error = str(e)
             return False
+        self._watch.read_error = None
         if identity is None:
             if not self._watch.missing:
                 log.warning("plan %s is missing; keeping the last plan", self.plan_source)
@@ -300,7 +307,7 @@ class Warmer:
         self._watch.identity = identity
         try:
             plan = parse_plan(decode_plan(raw))
-        except (PlanError, PlanFileError) as e:
+        except (PlanError, PlanFileError, zlib.error) as e:  # zlib.error: a broken deflate stream
             log.error("ignoring plan %s: %s", self.plan_source, e)
             return False
         if plan == self._watch.plan:
