@@ -101,14 +101,15 @@ def parse_plan(data: object) -> Plan:
         if dtype is not None and dtype not in SERVING_DTYPES:
             raise PlanError(f"dtype {dtype!r} is not one of {sorted(SERVING_DTYPES)}")
         for a in data.get("adapters") or []:
-            ref = AdapterRef(a["name"], a["source"], a.get("sha256"), dtype)
+            ref = AdapterRef(_string(a["name"], "an adapter's name"), a["source"], a.get("sha256"), dtype)
             adapters[ref.name] = PlanAdapter(ref, a.get("tenant"), int(a.get("priority", 0)), bool(a.get("pinned")))
         pinned = tuple(data.get("pinned") or [n for n, a in adapters.items() if a.pinned])
         unknown = [n for n in pinned if n not in adapters]
         if unknown:
             raise PlanError(f"pinned adapters {unknown} are not in the plan's adapters")
         windows = tuple(
-            PrefetchWindow(w["name"], _parse_time(w["start"]), _parse_time(w["end"]))
+            PrefetchWindow(_string(w["name"], "a prefetch window's name"), _parse_time(w["start"]),
+                           _parse_time(w["end"]))
             for w in data.get("prefetch") or []
         )
         return Plan(str(data["baseModel"]), int(data.get("slots", 0)), pinned, adapters, windows)
@@ -157,7 +158,17 @@ class PlanFile:
             raise PlanError(f"{self.path}: {e}") from None
 
 
+def _string(value: object, what: str) -> str:
+    """`value` if it is a string: a name of another type would fail later, where a dict
+    lookup or a URL quote meets it, out of the plan parser's reach."""
+    if not isinstance(value, str):
+        raise PlanError(f"{what} must be a string, got {value!r}")
+    return value
+
+
 def _parse_time(s: str) -> datetime.datetime:
+    if not isinstance(s, str):
+        raise ValueError(f"time {s!r} is not an ISO 8601 string")
     t = datetime.datetime.fromisoformat(s.replace("Z", "+00:00"))
     if t.tzinfo is None:
         raise ValueError(f"time {s!r} has no UTC offset")
