@@ -11,7 +11,8 @@
 
 Errors: {"error": {"reason": "DigestMismatch", "message": "..."}} with 400 (bad request,
 unsupported source), 404 (source or plan adapter not found, or no such endpoint), 405 (wrong
-method), 413 (body too large), 422 (digest or adapter files wrong), 502 (source cut the
+method), 409 (removed from the plan, or superseded by a version asked for later, while it
+downloaded), 413 (body too large), 422 (digest or adapter files wrong), 502 (source cut the
 download or failed), 507 (disk budget).
 """
 

@@ -30,7 +30,9 @@ and only for another pinned adapter; if even that cannot make room, the staging 
 front (no Content-Length) reserves its bytes as they arrive, evicting as it grows, and fails
 with `BudgetExceeded` the moment it outgrows what can be made room for (what it evicted on
 the way stays evicted; room held by a download that started before it is waited for). At most `max_concurrent_downloads` downloads run at
-once; concurrent requests for the same adapter version share one download.
+once; concurrent requests for the same adapter version share one download. Downloads of
+different versions of one name that overlap end as they were asked for: one that ends after
+a version asked for later was staged is dropped (`Superseded`), never put back over it.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ REASON_STATUS = {
     "BudgetExceeded": 507,
     "DiskError": 500,
     "Removed": 409,  # removed (it left the plan) while it downloaded
+    "Superseded": 409,  # another version of the name, asked for later, was staged first
 }
 
 
@@ -139,6 +142,7 @@ class _Entry:
     blob: str  # directory name under .store
     nbytes: int
     last_used: float
+    asked: int = 0  # the order of the request whose download staged it (0: found at start)
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,7 @@ class AdapterStore:
         self._reserved = 0  # bytes promised to downloads in flight
         self._holding: dict[int, int] = {}  # download (in start order) -> bytes it reserved
         self._started = itertools.count()
+        self._asked = itertools.count(1)  # downloads in the order they were asked for
         self._released = asyncio.Event()  # set (and replaced) when a download gives bytes back
         self._semaphore = asyncio.Semaphore(max_concurrent_downloads)
         self._inflight: dict[tuple[str, str, int], asyncio.Future] = {}
@@ -236,7 +241,7 @@ class AdapterStore:
         key = (ref.name, ref.sha256 or ref.source, generation)
         fut = self._inflight.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(self._download(ref, generation))
+            fut = asyncio.ensure_future(self._download(ref, generation, next(self._asked)))
             self._inflight[key] = fut
             fut.add_done_callback(lambda f, key=key: self._download_done(key, f))
         # shield: a client that gives up does not cancel a download others wait for.
@@ -265,7 +270,7 @@ class AdapterStore:
         self._update_gauges()
         return True
 
-    async def _download(self, ref: AdapterRef, generation: int) -> StagedAdapter:
+    async def _download(self, ref: AdapterRef, generation: int, asked: int) -> StagedAdapter:
         self.metrics.downloads_waiting.inc()
         try:
             await self._semaphore.acquire()
@@ -275,7 +280,7 @@ class AdapterStore:
         self.metrics.downloads_in_flight.inc()
         t0 = time.monotonic()
         try:
-            staged = await self._fetch_verify_place(ref, generation)
+            staged = await self._fetch_verify_place(ref, generation, asked)
         except StoreError as err:
             self.metrics.failures.labels(err.reason).inc()
             log.warning("staging %s failed: %s: %s", ref.name, err.reason, err)
@@ -292,7 +297,7 @@ class AdapterStore:
         log.info("staged %s (%d bytes) in %.2f s", ref.name, staged.bytes, seconds)
         return staged
 
-    async def _fetch_verify_place(self, ref: AdapterRef, generation: int) -> StagedAdapter:
+    async def _fetch_verify_place(self, ref: AdapterRef, generation: int, asked: int) -> StagedAdapter:
         try:
             source = open_source(ref.source, self._session)
         except SourceError as e:
@@ -362,11 +367,15 @@ class AdapterStore:
             self._release(reserved, me)
             raise StoreError("Removed", f"{ref.name} was removed (it left the plan) while it downloaded")
         self._release(reserved, me)
+        old = self._entries.get(ref.name)
+        if old is not None and old.asked > asked:  # the later request wins, whichever ends first
+            await asyncio.to_thread(shutil.rmtree, self._store_dir / blob, True)
+            raise StoreError("Superseded", f"{ref.name}: version {digest[:12]} was dropped: version"
+                             f" {old.sha256[:12]}, asked for after it, was staged first")
         # The name's symlink and its entry change together, with no await between them: two
         # versions of one name staged at once must not leave the link on one and the entry on
         # the other (whose cleanup then deletes the linked directory).
-        old = self._entries.get(ref.name)
-        entry = _Entry(ref.name, digest, ref.source, blob, total, self._clock())
+        entry = _Entry(ref.name, digest, ref.source, blob, total, self._clock(), asked)
         self._link(ref.name, blob)
         self._entries[ref.name] = entry
         await asyncio.to_thread(_fsync_dir, self.root)

@@ -221,8 +221,9 @@ class WarmResult:
         return {"name": self.name, "action": self.action, "ok": self.ok, "detail": self.detail}
 
 
-# Staging failures worth retrying without a new plan (with backoff).
-RETRYABLE = frozenset({"NotFound", "Truncated", "Unreachable", "HTTPError", "DiskError"})
+# Staging failures worth retrying without a new plan (with backoff). Superseded: another
+# version of the name, asked for by someone else, was staged over the plan's; the plan wins.
+RETRYABLE = frozenset({"NotFound", "Truncated", "Unreachable", "HTTPError", "DiskError", "Superseded"})
 
 
 @dataclass

@@ -343,7 +343,10 @@ async def test_versions_of_one_name_staged_at_once_leave_the_link_and_the_entry_
     store = open_store(tmp_path / "cache", session, downloads=8)
     for round_ in range(30):
         picks = [versions[(round_ + k) % 4] for k in range(3)]
-        await asyncio.gather(*[store.stage(ref) for ref in picks])
+        results = await asyncio.gather(*[store.stage(ref) for ref in picks], return_exceptions=True)
+        # One that ends after a version asked for later is dropped (the later request wins).
+        assert all(not isinstance(r, BaseException) or getattr(r, "reason", None) == "Superseded"
+                   for r in results), results
         entry = store.get("a")
         weights = Path(entry.path, WEIGHTS_FILE).read_bytes()  # through the link
         assert hashlib.sha256(weights).hexdigest() == entry.sha256, round_
@@ -455,3 +458,32 @@ async def test_a_request_naming_a_dtype_that_joins_a_download_gets_its_copy(tmp_
     copy = tmp_path / "cache" / "shared" / serving_weights_name("bfloat16")
     assert copy.is_file()
     assert second.bytes == first.bytes + copy.stat().st_size == store.used_bytes
+
+
+async def test_a_version_asked_for_earlier_never_replaces_one_asked_for_later(tmp_path, object_store, session):
+    """Version 1 of an adapter downloads slowly; version 2 is asked for meanwhile and staged
+    first. Version 1 used to replace it when its download ended, so the node went back to
+    the old version although the newer one was the last asked for (the caller of version 2
+    had been told it was there). The later request wins: version 1 is dropped, its caller
+    told so (409 Superseded), and version 2 stays."""
+    src1 = object_store.add("a", tmp_path, seed=1)
+    ref1 = AdapterRef("a", src1, object_store.adapters["a"].sha256)
+    sha2 = make_adapter(tmp_path / "v2" / "a", seed=2)
+    ref2 = AdapterRef("a", str(tmp_path / "v2" / "a"), sha2)
+    object_store.gate = asyncio.Event()
+    store = open_store(tmp_path / "cache", session)
+    first = asyncio.ensure_future(store.stage(ref1))
+    while object_store.active == 0:
+        await asyncio.sleep(0.005)
+    staged2 = await store.stage(ref2)
+    object_store.gate.set()
+    with pytest.raises(StoreError) as err:
+        await first
+    assert err.value.reason == "Superseded" and err.value.status == 409
+    assert store.get("a").sha256 == sha2 == staged2.sha256
+    assert hashlib.sha256(Path(staged2.path, WEIGHTS_FILE).read_bytes()).hexdigest() == sha2
+    assert_clean(tmp_path / "cache", [])
+    # Asked for again now, version 1 is the latest request: it replaces version 2.
+    again = await store.stage(ref1)
+    assert store.get("a").sha256 == again.sha256 == ref1.sha256
+    assert_clean(tmp_path / "cache", [])
