@@ -13,7 +13,7 @@ Errors: {"error": {"reason": "DigestMismatch", "message": "..."}} with 400 (bad 
 unsupported source), 404 (source or plan adapter not found, or no such endpoint), 405 (wrong
 method), 409 (removed from the plan, or superseded by a version asked for later, while it
 downloaded), 413 (body too large), 422 (digest or adapter files wrong), 502 (source cut the
-download or failed), 507 (disk budget).
+download or failed), 507 (disk budget, or the disk itself full).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -85,6 +86,7 @@ REASON_STATUS = {
     "HTTPError": 502,
     "Unreachable": 502,
     "BudgetExceeded": 507,
+    "DiskFull": 507,  # the disk itself, under the budget (ENOSPC, EDQUOT)
     "DiskError": 500,
     "Removed": 409,  # removed (it left the plan) while it downloaded
     "Superseded": 409,  # another version of the name, asked for later, was staged first
@@ -280,7 +282,14 @@ class AdapterStore:
         self.metrics.downloads_in_flight.inc()
         t0 = time.monotonic()
         try:
-            staged = await self._fetch_verify_place(ref, generation, asked)
+            try:
+                staged = await self._fetch_verify_place(ref, generation, asked)
+            except OSError as err:
+                if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise StoreError("DiskFull", f"{ref.name}: no space left on the disk under {self.root}"
+                                 f" ({err.strerror}; {self.used_bytes} bytes staged, budget"
+                                 f" {self.budget_bytes}: more than the disk has free?)") from None
         except StoreError as err:
             self.metrics.failures.labels(err.reason).inc()
             log.warning("staging %s failed: %s: %s", ref.name, err.reason, err)

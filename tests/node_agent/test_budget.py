@@ -220,3 +220,31 @@ async def test_a_serving_copy_without_room_is_never_written(tmp_path, session, m
     assert staged.bytes == size and store.used_bytes == 2 * size
     assert all(p <= budget for p in peaks), (peaks, budget)
     assert not any(p.name.startswith("adapter_model.bfloat16") for p in (root / "second").iterdir())
+
+
+async def test_a_full_disk_is_a_clear_507_and_leaves_nothing(tmp_path, session, monkeypatch):
+    """The disk fills up under the budget (a budget larger than the disk, or other files on
+    it): the write's ENOSPC (here as a filesystem with delayed allocation reports it, at
+    fsync) was a 500 DiskError with a traceback, as if the agent had a bug. It is a 507
+    DiskFull saying so, with nothing left in .tmp and no budget left reserved."""
+    import errno
+
+    root = tmp_path / "cache"
+    d, sha = _adapter(tmp_path, "a", 1)
+    store = AdapterStore(root, 10**9, session=session)
+    real_fsync = os.fsync
+
+    def full(fd):
+        if os.fstat(fd).st_size > 1 << 16:  # the weights, not a small file or a directory
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(StoreError) as err:
+        await store.stage(AdapterRef("a", str(d), sha))
+    assert err.value.reason == "DiskFull" and err.value.status == 507
+    assert "no space left" in str(err.value).lower() and str(root) in str(err.value)
+    assert list((root / ".tmp").iterdir()) == [] and store.get("a") is None
+    assert store._reserved == 0 and store.metrics.failures.labels("DiskFull")._value.get() == 1
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert (await store.stage(AdapterRef("a", str(d), sha))).sha256 == sha  # room again: it stages
