@@ -197,7 +197,7 @@ class AdapterStore:
         self._semaphore = asyncio.Semaphore(max_concurrent_downloads)
         self._inflight: dict[tuple[str, str, int], asyncio.Future] = {}
         self._generation: dict[str, int] = {}  # name -> removals so far (a download started before one is void)
-        self._copying: set[tuple[str, str]] = set()  # (version, dtype) copies being written
+        self._copying: dict[tuple[str, str], asyncio.Future] = {}  # (version, dtype) -> the copy's writer
         self.downloads_started = 0
         self.metrics.budget_bytes.set(budget_bytes)
         self._open()
@@ -562,15 +562,18 @@ class AdapterStore:
         return written
 
     async def _add_serving_copy(self, e: _Entry, ref: AdapterRef) -> None:
-        """The same for a version staged before without it (one writer at a time)."""
+        """The same for a version staged before without it: one writer, as a task of its own
+        (a caller that goes away cancels neither it nor its accounting), which a request that
+        comes while it writes waits for too, so that every one is answered with the copy there."""
         key = (e.blob, ref.dtype)
-        if key in self._copying:
-            return
-        self._copying.add(key)
-        try:
-            extra = await self._write_serving_copy(self._store_dir / e.blob, ref)
-        finally:
-            self._copying.discard(key)
+        task = self._copying.get(key)
+        if task is None:
+            task = self._copying[key] = asyncio.ensure_future(self._copy_into(e, ref))
+            task.add_done_callback(lambda t, key=key: self._copying.pop(key, None))
+        await asyncio.shield(task)
+
+    async def _copy_into(self, e: _Entry, ref: AdapterRef) -> None:
+        extra = await self._write_serving_copy(self._store_dir / e.blob, ref)
         self._release(extra)
         if extra and self._entries.get(e.name) is e:
             e.nbytes += extra

@@ -487,3 +487,37 @@ async def test_a_version_asked_for_earlier_never_replaces_one_asked_for_later(tm
     again = await store.stage(ref1)
     assert store.get("a").sha256 == again.sha256 == ref1.sha256
     assert_clean(tmp_path / "cache", [])
+
+
+async def test_requests_at_once_for_a_missing_serving_copy_all_wait_for_it(tmp_path, session, monkeypatch):
+    """Several bf16 servers ask at once for a version staged without its bf16 copy. One writes
+    it; the others used to be answered at once, before it existed, so their servers read and
+    converted the F32 file. All are answered once the copy is there, and it is written once,
+    whoever of them goes away meanwhile."""
+    import threading
+
+    import loraplex.node_agent.store as store_module
+    from loraplex.server.adapter_format import serving_weights_name
+
+    store = open_store(tmp_path / "cache", session)
+    staged = await _stage_local(store, tmp_path, "a", 1)  # no dtype: no copy
+    ref = AdapterRef("a", str(tmp_path / "volume" / "a"), staged.sha256, "bfloat16")
+    calls, go = [], threading.Event()
+    real = store_module.write_serving_copy
+
+    def slow(directory, dtype):  # the real conversion, held until the others have asked
+        calls.append(dtype)
+        go.wait(10)
+        return real(directory, dtype)
+
+    monkeypatch.setattr(store_module, "write_serving_copy", slow)
+    asks = [asyncio.ensure_future(store.stage(ref)) for _ in range(4)]
+    await asyncio.sleep(0.1)
+    assert not any(a.done() for a in asks)  # nobody answered before the copy is there
+    asks[0].cancel()  # the client whose request started the copy goes away: the copy goes on
+    go.set()
+    answers = await asyncio.gather(*asks[1:])
+    copy = Path(staged.path, serving_weights_name("bfloat16"))
+    assert calls == ["bfloat16"] and copy.is_file()
+    assert {a.bytes for a in answers} == {staged.bytes + copy.stat().st_size} == {store.used_bytes}
+    assert store._reserved == 0  # the copy's reservation became its staged bytes
