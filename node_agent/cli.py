@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,6 +100,10 @@ class Settings:
                 raise ValueError(f"--plan-configmap must be NAMESPACE/NAME, got {self.plan_configmap!r}")
             if self.kube_api_url is None:
                 raise ValueError("--plan-configmap needs the Kubernetes API (--kube-api-url, or run in a pod)")
+        for url in self.server_url:
+            _check_http_url("--server-url", url)
+        if self.kube_api_url is not None:
+            _check_http_url("--kube-api-url", self.kube_api_url)
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"--log-level {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
 
@@ -137,6 +142,18 @@ class Settings:
             poll_seconds=self.poll_seconds,
             server_poll_seconds=self.server_poll_seconds,
         )
+
+
+def _check_http_url(flag: str, url: str) -> None:
+    """An http(s) URL with a host, or ValueError naming the flag: 127.0.0.1:8000 without its
+    scheme parses as scheme '127.0.0.1', and every request to it then fails for good."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # a bad port is a bad URL
+    except ValueError as e:
+        raise ValueError(f"{flag} {url!r} is not a URL ({e}); give http://HOST:PORT") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{flag} {url!r} is not an http(s) URL with a host; give http://HOST:PORT")
 
 
 def build_parser() -> argparse.ArgumentParser:
