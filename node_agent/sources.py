@@ -121,7 +121,9 @@ class HTTPSource:
         url = self.url(filename)
         shown = redact(url)
         try:
-            resp = await self._session.get(url)
+            # The file as stored: aiohttp asks for gzip by default and decodes it, and the
+            # Content-Length of a compressed answer does not count the bytes we get.
+            resp = await self._session.get(url, headers={"Accept-Encoding": "identity"})
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise SourceError("Unreachable", f"GET {shown}: {describe(e)}") from None
         try:
@@ -129,12 +131,15 @@ class HTTPSource:
                 raise SourceError("NotFound", f"GET {shown}: 404 Not Found")
             if resp.status != 200:
                 raise SourceError("HTTPError", f"GET {shown}: {resp.status} {resp.reason}")
-            yield Fetch(resp.content_length, self._chunks(resp, shown))
+            # Compressed all the same (an object stored gzipped): aiohttp decodes it (and checks
+            # the encoded length itself); the decoded size is not known up front.
+            size = resp.content_length if resp.headers.get("Content-Encoding", "identity") == "identity" else None
+            yield Fetch(size, self._chunks(resp, shown, size))
         finally:
             resp.release()
 
     @staticmethod
-    async def _chunks(resp: aiohttp.ClientResponse, shown: str) -> AsyncIterator[bytes]:
+    async def _chunks(resp: aiohttp.ClientResponse, shown: str, size: int | None) -> AsyncIterator[bytes]:
         seen = 0
         try:
             async for chunk in resp.content.iter_chunked(CHUNK_BYTES):
@@ -144,8 +149,8 @@ class HTTPSource:
             raise SourceError("Truncated", f"GET {shown}: body cut after {seen} bytes ({describe(e)})") from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise SourceError("Unreachable", f"GET {shown}: {describe(e)} after {seen} bytes") from None
-        if resp.content_length is not None and seen != resp.content_length:
-            raise SourceError("Truncated", f"GET {shown}: {seen} of {resp.content_length} bytes")
+        if size is not None and seen != size:
+            raise SourceError("Truncated", f"GET {shown}: {seen} of {size} bytes")
 
 
 _QUERY = re.compile(r"\?[^\s'\"<>]*")

@@ -119,3 +119,51 @@ async def test_a_redirect_that_fails_never_shows_a_signature(tmp_path, redirecto
     message = str(err.value)
     assert err.value.reason == "Unreachable" and says in message
     assert "s3cr3t" not in message and "0th3r" not in message, message
+
+
+@pytest.fixture
+async def compressing_store(tmp_path):
+    """Serves an adapter compressed: as a web server or CDN that gzips what the client accepts
+    ("accepts"), or one whose objects are stored gzipped and sent so whatever is asked ("always")."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from loraplex.node_agent.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+
+    sha = make_adapter(tmp_path / "src" / "a", seed=3)
+    files = {f: (tmp_path / "src" / "a" / f).read_bytes() for f in (CONFIG_FILE, WEIGHTS_FILE)}
+    asked = []
+
+    async def handle(request):
+        asked.append(request.headers.get("Accept-Encoding"))
+        resp = web.Response(body=files[request.match_info["file"]])
+        if request.match_info["how"] == "always":
+            resp.enable_compression(web.ContentCoding.gzip)
+        else:
+            resp.enable_compression()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/{how}/a/{file}", handle)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield str(server.make_url("")).rstrip("/"), sha, files, asked
+    await server.close()
+
+
+@pytest.mark.parametrize("how", ["accepts", "always"])
+async def test_a_source_that_compresses_its_answers_is_staged(tmp_path, compressing_store, how):
+    """aiohttp asks for gzip by default and decodes it, but the agent compared the decoded
+    bytes with the Content-Length, which counts the encoded ones: every adapter from a
+    source that compresses (a CDN, nginx with gzip on for JSON) failed as Truncated, retried
+    for ever. The agent now asks for the file as it is, and takes a compressed answer's
+    size as unknown (the budget then grows with the bytes)."""
+    from loraplex.node_agent.adapter_files import WEIGHTS_FILE
+
+    url, sha, files, asked = compressing_store
+    async with aiohttp.ClientSession() as session:
+        store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+        staged = await store.stage(AdapterRef("a", f"{url}/{how}/a/", sha))
+    assert (tmp_path / "cache" / "a" / WEIGHTS_FILE).read_bytes() == files[WEIGHTS_FILE]
+    assert staged.bytes == sum(len(b) for b in files.values())
+    assert set(asked) == {"identity"}
