@@ -154,8 +154,9 @@ async def test_a_download_of_unknown_size_stops_once_it_cannot_fit(tmp_path, ses
 async def test_downloads_of_unknown_size_at_once_share_the_budget(tmp_path, session, streaming_source):
     """Two downloads without a length run together into an empty cache with room for one
     adapter and a half. They used to be written whole side by side (two adapters on disk),
-    the budget checked only at their ends; now one fails while it runs (not both: the later
-    one waits for room the earlier one holds), and the disk never holds more than the budget."""
+    the budget checked only at their ends; now at most one fails, while it runs (not both:
+    the later one waits for room the earlier one holds), one ends staged, and the disk never
+    holds more than the budget."""
     root = tmp_path / "cache"
     dirs = [_adapter(tmp_path, n, i) for i, n in enumerate(["e", "f"])]
     size = _size(dirs[0][0])
@@ -166,7 +167,9 @@ async def test_downloads_of_unknown_size_at_once_share_the_budget(tmp_path, sess
     results = await asyncio.gather(*(store.stage(r) for r in refs), return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
     assert all(isinstance(r, StoreError) and r.reason == "BudgetExceeded" for r in failed), results
-    assert len(failed) == 1 and len(store.list()) == 1
+    # The earlier fails when it meets room the later one holds; the later waits when it meets
+    # room the earlier one holds, then evicts it once it is staged. Never both fail.
+    assert len(failed) <= 1 and len(store.list()) == 1
     assert streaming_source.peak <= budget, (streaming_source.peak, budget)
     assert store.used_bytes <= budget and list((root / ".tmp").iterdir()) == []
 
