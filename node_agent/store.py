@@ -29,10 +29,14 @@ and only for another pinned adapter; if even that cannot make room, the staging 
 `BudgetExceeded` and nothing is evicted. A download whose size the source does not give up
 front (no Content-Length) reserves its bytes as they arrive, evicting as it grows, and fails
 with `BudgetExceeded` the moment it outgrows what can be made room for (what it evicted on
-the way stays evicted; room held by a download that started before it is waited for). At most `max_concurrent_downloads` downloads run at
-once; concurrent requests for the same adapter version share one download. Downloads of
-different versions of one name that overlap end as they were asked for: one that ends after
-a version asked for later was staged is dropped (`Superseded`), never put back over it.
+the way stays evicted; room held by a download that started before it is waited for).
+Staged bytes over the budget at start (a smaller budget than the last run's) are evicted,
+least recently used first.
+
+At most `max_concurrent_downloads` downloads run at once; concurrent requests for the same
+adapter version share one download. Downloads of different versions of one name that
+overlap end as they were asked for: one that ends after a version asked for later was
+staged is dropped (`Superseded`), never put back over it.
 """
 
 from __future__ import annotations
