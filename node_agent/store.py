@@ -70,7 +70,7 @@ from loraplex.node_agent.adapter_files import (
 from loraplex.node_agent.convert import serving_copy_size, write_serving_copy
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.sources import Fetch, SourceError, open_source, redact
-from loraplex.server.adapter_format import SERVING_DTYPES, serving_weights_name
+from loraplex.server.adapter_format import SERVING_DTYPES, read_safetensors_header, serving_weights_name
 
 log = logging.getLogger(__name__)
 
@@ -490,18 +490,25 @@ class AdapterStore:
             blob_dir = self._store_dir / target.name
             try:
                 meta = json.loads((blob_dir / META_FILE).read_text())
-                for f in (CONFIG_FILE, WEIGHTS_FILE):
-                    (blob_dir / f).stat()  # both must be there
+                check_adapter_dir(blob_dir)  # both files there and whole, as when staged
                 mtime = blob_dir.stat().st_mtime
-                # A serving copy cut short by a crash, under its temporary name.
+                # A serving copy cut short by a crash, under its temporary name, or since.
                 leftovers = [f for f in blob_dir.iterdir() if f.name.startswith(".") and f.name != META_FILE]
+                for dtype in SERVING_DTYPES:
+                    copy = blob_dir / serving_weights_name(dtype)
+                    if copy.exists():
+                        try:
+                            read_safetensors_header(copy)
+                        except InvalidAdapter as e:
+                            log.warning("removing %s: %s", copy, e)
+                            leftovers.append(copy)
                 for f in leftovers:
                     f.unlink()
                 if leftovers:
                     os.utime(blob_dir, (mtime, mtime))  # the last use, not this clean-up
                 nbytes = sum(f.stat().st_size for f in blob_dir.iterdir() if f.name != META_FILE)
-            except (OSError, ValueError):
-                log.warning("removing %s: its version directory is missing or incomplete", link)
+            except (OSError, ValueError) as e:  # InvalidAdapter too
+                log.warning("removing %s: its version directory is missing or incomplete (%s)", link, e)
                 link.unlink()
                 continue
             if (not isinstance(meta, dict) or meta.get("name") != link.name

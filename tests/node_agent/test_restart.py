@@ -50,3 +50,32 @@ async def test_an_adapter_deleted_while_the_agent_was_down_leaves_the_node(tmp_p
     # And once more with the same plan: nothing else goes.
     third = await _run_once(tmp_path, session, cm.path)
     assert sorted(a.name for a in third.store.list()) == ["asked", "keep"]
+
+
+async def test_a_staged_file_cut_short_on_disk_is_dropped_at_start(tmp_path, session):
+    """A staged version whose weights were cut short on disk since (a disk fault, a hand at
+    work): the agent read it back as staged on its metadata alone, so the plan never staged
+    it again and every server load of it failed on its header for good. The start now checks
+    each version's files as the download did (config, safetensors header against the file):
+    a cut version is dropped (the plan stages it again), a cut serving copy only loses the
+    copy."""
+    from loraplex.node_agent.adapter_files import WEIGHTS_FILE
+    from loraplex.server.adapter_format import serving_weights_name
+
+    from .helpers import make_adapter
+
+    root = tmp_path / "cache"
+    store = AdapterStore(root, 10**9, session=session)
+    for i, name in enumerate(["whole", "cut", "copycut"]):
+        sha = make_adapter(tmp_path / "src" / name, seed=i)
+        await store.stage(AdapterRef(name, str(tmp_path / "src" / name), sha, "bfloat16"))
+    weights = root / "cut" / WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:-64])
+    copy = root / "copycut" / serving_weights_name("bfloat16")
+    copy.write_bytes(copy.read_bytes()[:-64])
+    again = AdapterStore(root, 10**9, session=session)
+    assert sorted(a.name for a in again.list()) == ["copycut", "whole"]
+    assert not os.path.lexists(root / "cut") and not copy.exists()
+    assert (root / "copycut" / WEIGHTS_FILE).is_file()
+    plain = sum((tmp_path / "src" / "copycut" / f).stat().st_size for f in ("adapter_config.json", WEIGHTS_FILE))
+    assert again.get("copycut").bytes == plain  # what is left of it, counted
