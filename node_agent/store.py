@@ -389,7 +389,11 @@ class AdapterStore:
         # versions of one name staged at once must not leave the link on one and the entry on
         # the other (whose cleanup then deletes the linked directory).
         entry = _Entry(ref.name, digest, ref.source, blob, total, self._clock(), asked)
-        self._link(ref.name, blob)
+        try:
+            self._link(ref.name, blob)
+        except OSError:  # (a full disk): the version directory must not stay, unlinked and uncounted
+            await asyncio.to_thread(shutil.rmtree, self._store_dir / blob, True)
+            raise
         self._entries[ref.name] = entry
         await asyncio.to_thread(_fsync_dir, self.root)
         if old is not None:  # the previous version: its symlink points here no more
@@ -543,7 +547,11 @@ class AdapterStore:
         one version or the other. Two quick syscalls, run on the event loop (see the caller)."""
         link_tmp = self.root / f".{name}.{uuid.uuid4().hex[:8]}.link"
         os.symlink(os.path.join(".store", blob), link_tmp)
-        os.replace(link_tmp, self.root / name)
+        try:
+            os.replace(link_tmp, self.root / name)
+        except OSError:
+            link_tmp.unlink(missing_ok=True)
+            raise
 
     async def _write_serving_copy(self, directory: Path, ref: AdapterRef) -> int:
         """Write the weights' F32 tensors in `ref.dtype` beside them in `directory` and reserve

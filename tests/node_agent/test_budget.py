@@ -251,3 +251,24 @@ async def test_a_full_disk_is_a_clear_507_and_leaves_nothing(tmp_path, session, 
     assert store._reserved == 0 and store.metrics.failures.labels("DiskFull")._value.get() == 1
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert (await store.stage(AdapterRef("a", str(d), sha))).sha256 == sha  # room again: it stages
+
+
+async def test_a_full_disk_when_linking_leaves_no_orphan_version(tmp_path, session, monkeypatch):
+    """The disk fills up at the last step, the name's symlink (a full inode table, say): the
+    verified version directory had been moved into .store already and stayed there, in
+    neither the entries nor the budget, until the next start."""
+    import errno
+
+    root = tmp_path / "cache"
+    d, sha = _adapter(tmp_path, "a", 1)
+    store = AdapterStore(root, 10**9, session=session)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "symlink", full)
+    with pytest.raises(StoreError) as err:
+        await store.stage(AdapterRef("a", str(d), sha))
+    assert err.value.reason == "DiskFull"
+    assert list((root / ".store").iterdir()) == [] and list((root / ".tmp").iterdir()) == []
+    assert store.used_bytes == 0 and store._reserved == 0 and disk_bytes(root) == 0
