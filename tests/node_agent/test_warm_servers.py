@@ -98,11 +98,11 @@ async def test_a_session_answers_without_waiting_on_a_hung_server(tmp_path, obje
     fake_server.ready = True
     warmer = await _warmer(tmp_path, object_store, session, [fake_server.url])
     await warmer.check_servers()
-    warmer._ready.update({f"hung-{i}": hung_server.base for i in range(3)})  # three servers that hang
+    warmer._ready.update({f"hung-{i}": hung_server.base for i in range(6)})  # six servers that hang
     t0 = time.monotonic()
     staged, results = await warmer.start_session("p1")
-    assert time.monotonic() - t0 < 3 * TIMEOUT
-    assert sorted(r.ok for r in results) == [False, False, False, True]
+    assert time.monotonic() - t0 < 3 * TIMEOUT  # (one after the other: 6 timeouts)
+    assert sorted(r.ok for r in results) == [False] * 6 + [True]
 
 
 async def test_the_plan_loop_is_not_held_by_a_hung_server(tmp_path, object_store, session, fake_server,
