@@ -21,6 +21,9 @@ to load the pinned set and the open prefetch entries from local disk:
 
     POST http://<pod>:8000/v1/adapters/{name}/prefetch?wait=false
     POST http://<pod>:8000/v1/adapters/{name}/pin              (pinned adapters only)
+    POST http://<pod>:8000/v1/adapters/{name}/unpin            (pinned by an earlier plan, not
+                                                                by this one: a server keeps an
+                                                                API pin until told otherwise)
 
 The server finds `{name}` in its adapter directory, which is this agent's cache directory
 mounted read-only (the operator's Deployment mounts the same host path). Servers are called
@@ -272,7 +275,8 @@ class Warmer:
         self._ready: dict[str, str] = {}  # server id -> URL, servers already warmed
         self._wake = asyncio.Event()
         self.reconciles = 0
-        self._recorded: frozenset[str] | None = None  # the plan's adapter names as last written to disk
+        self._recorded: dict | None = None  # the plan's adapters and pins as last written to disk
+        self._unpin: set[str] = set()  # pinned by an earlier plan (or run), not by this one
 
     @property
     def plan(self) -> Plan | None:
@@ -338,13 +342,19 @@ class Warmer:
         self.reconciles += 1
         self.store.set_pinned(set(plan.pinned))
         dropped: set[str] = set()
+        was_pinned: set[str] = set()
         if previous is not None:
             # A new plan may unpin or drop adapters and so make room: try budget failures again.
             for name in [n for n, r in self._watch.reasons.items() if r == "BudgetExceeded"]:
                 self._watch.failed_for_good.pop(name, None)
             dropped = set(previous.adapters) - set(plan.adapters)
+            was_pinned = set(previous.pinned)
         elif self._recorded is None:  # this process's first plan: the one before is the last run's
-            dropped = self._last_run_adapters() - set(plan.adapters)
+            last = self._last_run()
+            dropped = set(last["adapters"]) - set(plan.adapters)
+            was_pinned = set(last["pinned"])
+        # A server keeps the pins the warmer made through its API until it is told otherwise.
+        self._unpin = (self._unpin | was_pinned) - set(plan.pinned)
         for name in sorted(dropped):
             if await self.store.remove(name):
                 log.info("removed %s from local disk: it left the plan", name)
@@ -352,7 +362,7 @@ class Warmer:
             self._watch.errors.pop(name, None)
             self._watch.reasons.pop(name, None)
             self._watch.failed_for_good.pop(name, None)
-        self._record_adapters(frozenset(plan.adapters))
+        self._record({"adapters": sorted(plan.adapters), "pinned": sorted(plan.pinned)})
         if self.reporter is not None:  # what an earlier run (or a session) left on disk
             for name, a in plan.adapters.items():
                 staged = self.store.get(name)
@@ -401,30 +411,33 @@ class Warmer:
             self.reporter.staged(ref.name, staged.bytes)
         return staged
 
-    # The plan's adapter names, kept in the cache directory (a dot name: neither the store nor
-    # a server takes it for an adapter), so that an adapter the plan dropped while the agent was
-    # down is removed at its next start like one dropped while it runs.
+    # The plan's adapter names and pinned set, kept in the cache directory (a dot name: neither
+    # the store nor a server takes it for an adapter), so that what the plan dropped or unpinned
+    # while the agent was down is removed and unpinned after its next start as while it runs.
     PLAN_ADAPTERS_FILE = ".plan-adapters.json"
 
-    def _last_run_adapters(self) -> set[str]:
+    def _last_run(self) -> dict[str, list[str]]:
         try:
-            names = json.loads((self.store.root / self.PLAN_ADAPTERS_FILE).read_text())
+            last = json.loads((self.store.root / self.PLAN_ADAPTERS_FILE).read_text())
         except (OSError, ValueError):
-            return set()
-        return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+            last = None
+        if not isinstance(last, dict):
+            last = {}
+        return {k: [n for n in v if isinstance(n, str)] if isinstance(v := last.get(k), list) else []
+                for k in ("adapters", "pinned")}
 
-    def _record_adapters(self, names: frozenset[str]) -> None:
-        if names == self._recorded:
+    def _record(self, state: dict) -> None:
+        if state == self._recorded:
             return
         path = self.store.root / self.PLAN_ADAPTERS_FILE
         tmp = path.with_name(f"{path.name}.tmp")
         try:
-            tmp.write_text(json.dumps(sorted(names)))
+            tmp.write_text(json.dumps(state))
             os.replace(tmp, path)
         except OSError as e:
             log.warning("cannot record the plan's adapters in %s: %s", path, e)
             return
-        self._recorded = names
+        self._recorded = state
 
     def _evicted(self, name: str) -> None:
         plan = self._watch.plan
@@ -507,13 +520,14 @@ class Warmer:
         return warmed
 
     async def warm_server(self, url: str) -> list[WarmResult]:
-        """Ask the server at `url` to load (and pin) the pinned set, then the open warm-up
-        windows, in that order. A call it does not answer at all (refused, timed out) ends
-        the warm-up: the calls left are reported skipped, not made one timeout each."""
+        """Take back the pins an earlier plan made that this one does not, then ask the server
+        at `url` to load (and pin) the pinned set, then the open warm-up windows, in that
+        order. A call it does not answer at all (refused, timed out) ends the warm-up: the
+        calls left are reported skipped, not made one timeout each."""
         plan = self._watch.plan
         if plan is None:
             return []
-        calls: list[tuple[str, str]] = []
+        calls: list[tuple[str, str]] = [(name, "unpin") for name in sorted(self._unpin)]
         results = []
         for name in plan.pinned:
             if self.store.get(name) is None:
@@ -541,7 +555,8 @@ class Warmer:
         try:
             async with self._session.post(url.rstrip("/") + path,
                                           timeout=aiohttp.ClientTimeout(total=self.server_timeout_seconds)) as r:
-                ok = 200 <= r.status < 300
+                # (an unpin of an adapter the server does not know has nothing to undo)
+                ok = 200 <= r.status < 300 or (action == "unpin" and r.status == 404)
                 detail = "" if ok else f"{r.status}: {(await r.text())[:200]}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             ok, detail = False, f"{type(e).__name__}: {str(e) or f'no answer in {self.server_timeout_seconds:g} s'}"

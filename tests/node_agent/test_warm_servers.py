@@ -117,3 +117,42 @@ async def test_the_plan_loop_is_not_held_by_a_hung_server(tmp_path, object_store
     t0 = time.monotonic()
     await warmer.reconcile()
     assert time.monotonic() - t0 < 3 * TIMEOUT
+
+
+async def test_a_pin_the_plan_drops_is_taken_back_from_the_servers(tmp_path, object_store, session, fake_server):
+    """The warmer pins the plan's pinned set on each server through the API; a server keeps
+    an API pin apart from its own plan's pins, and drops it only on /unpin. The warmer never
+    called /unpin: an adapter the plan stopped pinning (a lower priority, or deleted) stayed
+    pinned on every server it had warmed, holding a slot, for the life of the pod. Now a
+    plan change unpins what the plan pinned before and pins no more, on every warm server,
+    and so does the warm-up after a restart of the agent for the last run's pins."""
+    for i, n in enumerate(["p1", "p2", "p3"]):
+        object_store.add(n, tmp_path, seed=i)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, pinned=["p1", "p2", "p3"]))
+    fake_server.ready = True
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    warmer = Warmer(store, cm.path, session, discovery=StaticServers([fake_server.url], session))
+    assert await warmer.check_plan()
+    await warmer.reconcile()
+    await warmer.check_servers()
+    assert {n for a, n, _ in fake_server.calls if a == "pin"} == {"p1", "p2", "p3"}
+    fake_server.calls.clear()
+    previous = warmer.plan
+    cm.write(plan_json(object_store, pinned=["p1"], others=["p2"]))  # p2 unpinned, p3 deleted
+    assert await warmer.check_plan()
+    await warmer.reconcile(previous)
+    unpins = {n for a, n, _ in fake_server.calls if a == "unpin"}
+    assert unpins == {"p2", "p3"}
+    assert [n for a, n, _ in fake_server.calls if a == "pin"] == ["p1"]
+
+    # The agent restarts; the server, still up, holds the pins of its last run.
+    fake_server.calls.clear()
+    cm.write(plan_json(object_store, pinned=[], others=["p1", "p2"]))  # changed while it was down
+    restarted = Warmer(AdapterStore(tmp_path / "cache", 10**9, session=session), cm.path, session,
+                       discovery=StaticServers([fake_server.url], session))
+    assert await restarted.check_plan()
+    await restarted.reconcile()
+    await restarted.check_servers()
+    assert {n for a, n, _ in fake_server.calls if a == "unpin"} >= {"p1"}
+    assert [c for c in fake_server.calls if c[0] == "pin"] == []
