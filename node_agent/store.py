@@ -315,7 +315,7 @@ class AdapterStore:
             source = open_source(ref.source, self._session)
         except SourceError as e:
             raise StoreError(e.reason, str(e)) from None
-        tmp = Path(await asyncio.to_thread(_mkdtemp, self._tmp_dir, ref.name))
+        tmp = Path(await asyncio.to_thread(_mkdtemp, self._tmp_dir, ref.name[:64]))  # (a name: 253 max)
         reserved = 0
         config_bytes = 0
         me = next(self._started)
@@ -545,7 +545,8 @@ class AdapterStore:
     def _link(self, name: str, blob: str) -> None:
         """Point the name's symlink at `blob`: a new link renamed over the old, so a reader sees
         one version or the other. Two quick syscalls, run on the event loop (see the caller)."""
-        link_tmp = self.root / f".{name}.{uuid.uuid4().hex[:8]}.link"
+        # The name's first 64 characters only: a name may take 253 of a file name's 255 bytes.
+        link_tmp = self.root / f".{name[:64]}.{uuid.uuid4().hex[:8]}.link"
         os.symlink(os.path.join(".store", blob), link_tmp)
         try:
             os.replace(link_tmp, self.root / name)

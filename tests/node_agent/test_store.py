@@ -521,3 +521,16 @@ async def test_requests_at_once_for_a_missing_serving_copy_all_wait_for_it(tmp_p
     assert calls == ["bfloat16"] and copy.is_file()
     assert {a.bytes for a in answers} == {staged.bytes + copy.stat().st_size} == {store.used_bytes}
     assert store._reserved == 0  # the copy's reservation became its staged bytes
+
+
+async def test_an_adapter_with_the_longest_name_a_kubernetes_object_may_have_is_staged(tmp_path, session):
+    """A LoRAAdapter's name may be 253 characters. The store named its download folder and the
+    name's symlink-to-be after the adapter, with a suffix: past the filesystem's 255 bytes for
+    a name, so such an adapter failed with a 500 (ENAMETOOLONG) every time."""
+    name = "a" * 240 + "-" + "b" * 12
+    assert len(name) == 253
+    store = open_store(tmp_path / "cache", session)
+    staged = await _stage_local(store, tmp_path, name, 1)
+    assert Path(staged.path, WEIGHTS_FILE).is_file() and store.get(name) is not None
+    assert_clean(tmp_path / "cache", [])
+    assert [a.name for a in open_store(tmp_path / "cache", session).list()] == [name]
