@@ -230,6 +230,10 @@ RETRYABLE = frozenset({"NotFound", "Truncated", "Unreachable", "HTTPError", "Dis
                        "Superseded"})
 
 
+# Failures of the adapter itself (its files, its digest, its source URI), not of the node.
+BAD_ADAPTER = frozenset({"DigestMismatch", "InvalidAdapter", "InvalidRequest", "Unsupported"})
+
+
 @dataclass
 class _Watch:
     identity: object = None
@@ -573,6 +577,12 @@ class Warmer:
         plan = self._watch.plan
         if plan is None or name not in plan.adapters:
             raise StoreError("UnknownAdapter", f"adapter {name!r} is not in this node's plan")
-        staged = await self._stage(plan.adapters[name].ref)
+        ref = plan.adapters[name].ref
+        reason = self._watch.reasons.get(name)
+        if reason in BAD_ADAPTER and self._watch.failed_for_good.get(name) == ref:
+            # The same source gives the same bytes: the failure stands until the plan changes
+            # the adapter (a download per session start would only repeat it).
+            raise StoreError(reason, self._watch.errors[name].removeprefix(f"{reason}: "))
+        staged = await self._stage(ref)
         results = await asyncio.gather(*(self.call_server(url, name, "prefetch") for url in list(self._ready.values())))
         return staged, list(results)

@@ -156,3 +156,29 @@ async def test_a_pin_the_plan_drops_is_taken_back_from_the_servers(tmp_path, obj
     await restarted.check_servers()
     assert {n for a, n, _ in fake_server.calls if a == "unpin"} >= {"p1"}
     assert [c for c in fake_server.calls if c[0] == "pin"] == []
+
+
+async def test_a_session_for_an_adapter_that_failed_for_good_does_not_download_it_again(
+        tmp_path, object_store, session):
+    """A plan adapter whose file does not match its digest fails for good: the plan loop
+    tries it again only when the plan gives a new digest or source. A session start for it
+    downloaded the whole adapter again, each time, to fail the same way (chatty clients of a
+    bad adapter: a download per session). It now answers the recorded failure at once."""
+    from loraplex.node_agent.store import StoreError
+
+    object_store.add("bad", tmp_path)
+    doc = plan_json(object_store, others=["bad"])
+    doc["adapters"][0]["sha256"] = "f" * 64
+    doc["pinned"] = ["bad"]
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(doc)
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    warmer = Warmer(store, cm.path, session)
+    assert await warmer.check_plan()
+    await warmer.reconcile()
+    assert object_store.gets["bad/adapter_model.safetensors"] == 1
+    for _ in range(3):
+        with pytest.raises(StoreError) as err:
+            await warmer.start_session("bad")
+        assert err.value.reason == "DigestMismatch" and err.value.status == 422
+    assert object_store.gets["bad/adapter_model.safetensors"] == 1
