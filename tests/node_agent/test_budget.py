@@ -1,8 +1,10 @@
-"""The disk budget while a download runs: a source that does not say how big its file is (no
-Content-Length) must not take the cache over its budget before the download ends.
+"""The disk budget while bytes are written, and the disk itself: a source that does not say
+how big its file is (no Content-Length) must not take the cache over its budget before the
+download ends; a serving copy without room is never written; a smaller budget at restart is
+kept; a full disk is a clear failure that leaves nothing behind.
 
-The sources here are real HTTP servers on 127.0.0.1 that stream the weights in small chunks,
-with no Content-Length, and measure the cache directory on disk between chunks.
+The streaming sources here are real HTTP servers on 127.0.0.1 that send the weights in small
+chunks, with no Content-Length, and measure the cache directory on disk between chunks.
 """
 
 from __future__ import annotations
