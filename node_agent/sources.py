@@ -182,6 +182,8 @@ def redact(url: str) -> str:
 
 def open_source(uri: str, session: aiohttp.ClientSession | None) -> Source:
     """The source for `uri`: a plain absolute path, file://, http:// or https://."""
+    if "\x00" in uri:  # no path or URL has one; open() would raise ValueError deep in the download
+        raise SourceError("InvalidRequest", f"source {redact(uri).replace(chr(0), '?')!r} holds a NUL byte")
     if uri.startswith("/"):
         return LocalSource(uri, Path(uri))
     try:
@@ -191,7 +193,11 @@ def open_source(uri: str, session: aiohttp.ClientSession | None) -> Source:
         raise SourceError("InvalidRequest", f"source {redact(uri)!r} is not a valid URL ({e})") from None
     scheme = parts.scheme
     if scheme == "file":
-        return LocalSource(uri, Path(urllib.parse.unquote(parts.path)))
+        path = urllib.parse.unquote(parts.path)
+        if not path.startswith("/") or "\x00" in path:  # not relative to wherever the agent runs
+            raise SourceError("InvalidRequest", f"source {redact(uri)!r}: a file:// URI names an absolute"
+                              " path (file:///mnt/adapters/a)")
+        return LocalSource(uri, Path(path))
     if scheme in ("http", "https"):
         if not parts.hostname:
             raise SourceError("InvalidRequest", f"source {redact(uri)!r} is not a valid URL (no host)")

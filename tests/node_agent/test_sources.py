@@ -167,3 +167,17 @@ async def test_a_source_that_compresses_its_answers_is_staged(tmp_path, compress
     assert (tmp_path / "cache" / "a" / WEIGHTS_FILE).read_bytes() == files[WEIGHTS_FILE]
     assert staged.bytes == sum(len(b) for b in files.values())
     assert set(asked) == {"identity"}
+
+
+@pytest.mark.parametrize("uri", ["/mnt/adapters/a\x00b", "file:///mnt/a\x00", "file:relative/a", "file://"])
+async def test_a_source_path_that_cannot_name_a_directory_is_refused(tmp_path, uri):
+    """A path with a NUL byte made open() raise ValueError inside the download: a 500
+    DiskError with a traceback, retried by the plan loop for ever. A file: URI without an
+    absolute path was read relative to wherever the agent runs (file:// itself: its working
+    directory). Both are bad requests (400)."""
+    async with aiohttp.ClientSession() as session:
+        store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+        with pytest.raises(StoreError) as err:
+            await store.stage(AdapterRef("a", uri, None))
+    assert err.value.reason == "InvalidRequest" and err.value.status == 400, err.value
+    assert store.metrics.failures.labels("DiskError")._value.get() == 0
