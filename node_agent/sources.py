@@ -14,8 +14,9 @@ one source per file, which the CRD does not have yet (see the node agent notes).
 
 Every fetch is a stream of chunks with the size when the source knows it up front; errors
 are `SourceError` with a short machine reason (`NotFound`, `Truncated`, `Unreachable`,
-`HTTPError`, `Unsupported`; `InvalidRequest` for a URL that does not parse or names no
-host) that the metrics and the HTTP API report as is.
+`HTTPError`, `Unsupported`; `InvalidRequest` for a source that cannot name a directory: a
+URL that does not parse or names no host, a NUL byte, a file: URI whose path is not
+absolute) that the metrics and the HTTP API report as is.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def redact(url: str) -> str:
 def open_source(uri: str, session: aiohttp.ClientSession | None) -> Source:
     """The source for `uri`: a plain absolute path, file://, http:// or https://."""
     if "\x00" in uri:  # no path or URL has one; open() would raise ValueError deep in the download
-        raise SourceError("InvalidRequest", f"source {redact(uri).replace(chr(0), '?')!r} holds a NUL byte")
+        raise SourceError("InvalidRequest", f"source {redact(uri)!r} holds a NUL byte")
     if uri.startswith("/"):
         return LocalSource(uri, Path(uri))
     try:
