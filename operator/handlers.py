@@ -38,6 +38,11 @@ RESYNC_SECONDS = 300.0
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.finalizer = FINALIZER
+    # A handler's failure (an invalid spec, a write refused) as a Warning event on its object,
+    # where `kubectl describe` shows it; its successes are not worth an event each. kopf 1.45
+    # posts no log message as an event unless told to (`loggers`), older kopf posts INFO too.
+    settings.posting.loggers = True
+    settings.posting.level = logging.WARNING
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATIONS_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATIONS_PREFIX, key="last-handled-configuration")
