@@ -207,21 +207,39 @@ def _allows(role: dict[str, Any], group: str, resource: str, verb: str) -> bool:
                for rule in role["rules"])
 
 
-@pytest.mark.parametrize(("group", "resource", "verbs"), [
-    ("loraplex.io", "basemodels", ["get", "list", "watch", "patch"]),
-    ("loraplex.io", "loraadapters", ["get", "list", "watch", "patch"]),  # finalizers, kopf annotations
-    ("loraplex.io", "loraadapters/status", ["patch"]),
-    ("loraplex.io", "basemodels/status", ["patch"]),
-    ("", "configmaps", ["get", "create", "patch", "watch"]),
-    ("", "services", ["get", "create", "patch"]),
-    ("apps", "deployments", ["get", "create", "patch", "list", "watch"]),
-    ("", "events", ["create"]),
-    ("apiextensions.k8s.io", "customresourcedefinitions", ["list", "watch"]),
-])
-def test_operator_rbac_covers_its_calls(group, resource, verbs):
-    role = render_all()[("ClusterRole", "lp-loraplex-operator")]
-    for verb in verbs:
-        assert _allows(role, group, resource, verb), (group, resource, verb)
+def _granted(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}
+
+
+# What the operator calls (test_rbac_e2e.py records it from a run against the emulator):
+OPERATOR_CALLS = {
+    # kopf: watches (list + watch), finalizers and annotations (patch), status (patch /status)
+    *(("loraplex.io", r, v) for r in ("basemodels", "loraadapters") for v in ("list", "watch", "patch")),
+    ("loraplex.io", "basemodels/status", "patch"), ("loraplex.io", "loraadapters/status", "patch"),
+    ("apps", "deployments", "list"), ("apps", "deployments", "watch"),  # readiness of its servers
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    ("", "events", "create"),  # handler failures as Warning events
+    # operator/kube.py: the plan ConfigMap, Deployment and Service by name
+    *((g, r, v) for g, r in (("", "configmaps"), ("", "services"), ("apps", "deployments"))
+      for v in ("get", "create", "patch")),
+    # no API call: the OwnerReferencesPermissionEnforcement admission plugin's condition for
+    # blockOwnerDeletion (test_operator_may_block_the_deletion_of_what_it_adopts)
+    ("loraplex.io", "basemodels/finalizers", "update"),
+}
+
+
+@pytest.mark.parametrize("namespaces", [[], ["ml", "research-*"]], ids=["clusterwide", "namespaces"])
+def test_operator_role_grants_its_calls_and_no_more(namespaces):
+    """Nothing it calls is missing, nothing granted goes unused: no configmaps list/watch
+    (it reads one plan ConfigMap by name), no PUT, no CRD or namespace get. kopf lists and
+    watches namespaces only when it serves some, not the whole cluster."""
+    values = copy.deepcopy(VALUES)
+    values["operator"]["watchNamespaces"] = namespaces
+    role = render_all(values)[("ClusterRole", "lp-loraplex-operator")]
+    expected = OPERATOR_CALLS | ({("", "namespaces", "list"), ("", "namespaces", "watch")} if namespaces else set())
+    assert _granted(role) == expected
 
 
 def test_operator_may_block_the_deletion_of_what_it_adopts():
@@ -251,9 +269,7 @@ def test_node_agent_role_grants_its_calls_and_no_more():
     get / merge-patch LoRAAdapter status. Not list every ConfigMap of the cluster, read
     objects it never reads, or write events."""
     role = render_all()[("ClusterRole", "lp-loraplex-node-agent")]
-    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
-               for resource in rule["resources"] for verb in rule["verbs"]}
-    assert granted == {("loraplex.io", "loraadapters/status", "get"), ("loraplex.io", "loraadapters/status", "patch"),
+    assert _granted(role) == {("loraplex.io", "loraadapters/status", "get"), ("loraplex.io", "loraadapters/status", "patch"),
                        ("", "configmaps", "get"), ("", "pods", "list")}
 
 
