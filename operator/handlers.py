@@ -4,8 +4,9 @@
     LoRAAdapter  any event (node agents patch status.nodes)     -> reconcile if Staged / Ready move
     BaseModel    create / update / resume                      -> Deployment + Service, reconcile
     BaseModel    deleted                                        -> its adapters go Pending
-    BaseModel    daemon                                         -> reconcile when a warm-up window opens or ends
-    Deployment   readiness (ours, by label)                    -> reconcile its base
+    BaseModel    daemon                                         -> reconcile when a warm-up window opens or ends;
+                                                                   every RESYNC_SECONDS also repair its workloads
+    Deployment   readiness (ours, by label)                    -> reconcile its base; deleted: recreated
 
 The indices hold every BaseModel and LoRAAdapter as small parsed records, so a handler
 never lists objects. Run with `kopf run -m loraplex.operator` or `loraplex-operator`.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -24,6 +26,8 @@ from loraplex.operator import kube, status as statuses, workloads
 from loraplex.operator.packing import pack
 from loraplex.operator.reconciler import AdapterRecord, BaseRecord, Planner, utcnow
 from loraplex.operator.specs import GROUP, VERSION, AdapterSpec, BaseModelSpec, SpecError
+
+logger = logging.getLogger(__name__)
 
 BASEMODELS = (GROUP, VERSION, "basemodels")
 ADAPTERS = (GROUP, VERSION, "loraadapters")
@@ -147,13 +151,8 @@ async def basemodel_changed(body: kopf.Body, namespace: str, name: str, memo: ko
         await memo.planner.reconcile((namespace, name), basemodels, adapters_by_base)  # -> BaseModelInvalid
         raise kopf.PermanentError(f"invalid BaseModel spec: {exc}") from exc
     planner: Planner = memo.planner
-    children = [workloads.deployment(base, pack(base).slots), workloads.service(base)]
-    kopf.adopt(children, owner=body)
     try:
-        for child in children:
-            outcome = await planner.client.ensure(child)
-            if outcome != "unchanged":
-                logger.info("%s %s %s", child["kind"], child["metadata"]["name"], outcome)
+        await _ensure_workloads(planner.client, base, body, logger)
     except kube.KubeError as exc:
         raise kopf.TemporaryError(f"writing the serving workloads: {exc}", delay=5) from exc
     planner.forget_written((namespace, name))
@@ -182,9 +181,34 @@ async def follow_warmup_windows(namespace: str, name: str, memo: kopf.Memo, stop
         state.wake.clear()
         if await _sleep(delay, state.wake, stopped):
             continue  # woken: stopping, or the wake-up time moved and we sleep until the new one
-        if state.wakeup is None or state.wakeup <= planner.clock():
+        if state.wakeup is None or state.wakeup <= planner.clock():  # the resync
             planner.forget_written(key)
+            await _repair_workloads(planner, key, basemodels)
         await planner.reconcile(key, basemodels, adapters_by_base)
+
+
+async def _ensure_workloads(client: kube.KubeClient, base: BaseModelSpec, owner: Mapping[str, Any],
+                            log: logging.Logger) -> None:
+    """Create the serving Deployment and Service of `base`, or put back what differs."""
+    children = [workloads.deployment(base, pack(base).slots), workloads.service(base)]
+    kopf.adopt(children, owner=owner)  # type: ignore[arg-type]
+    for child in children:
+        outcome = await client.ensure(child)
+        if outcome != "unchanged":
+            log.info("%s %s/%s %s", child["kind"], base.namespace, child["metadata"]["name"], outcome)
+
+
+async def _repair_workloads(planner: Planner, key: tuple[str, str], basemodels: kopf.Index) -> None:
+    """Recreate or repair the workloads of a live BaseModel (one deleted or edited by hand).
+    Not for a base being deleted: its objects are the garbage collector's to remove."""
+    record: BaseRecord | None = next(iter(basemodels.get(key, ())), None)
+    if record is None or record.spec is None or record.deleting:
+        return
+    try:
+        await _ensure_workloads(planner.client, record.spec, record.owner(), logger)
+    except kube.KubeError as exc:
+        logger.warning("repairing the serving workloads of %s/%s: %s (retried at the next resync)",
+                       key[0], key[1], exc)
 
 
 async def _sleep(delay: float, wake: asyncio.Event, stopped: kopf.DaemonStopped) -> bool:
@@ -212,6 +236,8 @@ async def deployment_readiness(event: kopf.RawEvent, body: kopf.Body, namespace:
     deleted = event.get("type") == "DELETED"
     ready = 0 if deleted else int((body.get("status") or {}).get("readyReplicas") or 0)
     planner: Planner = memo.planner
+    if deleted:  # by hand, or its base is going: recreated in the first case only
+        await _repair_workloads(planner, (namespace, base), basemodels)
     if planner.set_ready_replicas((namespace, base), ready):
         await planner.reconcile((namespace, base), basemodels, adapters_by_base)
 

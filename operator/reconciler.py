@@ -44,6 +44,7 @@ class BaseRecord:
     spec: BaseModelSpec | None
     error: str | None
     status: Mapping[str, Any]
+    deleting: bool = False  # deletionTimestamp set: its owned objects are being collected
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> BaseRecord:
@@ -53,7 +54,8 @@ class BaseRecord:
         except SpecError as exc:
             spec, error = None, str(exc)
         return cls(str(meta.get("namespace") or "default"), str(meta.get("name")), str(meta.get("uid") or ""),
-                   dict(meta.get("labels") or {}), spec, error, dict(body.get("status") or {}))
+                   dict(meta.get("labels") or {}), spec, error, dict(body.get("status") or {}),
+                   bool(meta.get("deletionTimestamp")))
 
     def owner(self) -> dict[str, Any]:
         """A body for `kopf.adopt`: enough to write an owner reference."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplex.operator.kube import ADAPTERS, BASE_MODELS, Resource
+from loraplex.operator.kube import ADAPTERS, BASE_MODELS, DEPLOYMENTS, SERVICES, Resource
 
 from .test_operator_e2e import NS, adapter_body, base_body, plan_of
 
@@ -30,3 +30,58 @@ async def test_a_failing_handler_leaves_a_warning_event_on_its_object(api, opera
     assert event["involvedObject"]["kind"] == "LoRAAdapter"
     await eventually_(lambda: plan_of(api), what="a plan")
     assert await _events_of(api, "fine") == []  # a success is not worth an event
+
+
+async def _serving(api: Any) -> Any:
+    dep = await api.get(DEPLOYMENTS.path(NS, "llama-3-8b"))
+    svc = await api.get(SERVICES.path(NS, "llama-3-8b"))
+    return (dep, svc) if dep and svc else None
+
+
+async def test_a_deployment_deleted_by_hand_comes_back(api, operator, eventually_):
+    """The operator owns the serving Deployment: deleting it (a `kubectl delete deploy` by
+    mistake) must not leave the base without servers until its spec next changes."""
+    await api.create(BASE_MODELS.path(NS), base_body())
+    dep, _ = await eventually_(lambda: _serving(api), what="the serving workloads")
+    await api._request("DELETE", DEPLOYMENTS.path(NS, "llama-3-8b"))
+
+    async def recreated():
+        again = await api.get(DEPLOYMENTS.path(NS, "llama-3-8b"))
+        return again if again and again["metadata"]["uid"] != dep["metadata"]["uid"] else None
+    again = await eventually_(recreated, timeout=5, what="the Deployment recreated")
+    assert again["spec"]["template"]["spec"]["containers"][0]["image"] == "loraplex/server:test"
+    assert again["metadata"]["ownerReferences"] == dep["metadata"]["ownerReferences"]
+
+
+async def test_a_service_deleted_by_hand_comes_back_at_the_resync(api, emulator, kubeconfig, crds, operator_runner,
+                                                                  eventually_, monkeypatch):
+    from loraplex.operator import handlers
+
+    monkeypatch.setattr(handlers, "RESYNC_SECONDS", 1.0)
+    async with operator_runner():
+        await api.create(BASE_MODELS.path(NS), base_body())
+        _, svc = await eventually_(lambda: _serving(api), what="the serving workloads")
+        await api._request("DELETE", SERVICES.path(NS, "llama-3-8b"))
+
+        async def recreated():
+            again = await api.get(SERVICES.path(NS, "llama-3-8b"))
+            return again if again and again["metadata"]["uid"] != svc["metadata"]["uid"] else None
+        await eventually_(recreated, timeout=5, what="the Service recreated")
+
+
+async def test_the_workloads_of_a_base_being_deleted_are_left_to_the_collector(api, operator, eventually_, settled):
+    """Foreground deletion (or any finalizer) keeps a deleting BaseModel around while its
+    dependents go: recreating them would hold its deletion up for ever."""
+    body = base_body()
+    body["metadata"]["finalizers"] = ["example.com/hold"]
+    await api.create(BASE_MODELS.path(NS), body)
+    await eventually_(lambda: _serving(api), what="the serving workloads")
+    await api._request("DELETE", BASE_MODELS.path(NS, "llama-3-8b"))
+
+    async def released():  # the operator has seen the deletion: it stopped the daemon, let go
+        base = await api.get(BASE_MODELS.path(NS, "llama-3-8b"))
+        return base["metadata"]["finalizers"] == ["example.com/hold"]
+    await eventually_(released, what="the operator's finalizer off the base")
+    await api._request("DELETE", DEPLOYMENTS.path(NS, "llama-3-8b"))  # as the collector would
+    await settled()
+    assert await api.get(DEPLOYMENTS.path(NS, "llama-3-8b")) is None
