@@ -133,7 +133,7 @@ async def adapter_staging(event: kopf.RawEvent, body: kopf.Body, namespace: str,
     desired = statuses.adapter_status(record.spec, plan.verdicts[record.spec.name], plan,
                                       record.status, ready, utcnow())
     if statuses.differs(record.status, desired):
-        await planner.reconcile(key, basemodels, adapters_by_base)
+        await planner.reconcile_or_retry(key, basemodels, adapters_by_base)
 
 
 # BaseModel
@@ -164,7 +164,7 @@ async def basemodel_gone(event: kopf.RawEvent, namespace: str, name: str, memo: 
                          basemodels: kopf.Index, adapters_by_base: kopf.Index, **_: Any) -> None:
     """Its adapters go back to Pending (BaseModelNotFound); owned objects are garbage-collected."""
     if event.get("type") == "DELETED":
-        await memo.planner.reconcile((namespace, name), basemodels, adapters_by_base)
+        await memo.planner.reconcile_or_retry((namespace, name), basemodels, adapters_by_base)
 
 
 @kopf.daemon(*BASEMODELS, cancellation_timeout=5.0)
@@ -239,7 +239,7 @@ async def deployment_readiness(event: kopf.RawEvent, body: kopf.Body, namespace:
     if deleted:  # by hand, or its base is going: recreated in the first case only
         await _repair_workloads(planner, (namespace, base), basemodels)
     if planner.set_ready_replicas((namespace, base), ready):
-        await planner.reconcile((namespace, base), basemodels, adapters_by_base)
+        await planner.reconcile_or_retry((namespace, base), basemodels, adapters_by_base)
 
 
 def _invalid_status(body: kopf.Body, message: str, phase: str) -> dict[str, Any]:

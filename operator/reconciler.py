@@ -31,6 +31,10 @@ from loraplex.operator.validation import read_adapter_config
 logger = logging.getLogger(__name__)
 
 BaseKey = tuple[str, str]  # (namespace, BaseModel name)
+# A reconcile that failed where kopf does not retry (an event handler) is run again from the
+# background after this many seconds, doubling up to RETRY_MAX_SECONDS until it succeeds.
+RETRY_SECONDS = 5.0
+RETRY_MAX_SECONDS = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +109,7 @@ class _BaseState:
     ready_replicas: int = 0
     wakeup: datetime.datetime | None = None
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    retry: asyncio.Task[None] | None = None  # a background re-run after a failed one
 
 
 Indices = Mapping[Any, Iterable[Any]]  # kopf.Index: key -> store of values
@@ -165,6 +170,33 @@ class Planner:
                 raise kopf.TemporaryError(f"writing the plan of {key[0]}/{key[1]}: {exc}", delay=5) from exc
             state.done = target
             return state.plan
+
+    async def reconcile_or_retry(self, key: BaseKey, basemodels: Indices, adapters: Indices) -> None:
+        """`reconcile` for callers kopf does not retry (event handlers): when it fails, it is run
+        again from the background until it succeeds, so a transient API error does not leave
+        statuses stale until some later event (after a BaseModel is gone, none comes)."""
+        try:
+            await self.reconcile(key, basemodels, adapters)
+        except kopf.TemporaryError as exc:
+            state = self.state(key)
+            if state.retry is None or state.retry.done():
+                logger.warning("%s; trying again in %.0fs", exc, RETRY_SECONDS)
+                state.retry = asyncio.get_running_loop().create_task(
+                    self._retry(key, basemodels, adapters), name=f"reconcile {key[0]}/{key[1]} again")
+
+    async def _retry(self, key: BaseKey, basemodels: Indices, adapters: Indices) -> None:
+        delay = RETRY_SECONDS
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await self.reconcile(key, basemodels, adapters)
+                return
+            except kopf.TemporaryError as exc:
+                delay = min(delay * 2, RETRY_MAX_SECONDS)
+                logger.warning("%s; trying again in %.0fs", exc, delay)
+            except Exception:
+                logger.exception("reconciling %s/%s failed; not retried", *key)
+                return
 
     async def _run(self, key: BaseKey, state: _BaseState, basemodels: Indices, adapters: Indices) -> None:
         namespace, name = key

@@ -85,3 +85,36 @@ async def test_the_workloads_of_a_base_being_deleted_are_left_to_the_collector(a
     await api._request("DELETE", DEPLOYMENTS.path(NS, "llama-3-8b"))  # as the collector would
     await settled()
     assert await api.get(DEPLOYMENTS.path(NS, "llama-3-8b")) is None
+
+
+async def test_a_failed_write_after_the_base_is_deleted_is_retried(api, emulator, kubeconfig, crds, operator_runner,
+                                                                   eventually_, settled, monkeypatch):
+    """Event handlers (a BaseModel gone, a node agent's report, a Deployment's readiness) are
+    not retried by kopf: a transient API error there must not leave every adapter of a deleted
+    base Accepted and pinned for good."""
+    import re
+
+    from loraplex.operator import reconciler
+
+    from .test_operator_e2e import setup_pool
+
+    monkeypatch.setattr(reconciler, "RETRY_SECONDS", 0.2)
+    async with operator_runner():
+        await setup_pool(api, eventually_)
+        await eventually_(lambda: _pinned(api, "a", True), what="a pinned")
+        await settled()
+        path = re.compile(r".*/loraadapters/a/status")
+        done = sum(1 for r in list(emulator._requests) if r.method == "PATCH" and path.fullmatch(r.url.path))
+        emulator["patch", path][done:done + 1] << 500  # the next status write of a fails once
+        await api._request("DELETE", BASE_MODELS.path(NS, "llama-3-8b"))
+
+        async def parked():
+            statuses = [(await api.get(ADAPTERS.path(NS, n)))["status"] for n in ("a", "b", "c")]
+            return all(s["phase"] == "Pending" and s["pinned"] is False for s in statuses)
+        await eventually_(parked, timeout=5, what="a, b and c Pending and unpinned")
+        assert sum(1 for r in list(emulator._requests) if r.method == "PATCH" and path.fullmatch(r.url.path)) > done + 1
+
+
+async def _pinned(api: Any, name: str, pinned: bool) -> bool:
+    obj = await api.get(ADAPTERS.path(NS, name))
+    return bool(obj and (obj.get("status") or {}).get("pinned") is pinned)
