@@ -37,6 +37,9 @@ ANNOTATIONS_PREFIX = "operator.loraplex.io"
 # Longest a BaseModel's daemon sleeps between plans when no warm-up window is due (seconds);
 # each run also re-reads the ConfigMap, so a plan deleted by hand comes back.
 RESYNC_SECONDS = 300.0
+# How often a BaseModel whose Deployment or Service name another owner's object holds is
+# handled again (its status says which), besides every resync.
+CONFLICT_RETRY_SECONDS = 60.0
 
 
 @kopf.on.startup()
@@ -152,11 +155,14 @@ async def basemodel_changed(body: kopf.Body, namespace: str, name: str, memo: ko
         raise kopf.PermanentError(f"invalid BaseModel spec: {exc}") from exc
     planner: Planner = memo.planner
     try:
-        await _ensure_workloads(planner.client, base, body, logger)
+        conflicts = await _ensure_workloads(planner.client, base, body, logger)
     except kube.KubeError as exc:
         raise kopf.TemporaryError(f"writing the serving workloads: {exc}", delay=5) from exc
+    planner.state((namespace, name)).workload_error = "; ".join(conflicts) or None
     planner.forget_written((namespace, name))
     await planner.reconcile((namespace, name), basemodels, adapters_by_base)
+    if conflicts:  # the status says so; the daemon's resync tries again too
+        raise kopf.TemporaryError("; ".join(conflicts), delay=CONFLICT_RETRY_SECONDS)
 
 
 @kopf.on.event(*BASEMODELS)
@@ -188,14 +194,21 @@ async def follow_warmup_windows(namespace: str, name: str, memo: kopf.Memo, stop
 
 
 async def _ensure_workloads(client: kube.KubeClient, base: BaseModelSpec, owner: Mapping[str, Any],
-                            log: logging.Logger) -> None:
-    """Create the serving Deployment and Service of `base`, or put back what differs."""
+                            log: logging.Logger) -> list[str]:
+    """Create the serving Deployment and Service of `base`, or put back what differs; returns
+    the names that another owner's objects hold (left alone, see `kube.NotOwned`)."""
     children = [workloads.deployment(base, pack(base).slots), workloads.service(base)]
     kopf.adopt(children, owner=owner)  # type: ignore[arg-type]
+    conflicts = []
     for child in children:
-        outcome = await client.ensure(child)
+        try:
+            outcome = await client.ensure(child)
+        except kube.NotOwned as exc:
+            conflicts.append(str(exc))
+            continue
         if outcome != "unchanged":
             log.info("%s %s/%s %s", child["kind"], base.namespace, child["metadata"]["name"], outcome)
+    return conflicts
 
 
 async def _repair_workloads(planner: Planner, key: tuple[str, str], basemodels: kopf.Index) -> None:
@@ -205,10 +218,16 @@ async def _repair_workloads(planner: Planner, key: tuple[str, str], basemodels: 
     if record is None or record.spec is None or record.deleting:
         return
     try:
-        await _ensure_workloads(planner.client, record.spec, record.owner(), logger)
+        conflicts = await _ensure_workloads(planner.client, record.spec, record.owner(), logger)
     except kube.KubeError as exc:
         logger.warning("repairing the serving workloads of %s/%s: %s (retried at the next resync)",
                        key[0], key[1], exc)
+        return
+    state = planner.state(key)
+    workload_error = "; ".join(conflicts) or None
+    if workload_error != state.workload_error:
+        state.workload_error = workload_error
+        planner.forget_written(key)  # the base's status changes with it
 
 
 async def _sleep(delay: float, wake: asyncio.Event, stopped: kopf.DaemonStopped) -> bool:

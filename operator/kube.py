@@ -64,6 +64,14 @@ class KubeError(Exception):
         self.status = status
 
 
+class NotOwned(KubeError):
+    """`ensure` found another owner's object under the name it needs; nothing was written."""
+
+    def __init__(self, kind: str, namespace: str, name: str, why: str) -> None:
+        Exception.__init__(self, f"{kind} {namespace}/{name} already exists and is not this BaseModel's ({why})")
+        self.status = 409
+
+
 def login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
     """The same credentials kopf's own login would find: service account, then kubeconfig."""
     info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
@@ -118,7 +126,9 @@ class KubeClient:
             raise
 
     async def ensure(self, desired: Mapping[str, Any]) -> str:
-        """Create `desired` or patch the parts we own; returns "created", "patched" or "unchanged"."""
+        """Create `desired` or patch the parts we own; returns "created", "patched" or "unchanged".
+        Raises `NotOwned`, writing nothing, when the name is taken by an object that is not ours
+        (`workloads.foreign_owner`)."""
         resource = _BY_KIND[desired["kind"]]
         meta = desired["metadata"]
         path = resource.path(meta["namespace"], meta["name"])
@@ -131,6 +141,11 @@ class KubeClient:
                 if exc.status != 409:
                     raise
                 existing = await self.get(path)  # created meanwhile: fall through to compare
+                if existing is None:
+                    raise
+        why = workloads.foreign_owner(existing, desired)
+        if why is not None:
+            raise NotOwned(desired["kind"], meta["namespace"], meta["name"], why)
         if not workloads.needs_update(existing, desired):
             return "unchanged"
         owned = {key: desired[key] for key in ("spec", "data", "binaryData") if key in desired}

@@ -110,6 +110,7 @@ class _BaseState:
     wakeup: datetime.datetime | None = None
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     retry: asyncio.Task[None] | None = None  # a background re-run after a failed one
+    workload_error: str | None = None  # why its Deployment / Service could not be written
 
 
 Indices = Mapping[Any, Iterable[Any]]  # kopf.Index: key -> store of values
@@ -221,7 +222,7 @@ class Planner:
         logger.debug("planned %s/%s: %d adapters in %.3fs", namespace, name, len(plan.adapters),
                      (self.clock() - started).total_seconds())
         state.plan = plan  # before the writes: events they cause must see this plan
-        plan_error = await self._write_config_map(base, plan, state)
+        plan_error, plan_error_reason = await self._write_config_map(base, plan, state)
 
         for record in adapter_records:
             assert record.spec is not None
@@ -233,7 +234,8 @@ class Planner:
             await self._patch_adapter(state, record, desired)
 
         cm_name = workloads.plan_config_map_name(name)
-        desired_base = statuses.base_status(plan, base.status, state.ready_replicas, cm_name, now, plan_error)
+        desired_base = statuses.base_status(plan, base.status, state.ready_replicas, cm_name, now, plan_error,
+                                            plan_error_reason, state.workload_error)
         if statuses.differs(base.status, desired_base) and state.written_status.get(base.uid) != desired_base:
             await self.client.patch_status(kube.BASE_MODELS, namespace, name, desired_base)
             state.written_status[base.uid] = desired_base
@@ -243,25 +245,30 @@ class Planner:
             state.wakeup = wakeup
             state.wake.set()
 
-    async def _write_config_map(self, base: BaseRecord, plan: Plan, state: _BaseState) -> str | None:
-        """Write the plan if it changed; returns why it could not be written, if so."""
+    async def _write_config_map(self, base: BaseRecord, plan: Plan,
+                                state: _BaseState) -> tuple[str | None, str]:
+        """Write the plan if it changed; returns why it could not be written, if so, and a reason."""
         assert base.spec is not None
         text = plan.to_json()
         if state.written_json == text:
-            return None
+            return None, ""
         try:
             desired = workloads.plan_config_map(base.spec, text)
         except workloads.PlanTooLarge as exc:
             logger.error("plan %s/%s not written: %s", base.namespace, base.name, exc)
-            return str(exc)  # the ConfigMap keeps the last plan that fit; the status says why
+            return str(exc), "PlanTooLarge"  # the ConfigMap keeps the last plan that fit; the status says why
         kopf.adopt(desired, owner=base.owner())  # type: ignore[arg-type]
-        outcome = await self.client.ensure(desired)
+        try:
+            outcome = await self.client.ensure(desired)
+        except kube.NotOwned as exc:
+            logger.error("plan %s/%s not written: %s", base.namespace, base.name, exc)
+            return str(exc), "NameConflict"  # tried again at every run until the name is free
         if outcome != "unchanged":
             logger.info("plan %s/%s %s: %d adapters, %d pinned, %d slots", base.namespace,
                         desired["metadata"]["name"], outcome, len(plan.adapters),
                         len(plan.pinning.pinned), plan.slots)
         state.written_json = text
-        return None
+        return None, ""
 
     async def _patch_adapter(self, state: _BaseState, record: AdapterRecord, desired: Mapping[str, Any]) -> None:
         if statuses.differs(record.status, desired) and state.written_status.get(record.uid) != desired:

@@ -224,6 +224,30 @@ def needs_update(existing: Mapping[str, Any] | None, desired: Mapping[str, Any])
     return False
 
 
+def foreign_owner(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> str | None:
+    """Why `existing` (an object under the name `desired` needs) is not ours to write, or None.
+
+    Ours: its controller is a BaseModel of the name `desired` is adopted by (any uid: a
+    BaseModel deleted and created again under its name takes its objects back), or it has no
+    controller and our labels for that base. Anything else belongs to someone else: patched,
+    it would be taken over, and garbage-collected with the BaseModel.
+    """
+    want = next((r for r in desired.get("metadata", {}).get("ownerReferences") or () if r.get("controller")), None)
+    if want is None:
+        return None
+    meta = existing.get("metadata") or {}
+    have = next((r for r in meta.get("ownerReferences") or () if r.get("controller")), None)
+    if have is not None:
+        same_group = str(have.get("apiVersion", "")).split("/")[0] == str(want["apiVersion"]).split("/")[0]
+        if same_group and have.get("kind") == want["kind"] and have.get("name") == want["name"]:
+            return None
+        return f"controlled by {have.get('kind')} {have.get('name')}"
+    labels = meta.get("labels") or {}
+    if labels.get("app.kubernetes.io/managed-by") == MANAGED_BY and labels.get(BASE_LABEL) == want["name"]:
+        return None
+    return "not made by the loraplex operator"
+
+
 def _contains(have: Any, want: Any) -> bool:
     """Recursive subset: every key of `want` is in `have` with a containing value; a key
     `want` holds as None must be absent or empty in `have` (the API server may show `{}`)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplex.operator.kube import ADAPTERS, BASE_MODELS, DEPLOYMENTS, SERVICES, Resource
+from loraplex.operator.kube import ADAPTERS, BASE_MODELS, CONFIG_MAPS, DEPLOYMENTS, SERVICES, Resource
 
 from .test_operator_e2e import NS, adapter_body, base_body, plan_of
 
@@ -118,3 +118,50 @@ async def test_a_failed_write_after_the_base_is_deleted_is_retried(api, emulator
 async def _pinned(api: Any, name: str, pinned: bool) -> bool:
     obj = await api.get(ADAPTERS.path(NS, name))
     return bool(obj and (obj.get("status") or {}).get("pinned") is pinned)
+
+
+async def test_objects_of_the_same_name_that_are_not_its_own_are_left_alone(api, emulator, kubeconfig, crds,
+                                                                          operator_runner, eventually_, monkeypatch):
+    """A Service and a ConfigMap that another app already has under the names a new BaseModel
+    would use: the operator must not rewrite them and make them its own (deleting the
+    BaseModel would then garbage-collect them); it says why in the base's status, and takes
+    the names once they are free."""
+    from loraplex.operator import handlers
+
+    from .test_operator_e2e import conditions
+
+    monkeypatch.setattr(handlers, "RESYNC_SECONDS", 1.0)
+    theirs = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "llama-3-8b", "namespace": NS},
+              "spec": {"selector": {"app": "someone-else"}, "ports": [{"port": 80}]}}
+    their_cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "llama-3-8b-plan", "namespace": NS},
+                "data": {"plan.json": "theirs"}}
+    await api.create(SERVICES.path(NS), theirs)
+    await api.create(CONFIG_MAPS.path(NS), their_cm)
+    async with operator_runner():
+        await api.create(BASE_MODELS.path(NS), base_body())
+
+        async def reported():
+            base = await api.get(BASE_MODELS.path(NS, "llama-3-8b"))
+            conds = conditions(base)
+            return conds if conds["Ready"]["reason"] == "NameConflict" and \
+                conds["Staged"]["reason"] == "NameConflict" else None
+        conds = await eventually_(reported, what="the conflicts in the base's status")
+        assert "Service ml/llama-3-8b" in conds["Ready"]["message"]
+        assert "ConfigMap ml/llama-3-8b-plan" in conds["Staged"]["message"]
+        svc = await api.get(SERVICES.path(NS, "llama-3-8b"))
+        assert svc["spec"]["selector"] == {"app": "someone-else"} and not svc["metadata"].get("ownerReferences")
+        cm = await api.get(CONFIG_MAPS.path(NS, "llama-3-8b-plan"))
+        assert cm["data"] == {"plan.json": "theirs"} and not cm["metadata"].get("ownerReferences")
+        assert await api.get(DEPLOYMENTS.path(NS, "llama-3-8b"))  # its own name was free
+
+        await api._request("DELETE", SERVICES.path(NS, "llama-3-8b"))
+        await api._request("DELETE", CONFIG_MAPS.path(NS, "llama-3-8b-plan"))
+
+        async def taken():
+            svc = await api.get(SERVICES.path(NS, "llama-3-8b"))
+            plan = await plan_of(api)
+            base = await api.get(BASE_MODELS.path(NS, "llama-3-8b"))
+            return svc and svc["metadata"].get("ownerReferences") and plan and \
+                conditions(base)["Staged"]["reason"] == "PlanWritten" and \
+                conditions(base)["Ready"]["reason"] != "NameConflict"
+        await eventually_(taken, timeout=6, what="the Service and the plan written once the names are free")
