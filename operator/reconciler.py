@@ -111,6 +111,7 @@ class _BaseState:
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     retry: asyncio.Task[None] | None = None  # a background re-run after a failed one
     workload_error: str | None = None  # why its Deployment / Service could not be written
+    failed_writes: list[str] = dataclasses.field(default_factory=list)  # statuses the last run could not write
 
 
 Indices = Mapping[Any, Iterable[Any]]  # kopf.Index: key -> store of values
@@ -166,11 +167,15 @@ class Planner:
             target = state.requested
             state.runs += 1
             try:
-                await self._run(key, state, basemodels, adapters)
+                state.failed_writes = await self._run(key, state, basemodels, adapters)
             except kube.KubeError as exc:
                 raise kopf.TemporaryError(f"writing the plan of {key[0]}/{key[1]}: {exc}", delay=5) from exc
             state.done = target
-            return state.plan
+        if state.failed_writes:
+            # The plan is written: the statuses that were not are written again from the
+            # background, so that one object refusing them holds up no handler (a finalizer).
+            self._retry_later(key, basemodels, adapters, "; ".join(state.failed_writes))
+        return state.plan
 
     async def reconcile_or_retry(self, key: BaseKey, basemodels: Indices, adapters: Indices) -> None:
         """`reconcile` for callers kopf does not retry (event handlers): when it fails, it is run
@@ -179,28 +184,38 @@ class Planner:
         try:
             await self.reconcile(key, basemodels, adapters)
         except kopf.TemporaryError as exc:
-            state = self.state(key)
-            if state.retry is None or state.retry.done():
-                logger.warning("%s; trying again in %.0fs", exc, RETRY_SECONDS)
-                state.retry = asyncio.get_running_loop().create_task(
-                    self._retry(key, basemodels, adapters), name=f"reconcile {key[0]}/{key[1]} again")
+            self._retry_later(key, basemodels, adapters, str(exc))
+
+    def _retry_later(self, key: BaseKey, basemodels: Indices, adapters: Indices, why: str) -> None:
+        state = self.state(key)
+        if state.retry is None or state.retry.done():
+            logger.warning("%s; trying again in %.0fs", why, RETRY_SECONDS)
+            state.retry = asyncio.get_running_loop().create_task(
+                self._retry(key, basemodels, adapters), name=f"reconcile {key[0]}/{key[1]} again")
 
     async def _retry(self, key: BaseKey, basemodels: Indices, adapters: Indices) -> None:
+        """Run the reconcile of `key` until it and every write it makes succeed (backing off)."""
         delay = RETRY_SECONDS
         while True:
             await asyncio.sleep(delay)
             try:
                 await self.reconcile(key, basemodels, adapters)
-                return
+                if not self.state(key).failed_writes:
+                    return
+                why = "; ".join(self.state(key).failed_writes)
             except kopf.TemporaryError as exc:
-                delay = min(delay * 2, RETRY_MAX_SECONDS)
-                logger.warning("%s; trying again in %.0fs", exc, delay)
+                why = str(exc)
             except Exception:
                 logger.exception("reconciling %s/%s failed; not retried", *key)
                 return
+            delay = min(delay * 2, RETRY_MAX_SECONDS)
+            logger.warning("%s; trying again in %.0fs", why, delay)
 
-    async def _run(self, key: BaseKey, state: _BaseState, basemodels: Indices, adapters: Indices) -> None:
+    async def _run(self, key: BaseKey, state: _BaseState, basemodels: Indices, adapters: Indices) -> list[str]:
+        """One run; raises KubeError if the plan could not be written, returns the status
+        writes that failed (each object's own, so one refusing its status stops no other)."""
         namespace, name = key
+        failed: list[str] = []
         now = self.clock()
         base_records: list[BaseRecord] = list(basemodels.get(key, ()))
         adapter_records: list[AdapterRecord] = [r for r in adapters.get(key, ()) if r.spec is not None]
@@ -214,8 +229,8 @@ class Planner:
                     continue
                 desired = statuses.orphan_status(record.spec, record.status, now,
                                                  base.error if base is not None else None)
-                await self._patch_adapter(state, record, desired)
-            return
+                await self._patch_adapter(state, record, desired, failed)
+            return failed
 
         started = now
         plan = build_plan(base.spec, [r.spec for r in adapter_records if r.spec is not None], now)
@@ -231,19 +246,23 @@ class Planner:
             verdict = plan.verdicts[record.spec.name]
             desired = statuses.adapter_status(record.spec, verdict, plan, record.status,
                                               state.ready_replicas > 0, now)
-            await self._patch_adapter(state, record, desired)
+            await self._patch_adapter(state, record, desired, failed)
 
         cm_name = workloads.plan_config_map_name(name)
         desired_base = statuses.base_status(plan, base.status, state.ready_replicas, cm_name, now, plan_error,
                                             plan_error_reason, state.workload_error)
         if statuses.differs(base.status, desired_base) and state.written_status.get(base.uid) != desired_base:
-            await self.client.patch_status(kube.BASE_MODELS, namespace, name, desired_base)
-            state.written_status[base.uid] = desired_base
+            try:
+                await self.client.patch_status(kube.BASE_MODELS, namespace, name, desired_base)
+                state.written_status[base.uid] = desired_base
+            except kube.KubeError as exc:
+                failed.append(f"status of BaseModel {namespace}/{name}: {exc}")
 
         wakeup = next_wakeup(plan, now)
         if wakeup != state.wakeup:
             state.wakeup = wakeup
             state.wake.set()
+        return failed
 
     async def _write_config_map(self, base: BaseRecord, plan: Plan,
                                 state: _BaseState) -> tuple[str | None, str]:
@@ -270,7 +289,12 @@ class Planner:
         state.written_json = text
         return None, ""
 
-    async def _patch_adapter(self, state: _BaseState, record: AdapterRecord, desired: Mapping[str, Any]) -> None:
+    async def _patch_adapter(self, state: _BaseState, record: AdapterRecord, desired: Mapping[str, Any],
+                             failed: list[str]) -> None:
         if statuses.differs(record.status, desired) and state.written_status.get(record.uid) != desired:
-            await self.client.patch_status(kube.ADAPTERS, record.namespace, record.name, desired)
+            try:
+                await self.client.patch_status(kube.ADAPTERS, record.namespace, record.name, desired)
+            except kube.KubeError as exc:
+                failed.append(f"status of LoRAAdapter {record.namespace}/{record.name}: {exc}")
+                return
             state.written_status[record.uid] = desired

@@ -165,3 +165,30 @@ async def test_objects_of_the_same_name_that_are_not_its_own_are_left_alone(api,
                 conditions(base)["Staged"]["reason"] == "PlanWritten" and \
                 conditions(base)["Ready"]["reason"] != "NameConflict"
         await eventually_(taken, timeout=6, what="the Service and the plan written once the names are free")
+
+
+async def test_one_adapter_whose_status_cannot_be_written_holds_up_no_other(api, emulator, operator, eventually_,
+                                                                            settled):
+    """Status writes of one adapter refused for good (422: an admission policy, or a schema
+    tightened under an object stored before): the plan, the other adapters' statuses and the
+    deletion of another adapter (its finalizer) must still go through."""
+    import re
+
+    from .test_operator_e2e import setup_pool
+
+    await setup_pool(api, eventually_)
+    await eventually_(lambda: _pinned(api, "c", False), what="c planned, not pinned")
+    await settled()
+    emulator["patch", re.compile(r".*/loraadapters/c/status")] << 422
+    await api._request("DELETE", ADAPTERS.path(NS, "a"))  # c moves up to pinned: its status write fails
+
+    async def gone():
+        return await api.get(ADAPTERS.path(NS, "a")) is None
+    await eventually_(gone, timeout=5, what="a deleted: its finalizer released")
+    plan = await plan_of(api)
+    assert [x["name"] for x in plan["adapters"]] == ["b", "c"] and plan["pinned"] == ["b", "c"]
+
+    async def base_written():
+        base = await api.get(BASE_MODELS.path(NS, "llama-3-8b"))
+        return base["status"]["pinned"] == ["b", "c"]
+    await eventually_(base_written, timeout=5, what="the base's status written")
