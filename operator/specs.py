@@ -38,6 +38,10 @@ _SUFFIX: dict[str, int] = {
 }
 
 
+# A quantity is an int64 in Kubernetes, as the CRDs' integer fields are.
+_MAX_QUANTITY = 2**63 - 1
+
+
 class SpecError(ValueError):
     """A body the CRD schema should have refused (or an older operator wrote)."""
 
@@ -51,12 +55,21 @@ def parse_quantity(value: int | str | None) -> int | None:
     if isinstance(value, int):
         if value < 0:
             raise SpecError(f"negative quantity: {value}")
+        if value > _MAX_QUANTITY:
+            raise SpecError(f"quantity {value} is too large (at most {_MAX_QUANTITY} bytes)")
         return value
     match = _QUANTITY.match(str(value).strip())
     if not match:
         raise SpecError(f"not a quantity: {value!r} (use bytes or e.g. 80Gi, 16G, 40M)")
     number, suffix = match.groups()
-    return int(float(number) * _SUFFIX[suffix or ""])
+    # In integers, not floats: exact (as Kubernetes quantities are), and no overflow on long
+    # numbers; a fraction of a byte is dropped.
+    whole, _, fraction = number.partition(".")
+    scale = _SUFFIX[suffix or ""]
+    parsed = int(whole) * scale + int(fraction or "0") * scale // 10 ** len(fraction)
+    if parsed > _MAX_QUANTITY:
+        raise SpecError(f"quantity {value!r} is too large (at most {_MAX_QUANTITY} bytes)")
+    return parsed
 
 
 def parse_time(value: str | None) -> datetime.datetime | None:
