@@ -35,11 +35,9 @@ OURS = {"app.kubernetes.io/managed-by": workloads.MANAGED_BY}
 FINALIZER = "loraplex.io/operator"
 ANNOTATIONS_PREFIX = "operator.loraplex.io"
 # Longest a BaseModel's daemon sleeps between plans when no warm-up window is due (seconds);
-# each run also re-reads the ConfigMap, so a plan deleted by hand comes back.
+# each run also re-reads the ConfigMap, so a plan deleted by hand comes back, and puts back
+# its Deployment and Service (deleted, edited, or held up by a name conflict or a refusal).
 RESYNC_SECONDS = 300.0
-# How often a BaseModel whose Deployment or Service name another owner's object holds is
-# handled again (its status says which), besides every resync.
-CONFLICT_RETRY_SECONDS = 60.0
 
 
 @kopf.on.startup()
@@ -155,14 +153,17 @@ async def basemodel_changed(body: kopf.Body, namespace: str, name: str, memo: ko
         raise kopf.PermanentError(f"invalid BaseModel spec: {exc}") from exc
     planner: Planner = memo.planner
     try:
-        conflicts = await _ensure_workloads(planner.client, base, body, logger)
+        problem = await _ensure_workloads(planner.client, base, body, logger)
     except kube.KubeError as exc:
         raise kopf.TemporaryError(f"writing the serving workloads: {exc}", delay=5) from exc
-    planner.state((namespace, name)).workload_error = "; ".join(conflicts) or None
+    planner.state((namespace, name)).workload_error = problem
     planner.forget_written((namespace, name))
     await planner.reconcile((namespace, name), basemodels, adapters_by_base)
-    if conflicts:  # the status says so; the daemon's resync tries again too
-        raise kopf.TemporaryError("; ".join(conflicts), delay=CONFLICT_RETRY_SECONDS)
+    if problem is not None:
+        # The status says why. Not a delayed retry: that would hold the next spec change back
+        # for its delay; the daemon's resync tries again for what is lifted elsewhere (the
+        # other owner's object deleted, an admission policy changed).
+        raise kopf.PermanentError(problem[1])
 
 
 @kopf.on.event(*BASEMODELS)
@@ -194,21 +195,35 @@ async def follow_warmup_windows(namespace: str, name: str, memo: kopf.Memo, stop
 
 
 async def _ensure_workloads(client: kube.KubeClient, base: BaseModelSpec, owner: Mapping[str, Any],
-                            log: logging.Logger) -> list[str]:
-    """Create the serving Deployment and Service of `base`, or put back what differs; returns
-    the names that another owner's objects hold (left alone, see `kube.NotOwned`)."""
+                            log: logging.Logger) -> tuple[str, str] | None:
+    """Create the serving Deployment and Service of `base`, or put back what differs.
+
+    Returns (reason, message) for the base's status when one could not be written for a
+    reason a retry cannot lift: NameConflict (another owner's object has the name, left
+    alone: `kube.NotOwned`) or WorkloadInvalid (the API server refused it, e.g. for what
+    spec.serving put in it); None when both are written. Other errors raise KubeError.
+    """
     children = [workloads.deployment(base, pack(base).slots), workloads.service(base)]
     kopf.adopt(children, owner=owner)  # type: ignore[arg-type]
-    conflicts = []
+    problems: list[tuple[str, str]] = []
     for child in children:
+        where = f"{child['kind']} {base.namespace}/{child['metadata']['name']}"
         try:
             outcome = await client.ensure(child)
         except kube.NotOwned as exc:
-            conflicts.append(str(exc))
+            problems.append(("NameConflict", exc.message))
+            continue
+        except kube.KubeError as exc:
+            if exc.status not in (400, 422):
+                raise
+            problems.append(("WorkloadInvalid", f"{where} refused by the API server: {exc.message}"))
             continue
         if outcome != "unchanged":
-            log.info("%s %s/%s %s", child["kind"], base.namespace, child["metadata"]["name"], outcome)
-    return conflicts
+            log.info("%s %s", where, outcome)
+    if not problems:
+        return None
+    reason = "WorkloadInvalid" if any(r == "WorkloadInvalid" for r, _ in problems) else "NameConflict"
+    return reason, "; ".join(message for _, message in problems)
 
 
 async def _repair_workloads(planner: Planner, key: tuple[str, str], basemodels: kopf.Index) -> None:
@@ -218,15 +233,14 @@ async def _repair_workloads(planner: Planner, key: tuple[str, str], basemodels: 
     if record is None or record.spec is None or record.deleting:
         return
     try:
-        conflicts = await _ensure_workloads(planner.client, record.spec, record.owner(), logger)
+        problem = await _ensure_workloads(planner.client, record.spec, record.owner(), logger)
     except kube.KubeError as exc:
         logger.warning("repairing the serving workloads of %s/%s: %s (retried at the next resync)",
                        key[0], key[1], exc)
         return
     state = planner.state(key)
-    workload_error = "; ".join(conflicts) or None
-    if workload_error != state.workload_error:
-        state.workload_error = workload_error
+    if problem != state.workload_error:
+        state.workload_error = problem
         planner.forget_written(key)  # the base's status changes with it
 
 

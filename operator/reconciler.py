@@ -110,7 +110,7 @@ class _BaseState:
     wakeup: datetime.datetime | None = None
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     retry: asyncio.Task[None] | None = None  # a background re-run after a failed one
-    workload_error: str | None = None  # why its Deployment / Service could not be written
+    workload_error: tuple[str, str] | None = None  # (reason, message): its Deployment / Service not written
     failed_writes: list[str] = dataclasses.field(default_factory=list)  # statuses the last run could not write
 
 

@@ -128,12 +128,14 @@ def adapter_status(adapter: AdapterSpec, verdict: Verdict, plan: Plan | None,
 
 def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: int,
                 plan_config_map: str, now: datetime.datetime, plan_error: str | None = None,
-                plan_error_reason: str = "PlanTooLarge", workload_error: str | None = None) -> dict[str, Any]:
+                plan_error_reason: str = "PlanTooLarge",
+                workload_error: tuple[str, str] | None = None) -> dict[str, Any]:
     """The BaseModel's status: packing outcome, pinned set, counts, conditions.
 
     `plan_error`: why the plan could not be written (`plan_error_reason`: PlanTooLarge for a
     ConfigMap, NameConflict when another owner's ConfigMap has its name), if so.
-    `workload_error`: why its Deployment or Service could not be written (NameConflict), if so.
+    `workload_error`: (reason, message) when its Deployment or Service could not be written
+    (NameConflict, WorkloadInvalid), if so.
     """
     current = current or {}
     base = plan.base
@@ -142,7 +144,7 @@ def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: i
     accepted_message = packed.message + (f"; hint: {plan.hint}" if plan.hint else "")
     replicas = base.serving.replicas
     if workload_error:
-        ready = condition("Ready", False, "NameConflict", workload_error, gen)
+        ready = condition("Ready", False, workload_error[0], workload_error[1], gen)
     elif replicas == 0:
         ready = condition("Ready", False, "ScaledToZero", "serving.replicas is 0", gen)
     elif ready_replicas >= replicas:

@@ -192,3 +192,49 @@ async def test_one_adapter_whose_status_cannot_be_written_holds_up_no_other(api,
         base = await api.get(BASE_MODELS.path(NS, "llama-3-8b"))
         return base["status"]["pinned"] == ["b", "c"]
     await eventually_(base_written, timeout=5, what="the base's status written")
+
+
+async def test_a_deployment_the_api_server_refuses_is_reported_in_the_status(api, emulator, operator, eventually_):
+    """spec.serving passes into the Deployment as given (volumes, resources, tolerations): one
+    the API server refuses (a volume named like the operator's own, `adapters`) must show in
+    the base's status with the server's message, not only as a handler retried in the log."""
+    import re
+
+    from .test_operator_e2e import conditions
+
+    refusal = {"apiVersion": "v1", "kind": "Status", "status": "Failure", "reason": "Invalid", "code": 422,
+               "message": 'Deployment.apps "llama-3-8b" is invalid: spec.template.spec.volumes[3].name:'
+                          ' Duplicate value: "adapters"'}
+    emulator["post", re.compile(r".*/namespaces/ml/deployments")] << 422 << refusal
+    volume = {"name": "adapters", "persistentVolumeClaim": {"claimName": "my-adapters"}}
+    await api.create(BASE_MODELS.path(NS), base_body(serving={"replicas": 1, "image": "loraplex/server:test",
+                                                               "volumes": [volume]}))
+
+    async def reported():
+        base = await api.get(BASE_MODELS.path(NS, "llama-3-8b"))
+        ready = conditions(base).get("Ready") or {}
+        return base if ready.get("reason") == "WorkloadInvalid" else None
+    base = await eventually_(reported, what="the refusal in the base's status")
+    ready = conditions(base)["Ready"]
+    assert ready["status"] == "False" and 'Duplicate value: "adapters"' in ready["message"]
+    assert "Deployment ml/llama-3-8b" in ready["message"] and "{" not in ready["message"]
+    assert base["status"]["phase"] == "Failed"
+    assert await api.get(SERVICES.path(NS, "llama-3-8b"))  # the Service was still written
+
+
+async def test_a_refused_deployment_is_written_as_soon_as_the_spec_is_fixed(api, emulator, operator, eventually_):
+    import re
+    import time
+
+    refusal = {"apiVersion": "v1", "kind": "Status", "code": 422, "message": "spec.template: Invalid value"}
+    emulator["post", re.compile(r".*/namespaces/ml/deployments")][0:1] << 422 << refusal  # the first create only
+    await api.create(BASE_MODELS.path(NS), base_body())
+
+    async def refused():
+        base = await api.get(BASE_MODELS.path(NS, "llama-3-8b"))
+        return ((base.get("status") or {}).get("phase")) == "Failed"
+    await eventually_(refused, what="the refusal reported")
+    fixed = time.monotonic()
+    await api.merge_patch(BASE_MODELS.path(NS, "llama-3-8b"), {"spec": {"serving": {"replicas": 2}}})
+    await eventually_(lambda: api.get(DEPLOYMENTS.path(NS, "llama-3-8b")), timeout=10, what="the Deployment")
+    assert time.monotonic() - fixed < 10
