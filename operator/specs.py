@@ -27,6 +27,8 @@ ALL_TARGET_MODULES: tuple[str, ...] = (
 )
 DEFAULT_TARGET_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+# The longest warmupLeadSeconds (a year), as the CRD's maximum.
+MAX_WARMUP_LEAD_SECONDS = 365 * 24 * 3600
 PIN_POLICIES: tuple[str, ...] = ("Auto", "Always", "Never")
 
 # Kubernetes quantities: "80Gi", "16G", "40M", "1.5Gi", or a plain number of bytes.
@@ -82,7 +84,10 @@ def parse_time(value: str | None) -> datetime.datetime | None:
         raise SpecError(f"not an RFC 3339 time: {value!r}") from exc
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=datetime.timezone.utc)
-    return parsed.astimezone(datetime.timezone.utc)
+    try:
+        return parsed.astimezone(datetime.timezone.utc)
+    except OverflowError as exc:  # e.g. 0001-01-01T00:00:00+01:00: before year 1 in UTC
+        raise SpecError(f"time {value!r} is out of range") from exc
 
 
 def format_time(value: datetime.datetime) -> str:
@@ -205,6 +210,9 @@ class BaseModelSpec:
             if unknown:
                 raise SpecError(f"unknown target modules {unknown}")
             arch = spec.get("architecture")
+            lead = int(spec.get("warmupLeadSeconds", 600))
+            if not 0 <= lead <= MAX_WARMUP_LEAD_SECONDS:
+                raise SpecError(f"warmupLeadSeconds {lead} is not within 0..{MAX_WARMUP_LEAD_SECONDS}")
             return cls(
                 name=str(meta["name"]),
                 namespace=str(meta.get("namespace") or "default"),
@@ -215,7 +223,7 @@ class BaseModelSpec:
                 architecture=Architecture.from_spec(arch) if arch else None,
                 memory=Memory.from_spec(spec.get("memory") or {}),
                 pinned_percent=int(spec.get("pinnedPercent", 50)),
-                warmup_lead_seconds=int(spec.get("warmupLeadSeconds", 600)),
+                warmup_lead_seconds=lead,
                 serving=Serving.from_spec(spec.get("serving") or {}),
                 generation=int(meta.get("generation") or 0),
                 uid=str(meta.get("uid") or ""),
