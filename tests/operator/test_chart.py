@@ -1,9 +1,10 @@
 """The Helm chart, tested without a helm binary.
 
 A small renderer below covers the subset of Go templates the chart uses (include/define,
-if/with/range, and the pipes quote, nindent, toYaml, trunc, trimSuffix, default, printf), so
-the rendered manifests can be parsed and checked: RBAC covers what the operator and the
-node agent call, the node agent runs with its cache dir, the CRDs are the repository's.
+if/with/range, and the pipes quote, nindent, toYaml, trunc, trimSuffix, default, printf,
+splitList, last), so the rendered manifests can be parsed and checked: RBAC covers what the
+operator and the node agent call, the node agent runs with its cache dir, the CRDs are the
+repository's.
 Helm itself (and its Sprig functions beyond these) is not exercised here.
 """
 
@@ -141,6 +142,10 @@ class Renderer:
             return args[1] if args[1] else args[0]
         if fn == "printf":
             return args[0] % tuple(args[1:])
+        if fn == "splitList":
+            return self._str(args[1]).split(args[0])
+        if fn == "last":
+            return args[0][-1] if args[0] else None
         raise NotImplementedError(f"template function {fn!r} is not in the test renderer")
 
     @staticmethod
@@ -266,11 +271,25 @@ def test_node_agent_may_patch_only_adapter_status():
 def test_node_agent_role_grants_its_calls_and_no_more():
     """The agent runs on every node with the host's adapter cache mounted; its token may do
     what node_agent/kube.py does: GET one plan ConfigMap by name, list the pods on its node,
-    get / merge-patch LoRAAdapter status. Not list every ConfigMap of the cluster, read
-    objects it never reads, or write events."""
-    role = render_all()[("ClusterRole", "lp-loraplex-node-agent")]
-    assert _granted(role) == {("loraplex.io", "loraadapters/status", "get"), ("loraplex.io", "loraadapters/status", "patch"),
-                       ("", "configmaps", "get"), ("", "pods", "list")}
+    get / merge-patch LoRAAdapter status. Not get or list every ConfigMap of the cluster
+    (aws-auth, coredns, any app's configuration), read objects it never reads, or write events."""
+    docs = render_all()
+    role = docs[("ClusterRole", "lp-loraplex-node-agent")]
+    assert _granted(role) == {("loraplex.io", "loraadapters/status", "get"),
+                              ("loraplex.io", "loraadapters/status", "patch"), ("", "pods", "list")}
+
+
+def test_node_agent_may_read_its_plan_configmap_and_no_other():
+    """By name, in a ClusterRole: a Role in the plan's namespace would have to be installed
+    into a namespace that need not exist yet (the README installs the chart first)."""
+    values = copy.deepcopy(VALUES)
+    values["nodeAgent"]["planConfigMap"] = "ml/llama-3-8b-plan"
+    docs = render_all(values)
+    role = docs[("ClusterRole", "lp-loraplex-node-agent")]
+    (rule,) = [r for r in role["rules"] if "configmaps" in r["resources"]]
+    assert rule == {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["llama-3-8b-plan"],
+                    "verbs": ["get"]}
+    assert not [key for key in docs if key[0] in ("Role", "RoleBinding")]
 
 
 def test_node_agent_daemonset_contract():
