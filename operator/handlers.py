@@ -276,11 +276,15 @@ async def deployment_readiness(event: kopf.RawEvent, body: kopf.Body, namespace:
 
 
 def _invalid_status(body: kopf.Body, message: str, phase: str) -> dict[str, Any]:
+    """Accepted and Ready False / InvalidSpec; the other conditions (Staged) kept as they were."""
     generation = int(body.get("metadata", {}).get("generation") or 0)
-    cond = statuses.condition("Accepted", False, "InvalidSpec", message, generation)
+    old = list((body.get("status") or {}).get("conditions") or ())
+    kept = [c for c in old if c.get("type") not in ("Accepted", "Ready")]
+    conds = [statuses.condition("Accepted", False, "InvalidSpec", message, generation), *kept,
+             statuses.condition("Ready", False, "InvalidSpec", message, generation)]
     now = datetime.datetime.now(datetime.timezone.utc)
     return {
         "observedGeneration": generation,
         "phase": phase,
-        "conditions": statuses.merge_conditions((body.get("status") or {}).get("conditions"), [cond], now),
+        "conditions": statuses.merge_conditions(old, conds, now),
     }

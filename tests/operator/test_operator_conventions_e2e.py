@@ -238,3 +238,25 @@ async def test_a_refused_deployment_is_written_as_soon_as_the_spec_is_fixed(api,
     await api.merge_patch(BASE_MODELS.path(NS, "llama-3-8b"), {"spec": {"serving": {"replicas": 2}}})
     await eventually_(lambda: api.get(DEPLOYMENTS.path(NS, "llama-3-8b")), timeout=10, what="the Deployment")
     assert time.monotonic() - fixed < 10
+
+
+async def test_an_invalid_spec_keeps_a_ready_condition_that_says_so(api, operator, eventually_):
+    """Edited into an invalid spec, a Ready adapter or base must say Ready False (with the
+    reason), not lose its Ready condition: `kubectl wait --for=condition=Ready=false` and
+    tools that read Ready see nothing otherwise. Its other conditions stay."""
+    from .test_operator_e2e import conditions, setup_pool
+
+    await setup_pool(api, eventually_)
+    await eventually_(lambda: _pinned(api, "a", True), what="a planned")
+    await api.merge_patch(ADAPTERS.path(NS, "a"), {"spec": {"warmup": {
+        "start": "2026-05-02T08:00:00Z", "end": "2026-05-01T08:00:00Z"}}})
+    await api.merge_patch(BASE_MODELS.path(NS, "llama-3-8b"), {"spec": {"dtype": "int8"}})
+
+    async def invalid(resource, name):
+        obj = await api.get(resource.path(NS, name))
+        conds = conditions(obj)
+        return conds if conds["Accepted"]["reason"] == "InvalidSpec" else None
+    for resource, name in ((ADAPTERS, "a"), (BASE_MODELS, "llama-3-8b")):
+        conds = await eventually_(lambda: invalid(resource, name), what=f"{name} invalid")
+        assert set(conds) == {"Accepted", "Staged", "Ready"}, conds
+        assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("False", "InvalidSpec")
