@@ -131,6 +131,9 @@ def server_args(base: BaseModelSpec, slots: int) -> list[str]:
         "--dtype", base.dtype,
         "--adapter-cache-dir", ADAPTER_CACHE_DIR,
         "--node-agent-url", f"http://$(NODE_IP):{NODE_AGENT_PORT}",
+        # The engine's rows and lengths size the KV cache the packing math counted.
+        *base.serving.engine.args(),
+        *base.serving.extra_args,
     ]
 
 
@@ -147,7 +150,8 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
         "command": ["loraplex-server"],
         "args": server_args(base, slots),
         "env": [{"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
-                {"name": "TRITON_CACHE_DIR", "value": KERNEL_CACHE_DIR}],
+                {"name": "TRITON_CACHE_DIR", "value": KERNEL_CACHE_DIR},
+                *copy.deepcopy(list(serving.env))],
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
         "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
                          "failureThreshold": STARTUP_SECONDS // 10},

@@ -37,7 +37,8 @@ def test_deployment_runs_the_server_with_the_plan_mounted():
                                  "--max-lora-rank", "64", "--lora-target-modules", "q_proj", "k_proj", "v_proj",
                                  "o_proj", "--dtype", "bfloat16",
                                  "--adapter-cache-dir", "/var/lib/loraplex/adapters",
-                                 "--node-agent-url", "http://$(NODE_IP):8081"]
+                                 "--node-agent-url", "http://$(NODE_IP):8081",
+                                 "--max-num-seqs", "16", "--max-model-len", "2048"]
     # The server's own command line accepts them, with the meaning the operator intends
     # ($(NODE_IP) as the kubelet expands it from the downward-API variable).
     node_ip = container["env"][0]
