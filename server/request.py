@@ -3,8 +3,8 @@
 State: WAITING (in the scheduler's queue) -> RUNNING (holds a KV row) -> FINISHED. Text
 handling lives here too: incremental detokenization, stop strings (the text stops before
 the stop string; while streaming, text that could be the start of a stop string is held
-back until it cannot be), and the finish reasons of the OpenAI API ("stop", "length",
-"abort").
+back until it cannot be), stop tokens (EOS, stop_token_ids: their text is left out too),
+and the finish reasons of the OpenAI API ("stop", "length", "abort").
 """
 
 from __future__ import annotations
@@ -90,14 +90,14 @@ class Request:
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
         p = self.params
+        # A stop token (EOS, or one of stop_token_ids) ends the request and its text stays out
+        # of the answer, as a stop string's does (vLLM's rule); it is still an output token.
+        if (not p.ignore_eos and token in eos_ids) or token in p.stop_token_ids:
+            return self._finish("stop")
         if self.detok is not None:
             self.detok.add(token)
             if p.stop and self._find_stop():
                 return self._finish("stop")
-        if not p.ignore_eos and token in eos_ids:
-            return self._finish("stop")
-        if token in p.stop_token_ids:
-            return self._finish("stop")
         if self._at_length(len(self.output_ids), max_len):
             return self._finish("length")
 
