@@ -65,12 +65,7 @@ class Tokenizer:
         if self.chat_template is None:
             return self.encode(plain_chat_prompt(messages))
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)  # Llama 3.2 templates
-            self._template = env.from_string(self.chat_template)
+            self._template = _template_environment().from_string(self.chat_template)
         text = self._template.render(messages=messages, add_generation_prompt=True,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         # The template writes BOS itself when the model wants one.
@@ -79,6 +74,35 @@ class Tokenizer:
 
 def _raise_template_error(message: str):
     raise ValueError(f"chat template: {message}")
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' `tojson`: the text as it is (Jinja's own escapes "<", "&", "'" and
+    every non-ASCII character, and the prompt would differ from the one the model was
+    trained on and vLLM sends)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _template_environment():
+    """The Jinja environment chat templates are written for: transformers' (what vLLM renders
+    them with), sandboxed, with loop controls ({% break %}, {% continue %}) and the
+    {% generation %} block, which renders its body (transformers uses it to find the
+    assistant's tokens when training; templates of fine-tuned models carry it)."""
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)  # the "generation" token
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, Generation])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)  # Llama 3.2 templates
+    return env
 
 
 def plain_chat_prompt(messages: list[dict]) -> str:
