@@ -1,5 +1,5 @@
-"""Per-request sampling for a whole batch at once: presence/frequency penalties, greedy,
-temperature, top-k, top-p, seed; and the logprobs a request asks for.
+"""Per-request sampling for a whole batch at once: repetition/presence/frequency penalties,
+greedy, temperature, top-k, top-p, seed; and the logprobs a request asks for.
 
 Randomness is counter-based: the noise for row r, vocabulary entry v at output step n is a
 hash of (request seed, n, v). A seeded request therefore draws the same tokens whichever
@@ -41,6 +41,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
     presence_penalty: float = 0.0  # subtracted from a token's logit once it appears in the output
     frequency_penalty: float = 0.0  # subtracted once per appearance in the output
+    # A token in the prompt or the output has its logit divided by this when positive,
+    # multiplied when negative (vLLM's and transformers' repetition penalty); 1 = off.
+    repetition_penalty: float = 1.0
     # The output starts with the prompt (/v1/completions `echo`): with `logprobs` k, each
     # prompt token's logprob and the k most likely there too (the first token's is None).
     # Only then may max_tokens be 0: score the prompt, generate nothing.
@@ -59,6 +62,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
         if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError("repetition_penalty must be greater than 0")
 
     @property
     def greedy(self) -> bool:
@@ -66,7 +71,7 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -130,27 +135,44 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """float32 [n, vocab]: how often each token occurs in each list; one scatter of all of them."""
+    n = len(token_lists)
+    lengths = [len(g) for g in token_lists]
+    # Flat indices into counts [n * V], built on the host with numpy (it reads Python lists
+    # faster than torch.tensor does), and one copy sends them.
+    tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=sum(lengths))
+    flat = torch.from_numpy(np.repeat(np.arange(n, dtype=np.int64) * vocab, lengths) + tokens)
+    flat = flat.to(device, non_blocking=True)
+    counts = torch.zeros(n * vocab, dtype=torch.float32, device=device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+    return counts.view(n, vocab)
+
+
 def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, generated: list[list[int]],
-                    presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-    """OpenAI's presence and frequency penalties, for the rows that use them; a new tensor.
+                    presence: torch.Tensor, frequency: torch.Tensor, prompts: list[list[int]] | None = None,
+                    repetition: torch.Tensor | None = None) -> torch.Tensor:
+    """The repetition penalty, then OpenAI's presence and frequency penalties, for the rows
+    that use them; a new tensor.
 
     logits float32 [N, V]; rows int64 [n] (distinct), the logits row of each penalised
     request; generated[j] the output tokens of request j so far; presence, frequency float32
-    [n]. Row rows[j] gets, for every token t:
+    [n]; with `repetition` float32 [n], prompts[j] the prompt of request j. Row rows[j] gets,
+    for every token t, first (when t is in prompts[j] or generated[j])
+        logits[t] = logits[t] / repetition[j] if logits[t] > 0 else logits[t] * repetition[j]
+    then
         logits[t] -= frequency[j] * count(t in generated[j]) + presence[j] * (count > 0)
     The counts are one scatter of all rows' tokens into a [n, V] tensor."""
-    n, vocab = rows.shape[0], logits.shape[-1]
-    lengths = [len(g) for g in generated]
-    # Flat indices into counts [n * V], built on the host with numpy (it reads Python lists
-    # faster than torch.tensor does), and one copy sends them.
-    tokens = np.fromiter(itertools.chain.from_iterable(generated), dtype=np.int64, count=sum(lengths))
-    flat = torch.from_numpy(np.repeat(np.arange(n, dtype=np.int64) * vocab, lengths) + tokens)
-    flat = flat.to(logits.device, non_blocking=True)
-    counts = torch.zeros(n * vocab, dtype=torch.float32, device=logits.device)
-    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
-    counts = counts.view(n, vocab)
+    vocab = logits.shape[-1]
+    counts = _token_counts(generated, vocab, logits.device)
     penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0).float()
-    return logits.index_add(0, rows, penalty, alpha=-1)
+    if repetition is None:
+        return logits.index_add(0, rows, penalty, alpha=-1)
+    seen = (counts > 0) | (_token_counts(prompts or [[]] * len(generated), vocab, logits.device) > 0)
+    sub = logits[rows]
+    factor = torch.where(seen, repetition[:, None], torch.ones_like(sub))
+    sub = torch.where(sub > 0, sub / factor, sub * factor)
+    return logits.index_copy(0, rows, sub - penalty)
 
 
 @dataclass
@@ -188,32 +210,40 @@ class Sampled:
 
 class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-               counters: list[int], rows: list[int] | None = None,
-               generated: list[list[int]] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+               counters: list[int], rows: list[int] | None = None, generated: list[list[int]] | None = None,
+               prompts: list[list[int]] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
         """One token per request, and its logprobs where the request asks for them (None where
         it does not): `launch`, then its result."""
-        return self.launch(logits, params, seeds, counters, rows, generated).result()
+        return self.launch(logits, params, seeds, counters, rows, generated, prompts).result()
 
     def launch(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-               counters: list[int], rows: list[int] | None = None,
-               generated: list[list[int]] | None = None) -> Sampled:
+               counters: list[int], rows: list[int] | None = None, generated: list[list[int]] | None = None,
+               prompts: list[list[int]] | None = None) -> Sampled:
         """Queue the sampling on the logits' device, and the copies of what the host reads
         back, with no synchronisation: `Sampled.result` waits for them.
 
         logits float32 [n, V]; request i reads row rows[i] (default i); `seeds` and
         `counters` (the request's output-token index) feed the noise; generated[i] (its
-        output tokens so far) feeds the penalties. `logits` is read, never written (on CUDA
-        it is the decode graph's output buffer)."""
+        output tokens so far) feeds the penalties, and prompts[i] the repetition penalty.
+        `logits` is read, never written (on CUDA it is the decode graph's output buffer)."""
         rows = list(range(len(params))) if rows is None else rows
         device = logits.device
         raw = logits
-        penalised = [i for i, p in enumerate(params) if p.penalised and generated and generated[i]]
+        generated = generated or [[] for _ in params]
+        prompts = prompts or [[] for _ in params]
+        # A row is penalised once it has tokens to penalise: its output, or (repetition) its prompt.
+        penalised = [i for i, p in enumerate(params)
+                     if p.penalised and (generated[i] or (p.repetition_penalty != 1 and prompts[i]))]
         if penalised:  # no row uses them: no count tensor, no copy of the logits
+            repetition = [params[i].repetition_penalty for i in penalised]
             logits = apply_penalties(
                 logits, to_device([rows[i] for i in penalised], torch.int64, device),
                 [generated[i] for i in penalised],
                 to_device([params[i].presence_penalty for i in penalised], torch.float32, device),
-                to_device([params[i].frequency_penalty for i in penalised], torch.float32, device))
+                to_device([params[i].frequency_penalty for i in penalised], torch.float32, device),
+                # only the rows that use it scatter their prompts (a prompt may be long)
+                [prompts[i] if r != 1 else [] for i, r in zip(penalised, repetition)],
+                to_device(repetition, torch.float32, device) if any(r != 1 for r in repetition) else None)
         tokens = logits.argmax(dim=-1)
         picked = [i for i, p in enumerate(params) if not p.greedy]
         if picked:

@@ -1,6 +1,6 @@
 """OpenAI request and response bodies (the subset a completions server needs), plus vLLM's
-adapter-admin bodies. Extra fields that vLLM accepts (top_k, ignore_eos, stop_token_ids)
-are accepted here too; unknown fields are ignored, as vLLM does.
+adapter-admin bodies. Extra fields that vLLM accepts (top_k, repetition_penalty, ignore_eos,
+stop_token_ids) are accepted here too; unknown fields are ignored, as vLLM does.
 
 Values out of OpenAI's bounds that a client is likely to send on purpose (logprobs,
 top_logprobs, penalties) are refused with a 400 naming the parameter, as OpenAI does.
@@ -83,6 +83,7 @@ class _SamplingFields(RequestBody):
     best_of: int | None = None  # accepted only equal to n (vLLM's meaning: keep the n best of best_of)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's: > 0, 1 = off, over the prompt and the output
     user: str | None = None
     # Parts of the OpenAI API this server does not implement: refused when they would change
     # the output (a 400 naming them), accepted when neutral (empty, or plain text), never
@@ -118,6 +119,8 @@ class _SamplingFields(RequestBody):
             value = getattr(self, name)
             if value is not None and not -2.0 <= value <= 2.0:
                 return f"{name} must be between -2 and 2, got {value}", name
+        if self.repetition_penalty is not None and not 0.0 < self.repetition_penalty < float("inf"):
+            return f"repetition_penalty must be greater than 0, got {self.repetition_penalty}", "repetition_penalty"
         return None
 
     @staticmethod
@@ -140,6 +143,7 @@ class _SamplingFields(RequestBody):
             logprobs=self.top_logprobs_k(),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             echo=echo,
         )
 
