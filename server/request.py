@@ -92,7 +92,7 @@ class Request:
         p = self.params
         # A stop token (EOS, or one of stop_token_ids) ends the request and its text stays out
         # of the answer, as a stop string's does (vLLM's rule); it is still an output token.
-        if (not p.ignore_eos and token in eos_ids) or token in p.stop_token_ids:
+        if (not p.ignore_eos and token in eos_ids) or token in p.stop_ids:
             return self._finish("stop")
         if self.detok is not None:
             self.detok.add(token)
