@@ -10,8 +10,11 @@ and the finish reasons of the OpenAI API ("stop", "length", "abort").
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .sampling import SamplingParams, TokenLogprobs
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -82,6 +85,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.state is State.FINISHED
+
+    @functools.cached_property
+    def prompt_tokens(self) -> np.ndarray:
+        """The prompt's distinct token ids, int64, for the repetition penalty: made once, so a
+        step penalises a long prompt without reading its Python list again."""
+        return np.unique(np.asarray(self.prompt_ids, dtype=np.int64))
 
     def append(self, token: int, eos_ids: tuple[int, ...], max_len: int,
                logprobs: TokenLogprobs | None = None) -> None:

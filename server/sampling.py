@@ -139,13 +139,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """float32 [n, vocab]: how often each token occurs in each list; one scatter of all of them."""
+def _token_counts(token_lists: list, vocab: int, device: torch.device) -> torch.Tensor:
+    """float32 [n, vocab]: how often each token occurs in each list (Python lists of ids, or
+    int64 arrays); one scatter of all of them."""
     n = len(token_lists)
     lengths = [len(g) for g in token_lists]
     # Flat indices into counts [n * V], built on the host with numpy (it reads Python lists
-    # faster than torch.tensor does), and one copy sends them.
-    tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=sum(lengths))
+    # faster than torch.tensor does; arrays are joined as they are), and one copy sends them.
+    if any(isinstance(g, np.ndarray) for g in token_lists):
+        tokens = np.concatenate([np.asarray(g, dtype=np.int64) for g in token_lists])
+    else:
+        tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=sum(lengths))
     flat = torch.from_numpy(np.repeat(np.arange(n, dtype=np.int64) * vocab, lengths) + tokens)
     flat = flat.to(device, non_blocking=True)
     counts = torch.zeros(n * vocab, dtype=torch.float32, device=device)
@@ -154,14 +158,15 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 
 def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, generated: list[list[int]],
-                    presence: torch.Tensor, frequency: torch.Tensor, prompts: list[list[int]] | None = None,
+                    presence: torch.Tensor, frequency: torch.Tensor, prompts: list | None = None,
                     repetition: torch.Tensor | None = None) -> torch.Tensor:
     """The repetition penalty, then OpenAI's presence and frequency penalties, for the rows
     that use them; a new tensor.
 
     logits float32 [N, V]; rows int64 [n] (distinct), the logits row of each penalised
     request; generated[j] the output tokens of request j so far; presence, frequency float32
-    [n]; with `repetition` float32 [n], prompts[j] the prompt of request j. Row rows[j] gets,
+    [n]; with `repetition` float32 [n], prompts[j] the prompt of request j (its ids, or its
+    distinct ids as an int64 array). Row rows[j] gets,
     for every token t, first (when t is in prompts[j] or generated[j])
         logits[t] = logits[t] / repetition[j] if logits[t] > 0 else logits[t] * repetition[j]
     then
@@ -215,29 +220,30 @@ class Sampled:
 class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                counters: list[int], rows: list[int] | None = None, generated: list[list[int]] | None = None,
-               prompts: list[list[int]] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+               prompts: list | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
         """One token per request, and its logprobs where the request asks for them (None where
         it does not): `launch`, then its result."""
         return self.launch(logits, params, seeds, counters, rows, generated, prompts).result()
 
     def launch(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                counters: list[int], rows: list[int] | None = None, generated: list[list[int]] | None = None,
-               prompts: list[list[int]] | None = None) -> Sampled:
+               prompts: list | None = None) -> Sampled:
         """Queue the sampling on the logits' device, and the copies of what the host reads
         back, with no synchronisation: `Sampled.result` waits for them.
 
         logits float32 [n, V]; request i reads row rows[i] (default i); `seeds` and
         `counters` (the request's output-token index) feed the noise; generated[i] (its
-        output tokens so far) feeds the penalties, and prompts[i] the repetition penalty.
+        output tokens so far) feeds the penalties, and prompts[i] (its prompt's ids, or their
+        distinct ids as an int64 array; None without a repetition penalty) the repetition penalty.
         `logits` is read, never written (on CUDA it is the decode graph's output buffer)."""
         rows = list(range(len(params))) if rows is None else rows
         device = logits.device
         raw = logits
         generated = generated or [[] for _ in params]
-        prompts = prompts or [[] for _ in params]
+        prompts = prompts or [None for _ in params]
         # A row is penalised once it has tokens to penalise: its output, or (repetition) its prompt.
-        penalised = [i for i, p in enumerate(params)
-                     if p.penalised and (generated[i] or (p.repetition_penalty != 1 and prompts[i]))]
+        penalised = [i for i, p in enumerate(params) if p.penalised and (
+            generated[i] or (p.repetition_penalty != 1 and prompts[i] is not None and len(prompts[i])))]
         if penalised:  # no row uses them: no count tensor, no copy of the logits
             repetition = [params[i].repetition_penalty for i in penalised]
             logits = apply_penalties(
@@ -246,7 +252,7 @@ class Sampler:
                 to_device([params[i].presence_penalty for i in penalised], torch.float32, device),
                 to_device([params[i].frequency_penalty for i in penalised], torch.float32, device),
                 # only the rows that use it scatter their prompts (a prompt may be long)
-                [prompts[i] if r != 1 else [] for i, r in zip(penalised, repetition)],
+                [prompts[i] if r != 1 and prompts[i] is not None else [] for i, r in zip(penalised, repetition)],
                 to_device(repetition, torch.float32, device) if any(r != 1 for r in repetition) else None)
         tokens = logits.argmax(dim=-1)
         picked = [i for i, p in enumerate(params) if not p.greedy]
