@@ -6,10 +6,24 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE (GPT-2, Llama 3, Qwen) writes each byte of a token as one printable
+    character: the bytes that are printable Latin-1 as themselves, the other 68 as chr(256 + i)
+    in byte order. Character -> byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte pieces: "<0xE6>"
 
 
 def _token_text(value) -> str | None:
@@ -59,6 +73,21 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own UTF-8 bytes (OpenAI's logprob `bytes`). A token that holds part of a
+        character decodes alone to "\ufffd"; its bytes are that part, read from its piece: a
+        byte-level piece's characters each stand for a byte, a SentencePiece "<0xE6>" is one."""
+        text = self.decode([token_id])
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self._tok.id_to_token(token_id) or ""
+        byte = _BYTE_FALLBACK.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        if piece and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return text.encode()
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of the conversation plus the assistant turn's opening."""
