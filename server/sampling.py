@@ -166,8 +166,8 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, generated: list[li
     logits float32 [N, V]; rows int64 [n] (distinct), the logits row of each penalised
     request; generated[j] the output tokens of request j so far; presence, frequency float32
     [n]; with `repetition` float32 [n], prompts[j] the prompt of request j (its ids, or its
-    distinct ids as an int64 array). Row rows[j] gets,
-    for every token t, first (when t is in prompts[j] or generated[j])
+    distinct ids as an int64 array). Row rows[j] gets, for every token t, first (when t is in
+    prompts[j] or generated[j])
         logits[t] = logits[t] / repetition[j] if logits[t] > 0 else logits[t] * repetition[j]
     then
         logits[t] -= frequency[j] * count(t in generated[j]) + presence[j] * (count > 0)

@@ -76,7 +76,7 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own UTF-8 bytes (OpenAI's logprob `bytes`). A token that holds part of a
-        character decodes alone to "\ufffd"; its bytes are that part, read from its piece: a
+        character decodes alone to "\\ufffd"; its bytes are that part, read from its piece: a
         byte-level piece's characters each stand for a byte, a SentencePiece "<0xE6>" is one."""
         text = self.decode([token_id])
         if "\ufffd" not in text:
