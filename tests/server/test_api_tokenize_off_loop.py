@@ -45,4 +45,6 @@ def test_others_are_served_while_a_long_prompt_is_tokenized(served, path, body):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert answer["status"] == 400 and "maximum context length" in answer["error"]
     assert answer["seconds"] > 2.0, answer  # long enough for the check to mean something
-    assert served_in < 1.3, (served_in, answer)
+    # Stalled, the others are served only once the long prompt is tokenized (served_in about
+    # as long as its whole request); served alongside, well before (1 s on a loaded machine).
+    assert served_in < answer["seconds"] - 1.0, (served_in, answer)
