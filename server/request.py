@@ -87,7 +87,7 @@ class Request:
         return self.state is State.FINISHED
 
     @functools.cached_property
-    def prompt_tokens(self) -> np.ndarray:
+    def distinct_prompt_ids(self) -> np.ndarray:
         """The prompt's distinct token ids, int64, for the repetition penalty: made once, so a
         step penalises a long prompt without reading its Python list again."""
         return np.unique(np.asarray(self.prompt_ids, dtype=np.int64))
