@@ -12,7 +12,7 @@
 Errors: {"error": {"reason": "DigestMismatch", "message": "..."}} with 400 (bad request,
 unsupported source), 404 (source or plan adapter not found, or no such endpoint), 405 (wrong
 method), 409 (removed from the plan, or superseded by a version asked for later, while it
-downloaded), 413 (body too large), 422 (digest or adapter files wrong), 502 (source cut the
+downloaded; or a version of a plan adapter other than the plan's), 413 (body too large), 422 (digest or adapter files wrong), 502 (source cut the
 download or failed), 507 (disk budget, or the disk itself full).
 """
 
@@ -185,9 +185,14 @@ async def stage(request: web.Request) -> web.Response:
     missing = [k for k in ("name", "source") if k not in body]
     if missing:
         return error("InvalidRequest", f"missing fields: {', '.join(missing)}", 400)
+    agent = _agent(request)
+    ref = AdapterRef(body["name"], body["source"], body.get("sha256"), body.get("dtype"))
     try:
-        staged = await _agent(request).store.stage(
-            AdapterRef(body["name"], body["source"], body.get("sha256"), body.get("dtype")))
+        ref.validate()
+        refusal = await agent.warmer.stage_refusal(ref)
+        if refusal is not None:
+            raise refusal
+        staged = await agent.store.stage(ref)
     except StoreError as e:
         return _store_error(e)
     return web.json_response({"adapter": staged.as_json()})

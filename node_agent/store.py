@@ -94,6 +94,7 @@ REASON_STATUS = {
     "DiskError": 500,
     "Removed": 409,  # removed (it left the plan) while it downloaded
     "Superseded": 409,  # another version of the name, asked for later, was staged first
+    "NotThePlansVersion": 409,  # a client asked for another version of a plan adapter
 }
 
 

@@ -50,6 +50,7 @@ import aiohttp
 
 from loraplex.node_agent.kube import StatusReporter
 from loraplex.node_agent.metrics import Metrics
+from loraplex.node_agent.sources import redact
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StagedAdapter, StoreError, is_version
 from loraplex.server.adapter_format import SERVING_DTYPES
 from loraplex.server.plan_file import PlanFileError, decode_plan, read_plan_file
@@ -120,6 +121,14 @@ def parse_plan(data: object) -> Plan:
         raise
     except (KeyError, TypeError, ValueError) as e:
         raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
+
+
+def _same_version(planned: AdapterRef, asked: AdapterRef) -> bool:
+    """`asked` names the version the plan has for its name (see Warmer.stage_refusal)."""
+    if planned.sha256 is not None:
+        return asked.sha256 == planned.sha256
+    return (asked.source.partition("?")[0] == planned.source.partition("?")[0]
+            and asked.sha256 in (None, planned.sha256))
 
 
 def read_plan(path: Path) -> Plan:
@@ -301,6 +310,42 @@ class Warmer:
         self._wake.set()
 
     # -- plan ---------------------------------------------------------------------------------
+
+    async def stage_refusal(self, ref: AdapterRef) -> StoreError | None:
+        """Why a client's stage request for `ref` must not be served, or None.
+
+        The node's servers load a plan adapter by its name from this node's disk, so a request
+        for a name the plan lists must ask for the plan's version: its digest, or, where the
+        plan gives none, its source (query string aside: a rotated token names the same
+        object). Otherwise any pod that reaches the agent's port could put other weights
+        under a tenant's adapter name, for every server of the pool on this node. A server may
+        have read a newer plan than this agent has, so a mismatch reads the plan again (and
+        wakes the plan loop to take it) before refusing. Names the plan does not list (another
+        base's servers on this node, or no plan at all) are staged as asked."""
+        plan = self.plan
+        if plan is None or ref.name not in plan.adapters or _same_version(plan.adapters[ref.name].ref, ref):
+            return None
+        newer = await self._read_plan_now()
+        if newer is not None:
+            self.wake()
+            if ref.name not in newer.adapters or _same_version(newer.adapters[ref.name].ref, ref):
+                return None
+            plan = newer
+        wanted = plan.adapters[ref.name].ref
+        what = f"sha256 {wanted.sha256}" if wanted.sha256 is not None else f"source {redact(wanted.source)}"
+        return StoreError("NotThePlansVersion", f"{ref.name} is in the plan of {plan.base_model} with {what}: "
+                          "this node stages that version of it alone")
+
+    async def _read_plan_now(self) -> Plan | None:
+        """The plan as its source holds it now, if it reads and parses; the watch is left as it
+        is (the plan loop takes a new plan, and reconciles for it, on its next poll)."""
+        if self.plan_source is None:
+            return None
+        try:
+            identity, raw = await self.plan_source.read(None)
+            return parse_plan(decode_plan(raw)) if identity is not None and raw is not None else None
+        except (ValueError, PlanFileError, zlib.error, aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return None
 
     async def check_plan(self) -> bool:
         """Re-read the plan if it changed; True if a new plan was taken. A missing or bad
