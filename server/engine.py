@@ -354,7 +354,8 @@ class LLMEngine:
     def _launch_sample(self, reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> Sampled:
         return self.sampler.launch(logits, [r.params for r in reqs], [r.seed for r in reqs],
                                    [len(r.output_ids) for r in reqs], rows, [r.output_ids for r in reqs],
-                                   [r.distinct_prompt_ids if r.params.repetition_penalty != 1 else None for r in reqs])
+                                   [r.distinct_prompt_ids if r.params.repetition_penalty != 1 else None for r in reqs],
+                                   [r.banned_tokens(self.eos_ids) for r in reqs])
 
     def _look_ahead(self, launched: list[tuple[list[Request], Sampled]]) -> LookAhead | None:
         """Launch the next step's decode now, on the tokens just sampled, still on the device:

@@ -110,6 +110,14 @@ class Request:
         if self._at_length(len(self.output_ids), max_len):
             return self._finish("length")
 
+    def banned_tokens(self, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Tokens this request may not sample next: before its min_tokens-th output token, EOS
+        (unless ignore_eos) and its stop_token_ids, as vLLM's min_tokens; none after."""
+        p = self.params
+        if len(self.output_ids) >= p.min_tokens:
+            return ()
+        return (() if p.ignore_eos else tuple(eos_ids)) + tuple(p.stop_ids)
+
     def next_token_ends_by_length(self, max_len: int) -> bool:
         """The next token (sampled, not yet appended) ends the request by its length."""
         return self._at_length(len(self.output_ids) + 1, max_len)

@@ -34,6 +34,9 @@ class SamplingParams:
     temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) = greedy
     top_p: float = 1.0  # keep the smallest set of tokens whose mass reaches top_p
     top_k: int = 0  # 0 or -1 = all tokens
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (vLLM's)
+    # EOS and stop_token_ids cannot be sampled before this many output tokens (vLLM's min_tokens).
+    min_tokens: int = 0
     seed: int | None = None  # None: the engine draws one per request
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -62,6 +65,10 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < -1:
             raise ValueError("top_k must be -1, 0 or positive")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            raise ValueError("min_tokens must be between 0 and max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
         if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
@@ -220,14 +227,15 @@ class Sampled:
 class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                counters: list[int], rows: list[int] | None = None, generated: list[list[int]] | None = None,
-               prompts: list | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+               prompts: list | None = None,
+               banned: list | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
         """One token per request, and its logprobs where the request asks for them (None where
         it does not): `launch`, then its result."""
-        return self.launch(logits, params, seeds, counters, rows, generated, prompts).result()
+        return self.launch(logits, params, seeds, counters, rows, generated, prompts, banned).result()
 
     def launch(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                counters: list[int], rows: list[int] | None = None, generated: list[list[int]] | None = None,
-               prompts: list | None = None) -> Sampled:
+               prompts: list | None = None, banned: list | None = None) -> Sampled:
         """Queue the sampling on the logits' device, and the copies of what the host reads
         back, with no synchronisation: `Sampled.result` waits for them.
 
@@ -235,12 +243,21 @@ class Sampler:
         `counters` (the request's output-token index) feed the noise; generated[i] (its
         output tokens so far) feeds the penalties, and prompts[i] (its prompt's ids, or their
         distinct ids as an int64 array; None without a repetition penalty) the repetition penalty.
-        `logits` is read, never written (on CUDA it is the decode graph's output buffer)."""
+        `logits` is read, never written (on CUDA it is the decode graph's output buffer).
+        banned[i]: token ids request i may not sample this step (EOS and stop_token_ids before
+        its min_tokens); empty or None for most."""
         rows = list(range(len(params))) if rows is None else rows
         device = logits.device
         raw = logits
         generated = generated or [[] for _ in params]
         prompts = prompts or [None for _ in params]
+        if banned and any(banned):
+            # A copy (the input is the graph's buffer), with those tokens at -inf in their rows.
+            vocab = logits.shape[-1]
+            pairs = [(rows[i], t) for i, ids in enumerate(banned) for t in ids or () if 0 <= t < vocab]
+            logits = logits.clone()
+            logits[to_device([r for r, _ in pairs], torch.int64, device),
+                   to_device([t for _, t in pairs], torch.int64, device)] = float("-inf")
         # A row is penalised once it has tokens to penalise: its output, or (repetition) its prompt.
         penalised = [i for i, p in enumerate(params) if p.penalised and (
             generated[i] or (p.repetition_penalty != 1 and prompts[i] is not None and len(prompts[i])))]
@@ -268,6 +285,12 @@ class Sampler:
                 top_k = to_device([min(params[i].top_k, vocab) for i in picked], torch.int64, device)
                 top_p = to_device([params[i].top_p for i in picked], torch.float32, device)
                 sub = apply_top_k_top_p(sub, top_k, top_p)
+            if any(params[i].min_p > 0 for i in picked):
+                # Relative to the most likely token, so whether top-k / top-p masked first
+                # does not matter: both keep that token and scale the others alike.
+                min_p = to_device([params[i].min_p for i in picked], torch.float32, device)
+                probs = torch.softmax(sub, dim=-1)
+                sub = sub.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
             u = uniform_noise(to_device([seeds[i] for i in picked], torch.int64, device),
                               to_device([counters[i] for i in picked], torch.int64, device),
                               logits.shape[-1])
