@@ -60,6 +60,7 @@ import torch
 
 from .adapter_format import WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, read_adapter
 from .adapter_loader import AdapterLoader
+from .adapter_names import InvalidAdapterName, check_adapter_name
 from .adapter_sources import AdapterLoadError, redact
 from .adapters import AdapterId, LoRABuffers
 from .cache_metrics import CacheMetrics
@@ -134,7 +135,9 @@ class AdapterCache:
     def register(self, name: str, path: str | Path | None = None, source: str | None = None,
                  sha256: str | None = None) -> None:
         """Make `name` known: a PEFT directory on disk, and/or a source to fetch it from.
-        A new sha256 (a new version) drops the host copy, so the next load reads the new files."""
+        A new sha256 (a new version) drops the host copy, so the next load reads the new files.
+        AdapterError if `name` is not an adapter name (`adapter_names`)."""
+        _check_name(name)
         with self._lock:
             e = self.table.entries.get(name)
             if e is not None and e.unloading:
@@ -318,6 +321,10 @@ class AdapterCache:
                 log.warning("plan: %s", err)
             if a.get("pinned"):
                 pinned.add(a["name"])
+        bad = {n for n in pinned if _name_error(n)}
+        if bad:  # a hand-written plan's (the operator plans Kubernetes object names only)
+            log.warning("plan: not pinning %s: not adapter names", ", ".join(sorted(map(repr, bad))))
+            pinned -= bad
         with self._lock:
             before = {n for n, e in self.table.entries.items() if e.pinned_plan}
         for name in sorted(before - pinned):
@@ -339,6 +346,7 @@ class AdapterCache:
         """Register `name` at `path` and load it into a slot (evicting an idle adapter if all are
         taken); returns the slot. Raises AdapterError when it does not fit the base, or when no
         slot frees up within `timeout` seconds (it stays registered and queued for one)."""
+        _check_name(name)
         spec = read_adapter(path, self.base)  # a refused adapter is refused before anything changes
         with self._lock:  # one step: a second load of the name (or an unload) cannot come between
             if name in self.table.entries:
@@ -370,6 +378,7 @@ class AdapterCache:
         """An adapter made in memory (benchmarks, tests), written into a slot now (call between
         steps); returns the slot. With `keep_host_copy` it pages like any other adapter (a
         pinned host copy is its source); without, it is forgotten when evicted."""
+        _check_name(adapter.name)
         with self._lock:
             if adapter.name in self.table.entries:
                 raise AdapterError(f"adapter {adapter.name!r} is already loaded")
@@ -543,3 +552,19 @@ class AdapterCache:
             if self.table.entries.get(e.name) is e and e.pinned and not e.unloading and e.state == "cold":
                 log.info("adapter %s: pinned, its last load failed (%s); loading it again", e.name, e.error)
                 self.table.want(e)
+
+
+def _name_error(name: str) -> str | None:
+    """Why `name` cannot be an adapter's, or None."""
+    try:
+        check_adapter_name(name)
+    except InvalidAdapterName as e:
+        return str(e)
+    return None
+
+
+def _check_name(name: str) -> None:
+    """AdapterError (the refusal every caller already reports) for a name that is not one."""
+    error = _name_error(name)
+    if error is not None:
+        raise AdapterError(error)

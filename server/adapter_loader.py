@@ -28,7 +28,6 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, read_adapter, serving_weights
+from .adapter_names import is_adapter_name
 from .adapter_sources import AdapterLoadError, fetch_adapter, load_error
 from .adapters import AdapterId, LoRABuffers
 from .disk_read import DiskRead, PlanCache, files_stamp
@@ -43,9 +43,6 @@ from .host_tier import HostCopy, HostTier, read_into_host
 from .slot_table import CachedAdapter
 
 log = logging.getLogger(__name__)
-
-# An adapter name as it may appear in a path under --adapter-cache-dir: no separators, no "..".
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,252}$")
 
 # done(row, slot, tier, error or None, t0): the load of `row` into `slot` finished; its bytes
 # came from `tier` (host, disk, source); it started at clock `t0`.
@@ -89,7 +86,7 @@ class AdapterLoader:
 
     def staged(self, name: str) -> Path | None:
         """<cache_dir>/<name>/ if the node agent (or a fetch) put an adapter there."""
-        if self.cache_dir is not None and _NAME.match(name) and (self.cache_dir / name / CONFIG_FILE).is_file():
+        if self.cache_dir is not None and is_adapter_name(name) and (self.cache_dir / name / CONFIG_FILE).is_file():
             return self.cache_dir / name
         return None
 
@@ -97,7 +94,7 @@ class AdapterLoader:
         """Names under --adapter-cache-dir that may be adapters, sorted (files not checked)."""
         if self.cache_dir is None or not self.cache_dir.is_dir():
             return []
-        return [child.name for child in sorted(self.cache_dir.iterdir()) if _NAME.match(child.name)]
+        return [child.name for child in sorted(self.cache_dir.iterdir()) if is_adapter_name(child.name)]
 
     def disk_dir(self, e: CachedAdapter) -> Path | None:
         """The PEFT directory `e` loads from: its registered path, else the node agent's copy."""

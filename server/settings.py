@@ -25,6 +25,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .adapter_names import InvalidAdapterName, check_adapter_name
+
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The levels both `logging` and uvicorn's `log_level` take (in any case).
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -59,7 +61,9 @@ class ServerSettings:
     """Name of the base model in the API. Default: the --model folder's name."""
 
     lora_modules: list[str] = field(default_factory=list)
-    """Adapters to load at start, as NAME=PATH (repeatable). Default: none."""
+    """Adapters to load at start, as NAME=PATH (repeatable); a NAME is ASCII letters, digits,
+    '.', '_', '-', '@' and '+', starting with a letter or digit (server/adapter_names.py).
+    Default: none."""
 
     device: str = "auto"
     """Torch device: cpu, cuda, cuda:N or auto (cuda when present). Default: auto."""
@@ -185,6 +189,10 @@ class ServerSettings:
             name, eq, path = item.partition("=")
             if not (name and eq and path):
                 raise ValueError(f"--lora-modules {item!r}: expected NAME=PATH")
+            try:
+                check_adapter_name(name)
+            except InvalidAdapterName as e:
+                raise ValueError(f"--lora-modules {item!r}: {e}") from None
             if name in names:
                 raise ValueError(f"--lora-modules: {name!r} is given twice")
             names.add(name)

@@ -1,0 +1,105 @@
+"""Adapter names where they enter the server: POST /v1/load_lora_adapter, --lora-modules and
+the operator's plan refuse a name that would break the endpoint picker's routing (a comma in
+vllm:lora_requests_info), a path under --adapter-cache-dir or a /v1/adapters/{name} URL; a
+refused name changes nothing on disk, least of all outside the cache directory."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from loraplex.server.adapter_names import MAX_ADAPTER_NAME_LENGTH, InvalidAdapterName, check_adapter_name
+from loraplex.server.api.app import create_app
+from loraplex.server.cli import main as server_main
+from loraplex.server.engine import LLMEngine
+from loraplex.server.settings import ServerSettings
+
+from .conftest import LiveServer
+from .test_adapter_cache import make_cache, write_adapter
+
+BAD_NAMES = [
+    "a,b",  # vllm:lora_requests_info joins names with commas; the picker splits on them
+    "a/b", "../escape", "/abs", "a\\b",  # paths
+    ".hidden", "..", ".", "-flag",  # hidden files, path parts, a flag
+    "a b", " a", "a\n", "a\t",  # whitespace
+    "café", "a%2Fb",  # non-ASCII, percent-encoding
+    "x" * (MAX_ADAPTER_NAME_LENGTH + 1),
+    "",
+]
+GOOD_NAMES = ["sql", "SQL-v2", "a.b_c@1+2", "0", "x" * MAX_ADAPTER_NAME_LENGTH,
+              "my-adapter.v1"]  # a Kubernetes object name
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_the_rule_refuses_with_a_reason(name):
+    with pytest.raises(InvalidAdapterName, match="adapter name"):
+        check_adapter_name(name)
+
+
+@pytest.mark.parametrize("name", GOOD_NAMES)
+def test_the_rule_takes_kubernetes_and_vllm_style_names(name):
+    assert check_adapter_name(name) == name
+
+
+def test_a_comma_is_refused_with_the_routing_reason():
+    with pytest.raises(InvalidAdapterName, match="lora_requests_info"):
+        check_adapter_name("sql,poet")
+
+
+@pytest.fixture
+def server(tmp_path):
+    write_adapter(tmp_path / "disk" / "a", seed=1)
+    settings = ServerSettings(dummy_weights="tiny", device="cpu", dtype="float32", max_num_seqs=2, max_model_len=64,
+                              max_loras=2, max_lora_rank=8, cuda_graphs=False, served_model_name="tiny",
+                              adapter_cache_dir=str(tmp_path / "cache"))
+    engine = LLMEngine.from_settings(settings)
+    with LiveServer(create_app(engine)) as s:
+        s.engine = engine
+        s.adapter = tmp_path / "disk" / "a"
+        yield s
+
+
+@pytest.mark.parametrize("name", ["a,b", "a/b", "../escape", ".hidden", "a b", "café", "x" * 254])
+def test_load_lora_adapter_refuses_a_bad_name_with_a_400(server, name):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(server.adapter)})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "lora_name" and err["code"] == "invalid_adapter_name"
+        assert "adapter name" in err["message"]
+        assert name not in {m["id"] for m in client.get("/v1/models").json()["data"]}
+        # Nor does a request for it reach an adapter.
+        assert client.post("/v1/completions", json={"model": name, "prompt": [1, 2], "max_tokens": 1}).status_code \
+            in (404, 422)
+
+
+def test_load_lora_adapter_takes_an_upper_case_name(server):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "SQL-v2", "lora_path": str(server.adapter)})
+        assert r.status_code == 200, r.text
+        r = client.post("/v1/completions", json={"model": "SQL-v2", "prompt": [1, 2, 3], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert client.post("/v1/adapters/SQL-v2/pin").json()["pinned"] is True
+
+
+@pytest.mark.parametrize("name", ["a,b", "../x", "a/b", ".x"])
+def test_lora_modules_refuses_a_bad_name(name, capsys):
+    with pytest.raises(ValueError, match="--lora-modules"):
+        ServerSettings(dummy_weights="tiny", lora_modules=[f"{name}=/adapters/x"])
+    assert server_main(["--dummy-weights", "tiny", "--lora-modules", f"{name}=/adapters/x"]) == 2
+    assert "adapter name" in capsys.readouterr().err
+
+
+def test_a_plan_adapter_with_a_bad_name_is_left_out(tmp_path):
+    write_adapter(tmp_path / "src", seed=3)
+    cache = make_cache(tmp_path / "cache", slots=2)
+    try:
+        cache.apply_plan({"pinned": ["a,b", "good"], "prefetch": [{"name": "a,b", "start": "", "end": ""}],
+                          "adapters": [{"name": "a,b", "source": str(tmp_path / "src"), "pinned": True},
+                                       {"name": "../up", "source": str(tmp_path / "src")},
+                                       {"name": "good", "source": str(tmp_path / "src"), "pinned": True}]})
+        assert {e.name for e in cache.known()} == {"good"}
+        assert not cache.has("a,b") and not cache.has("../up")
+        cache.prefetch("good").result(10)
+    finally:
+        cache.close()
