@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, file_digest
+from .adapter_names import InvalidAdapterName, check_adapter_name
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,13 @@ def fetch_adapter(name: str, source: str | None, sha256: str | None, cache_dir: 
                   node_agent_url: str | None, missing: Path | None = None, dtype: str | None = None) -> Path:
     """The adapter's directory on local disk, fetched from `source` (see the module docstring).
     `missing`: where it was looked for, for the error message when there is no source;
-    `dtype`: the slots' (the node agent also stages a copy of F32 weights in it)."""
+    `dtype`: the slots' (the node agent also stages a copy of F32 weights in it).
+    A name that is not an adapter name (`adapter_names`: "../x", "/abs", "a/b") is refused
+    before any path is made of it: `<cache_dir>/<name>` must stay inside `cache_dir`."""
+    try:
+        check_adapter_name(name)
+    except InvalidAdapterName as e:
+        raise AdapterLoadError(name, "fetch", str(e)) from None
     if not source:
         where = missing or (cache_dir / name if cache_dir else None)
         raise AdapterLoadError(name, "missing", f"no adapter files at {where} and no source to fetch from")

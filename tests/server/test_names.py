@@ -5,14 +5,21 @@ refused name changes nothing on disk, least of all outside the cache directory."
 
 from __future__ import annotations
 
+import functools
+import http.server
+import threading
+from pathlib import Path
+
 import httpx
 import pytest
 
 from loraplex.server.adapter_names import MAX_ADAPTER_NAME_LENGTH, InvalidAdapterName, check_adapter_name
+from loraplex.server.adapter_sources import AdapterLoadError
 from loraplex.server.api.app import create_app
 from loraplex.server.cli import main as server_main
 from loraplex.server.engine import LLMEngine
 from loraplex.server.settings import ServerSettings
+from loraplex.server.slot_table import CachedAdapter
 
 from .conftest import LiveServer
 from .test_adapter_cache import make_cache, write_adapter
@@ -103,3 +110,47 @@ def test_a_plan_adapter_with_a_bad_name_is_left_out(tmp_path):
         cache.prefetch("good").result(10)
     finally:
         cache.close()
+
+
+class _Bucket(threading.Thread):
+    """A loopback HTTP server for a folder: an object store's public prefix."""
+
+    def __init__(self, root: Path):
+        handler = functools.partial(_Quiet, directory=str(root))
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        super().__init__(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+
+def test_a_fetch_never_writes_outside_the_cache_dir(tmp_path):
+    """A name that is a path (a hand-written plan, a caller of AdapterCache.register) must not
+    lead the direct http(s) fetch out of --adapter-cache-dir: `cache/../victim` would be
+    deleted and replaced by the download."""
+    write_adapter(tmp_path / "bucket" / "sql", seed=2)
+    cache_dir = tmp_path / "cache"
+    (cache_dir / "...").mkdir(parents=True)  # lets the temporary folder ".../victim.*" be made
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("mine")
+    with _Bucket(tmp_path / "bucket") as bucket:
+        cache = make_cache(cache_dir, slots=2)
+        try:
+            # past register's check, as a caller that skips it would
+            cache.table.entries["../victim"] = CachedAdapter("../victim", source=f"{bucket.url}/sql")
+            with pytest.raises(AdapterLoadError, match="adapter name"):
+                cache.prefetch("../victim").result(10)
+        finally:
+            cache.close()
+    assert (victim / "keep").read_text() == "mine" and sorted(p.name for p in victim.iterdir()) == ["keep"]
