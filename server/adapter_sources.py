@@ -97,7 +97,8 @@ def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | 
     import httpx
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_dir))
+    # The name's head only: ".<name>.<random>" of a 253-character name is past NAME_MAX (255).
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name[:64]}.", dir=cache_dir))
     try:
         prefix, _, query = src.partition("?")
         for filename in (CONFIG_FILE, WEIGHTS_FILE):

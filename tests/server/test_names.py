@@ -154,3 +154,17 @@ def test_a_fetch_never_writes_outside_the_cache_dir(tmp_path):
         finally:
             cache.close()
     assert (victim / "keep").read_text() == "mine" and sorted(p.name for p in victim.iterdir()) == ["keep"]
+
+
+def test_a_long_name_is_fetched_over_http(tmp_path):
+    """A 253-character name (the longest Kubernetes name) fits its temporary folder too."""
+    write_adapter(tmp_path / "bucket" / "sql", seed=2)
+    name = "a" * MAX_ADAPTER_NAME_LENGTH
+    with _Bucket(tmp_path / "bucket") as bucket:
+        cache = make_cache(tmp_path / "cache", slots=2)
+        try:
+            cache.register(name, source=f"{bucket.url}/sql")
+            cache.prefetch(name).result(10)
+            assert (tmp_path / "cache" / name / "adapter_model.safetensors").is_file()
+        finally:
+            cache.close()
