@@ -621,7 +621,8 @@ class AdapterStore:
 
 def _mkdtemp(parent: Path, name: str) -> str:
     parent.mkdir(parents=True, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f"{name}.", dir=parent)
+    # The name's head only: "<name>.<random>" of a 253-character name is past NAME_MAX (255).
+    return tempfile.mkdtemp(prefix=f"{name[:64]}.", dir=parent)
 
 
 def _write_synced(path: Path, data: bytes) -> None:
