@@ -71,11 +71,11 @@ from loraplex.node_agent.convert import serving_copy_size, write_serving_copy
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.sources import Fetch, SourceError, open_source, redact
 from loraplex.server.adapter_format import SERVING_DTYPES, read_safetensors_header, serving_weights_name
+from loraplex.server.adapter_names import InvalidAdapterName, check_adapter_name
 
 log = logging.getLogger(__name__)
 
 META_FILE = ".loraplex.json"
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a Kubernetes object name
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 # HTTP status the API answers for each failure reason.
@@ -125,8 +125,10 @@ class AdapterRef:
     dtype: str | None = None
 
     def validate(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise StoreError("InvalidRequest", f"adapter name {self.name!r} is not a Kubernetes object name")
+        try:  # the server's rule: every name it can ask for (Kubernetes object names among them)
+            check_adapter_name(self.name)
+        except InvalidAdapterName as e:
+            raise StoreError("InvalidRequest", str(e)) from None
         if self.sha256 is not None and (not isinstance(self.sha256, str) or not _SHA256.match(self.sha256)):
             raise StoreError("InvalidRequest", f"sha256 {self.sha256!r} is not 64 lowercase hex digits")
         if not isinstance(self.source, str) or not self.source:
