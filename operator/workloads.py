@@ -118,7 +118,9 @@ def model_path(base: BaseModelSpec) -> str:
 def server_args(base: BaseModelSpec, slots: int) -> list[str]:
     """The server listens on every address (probes and the Service reach it at the pod IP),
     finds staged adapters in the node's cache and asks the node's agent for the others
-    (NODE_IP comes from the downward API; Kubernetes expands $(NODE_IP) in args)."""
+    (NODE_IP comes from the downward API; Kubernetes expands $(NODE_IP) in args, with no
+    brackets around an IPv6 address: the server's --node-agent-url reads `http://fd00::5:8081`
+    as `http://[fd00::5]:8081`, so the one template serves IPv4 and IPv6 nodes)."""
     return [
         "--model", model_path(base),
         "--host", "0.0.0.0",

@@ -18,9 +18,11 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import ipaddress
 import os
 import re
 import textwrap
+import urllib.parse
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,7 +121,9 @@ class ServerSettings:
 
     node_agent_url: str | None = None
     """The node agent that stages adapters missing from --adapter-cache-dir, which it needs
-    (e.g. http://127.0.0.1:8081); without it a plan source is fetched directly. Default: none."""
+    (e.g. http://127.0.0.1:8081); an IPv6 host may come without brackets, as Kubernetes expands
+    http://$(NODE_IP):8081 (http://fd00::5:8081 is read as [fd00::5], port 8081); without it a
+    plan source is fetched directly. Default: none."""
 
     lora_target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
     """Projections that may carry LoRA (subset of q/k/v/o/gate/up/down_proj); adapters
@@ -203,8 +207,7 @@ class ServerSettings:
             raise ValueError(f"--lora-modules: {base!r} is the base model's name in the API "
                              f"(--served-model-name, else the --model folder's name); name the adapter otherwise")
         if self.node_agent_url is not None:
-            if not self.node_agent_url.startswith(("http://", "https://")):
-                raise ValueError(f"--node-agent-url {self.node_agent_url!r}: give an http:// or https:// URL")
+            self.node_agent_url = http_url(self.node_agent_url, "--node-agent-url")
             if not self.adapter_cache_dir:  # the agent stages into its cache: the server reads it there
                 raise ValueError("--node-agent-url needs --adapter-cache-dir, the agent's cache folder as this "
                                  "server sees it (without it the agent would never be asked)")
@@ -224,6 +227,49 @@ class ServerSettings:
             elif env is not None and not (f.name == "port" and SERVICE_LINK.match(env)):
                 values[f.name] = _parse_env(f, env)
         return cls(**values)
+
+
+_URL = re.compile(r"^(https?)://([^/?#]*)(.*)$", re.S)
+
+
+def http_url(url: str, flag: str) -> str:
+    """`url`, an http(s) URL, with an IPv6 host put in brackets; ValueError if it is none.
+
+    The operator gives its servers `http://$(NODE_IP):8081`, and the kubelet expands
+    $(NODE_IP) to the node's address as it is: on an IPv6 node `http://fd00::5:8081`, which
+    no URL parser reads (httpx: "Invalid port"). An unbracketed host with colons is read the
+    way that template writes it: the last `:digits` is the port when what comes before is an
+    IPv6 address (`fd00::5:8081` -> `[fd00::5]:8081`), else the whole is the address with no
+    port. IPv4 addresses and names are left as they are.
+    """
+    m = _URL.match(url)
+    if m is None:
+        raise ValueError(f"{flag} {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    scheme, netloc, rest = m.groups()
+    if netloc.count(":") > 1 and not netloc.startswith("[") and "@" not in netloc:
+        host, _, port = netloc.rpartition(":")
+        if port.isdigit() and _is_ipv6(host):
+            netloc = f"[{host}]:{port}"
+        elif _is_ipv6(netloc):
+            netloc = f"[{netloc}]"
+        else:
+            raise ValueError(f"{flag} {url!r}: {netloc!r} is neither HOST:PORT nor an IPv6 address")
+    url = f"{scheme}://{netloc}{rest}"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not one
+    except ValueError as e:
+        raise ValueError(f"{flag} {url!r}: {e}") from None
+    if not parts.hostname:
+        raise ValueError(f"{flag} {url!r}: no host")
+    return url
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 def field_docs(cls: type = ServerSettings) -> dict[str, str]:
