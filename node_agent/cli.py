@@ -56,8 +56,10 @@ class Settings:
     port: int = 8081
     """TCP port of the agent's HTTP API. Default: 8081."""
 
-    host: str = "0.0.0.0"
-    """Address to listen on. Default: 0.0.0.0."""
+    host: str = ""
+    """Address to listen on; empty: every address of both families, IPv4 and IPv6 (the
+    serving pods call the hostPort at the node's IP, whichever family the cluster gives it;
+    0.0.0.0 is IPv4's only). Default: empty."""
 
     node_name: str | None = None
     """This node's name, to find the server pods on it. Default: $NODE_NAME."""
@@ -182,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("node agent on %s:%d, cache %s, budget %d bytes, node %s", settings.host, settings.port,
-             settings.cache_dir, settings.budget_bytes, settings.node_name or "(unset)")
+    log.info("node agent on %s port %d, cache %s, budget %d bytes, node %s", settings.host or "every address",
+             settings.port, settings.cache_dir, settings.budget_bytes, settings.node_name or "(unset)")
     web.run_app(create_app(settings.agent_config()), host=settings.host, port=settings.port,
                 print=None, access_log=None)
     return 0

@@ -108,7 +108,8 @@ async def _demo_requests(server, settings: ServerSettings) -> None:
     while not server.started:
         await asyncio.sleep(0.1)
     port = server.servers[0].sockets[0].getsockname()[1] if server.servers else settings.port
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host  # an IPv6 address
+    host = settings.host or "127.0.0.1"  # "": every address, loopback among them
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address
     url = f"http://{host}:{port}"
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         async def one(model: str, prompt: str) -> tuple[str, str, str]:

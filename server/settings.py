@@ -54,7 +54,8 @@ class ServerSettings:
     """Folder for --demo's files. Default: $XDG_CACHE_HOME/loraplex/demo."""
 
     host: str = "127.0.0.1"
-    """Address to listen on. Default: 127.0.0.1."""
+    """Address to listen on; an empty string listens on every address of both families,
+    IPv4 and IPv6 (0.0.0.0 is IPv4's only, :: IPv6's only). Default: 127.0.0.1."""
 
     port: int = 8000
     """TCP port to listen on. Default: 8000."""

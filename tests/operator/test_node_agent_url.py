@@ -88,3 +88,53 @@ def test_a_server_on_an_ipv6_node_stages_through_its_agent(tmp_path: Path):
         assert path == tmp_path / "sql" and _Agent.staged[-1]["name"] == "sql"
     finally:
         agent.shutdown()
+
+
+def free_port() -> int:
+    """A TCP port free on IPv4 and IPv6 alike."""
+    with socket.socket(socket.AF_INET6) as s:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.bind(("::", 0))
+        return s.getsockname()[1]
+
+
+def reachable(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_the_server_listens_on_the_pod_ip_of_either_family():
+    """The kubelet probes the pod's IP, the Service sends to it: an IPv4 address on an IPv4
+    cluster, an IPv6 one on an IPv6 cluster. The operator's --host must take both."""
+    import asyncio
+
+    import uvicorn
+
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+
+    async def app(scope, receive, send):  # the smallest ASGI app: 200 to anything
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    settings = server_settings("10.1.2.3")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=port, log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    try:
+        for _ in range(500):
+            if server.started or not thread.is_alive():
+                break
+            threading.Event().wait(0.01)
+        assert server.started
+        assert reachable("127.0.0.1", port) and reachable("::1", port)
+    finally:
+        server.should_exit = True
+        thread.join(10)
