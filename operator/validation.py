@@ -6,6 +6,7 @@ writes to the adapter's `Accepted` condition:
 
     validate(adapter, base) -> Verdict("Accepted", "Accepted", "rank 16 <= 64, ...")
     validate(rank_128, base) -> Verdict("Rejected", "RankTooLarge", "rank 128 > maxLoraRank 64")
+    validate(named_a_b, base) -> Verdict("Rejected", "InvalidName", "adapter name 'a,b' contains ','...")
 
 Rank and target modules come from the spec, or from the adapter's adapter_config.json when
 the operator can read it (file:// sources and mounted paths; see `read_adapter_config`).
@@ -20,6 +21,7 @@ import urllib.parse
 from typing import Any
 
 from loraplex.operator.specs import AdapterSpec, BaseModelSpec
+from loraplex.server.adapter_names import InvalidAdapterName, check_adapter_name
 
 # adapter_config.json is a few hundred bytes; anything this big is not one.
 _MAX_CONFIG_BYTES = 1 << 20
@@ -40,6 +42,10 @@ class Verdict:
 
 def validate(adapter: AdapterSpec, base: BaseModelSpec | None) -> Verdict:
     """The verdict on one adapter against the base it names (None: no such BaseModel)."""
+    try:  # every Kubernetes object name fits; the check keeps the plan to names servers take
+        check_adapter_name(adapter.name)
+    except InvalidAdapterName as exc:
+        return Verdict("Rejected", "InvalidName", str(exc))
     if base is None:
         return Verdict("Pending", "BaseModelNotFound",
                        f"BaseModel {adapter.base_model!r} does not exist in namespace {adapter.namespace!r}")
