@@ -53,6 +53,10 @@ def validate(adapter: AdapterSpec, base: BaseModelSpec | None) -> Verdict:
         return Verdict("Rejected", "WrongBaseModel",
                        f"adapter is for base {adapter.namespace}/{adapter.base_model},"
                        f" not {base.namespace}/{base.name}")
+    if adapter.name == served_name(base):
+        return Verdict("Rejected", "InvalidName",
+                       f"{adapter.name!r} is the name {base.name}'s servers serve the base model under"
+                       f" (a request for it runs on the base): rename the adapter")
     if adapter.rank is None or adapter.target_modules is None:
         return Verdict("Pending", "MetadataUnknown",
                        "rank and target modules unknown: set spec.rank and spec.targetModules"
@@ -68,6 +72,13 @@ def validate(adapter: AdapterSpec, base: BaseModelSpec | None) -> Verdict:
     return Verdict("Accepted", "Accepted",
                    f"rank {adapter.rank} <= {base.max_lora_rank},"
                    f" modules {list(adapter.target_modules)} allowed")
+
+
+def served_name(base: BaseModelSpec) -> str:
+    """The model name the base's servers answer to: their --model folder's name."""
+    from loraplex.operator.workloads import model_path  # (workloads imports this module)
+
+    return pathlib.PurePosixPath(model_path(base)).name
 
 
 def normalise_target_modules(value: Any) -> tuple[str, ...] | None:

@@ -82,8 +82,11 @@ class AdapterCache:
     def __init__(self, buffers: LoRABuffers, base: BaseSpec, *, policy: str = "lru", max_cpu_loras: int = 0,
                  max_concurrent_loads: int = 4, cache_dir: str | Path | None = None,
                  node_agent_url: str | None = None, metrics: CacheMetrics | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, base_name: str | None = None):
         self.buffers = buffers
+        # The base model's name in the API: a request for it runs on the base, so no adapter
+        # may take it (one would be loaded, pinned and listed, and never used).
+        self.base_name = base_name
         self.base = base
         self.policy = make_policy(policy)
         self.max_concurrent_loads = max_concurrent_loads
@@ -107,11 +110,11 @@ class AdapterCache:
         self.cuda_lock = self.loader.cuda_lock
 
     @classmethod
-    def from_settings(cls, buffers: LoRABuffers, base: BaseSpec, settings, metrics: CacheMetrics | None = None
-                      ) -> "AdapterCache":
+    def from_settings(cls, buffers: LoRABuffers, base: BaseSpec, settings, metrics: CacheMetrics | None = None,
+                      base_name: str | None = None) -> "AdapterCache":
         return cls(buffers, base, policy=settings.eviction_policy, max_cpu_loras=settings.max_cpu_loras,
                    max_concurrent_loads=settings.max_concurrent_loads, cache_dir=settings.adapter_cache_dir,
-                   node_agent_url=settings.node_agent_url, metrics=metrics)
+                   node_agent_url=settings.node_agent_url, metrics=metrics, base_name=base_name)
 
     def close(self) -> None:
         self._closed = True  # no pin retry starts a load after this
@@ -137,7 +140,7 @@ class AdapterCache:
         """Make `name` known: a PEFT directory on disk, and/or a source to fetch it from.
         A new sha256 (a new version) drops the host copy, so the next load reads the new files.
         AdapterError if `name` is not an adapter name (`adapter_names`)."""
-        _check_name(name)
+        self._check_name(name)
         with self._lock:
             e = self.table.entries.get(name)
             if e is not None and e.unloading:
@@ -160,7 +163,7 @@ class AdapterCache:
         e = self.table.entries.get(name)
         if e is not None:
             return None if e.unloading else e
-        path = self.loader.staged(name)
+        path = self.loader.staged(name) if name != self.base_name else None
         if path is not None:
             e = self.table.entries[name] = CachedAdapter(name, path=path)
             log.info("adapter %s found in %s", name, self.loader.cache_dir)
@@ -321,7 +324,7 @@ class AdapterCache:
                 log.warning("plan: %s", err)
             if a.get("pinned"):
                 pinned.add(a["name"])
-        bad = {n for n in pinned if _name_error(n)}
+        bad = {n for n in pinned if self._name_error(n)}
         if bad:  # a hand-written plan's (the operator plans Kubernetes object names only)
             log.warning("plan: not pinning %s: not adapter names", ", ".join(sorted(map(repr, bad))))
             pinned -= bad
@@ -346,7 +349,7 @@ class AdapterCache:
         """Register `name` at `path` and load it into a slot (evicting an idle adapter if all are
         taken); returns the slot. Raises AdapterError when it does not fit the base, or when no
         slot frees up within `timeout` seconds (it stays registered and queued for one)."""
-        _check_name(name)
+        self._check_name(name)
         spec = read_adapter(path, self.base)  # a refused adapter is refused before anything changes
         with self._lock:  # one step: a second load of the name (or an unload) cannot come between
             if name in self.table.entries:
@@ -378,7 +381,7 @@ class AdapterCache:
         """An adapter made in memory (benchmarks, tests), written into a slot now (call between
         steps); returns the slot. With `keep_host_copy` it pages like any other adapter (a
         pinned host copy is its source); without, it is forgotten when evicted."""
-        _check_name(adapter.name)
+        self._check_name(adapter.name)
         with self._lock:
             if adapter.name in self.table.entries:
                 raise AdapterError(f"adapter {adapter.name!r} is already loaded")
@@ -502,6 +505,22 @@ class AdapterCache:
 
     # -- internals (under the lock) ---------------------------------------------------------------
 
+    def _name_error(self, name: str) -> str | None:
+        """Why `name` cannot be an adapter's here, or None."""
+        try:
+            check_adapter_name(name)
+        except InvalidAdapterName as e:
+            return str(e)
+        if name == self.base_name:
+            return f"{name!r} is the base model's name (a request for it runs on the base)"
+        return None
+
+    def _check_name(self, name: str) -> None:
+        """AdapterError (the refusal every caller already reports) for a name that is not one."""
+        error = self._name_error(name)
+        if error is not None:
+            raise AdapterError(error)
+
     def _tier(self, e: CachedAdapter) -> str:
         if e.ready:
             return "gpu"
@@ -553,18 +572,3 @@ class AdapterCache:
                 log.info("adapter %s: pinned, its last load failed (%s); loading it again", e.name, e.error)
                 self.table.want(e)
 
-
-def _name_error(name: str) -> str | None:
-    """Why `name` cannot be an adapter's, or None."""
-    try:
-        check_adapter_name(name)
-    except InvalidAdapterName as e:
-        return str(e)
-    return None
-
-
-def _check_name(name: str) -> None:
-    """AdapterError (the refusal every caller already reports) for a name that is not one."""
-    error = _name_error(name)
-    if error is not None:
-        raise AdapterError(error)

@@ -154,7 +154,8 @@ class LLMEngine:
         # GPU slots paged over host memory, local disk and a source (adapter_cache.py).
         self.adapters = AdapterCache.from_settings(self.lora, BaseSpec(
             num_layers=cfg.num_layers, module_shapes=cfg.module_shapes(), max_rank=settings.max_lora_rank,
-            allowed_modules=tuple(settings.lora_target_modules)), settings, CacheMetrics(self.metrics.registry))
+            allowed_modules=tuple(settings.lora_target_modules)), settings, CacheMetrics(self.metrics.registry),
+            base_name=model_name)
         self.stalled = False  # the last step found only requests waiting for adapter loads
         self.model = LlamaModel(cfg, weights, self.kv, self.lora, settings.kernel_backend,
                                 fused_ops=None if settings.fused_ops else False,

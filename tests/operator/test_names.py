@@ -38,3 +38,12 @@ def test_other_names_are_rejected_with_the_reason(name):
     plan = build_plan(BASE, [adapter(name), adapter("ok")], NOW)
     assert [a["name"] for a in plan.as_json()["adapters"]] == ["ok"]
     assert plan.verdicts[name].reason == "InvalidName"
+
+
+def test_an_adapter_named_as_its_served_base_is_rejected():
+    """Its servers answer a request for that name with the base model, so the adapter could
+    only take a slot and be listed Ready while nobody can reach it."""
+    verdict = validate(adapter("llama-3-8b"), BASE)  # served as /models/llama-3-8b -> "llama-3-8b"
+    assert (verdict.phase, verdict.reason) == ("Rejected", "InvalidName")
+    assert "base" in verdict.message
+    assert validate(adapter("llama-3-8b-sql"), BASE).accepted

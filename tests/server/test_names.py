@@ -168,3 +168,24 @@ def test_a_long_name_is_fetched_over_http(tmp_path):
             assert (tmp_path / "cache" / name / "adapter_model.safetensors").is_file()
         finally:
             cache.close()
+
+
+def test_an_adapter_named_as_the_base_is_refused_at_every_entry(tmp_path):
+    """A request whose model is the base's name runs on the base: an adapter of that name
+    would be loaded, pinned and listed, and never used."""
+    write_adapter(tmp_path / "a", seed=1)
+    write_adapter(tmp_path / "cache" / "tiny", seed=2)  # found by name on disk
+    settings = ServerSettings(dummy_weights="tiny", device="cpu", dtype="float32", max_num_seqs=2, max_model_len=64,
+                              max_loras=2, max_lora_rank=8, cuda_graphs=False, served_model_name="tiny",
+                              adapter_cache_dir=str(tmp_path / "cache"),
+                              lora_modules=[f"tiny={tmp_path / 'a'}", f"other={tmp_path / 'a'}"])
+    engine = LLMEngine.from_settings(settings)
+    try:
+        assert not engine.adapters.has("tiny") and engine.adapters.has("other")
+        assert "tiny" not in {row["name"] for row in engine.adapters.describe()}
+        engine.adapters.apply_plan({"pinned": ["tiny"], "adapters": [
+            {"name": "tiny", "source": str(tmp_path / "a"), "pinned": True}]})
+        assert not engine.adapters.has("tiny")
+        assert not any(e.pinned for e in engine.adapters.known())
+    finally:
+        engine.adapters.close()
