@@ -82,11 +82,16 @@ class AdapterCache:
     def __init__(self, buffers: LoRABuffers, base: BaseSpec, *, policy: str = "lru", max_cpu_loras: int = 0,
                  max_concurrent_loads: int = 4, cache_dir: str | Path | None = None,
                  node_agent_url: str | None = None, metrics: CacheMetrics | None = None,
-                 clock: Callable[[], float] = time.perf_counter, base_name: str | None = None):
+                 clock: Callable[[], float] = time.perf_counter, base_name: str | None = None,
+                 plan_scoped: bool = False):
         self.buffers = buffers
         # The base model's name in the API: a request for it runs on the base, so no adapter
         # may take it (one would be loaded, pinned and listed, and never used).
         self.base_name = base_name
+        # A server that follows a plan finds on disk only the plan's adapters: the node's cache
+        # holds every base's and every namespace's adapters on that node (one host path).
+        self.plan_scoped = plan_scoped
+        self._plan_names: frozenset[str] = frozenset()  # the last plan's adapters, pins and prefetches
         self.base = base
         self.policy = make_policy(policy)
         self.max_concurrent_loads = max_concurrent_loads
@@ -114,7 +119,8 @@ class AdapterCache:
                       base_name: str | None = None) -> "AdapterCache":
         return cls(buffers, base, policy=settings.eviction_policy, max_cpu_loras=settings.max_cpu_loras,
                    max_concurrent_loads=settings.max_concurrent_loads, cache_dir=settings.adapter_cache_dir,
-                   node_agent_url=settings.node_agent_url, metrics=metrics, base_name=base_name)
+                   node_agent_url=settings.node_agent_url, metrics=metrics, base_name=base_name,
+                   plan_scoped=bool(settings.plan_file))
 
     def close(self) -> None:
         self._closed = True  # no pin retry starts a load after this
@@ -159,11 +165,13 @@ class AdapterCache:
                 e.sha256 = sha256
 
     def _lookup(self, name: str) -> CachedAdapter | None:
-        """The entry for `name`, registering one found in --adapter-cache-dir (lazy discovery)."""
+        """The entry for `name`, registering one found in --adapter-cache-dir (lazy discovery:
+        with a plan, of the plan's adapters only)."""
         e = self.table.entries.get(name)
         if e is not None:
             return None if e.unloading else e
-        path = self.loader.staged(name) if name != self.base_name else None
+        discoverable = name != self.base_name and (not self.plan_scoped or name in self._plan_names)
+        path = self.loader.staged(name) if discoverable else None
         if path is not None:
             e = self.table.entries[name] = CachedAdapter(name, path=path)
             log.info("adapter %s found in %s", name, self.loader.cache_dir)
@@ -303,7 +311,10 @@ class AdapterCache:
         (bench/results/cache_sim_notes.md, "The end of a campaign"). Plan format:
         operator/plan.py."""
         prefetch = {p["name"] for p in plan.get("prefetch") or [] if p.get("name")}
+        pinned = set(plan.get("pinned") or [])
+        names = {a.get("name") for a in plan.get("adapters") or []} | pinned | prefetch
         with self._lock:
+            self._plan_names = frozenset(n for n in names if isinstance(n, str))
             ended = self._plan_prefetch - prefetch
             self._plan_prefetch = prefetch
             for name in sorted(ended):
@@ -316,7 +327,6 @@ class AdapterCache:
                     e.expired = False
         if ended:
             log.info("plan: warm-up window ended for %s", ", ".join(sorted(ended)))
-        pinned = set(plan.get("pinned") or [])
         for a in plan.get("adapters") or []:
             try:
                 self.register(a["name"], source=a.get("source"), sha256=a.get("sha256"))

@@ -114,7 +114,8 @@ class ServerSettings:
 
     adapter_cache_dir: str | None = None
     """Local disk tier: a folder of PEFT adapters, <dir>/<name>/ (the node agent's cache);
-    a request for a name found there loads it. Default: none."""
+    a request for a name found there loads it (with --plan-file, a name the plan lists: the
+    node's cache holds other bases' and namespaces' adapters too). Default: none."""
 
     plan_file: str | None = None
     """The operator's plan (JSON, usually a mounted ConfigMap key): its adapters are

@@ -189,3 +189,44 @@ def test_an_adapter_named_as_the_base_is_refused_at_every_entry(tmp_path):
         assert not any(e.pinned for e in engine.adapters.known())
     finally:
         engine.adapters.close()
+
+
+def plan_engine(tmp_path, **kw) -> LLMEngine:
+    settings = ServerSettings(dummy_weights="tiny", device="cpu", dtype="float32", max_num_seqs=2, max_model_len=64,
+                              max_loras=2, max_lora_rank=8, cuda_graphs=False, served_model_name="tiny",
+                              adapter_cache_dir=str(tmp_path / "node-cache"),
+                              plan_file=str(tmp_path / "plan.json"), **kw)
+    return LLMEngine.from_settings(settings)
+
+
+def test_a_server_following_a_plan_finds_on_disk_only_the_plans_adapters(tmp_path):
+    """The node's cache (the node agent's, one host path) holds the adapters of every base
+    whose servers run on the node, of every namespace: a server of one base must not load
+    another base's (or another tenant's) adapter because a request names it."""
+    for i, name in enumerate(["mine", "pin-only", "theirs"]):
+        write_adapter(tmp_path / "node-cache" / name, seed=i)
+    engine = plan_engine(tmp_path)
+    cache = engine.adapters
+    try:
+        assert not cache.has("theirs") and not cache.has("mine")  # no plan read yet
+        cache.apply_plan({"pinned": ["pin-only"], "prefetch": [],
+                          "adapters": [{"name": "mine", "source": "s3://bucket/mine", "pinned": False}]})
+        assert cache.has("mine") and cache.tier_of("mine") == "disk"
+        assert cache.has("pin-only")  # a plan's pin found on disk
+        assert not cache.has("theirs")
+        assert "theirs" not in {row["name"] for row in cache.describe()}
+        with pytest.raises(KeyError):
+            cache.acquire("theirs")
+    finally:
+        cache.close()
+
+
+def test_a_server_without_a_plan_finds_any_adapter_on_disk(tmp_path):
+    write_adapter(tmp_path / "node-cache" / "any", seed=1)
+    settings = ServerSettings(dummy_weights="tiny", device="cpu", dtype="float32", max_model_len=64, max_loras=2,
+                              max_lora_rank=8, cuda_graphs=False, adapter_cache_dir=str(tmp_path / "node-cache"))
+    engine = LLMEngine.from_settings(settings)
+    try:
+        assert engine.adapters.has("any")
+    finally:
+        engine.adapters.close()
