@@ -92,6 +92,7 @@ class AdapterCache:
         # holds every base's and every namespace's adapters on that node (one host path).
         self.plan_scoped = plan_scoped
         self._plan_names: frozenset[str] = frozenset()  # the last plan's adapters, pins and prefetches
+        self._plan_adapters: frozenset[str] = frozenset()  # the last plan's adapters list
         self.base = base
         self.policy = make_policy(policy)
         self.max_concurrent_loads = max_concurrent_loads
@@ -305,16 +306,19 @@ class AdapterCache:
 
     def apply_plan(self, plan: dict) -> None:
         """Follow the operator's plan: register its adapters (source, sha256), pin its pinned set
-        and unpin what left it. An adapter that leaves the plan's prefetch list (its warm-up
+        and unpin what left it; unload an adapter that left the plan (deleted, or moved to another
+        base), once its requests finish, unless the admin API or --lora-modules loaded it. An adapter that leaves the plan's prefetch list (its warm-up
         window ended: the campaign is over) is evicted before any other until it is requested
         again, so an ended campaign does not hold slots until its counts age out
         (bench/results/cache_sim_notes.md, "The end of a campaign"). Plan format:
         operator/plan.py."""
         prefetch = {p["name"] for p in plan.get("prefetch") or [] if p.get("name")}
         pinned = set(plan.get("pinned") or [])
-        names = {a.get("name") for a in plan.get("adapters") or []} | pinned | prefetch
+        adapters = {a.get("name") for a in plan.get("adapters") or []}
         with self._lock:
-            self._plan_names = frozenset(n for n in names if isinstance(n, str))
+            left = self._plan_adapters - adapters  # the pinned and prefetch lists name adapters of these
+            self._plan_adapters = frozenset(adapters)
+            self._plan_names = frozenset(n for n in adapters | pinned | prefetch if isinstance(n, str))
             ended = self._plan_prefetch - prefetch
             self._plan_prefetch = prefetch
             for name in sorted(ended):
@@ -352,6 +356,13 @@ class AdapterCache:
                 log.warning("plan pins %s, which is known nowhere (no source, not on disk)", name)
         if pinned != before:
             log.info("plan: %d pinned (%s)", len(pinned), ", ".join(sorted(pinned)) or "none")
+        for name in sorted(left):  # deleted, or moved to another base: no longer served here
+            with self._lock:
+                e = self.table.entries.get(name)
+                if e is None or e.admin or e.unloading:
+                    continue
+                now = self.unload(name)
+            log.info("plan: %s left the plan; unloaded%s", name, "" if now else " once its requests finish")
 
     # -- vLLM-style admin and benchmarks ---------------------------------------------------------
 
@@ -366,6 +377,7 @@ class AdapterCache:
                 raise AdapterError(f"adapter {name!r} is already loaded")
             self.register(name, path=path)
             self.table.entries[name].spec = spec
+            self.table.entries[name].admin = True
             fut = self.prefetch(name)
         try:
             return fut.result(timeout)

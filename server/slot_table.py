@@ -51,6 +51,7 @@ class CachedAdapter:
 
     name: str
     path: Path | None = None  # a PEFT directory registered for it (load_lora_adapter, --lora-modules)
+    admin: bool = False  # loaded by load_lora_adapter or --lora-modules: a plan never unloads it
     source: str | None = None  # the plan's source URI
     sha256: str | None = None  # the plan's digest of adapter_model.safetensors
     id: AdapterId | None = None  # set once its files are read

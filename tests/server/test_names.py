@@ -230,3 +230,25 @@ def test_a_server_without_a_plan_finds_any_adapter_on_disk(tmp_path):
         assert engine.adapters.has("any")
     finally:
         engine.adapters.close()
+
+
+def test_an_adapter_that_leaves_the_plan_is_no_longer_served(tmp_path):
+    """A LoRAAdapter deleted (or moved to another base) leaves the plan: its servers stop
+    serving it, once the requests in flight finish; what the admin API loaded stays."""
+    write_adapter(tmp_path / "node-cache" / "gone", seed=1)
+    write_adapter(tmp_path / "adm", seed=2)
+    engine = plan_engine(tmp_path)
+    cache = engine.adapters
+    try:
+        cache.apply_plan({"pinned": ["gone"], "prefetch": [],
+                          "adapters": [{"name": "gone", "source": "s3://bucket/gone", "pinned": True}]})
+        cache.prefetch("gone").result(10)
+        cache.load("adm", tmp_path / "adm")
+        assert cache.acquire("gone") >= 0  # a request in flight
+        cache.apply_plan({"pinned": [], "adapters": [], "prefetch": []})
+        assert not cache.has("gone")  # no new request gets it
+        cache.release("gone")  # the one in flight finishes
+        assert {e.name for e in cache.known()} == {"adm"} and cache.num_free == 1
+        assert "gone" not in {row["name"] for row in cache.describe()}
+    finally:
+        cache.close()
