@@ -70,12 +70,13 @@ from loraplex.node_agent.adapter_files import (
 from loraplex.node_agent.convert import serving_copy_size, write_serving_copy
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.sources import Fetch, SourceError, open_source, redact
-from loraplex.server.adapter_format import SERVING_DTYPES, read_safetensors_header, serving_weights_name
+from loraplex.server.adapter_format import (SERVING_DTYPES, STAGED_META_FILE, read_safetensors_header,
+                                            serving_weights_name)
 from loraplex.server.adapter_names import InvalidAdapterName, check_adapter_name
 
 log = logging.getLogger(__name__)
 
-META_FILE = ".loraplex.json"
+META_FILE = STAGED_META_FILE  # what a server reads to know the version behind a name
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 # HTTP status the API answers for each failure reason.

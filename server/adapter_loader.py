@@ -34,7 +34,16 @@ from pathlib import Path
 
 import torch
 
-from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, read_adapter, serving_weights
+from .adapter_format import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterError,
+    AdapterSpec,
+    BaseSpec,
+    read_adapter,
+    serving_weights,
+    staged_sha256,
+)
 from .adapter_names import is_adapter_name
 from .adapter_sources import AdapterLoadError, fetch_adapter, load_error
 from .adapters import AdapterId, LoRABuffers
@@ -136,11 +145,21 @@ class AdapterLoader:
         with self._lock:
             path = self.disk_dir(e)
             version = e.sha256  # a new one registered during the read: this copy is not it
+            admin = e.admin  # its folder, given by load_lora_adapter or --lora-modules, is read as it is
         tier = "disk"
+        if path is not None and not admin and not _holds(path, version):
+            # The node's cache holds another version under the name (the previous one, its
+            # successor not staged yet): staging the plan's replaces it.
+            log.info("adapter %s: %s holds version %s, not %s; staging it", e.name, path,
+                     (staged_sha256(path) or "?")[:12], version[:12])
+            path = None
         if path is None:
             path, tier = fetch_adapter(e.name, e.source, version, self.cache_dir, self.node_agent_url,
                                        missing=e.path, dtype=self.dtype_name), "source"
         copy, spec, stamp = self._read_disk(e, path, writer)
+        if not admin and not _holds(path, version):  # replaced again, meanwhile or by the staging itself
+            raise AdapterLoadError(e.name, "fetch", f"{path} holds version {staged_sha256(path)}, not the "
+                                   f"plan's {version} (another adapter of that name staged on this node?)")
         digest = version or _stat_digest(path / WEIGHTS_FILE)
         with self._lock:
             e.spec, e.disk_read = spec, DiskRead(stamp, spec, copy.read_plan)
@@ -271,6 +290,12 @@ class SlotWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _holds(path: Path, version: str | None) -> bool:
+    """Whether the staged folder `path` is `version` as far as it says (a folder with no
+    record of its version, or no version asked for, is taken as it is)."""
+    return version is None or staged_sha256(path) in (None, version)
 
 
 def _stat_digest(path: Path) -> str:

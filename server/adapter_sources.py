@@ -15,6 +15,7 @@ missing, corrupt, mismatch, oom, fetch or other (`load_error`).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, file_digest
+from .adapter_format import CONFIG_FILE, STAGED_META_FILE, WEIGHTS_FILE, AdapterError, file_digest
 from .adapter_names import InvalidAdapterName, check_adapter_name
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,12 @@ def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | 
                 with (tmp / filename).open("wb") as f:
                     for chunk in r.iter_bytes(1 << 20):
                         f.write(chunk)
-        if sha256 and file_digest(tmp / WEIGHTS_FILE) != sha256:
+        digest = file_digest(tmp / WEIGHTS_FILE)
+        if sha256 and digest != sha256:
             raise AdapterLoadError(name, "corrupt", f"download of {redact(src)} does not match sha256 {sha256}")
+        # The version, as the node agent records it: a later load finds out whether it is the plan's.
+        meta = {"name": name, "sha256": digest, "source": redact(src)}
+        (tmp / STAGED_META_FILE).write_text(json.dumps(meta))
         dest = cache_dir / name
         if dest.exists():
             shutil.rmtree(dest)
