@@ -106,15 +106,17 @@ def serving_weights_name(dtype: str) -> str:
 STAGED_META_FILE = ".loraplex.json"
 
 
-def staged_sha256(directory: str | Path) -> str | None:
-    """The sha256 of the version staged at `directory` (its STAGED_META_FILE), or None where it
-    does not say (a folder that no node agent or fetch staged)."""
+def staged_version(directory: str | Path) -> tuple[str | None, str | None]:
+    """(sha256, source) of the version staged at `directory` (its STAGED_META_FILE); None for
+    what it does not say (a folder that no node agent or fetch staged says nothing)."""
     try:
         meta = json.loads((Path(directory) / STAGED_META_FILE).read_text())
     except (OSError, ValueError):
-        return None
-    sha = meta.get("sha256") if isinstance(meta, dict) else None
-    return sha if isinstance(sha, str) else None
+        return None, None
+    if not isinstance(meta, dict):
+        return None, None
+    sha, source = meta.get("sha256"), meta.get("source")
+    return (sha if isinstance(sha, str) else None), (source if isinstance(source, str) else None)
 
 
 def serving_weights(directory: str | Path, dtype: str) -> Path:

@@ -42,10 +42,10 @@ from .adapter_format import (
     BaseSpec,
     read_adapter,
     serving_weights,
-    staged_sha256,
+    staged_version,
 )
 from .adapter_names import is_adapter_name
-from .adapter_sources import AdapterLoadError, fetch_adapter, load_error
+from .adapter_sources import AdapterLoadError, fetch_adapter, load_error, redact
 from .adapters import AdapterId, LoRABuffers
 from .disk_read import DiskRead, PlanCache, files_stamp
 from .host_tier import HostCopy, HostTier, read_into_host
@@ -145,21 +145,21 @@ class AdapterLoader:
         with self._lock:
             path = self.disk_dir(e)
             version = e.sha256  # a new one registered during the read: this copy is not it
+            source = e.source
             admin = e.admin  # its folder, given by load_lora_adapter or --lora-modules, is read as it is
         tier = "disk"
-        if path is not None and not admin and not _holds(path, version):
+        if path is not None and not admin and not _holds(path, version, source):
             # The node's cache holds another version under the name (the previous one, its
             # successor not staged yet): staging the plan's replaces it.
-            log.info("adapter %s: %s holds version %s, not %s; staging it", e.name, path,
-                     (staged_sha256(path) or "?")[:12], version[:12])
+            log.info("adapter %s: %s holds another version than the plan's; staging it", e.name, path)
             path = None
         if path is None:
             path, tier = fetch_adapter(e.name, e.source, version, self.cache_dir, self.node_agent_url,
                                        missing=e.path, dtype=self.dtype_name), "source"
         copy, spec, stamp = self._read_disk(e, path, writer)
-        if not admin and not _holds(path, version):  # replaced again, meanwhile or by the staging itself
-            raise AdapterLoadError(e.name, "fetch", f"{path} holds version {staged_sha256(path)}, not the "
-                                   f"plan's {version} (another adapter of that name staged on this node?)")
+        if not admin and not _holds(path, version, source):  # replaced again, meanwhile or by the staging
+            raise AdapterLoadError(e.name, "fetch", f"{path} holds another version than the plan's "
+                                   f"(another adapter of that name staged on this node?)")
         digest = version or _stat_digest(path / WEIGHTS_FILE)
         with self._lock:
             e.spec, e.disk_read = spec, DiskRead(stamp, spec, copy.read_plan)
@@ -292,10 +292,16 @@ class SlotWriter:
         self.close()
 
 
-def _holds(path: Path, version: str | None) -> bool:
-    """Whether the staged folder `path` is `version` as far as it says (a folder with no
-    record of its version, or no version asked for, is taken as it is)."""
-    return version is None or staged_sha256(path) in (None, version)
+def _holds(path: Path, sha256: str | None, source: str | None) -> bool:
+    """Whether the staged folder `path` is the version the plan names, as far as its record
+    says: the same sha256, or without one the same source (query strings aside), as the node
+    agent tells versions apart. A folder with no record is taken as it is."""
+    staged_sha, staged_source = staged_version(path)
+    if sha256 is not None:
+        return staged_sha in (None, sha256)
+    if source is not None and staged_source is not None:
+        return redact(staged_source) == redact(source)
+    return True
 
 
 def _stat_digest(path: Path) -> str:

@@ -144,3 +144,21 @@ def test_a_new_version_is_fetched_again_without_a_node_agent(tmp_path, versions)
             assert cache.table.entries["sql"].spec.max_rank == 2
         finally:
             cache.close()
+
+
+def test_without_a_digest_the_source_tells_the_versions_apart(tmp_path, versions):
+    """sha256 is optional in a LoRAAdapter: then the node agent stages a source as found and
+    a new source is a new version (node_agent/store.py is_version); the server tells them
+    apart the same way."""
+    (v1, _), (v2, _) = versions["v1"], versions["v2"]
+    cache_dir = tmp_path / "node-cache"
+    with RealAgent(cache_dir) as agent:
+        r = httpx.post(f"{agent.url}/v1/stage", json={"name": "sql", "source": str(v1)}, timeout=30)
+        assert r.status_code == 200, r.text
+        cache = make_cache(cache_dir, slots=2, node_agent_url=agent.url)
+        try:
+            cache.apply_plan({"adapters": [{"name": "sql", "source": str(v2)}]})
+            cache.prefetch("sql").result(30)
+            assert cache.table.entries["sql"].spec.max_rank == 2
+        finally:
+            cache.close()
