@@ -252,3 +252,18 @@ def test_an_adapter_that_leaves_the_plan_is_no_longer_served(tmp_path):
         assert "gone" not in {row["name"] for row in cache.describe()}
     finally:
         cache.close()
+
+
+def test_every_character_of_the_rule_survives_the_adapter_urls(server):
+    """The node agent quotes a name into /v1/adapters/{name}/pin (urllib.parse.quote): '@' and
+    '+' arrive percent-encoded and must name the same adapter; a '/' (encoded or not) is no name."""
+    import urllib.parse
+
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "a@1+2.x_y", "lora_path": str(server.adapter)})
+        assert r.status_code == 200, r.text
+        r = client.post(f"/v1/adapters/{urllib.parse.quote('a@1+2.x_y')}/pin")
+        assert r.status_code == 200 and r.json()["name"] == "a@1+2.x_y" and r.json()["pinned"], r.text
+        for path in ("/v1/adapters/a%2Fb/pin", "/v1/adapters/a/b/pin"):
+            r = client.post(path)
+            assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
