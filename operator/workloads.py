@@ -119,10 +119,10 @@ def server_args(base: BaseModelSpec, slots: int) -> list[str]:
     """The server listens on every address of both families (--host "": probes and the
     Service reach it at the pod IP, IPv4 or IPv6 as the cluster gives, and 0.0.0.0 would
     leave an IPv6 pod unreachable), finds staged adapters in the node's cache and asks the
-    node's agent for the others
-    (NODE_IP comes from the downward API; Kubernetes expands $(NODE_IP) in args, with no
-    brackets around an IPv6 address: the server's --node-agent-url reads `http://fd00::5:8081`
-    as `http://[fd00::5]:8081`, so the one template serves IPv4 and IPv6 nodes)."""
+    node's agent for the others (NODE_IP comes from the downward API; Kubernetes expands
+    $(NODE_IP) in args, with no brackets around an IPv6 address: the server's
+    --node-agent-url reads `http://fd00::5:8081` as `http://[fd00::5]:8081`, so the one
+    template serves IPv4 and IPv6 nodes)."""
     return [
         "--model", model_path(base),
         "--host", "",

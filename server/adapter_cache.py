@@ -183,6 +183,22 @@ class AdapterCache:
         with self._lock:
             return self._lookup(name) is not None
 
+    def _name_error(self, name: str) -> str | None:
+        """Why `name` cannot be an adapter's here, or None."""
+        try:
+            check_adapter_name(name)
+        except InvalidAdapterName as e:
+            return str(e)
+        if name == self.base_name:
+            return f"{name!r} is the base model's name (a request for it runs on the base)"
+        return None
+
+    def _check_name(self, name: str) -> None:
+        """AdapterError (the refusal every caller already reports) for a name that is not one."""
+        error = self._name_error(name)
+        if error is not None:
+            raise AdapterError(error)
+
     # -- requests ----------------------------------------------------------------------------
 
     def acquire(self, name: str) -> int:
@@ -306,12 +322,12 @@ class AdapterCache:
 
     def apply_plan(self, plan: dict) -> None:
         """Follow the operator's plan: register its adapters (source, sha256), pin its pinned set
-        and unpin what left it; unload an adapter that left the plan (deleted, or moved to another
-        base), once its requests finish, unless the admin API or --lora-modules loaded it. An adapter that leaves the plan's prefetch list (its warm-up
-        window ended: the campaign is over) is evicted before any other until it is requested
-        again, so an ended campaign does not hold slots until its counts age out
-        (bench/results/cache_sim_notes.md, "The end of a campaign"). Plan format:
-        operator/plan.py."""
+        and unpin what left it; unload an adapter that left the plan (deleted, or moved to
+        another base), once its requests finish, unless the admin API or --lora-modules loaded
+        it. An adapter that leaves the plan's prefetch list (its warm-up window ended: the
+        campaign is over) is evicted before any other until it is requested again, so an ended
+        campaign does not hold slots until its counts age out (bench/results/cache_sim_notes.md,
+        "The end of a campaign"). Plan format: operator/plan.py."""
         prefetch = {p["name"] for p in plan.get("prefetch") or [] if p.get("name")}
         pinned = set(plan.get("pinned") or [])
         adapters = {a.get("name") for a in plan.get("adapters") or []}
@@ -527,22 +543,6 @@ class AdapterCache:
 
     # -- internals (under the lock) ---------------------------------------------------------------
 
-    def _name_error(self, name: str) -> str | None:
-        """Why `name` cannot be an adapter's here, or None."""
-        try:
-            check_adapter_name(name)
-        except InvalidAdapterName as e:
-            return str(e)
-        if name == self.base_name:
-            return f"{name!r} is the base model's name (a request for it runs on the base)"
-        return None
-
-    def _check_name(self, name: str) -> None:
-        """AdapterError (the refusal every caller already reports) for a name that is not one."""
-        error = self._name_error(name)
-        if error is not None:
-            raise AdapterError(error)
-
     def _tier(self, e: CachedAdapter) -> str:
         if e.ready:
             return "gpu"
@@ -593,4 +593,3 @@ class AdapterCache:
             if self.table.entries.get(e.name) is e and e.pinned and not e.unloading and e.state == "cold":
                 log.info("adapter %s: pinned, its last load failed (%s); loading it again", e.name, e.error)
                 self.table.want(e)
-

@@ -22,8 +22,8 @@ import ipaddress
 import os
 import re
 import textwrap
-import urllib.parse
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
