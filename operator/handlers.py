@@ -22,7 +22,7 @@ from typing import Any
 
 import kopf
 
-from loraplex.operator import kube, status as statuses, workloads
+from loraplex.operator import kube, liveness, status as statuses, workloads
 from loraplex.operator.packing import pack
 from loraplex.operator.reconciler import AdapterRecord, BaseRecord, Planner, utcnow
 from loraplex.operator.specs import GROUP, VERSION, AdapterSpec, BaseModelSpec, SpecError
@@ -61,10 +61,20 @@ def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
     return kube.login(settings)
 
 
+@kopf.on.startup()
+async def serve_liveness(memo: kopf.Memo, **_: Any) -> None:
+    """The liveness endpoint on every address of both families, when the command line asks
+    for one with an empty host (cli.liveness_endpoints; kopf's own binds one address)."""
+    if memo.get("liveness") and "liveness_runner" not in memo:
+        memo.liveness_runner = await liveness.serve(memo.liveness)
+
+
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
     if "planner" in memo:
         await memo.planner.client.close()
+    if "liveness_runner" in memo:
+        await memo.liveness_runner.cleanup()
 
 
 # Indices: (namespace, base name) -> records. kopf fills them before any handler runs.

@@ -339,7 +339,7 @@ def test_operator_deployment_follows_values():
     dep = docs[("Deployment", "lp-loraplex-operator")]
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["loraplex-operator"]
-    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--namespace=ml", "--namespace=research",
+    assert container["args"] == ["--liveness=http://:8080/healthz", "--namespace=ml", "--namespace=research",
                                  "--verbose"]
     assert container["image"] == "loraplex/operator:dev"
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
