@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -171,14 +172,20 @@ def describe(e: BaseException) -> str:
 
 
 def redact(url: str) -> str:
-    """The URL without its query string: presigned signatures and tokens never reach logs
-    or API answers."""
+    """The URL without its query string and user info: presigned signatures, tokens and
+    passwords never reach logs, API answers or the node's cache directory."""
     try:
         p = urllib.parse.urlsplit(url)
     except ValueError:  # not a URL: hide everything from its query string on
         head, sep, _ = url.partition("?")
         return head + ("?…" if sep else "")
-    return urllib.parse.urlunsplit((p.scheme, p.netloc, p.path, "…" if p.query else "", ""))
+    netloc = p.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit((p.scheme, netloc, p.path, "…" if p.query else "", ""))
+
+
+def source_digest(uri: str) -> str:
+    """What stands for a whole source (secrets and all) where it is kept: sha256 hex of it."""
+    return hashlib.sha256(uri.encode()).hexdigest()
 
 
 def open_source(uri: str, session: aiohttp.ClientSession | None) -> Source:

@@ -8,7 +8,8 @@ Layout under the cache directory (the host path the server pods mount read-only)
         adapter_model.safetensors
         adapter_model.bfloat16.safetensors  the F32 tensors in a server's dtype (node_agent.convert),
                                             when a stage request names one
-        .loraplex.json                      {"name", "sha256", "source"}: read back at start
+        .loraplex.json                      {"name", "sha256", "source" (its secrets left out),
+                                            "sourceSha256" (of the whole source)}: read back at start
     <root>/.tmp/…                           downloads in progress (removed at start)
 
 Staging an adapter: stream both files into a fresh directory under .tmp (same filesystem),
@@ -69,7 +70,7 @@ from loraplex.node_agent.adapter_files import (
 )
 from loraplex.node_agent.convert import serving_copy_size, write_serving_copy
 from loraplex.node_agent.metrics import Metrics
-from loraplex.node_agent.sources import Fetch, SourceError, open_source, redact
+from loraplex.node_agent.sources import Fetch, SourceError, open_source, redact, source_digest
 from loraplex.server.adapter_format import (SERVING_DTYPES, STAGED_META_FILE, read_safetensors_header,
                                             serving_weights_name)
 from loraplex.server.adapter_names import InvalidAdapterName, check_adapter_name
@@ -140,8 +141,10 @@ class AdapterRef:
 
 def is_version(staged: "_Entry | StagedAdapter", ref: AdapterRef) -> bool:
     """`staged` (on disk) is the version `ref` asks for: the same digest, or, where `ref` gives
-    none, the same source."""
-    return staged.sha256 == ref.sha256 if ref.sha256 is not None else staged.source == ref.source
+    none, the same source (compared by digest: the cache keeps no source's secrets)."""
+    if ref.sha256 is not None:
+        return staged.sha256 == ref.sha256
+    return staged.source_digest == source_digest(ref.source)
 
 
 @dataclass
@@ -152,6 +155,7 @@ class _Entry:
     blob: str  # directory name under .store
     nbytes: int
     last_used: float
+    source_digest: str  # of the whole source (`source` may be redacted: read back from disk)
     asked: int = 0  # the order of the request whose download staged it (0: found at start)
 
 
@@ -166,6 +170,7 @@ class StagedAdapter:
     bytes: int
     pinned: bool
     last_used: float  # seconds since the epoch (the store's clock)
+    source_digest: str = ""  # of the whole source: what tells digest-less versions apart
 
     def as_json(self) -> dict:
         return {"name": self.name, "sha256": self.sha256, "source": redact(self.source), "path": self.path,
@@ -371,7 +376,9 @@ class AdapterStore:
                 reserved += extra
                 self._holding[me] = reserved
                 total += extra
-            meta = {"name": ref.name, "sha256": digest, "source": ref.source}
+            # The cache is a host path every serving pod on the node mounts: no source's secrets.
+            meta = {"name": ref.name, "sha256": digest, "source": redact(ref.source),
+                    "sourceSha256": source_digest(ref.source)}
             await asyncio.to_thread(_write_synced, tmp / META_FILE, json.dumps(meta).encode())
             blob = f"{digest[:16]}-{uuid.uuid4().hex[:8]}"
             await asyncio.to_thread(self._store_blob, tmp, blob)
@@ -392,7 +399,7 @@ class AdapterStore:
         # The name's symlink and its entry change together, with no await between them: two
         # versions of one name staged at once must not leave the link on one and the entry on
         # the other (whose cleanup then deletes the linked directory).
-        entry = _Entry(ref.name, digest, ref.source, blob, total, self._clock(), asked)
+        entry = _Entry(ref.name, digest, ref.source, blob, total, self._clock(), source_digest(ref.source), asked)
         try:
             self._link(ref.name, blob)
         except OSError:  # (a full disk): the version directory must not stay, unlinked and uncounted
@@ -525,7 +532,10 @@ class AdapterStore:
                 link.unlink()
                 continue
             used_blobs.add(target.name)
-            self._entries[link.name] = _Entry(link.name, meta["sha256"], meta["source"], target.name, nbytes, mtime)
+            # A version staged before sources were kept redacted has the whole source instead.
+            kept = meta.get("sourceSha256")
+            self._entries[link.name] = _Entry(link.name, meta["sha256"], meta["source"], target.name, nbytes, mtime,
+                                              kept if isinstance(kept, str) else source_digest(meta["source"]))
         for blob in self._store_dir.iterdir():
             if blob.name not in used_blobs:
                 shutil.rmtree(blob, ignore_errors=True)
@@ -614,7 +624,7 @@ class AdapterStore:
 
     def _info(self, e: _Entry) -> StagedAdapter:
         return StagedAdapter(e.name, e.sha256, e.source, str(self.root / e.name), e.nbytes,
-                             e.name in self._pinned, e.last_used)
+                             e.name in self._pinned, e.last_used, e.source_digest)
 
     def _update_gauges(self) -> None:
         self.metrics.disk_bytes.set(self.used_bytes)

@@ -39,8 +39,16 @@ class AdapterLoadError(RuntimeError):
 
 
 def redact(uri: str | None) -> str | None:
-    """A source without its query string (tokens, signatures) for logs and the API."""
-    return uri.split("?", 1)[0] if uri else uri
+    """A source without its query string (tokens, signatures) and its user info (a password)
+    for logs, the API and the version record of a fetch."""
+    if not uri:
+        return uri
+    head = uri.split("?", 1)[0]
+    scheme, sep, rest = head.partition("://")
+    if not sep:
+        return head
+    netloc, slash, path = rest.partition("/")
+    return f"{scheme}://{netloc.rpartition('@')[2]}{slash}{path}"
 
 
 def fetch_adapter(name: str, source: str | None, sha256: str | None, cache_dir: Path | None,

@@ -162,3 +162,16 @@ def test_without_a_digest_the_source_tells_the_versions_apart(tmp_path, versions
             assert cache.table.entries["sql"].spec.max_rank == 2
         finally:
             cache.close()
+
+
+@pytest.mark.parametrize("uri, shown", [
+    ("https://robot:pa55@host:8443/a/b/?sig=x", "https://host:8443/a/b/"),
+    ("https://host/a?token=y", "https://host/a"),
+    ("/mnt/adapters/a", "/mnt/adapters/a"),
+    (None, None),
+])
+def test_the_servers_redact_drops_the_query_and_the_user_info(uri, shown):
+    """What GET /v1/adapters, the logs and the server's own fetch record show of a source."""
+    from loraplex.server.adapter_sources import redact
+
+    assert redact(uri) == shown
