@@ -214,6 +214,8 @@ def test_every_help_default_is_the_fields_default(settings):
             assert first == ("on" if value else "off"), (f.name, value, said)
         elif value is None or value == []:
             assert first == "none" or "$" in said or said.startswith("the "), (f.name, said)
+        elif value == "":
+            assert first == "empty", (f.name, value, said)
         elif isinstance(value, (int, float, str, Path)):
             assert first == str(value), (f.name, value, said)
 

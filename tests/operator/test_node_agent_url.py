@@ -43,13 +43,13 @@ def test_the_server_reads_the_node_agent_url_of_either_family(node_ip, url):
     ("http://127.0.0.1:8090", "http://127.0.0.1:8090"),
 ])
 def test_a_node_agent_url_given_by_hand(given, url):
-    assert ServerSettings(dummy_weights="tiny", node_agent_url=given).node_agent_url == url
+    assert ServerSettings(dummy_weights="tiny", node_agent_url=given, adapter_cache_dir="/cache").node_agent_url == url
 
 
 @pytest.mark.parametrize("bad", ["fd00::5:8081", "ftp://x:1", "http://", "http://x:port", "http://fd00::zz:8081"])
 def test_a_node_agent_url_that_is_no_url_is_refused_at_start(bad):
     with pytest.raises(ValueError, match="--node-agent-url"):
-        ServerSettings(dummy_weights="tiny", node_agent_url=bad)
+        ServerSettings(dummy_weights="tiny", node_agent_url=bad, adapter_cache_dir="/cache")
 
 
 class _Agent(BaseHTTPRequestHandler):

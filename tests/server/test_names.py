@@ -175,11 +175,12 @@ def test_an_adapter_named_as_the_base_is_refused_at_every_entry(tmp_path):
     would be loaded, pinned and listed, and never used."""
     write_adapter(tmp_path / "a", seed=1)
     write_adapter(tmp_path / "cache" / "tiny", seed=2)  # found by name on disk
-    settings = ServerSettings(dummy_weights="tiny", device="cpu", dtype="float32", max_num_seqs=2, max_model_len=64,
-                              max_loras=2, max_lora_rank=8, cuda_graphs=False, served_model_name="tiny",
-                              adapter_cache_dir=str(tmp_path / "cache"),
-                              lora_modules=[f"tiny={tmp_path / 'a'}", f"other={tmp_path / 'a'}"])
-    engine = LLMEngine.from_settings(settings)
+    fields = dict(dummy_weights="tiny", device="cpu", dtype="float32", max_num_seqs=2, max_model_len=64,
+                  max_loras=2, max_lora_rank=8, cuda_graphs=False, served_model_name="tiny",
+                  adapter_cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="base model's name"):  # --lora-modules: refused at start
+        ServerSettings(**fields, lora_modules=[f"tiny={tmp_path / 'a'}", f"other={tmp_path / 'a'}"])
+    engine = LLMEngine.from_settings(ServerSettings(**fields, lora_modules=[f"other={tmp_path / 'a'}"]))
     try:
         assert not engine.adapters.has("tiny") and engine.adapters.has("other")
         assert "tiny" not in {row["name"] for row in engine.adapters.describe()}
