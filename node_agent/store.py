@@ -195,6 +195,10 @@ class AdapterStore:
         self.max_concurrent_downloads = max_concurrent_downloads
         self._session = session
         self.metrics = metrics or Metrics()
+        # Every reason's failure series from the start, at 0: one born at 1 is missed by
+        # increase() and rate(), so an alert on the first failed staging would never fire.
+        for reason in REASON_STATUS:
+            self.metrics.failures.labels(reason)
         self._clock = clock
         # Called with the name of each adapter evicted to make room (the warmer reports it).
         self.on_evict: Callable[[str], None] | None = None

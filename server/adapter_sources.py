@@ -29,6 +29,11 @@ from .adapter_names import InvalidAdapterName, check_adapter_name
 log = logging.getLogger(__name__)
 
 
+# The reasons a load fails for (AdapterLoadError.reason): the label values of
+# loraplex_adapter_load_failures_total, each series there from the start at 0.
+LOAD_FAILURE_REASONS = ("missing", "fetch", "corrupt", "mismatch", "oom", "other")
+
+
 class AdapterLoadError(RuntimeError):
     """A load failed; only the requests for that adapter fail. `reason` is one word for metrics."""
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .adapter_sources import LOAD_FAILURE_REASONS
+
 TIERS = ("gpu", "host", "disk", "source")
 
 # Cold loads: a rank-16 8B adapter is ~84 MB: ~2 ms from pinned host memory on an H200,
@@ -52,6 +54,10 @@ class CacheMetrics:
             self.misses.labels(tier)
         for tier in ("gpu", "host"):
             self.evictions.labels(tier)
+        # A counter's first failure must show as an increase: a series born at 1 is missed by
+        # increase() and rate(), so alerts on the first failed load would never fire.
+        for reason in LOAD_FAILURE_REASONS:
+            self.load_failures.labels(reason)
 
     def record_lookup(self, tier: str) -> None:
         """One request found its adapter in `tier`: a miss in every tier above it."""
