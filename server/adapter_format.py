@@ -145,7 +145,7 @@ def checked_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
     """A safetensors header's JSON bytes parsed and checked against the data's length (cached)."""
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise AdapterError(f"{name}: not a safetensors file ({e})") from None
     if not isinstance(header, dict):
         raise AdapterError(f"{name}: header is not a JSON object")
@@ -154,7 +154,9 @@ def checked_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
     for key, info in header.items():
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            want = SAFETENSORS_DTYPE_BYTES[dtype] * math.prod(int(d) for d in shape)
+            if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+                raise ValueError("a shape is a list of non-negative integers")
+            want = SAFETENSORS_DTYPE_BYTES[dtype] * math.prod(shape)
         except (KeyError, TypeError, ValueError):
             raise AdapterError(f"{name}: tensor {key!r} has a malformed entry {info!r}") from None
         if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_len):
@@ -171,6 +173,11 @@ def checked_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
     if pos != data_len:
         raise AdapterError(f"{name}: {data_len - pos} bytes after the last tensor")
     return header
+
+
+def _is_count(x) -> bool:
+    """A JSON integer >= 0 (not a bool, a float or a string)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 @functools.lru_cache(maxsize=32)
@@ -209,9 +216,14 @@ def _pattern_value(patterns: dict, module_key: str, default):
     module's name ("model.layers.3.self_attn.q_proj" matches "q_proj", "layers.3.self_attn.q_proj"
     or a regex such as "^model.layers.3.*q_proj")."""
     for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module_key):
+        if re.match(_pattern_regex(key), module_key):
             return patterns[key]
     return default
+
+
+def _pattern_regex(key: str) -> str:
+    """A rank_pattern / alpha_pattern key as the regex PEFT matches module names with."""
+    return rf"(.*\.)?({key})$"
 
 
 def read_config(path: str | Path) -> dict:
@@ -222,9 +234,12 @@ def read_config(path: str | Path) -> dict:
     if not cfg_file.is_file():
         raise AdapterError(f"{path}: no {CONFIG_FILE}")
     try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(cfg_file.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise AdapterError(f"{cfg_file}: invalid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{cfg_file}: not a JSON object")
+    return cfg
 
 
 def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
@@ -245,15 +260,25 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
         raise AdapterError("fan_in_fan_out=true: only nn.Linear-style (out, in) weights are supported")
     r = cfg.get("r")
     alpha = cfg.get("lora_alpha", r)
-    if not isinstance(r, int) or r < 1:
+    if not _is_count(r) or r < 1:
         raise AdapterError(f"r={r!r}: expected a positive integer")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise AdapterError(f"lora_alpha={alpha!r}: expected a number")
     rslora = bool(cfg.get("use_rslora", False))
     rank_pattern = cfg.get("rank_pattern") or {}
     alpha_pattern = cfg.get("alpha_pattern") or {}
+    for key, patterns in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        if not isinstance(patterns, dict):
+            raise AdapterError(f"{key}={patterns!r}: expected an object of module name patterns")
+        for pattern in patterns:
+            try:
+                re.compile(_pattern_regex(pattern))
+            except re.error as e:
+                raise AdapterError(f"{key}: {pattern!r} is not a regular expression ({e})") from None
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
+        if not all(isinstance(t, str) for t in targets):
+            raise AdapterError(f"target_modules={targets!r}: expected module names")
         unknown = sorted(set(targets) - set(LORA_MODULES))
         if unknown:
             raise AdapterError(
