@@ -180,6 +180,16 @@ def _is_count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+def _is_number(x) -> bool:
+    """A finite JSON number that fits a float (Python's json also reads NaN and Infinity)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an integer of 309 digits or more
+        return False
+
+
 @functools.lru_cache(maxsize=32)
 def _header_modules(raw: bytes, data_len: int, name: str) -> tuple[dict, int]:
     """The header's LoRA pairs {(layer, proj): {"A"/"B": (key, info)}} and their bytes, each
@@ -262,8 +272,8 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
     alpha = cfg.get("lora_alpha", r)
     if not _is_count(r) or r < 1:
         raise AdapterError(f"r={r!r}: expected a positive integer")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise AdapterError(f"lora_alpha={alpha!r}: expected a number")
+    if not _is_number(alpha):
+        raise AdapterError(f"lora_alpha={alpha!r}: expected a finite number")
     rslora = bool(cfg.get("use_rslora", False))
     rank_pattern = cfg.get("rank_pattern") or {}
     alpha_pattern = cfg.get("alpha_pattern") or {}
@@ -326,8 +336,8 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
             raise AdapterError(
                 f"layer {layer} {proj}: rank {ra} exceeds this server's max LoRA rank {base.max_rank}")
         a = _pattern_value(alpha_pattern, module_key, alpha)
-        if isinstance(a, bool) or not isinstance(a, (int, float)):
-            raise AdapterError(f"layer {layer} {proj}: lora_alpha {a!r} (alpha_pattern): expected a number")
+        if not _is_number(a):
+            raise AdapterError(f"layer {layer} {proj}: lora_alpha {a!r} (alpha_pattern): expected a finite number")
         a = float(a)
         scaling = a / math.sqrt(ra) if rslora else a / ra
         modules.append(ModuleLoRA(layer, proj, ra, a, scaling, key_a, key_b))

@@ -75,3 +75,18 @@ def test_a_header_nested_too_deep_is_refused_by_the_header_reader_too(tmp_path):
     (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", len(DEEP)) + DEEP)
     with pytest.raises(AdapterError, match="not a safetensors file"):
         read_safetensors_header(tmp_path / "x.safetensors")
+
+
+@pytest.mark.parametrize("raw_cfg, words", [
+    (b'{"r": 4, "lora_alpha": NaN, "target_modules": ["q_proj"]}', "lora_alpha"),
+    (b'{"r": 4, "lora_alpha": Infinity, "target_modules": ["q_proj"]}', "lora_alpha"),
+    (b'{"r": 4, "lora_alpha": 1' + b"0" * 400 + b', "target_modules": ["q_proj"]}', "lora_alpha"),
+    (b'{"r": 4, "lora_alpha": 8, "alpha_pattern": {"q_proj": -Infinity}, "target_modules": ["q_proj"]}',
+     "lora_alpha"),
+])
+def test_an_alpha_that_is_not_a_finite_number_is_refused(tmp_path, raw_cfg, words):
+    """Python's json reads NaN and Infinity: served, every output of the adapter was NaN."""
+    path = _adapter(tmp_path, raw_cfg=raw_cfg)
+    with pytest.raises(AdapterError, match=words):
+        read_adapter(path, BASE)
+
