@@ -84,6 +84,25 @@ class AdapterSpec:
         return None
 
 
+# PEFT LoraConfig options whose adapters compute something other than y += scaling * B A x on
+# the base's own projections: served as plain LoRA they would give wrong outputs, and their
+# weights may well be plain lora_A/lora_B tensors of the right shapes. {key: what it is}
+UNSUPPORTED_OPTIONS = {
+    "alora_invocation_tokens": "activated LoRA (aLoRA: active only from its invocation tokens on)",
+    "layer_replication": "layer replication (its layers are a stack the base does not have)",
+    "lora_bias": "a trained bias on lora_B",
+    "use_qalora": "QA-LoRA (lora_A reads pooled inputs)",
+    "trainable_token_indices": "trainable token embeddings",
+    "target_parameters": "LoRA on parameters rather than projections",
+    "arrow_config": "Arrow routing between adapters",
+    "kasa_config": "KaSA (singular values between A and B, and a truncated base)",
+}
+# init_lora_weights values whose initialisation rewrote the base's weights (W - scaling * B A,
+# or a quantized W): such an adapter fits that changed base, not this one. PEFT's
+# save_pretrained(path_initial_model_for_weight_conversion=...) converts one into a plain
+# LoRA, and writes init_lora_weights = true.
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
 # safetensors dtypes and their bytes per element (for checking a header against its file).
 SAFETENSORS_DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -268,6 +287,16 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
             f"modules_to_save={cfg['modules_to_save']!r}: adapters that replace whole base modules are not supported")
     if cfg.get("fan_in_fan_out"):
         raise AdapterError("fan_in_fan_out=true: only nn.Linear-style (out, in) weights are supported")
+    for key, what in UNSUPPORTED_OPTIONS.items():
+        value = cfg.get(key)
+        if isinstance(value, dict) or value:  # a sub-config turns its option on even when empty
+            raise AdapterError(f"{key}={value!r}: {what} is not supported, only plain LoRA")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        raise AdapterError(
+            f"init_lora_weights={init!r}: that initialisation changed the base's weights, so the adapter "
+            f"does not fit the base served here; convert it to a plain LoRA (PEFT's save_pretrained with "
+            f"path_initial_model_for_weight_conversion)")
     r = cfg.get("r")
     alpha = cfg.get("lora_alpha", r)
     if not _is_count(r) or r < 1:

@@ -90,3 +90,71 @@ def test_an_alpha_that_is_not_a_finite_number_is_refused(tmp_path, raw_cfg, word
     with pytest.raises(AdapterError, match=words):
         read_adapter(path, BASE)
 
+
+@pytest.mark.parametrize("cfg, words", [
+    ({"alora_invocation_tokens": [128, 9]}, "aLoRA"),
+    ({"layer_replication": [[0, 2], [0, 2]]}, "layer_replication"),
+    ({"lora_bias": True}, "lora_bias"),
+    ({"use_qalora": True}, "use_qalora"),
+    ({"trainable_token_indices": [5, 6]}, "trainable_token_indices"),
+    ({"target_parameters": ["mlp.experts.down_proj"]}, "target_parameters"),
+    ({"arrow_config": {"top_k": 3}}, "arrow_config"),
+    ({"kasa_config": {}}, "kasa_config"),
+    ({"init_lora_weights": "pissa"}, "changed the base"),
+    ({"init_lora_weights": "pissa_niter_16"}, "changed the base"),
+    ({"init_lora_weights": "olora"}, "changed the base"),
+    ({"init_lora_weights": "corda"}, "changed the base"),
+    ({"init_lora_weights": "loftq"}, "changed the base"),
+    ({"init_lora_weights": "lora_ga"}, "changed the base"),
+])
+def test_peft_features_that_are_not_plain_lora_are_refused(tmp_path, cfg, words):
+    """Their weights are plain lora_A/lora_B tensors of the right shapes, so they passed every
+    check and were served as plain LoRA: wrong outputs (an aLoRA active on every token, a
+    replicated layer's adapter on another layer, a PiSSA adapter without its residual base)."""
+    path = _adapter(tmp_path, cfg=cfg)
+    with pytest.raises(AdapterError, match=words):
+        read_adapter(path, BASE)
+
+
+@pytest.mark.parametrize("cfg", [
+    {"init_lora_weights": True}, {"init_lora_weights": False}, {"init_lora_weights": "gaussian"},
+    {"init_lora_weights": "eva"}, {"init_lora_weights": "orthogonal"}, {"init_lora_weights": "mica"},
+    {"lora_dropout": 0.1}, {"target_modules": "(?:.*\\.)?(q_proj|v_proj)"}, {"layers_to_transform": [0]},
+    {"layers_pattern": "layers"}, {"exclude_modules": ["k_proj"]}, {"use_rslora": True},
+    {"lora_bias": False, "layer_replication": None, "alora_invocation_tokens": None, "use_qalora": False,
+     "trainable_token_indices": None, "target_parameters": None, "arrow_config": None, "kasa_config": None},
+])
+def test_what_plain_lora_means_is_still_served(tmp_path, cfg):
+    """Options that do not change what a LoRA computes at inference (or that PEFT writes at
+    their defaults) are served."""
+    path = _adapter(tmp_path, cfg=cfg)
+    assert read_adapter(path, BASE).target_modules == ("q_proj",)
+
+
+def test_a_pissa_adapter_as_peft_saves_it_is_refused_and_its_conversion_served(tmp_path):
+    """PiSSA moves the adapter's principal part out of the base's weights: the adapter alone,
+    on the base served here, is wrong. PEFT's conversion on save makes it a plain LoRA (of
+    twice the rank) that is right on the original base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from .conftest import make_hf_base
+
+    base_dir = make_hf_base(tmp_path / "base")
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights="pissa"))
+    model.peft_config["default"].init_lora_weights = True  # PEFT's recipe: the initial adapter as plain LoRA
+    model.save_pretrained(tmp_path / "initial")
+    model.peft_config["default"].init_lora_weights = "pissa"
+    with torch.no_grad():  # "training"
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.01 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "pissa")
+    model.save_pretrained(tmp_path / "converted", path_initial_model_for_weight_conversion=str(tmp_path / "initial"))
+
+    base = BaseSpec(num_layers=2, module_shapes=CFG.module_shapes(), max_rank=16)
+    with pytest.raises(AdapterError, match="changed the base"):
+        read_adapter(tmp_path / "pissa", base)
+    assert read_adapter(tmp_path / "converted", base).max_rank == 8
