@@ -37,3 +37,34 @@ def test_a_new_version_with_other_tensors_renamed_in_during_a_load_is_read_again
         check_invariants(cache)
     finally:
         cache.close()
+
+
+def test_a_new_version_registered_as_a_load_ends_never_leaves_the_old_one_in_the_host_tier(tmp_path, monkeypatch):
+    """A plan registers a new sha256 for an adapter while its load of the old files ends: the
+    load checks that its version is still current, then keeps its copy in the host tier. A
+    registration between the two discarded nothing (no copy yet) and the old version's copy
+    went in after it: the next load served the old version from host memory."""
+    import threading
+
+    from loraplex.server.host_tier import HostTier
+
+    write_adapter(tmp_path / "a", seed=1)
+    cache = make_cache(tmp_path, slots=2)
+    real_add, registered, threads = HostTier.add, threading.Event(), []
+
+    def add_with_a_plan_racing(self, name, copy):
+        if name == "a" and not threads:
+            threads.append(threading.Thread(target=lambda: (cache.register("a", sha256="1" * 64), registered.set())))
+            threads[0].start()
+            registered.wait(0.5)  # it lands now, unless the add is atomic with the version check
+        return real_add(self, name, copy)
+
+    monkeypatch.setattr(HostTier, "add", add_with_a_plan_racing)
+    try:
+        cache.register("a", sha256="0" * 64)
+        cache.prefetch("a").result(10)
+        threads[0].join(5)
+        assert registered.is_set()
+        assert "a" not in cache.host, "the host tier keeps a version the plan replaced"
+    finally:
+        cache.close()
