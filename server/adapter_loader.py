@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import logging
 import os
 import re
@@ -139,6 +140,13 @@ class AdapterLoader:
         with self._lock:
             path = self.disk_dir(e)
             version = e.sha256  # a new one registered during the read: this copy is not it
+        staged = staged_version(path) if path is not None and version is not None else None
+        if staged is not None and staged != version:
+            # The node agent's copy is another version (the plan moved on; the agent stages the
+            # new one in its own time): stage this one now rather than serve that one as it.
+            log.info("adapter %s: the staged copy is version %s, %s is wanted: staging it", e.name,
+                     staged[:12], version[:12])
+            path = None
         tier = "disk"
         if path is None:
             path, tier = fetch_adapter(e.name, e.source, version, self.cache_dir, self.node_agent_url,
@@ -278,6 +286,21 @@ class SlotWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# What the node agent writes into each folder it stages (node_agent/store.py):
+# {"name", "sha256", "source"}, sha256 being that of the folder's adapter_model.safetensors.
+STAGED_META_FILE = ".loraplex.json"
+
+
+def staged_version(path: Path) -> str | None:
+    """The sha256 the node agent staged the folder `path` as, or None where it says nothing
+    (not the agent's, or unreadable)."""
+    try:
+        sha256 = json.loads((path / STAGED_META_FILE).read_bytes()).get("sha256")
+    except (OSError, ValueError, RecursionError, AttributeError):  # absent, not JSON, not an object
+        return None
+    return sha256 if isinstance(sha256, str) else None
 
 
 def _stat_digest(path: Path) -> str:

@@ -3,11 +3,12 @@ bound under concurrent loads, and what an eviction frees."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import loraplex.server.adapter_loader as loader
 
-from .test_adapter_cache import check_invariants, make_cache, write_adapter
+from .test_adapter_cache import _Files, check_invariants, make_cache, write_adapter
 
 
 def test_a_new_version_with_other_tensors_renamed_in_during_a_load_is_read_again(tmp_path, monkeypatch):
@@ -68,3 +69,32 @@ def test_a_new_version_registered_as_a_load_ends_never_leaves_the_old_one_in_the
         assert "a" not in cache.host, "the host tier keeps a version the plan replaced"
     finally:
         cache.close()
+
+
+def test_a_new_version_is_staged_not_served_from_the_old_versions_staged_copy(tmp_path_factory):
+    """The plan moves an adapter to a new version (sha256) while the node agent's cache still
+    holds the old one under its name (the agent stages the new one when it gets to it; its
+    .loraplex.json says which version a folder holds). A load must stage the new version
+    (through the agent, or from the source), not read the old files and keep them in the host
+    tier as the new version, where they were served from after every later eviction."""
+    remote, cache_dir = tmp_path_factory.mktemp("bucket"), tmp_path_factory.mktemp("cache")
+    write_adapter(cache_dir / "sql", seed=1)  # v1, staged before
+    (cache_dir / "sql" / ".loraplex.json").write_text(json.dumps({"name": "sql", "sha256": "1" * 64, "source": "x"}))
+    v2 = write_adapter(remote / "sql-v2", seed=2)
+    cfg = json.loads((v2 / "adapter_config.json").read_text())
+    (v2 / "adapter_config.json").write_text(json.dumps(cfg | {"lora_alpha": 3 * cfg["r"]}))  # scaling 3, v1's 2
+    (v2 / ".loraplex.json").write_text(json.dumps({"name": "sql", "sha256": "2" * 64, "source": "s3://bucket/sql-v2"}))
+    with _Files(remote, cache_dir) as agent:
+        cache = make_cache(cache_dir, slots=2, node_agent_url=agent.url)
+        try:
+            cache.register("sql", source="s3://bucket/sql-v1", sha256="1" * 64)
+            slot = cache.prefetch("sql").result(10)
+            assert not agent.staged and cache.buffers.scales[slot].max().item() == 2.0  # v1 is staged: read
+            cache.register("sql", source="s3://bucket/sql-v2", sha256="2" * 64)
+            cache.evict("sql")
+            slot = cache.prefetch("sql").result(10)
+            assert [b["sha256"] for b in agent.staged] == ["2" * 64]
+            assert cache.buffers.scales[slot].max().item() == 3.0, "the old version was served as the new one"
+            assert cache.describe()[0]["tier"] == "gpu"
+        finally:
+            cache.close()
