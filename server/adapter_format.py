@@ -356,6 +356,8 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
                 + (f" ({cfg['base_model_name_or_path']})" if cfg.get("base_model_name_or_path") else ""))
         if ra != rb:
             raise AdapterError(f"layer {layer} {proj}: lora_A rank {ra} != lora_B rank {rb}")
+        if ra < 1:
+            raise AdapterError(f"layer {layer} {proj}: rank 0 (empty lora_A and lora_B): expected a positive rank")
         module_key = f"model.layers.{layer}.{'mlp' if proj in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{proj}"
         want_rank = _pattern_value(rank_pattern, module_key, r)
         if ra != want_rank:

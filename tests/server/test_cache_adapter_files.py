@@ -70,6 +70,15 @@ def test_malformed_files_are_refused_with_a_reason(tmp_path, case, kw, words):
         read_adapter(path, BASE)
 
 
+def test_a_module_of_rank_zero_is_refused(tmp_path):
+    """rank_pattern 0 and empty tensors agree with each other, and scaling = alpha / 0 raised
+    ZeroDivisionError (a 500 from load_lora_adapter). PEFT itself refuses r <= 0."""
+    path = _adapter(tmp_path, cfg={"rank_pattern": {"q_proj": 0}})
+    save_file({QA: torch.zeros(0, 64), QB: torch.zeros(64, 0)}, str(path / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="rank 0"):
+        read_adapter(path, BASE)
+
+
 def test_a_header_nested_too_deep_is_refused_by_the_header_reader_too(tmp_path):
     """The node agent checks staged files with read_safetensors_header."""
     (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", len(DEEP)) + DEEP)
