@@ -10,7 +10,8 @@ workers, for each eviction policy, with the cache's rules checked after every st
 - at most --max-concurrent-loads loads in flight; the host tier within its bytes;
 - an adapter's refs are the requests holding it;
 - the hit and miss counters count each request once;
-- once traffic stops, every queued request is admitted (nothing starves).
+- once traffic stops, every queued request is admitted or failed with its load (nothing
+  starves), an adapter whose file is cut short failing its own requests only.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 
 from .test_adapter_cache import check_invariants, make_cache, write_adapter
 
-NAMES = "abcdef"
+NAMES = "abcdefz"  # z: its weights file is cut short, every load of it fails
 STEPS = 400
 SEEDS = 6
 
@@ -32,6 +33,8 @@ def disk(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     for i, name in enumerate(NAMES):
         write_adapter(root / name, seed=i)
+    weights = root / "z" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
     return root
 
 
@@ -78,7 +81,11 @@ def test_random_operations_keep_the_cache_rules(disk, policy, seed):
         assert cache.host.used_bytes <= cache.host.capacity_bytes
         assert not violations, f"{step}: {violations}"
 
-    def admit() -> None:
+    def admit() -> None:  # as the engine's step: failed loads fail their queued requests, then admit
+        failed = set(cache.take_failures()) | {n for n in set(queued) if cache.failed_load(n)}
+        for name in [n for n in queued if n in failed]:
+            queued.remove(name)
+            cache.release(name)
         ready = cache.ready_slots({name for name, _ in running})
         for name in list(queued):
             if name in ready:
