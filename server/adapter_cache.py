@@ -96,6 +96,7 @@ class AdapterCache:
         self._pin_orders = itertools.count(1)  # pins are numbered as made: the newest yields first
         self._lock = threading.RLock()
         self._plan_prefetch: set[str] = set()  # the last plan's prefetch list (open warm-up windows)
+        self._plan_adapters: set[str] = set()  # the last plan's adapters
         self._closed = False
         self.loader = AdapterLoader(buffers, base, self.host, lock=self._lock, done=self._loaded,
                                     max_concurrent_loads=max_concurrent_loads, cache_dir=cache_dir,
@@ -294,8 +295,13 @@ class AdapterCache:
         and unpin what left it. An adapter that leaves the plan's prefetch list (its warm-up
         window ended: the campaign is over) is evicted before any other until it is requested
         again, so an ended campaign does not hold slots until its counts age out
-        (bench/results/cache_sim_notes.md, "The end of a campaign"). Plan format:
-        operator/plan.py."""
+        (bench/results/cache_sim_notes.md, "The end of a campaign").
+
+        An adapter that leaves the plan's adapters (its LoRAAdapter was deleted; node agents
+        remove its files) is forgotten, as `unload` does (its running requests finish first),
+        so it is not served from a slot or host copy, nor fetched from its source again. One
+        registered from a folder of its own (load_lora_adapter, --lora-modules) stays, without
+        the plan's source and sha256. Plan format: operator/plan.py."""
         prefetch = {p["name"] for p in plan.get("prefetch") or [] if p.get("name")}
         with self._lock:
             ended = self._plan_prefetch - prefetch
@@ -332,6 +338,18 @@ class AdapterCache:
                 log.warning("plan pins %s, which is known nowhere (no source, not on disk)", name)
         if pinned != before:
             log.info("plan: %d pinned (%s)", len(pinned), ", ".join(sorted(pinned)) or "none")
+        listed = {a["name"] for a in plan.get("adapters") or []}
+        with self._lock:
+            left, self._plan_adapters = self._plan_adapters - listed, listed
+            for name in sorted(left):
+                e = self.table.entries.get(name)
+                if e is None or e.unloading:
+                    continue
+                if e.path is not None and e.path != self.loader.staged_path(name):
+                    e.source = e.sha256 = None  # the admin's own folder: served from there as before
+                    continue
+                self.unload(name)
+                log.info("plan: %s left the plan: no longer served", name)
 
     # -- vLLM-style admin and benchmarks ---------------------------------------------------------
 

@@ -90,9 +90,13 @@ class AdapterLoader:
 
     def staged(self, name: str) -> Path | None:
         """<cache_dir>/<name>/ if the node agent (or a fetch) put an adapter there."""
-        if self.cache_dir is not None and _NAME.match(name) and (self.cache_dir / name / CONFIG_FILE).is_file():
-            return self.cache_dir / name
-        return None
+        path = self.staged_path(name)
+        return path if path is not None and (path / CONFIG_FILE).is_file() else None
+
+    def staged_path(self, name: str) -> Path | None:
+        """<cache_dir>/<name>/, where the node agent stages `name` (None: no cache dir, or a name
+        that cannot be a folder there)."""
+        return self.cache_dir / name if self.cache_dir is not None and _NAME.match(name) else None
 
     def staged_names(self) -> list[str]:
         """Names under --adapter-cache-dir that may be adapters, sorted (files not checked)."""

@@ -59,3 +59,41 @@ def test_a_plan_of_the_wrong_shape_is_refused_whole_and_the_last_one_kept(cache,
     cache.describe()  # every row still describes (no name of another type among them)
     path.write_text(json.dumps({"pinned": ["c"], "adapters": [], "prefetch": []}))
     assert watcher.check() and watcher.last_error is None and _pinned(cache) == {"c"}
+
+
+def test_an_adapter_that_leaves_the_plan_is_no_longer_served(tmp_path, tmp_path_factory):
+    """A LoRAAdapter deleted from the cluster leaves the plan (its finalizer waits for that):
+    servers must stop serving it and node agents unstage it. The server only unpinned it: it
+    kept serving it from its slot and host copy, and once the agent had removed its files, the
+    next load fetched it from its source again (through the agent: back on the node's disk).
+    An adapter the API registered from its own folder stays (the admin's, not the plan's)."""
+    import shutil
+
+    remote = tmp_path_factory.mktemp("remote")
+    write_adapter(remote / "r", seed=7)
+    for name in "ab":
+        write_adapter(tmp_path / name, seed=ord(name))
+    cache = make_cache(tmp_path, slots=3)
+    try:
+        cache.load("mine", remote / "r")  # the API's, from a folder of its own
+        cache.apply_plan({"pinned": ["a"], "prefetch": [], "adapters": [
+            {"name": "a", "source": "s3://bucket/a", "sha256": None, "pinned": True},
+            {"name": "r", "source": f"file://{remote / 'r'}", "sha256": None, "pinned": False},
+            {"name": "mine", "source": "s3://bucket/mine", "sha256": None, "pinned": False}]})
+        cache.prefetch("r").result(10)
+        cache.prefetch("a").result(10)
+        cache.acquire("r")  # a request still runs on r when the plan drops it
+        cache.apply_plan({"pinned": [], "prefetch": [], "adapters": []})
+        assert not cache.has("r"), "r left the plan and is still served"
+        assert "r" in cache.ready_slots()  # the running request finishes on it...
+        cache.release("r")
+        assert "r" not in cache.ready_slots() and "r" not in cache.host  # ...then it is gone
+        shutil.rmtree(tmp_path / "a")  # the node agent removes what left the plan
+        assert not cache.has("a") and "a" not in cache.ready_slots()
+        assert cache.has("b")  # on disk, never in a plan: found there as before
+        assert cache.has("mine") and cache.tier_of("mine") == "gpu"
+        rows = {r["name"]: r for r in cache.describe()}
+        assert rows["mine"]["source"] is None and rows["mine"]["path"] == str(remote / "r")
+        assert sorted(rows) == ["b", "mine"]
+    finally:
+        cache.close()
