@@ -37,8 +37,16 @@ class AdapterLoadError(RuntimeError):
 
 
 def redact(uri: str | None) -> str | None:
-    """A source without its query string (tokens, signatures) for logs and the API."""
-    return uri.split("?", 1)[0] if uri else uri
+    """A source without its query string (tokens, signatures) and the credentials of its
+    userinfo (https://user:password@host/...), for logs and the API."""
+    if not uri:
+        return uri
+    uri = uri.split("?", 1)[0]
+    scheme, sep, rest = uri.partition("://")
+    if sep:
+        authority, slash, path = rest.partition("/")
+        uri = f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}"
+    return uri
 
 
 def fetch_adapter(name: str, source: str | None, sha256: str | None, cache_dir: Path | None,

@@ -98,3 +98,25 @@ def test_a_new_version_is_staged_not_served_from_the_old_versions_staged_copy(tm
             assert cache.describe()[0]["tier"] == "gpu"
         finally:
             cache.close()
+
+
+def test_a_sources_credentials_never_reach_the_api_or_its_errors(tmp_path_factory):
+    """GET /v1/adapters shows each adapter's source, and a failed fetch's error names it: the
+    query string (presigned signatures) was dropped, but a password in the URL's userinfo
+    (https://user:password@host/...) was shown as it was."""
+    remote, cache_dir = tmp_path_factory.mktemp("bucket"), tmp_path_factory.mktemp("cache")
+    with _Files(remote, cache_dir) as files:
+        host = files.url.removeprefix("http://")
+        cache = make_cache(cache_dir, slots=2)
+        try:
+            cache.register("private", source=f"http://reader:s3cr3t@{host}/nothing-here?X-Amz-Signature=abc")
+            try:
+                cache.prefetch("private").result(10)
+            except Exception as e:  # noqa: BLE001 - the fetch fails (404): its message is checked below
+                message = str(e)
+            row = cache.describe()[0]
+            for shown in (row["source"], row["error"], message):
+                assert "s3cr3t" not in shown and "X-Amz-Signature" not in shown, shown
+            assert row["source"] == f"http://{host}/nothing-here"
+        finally:
+            cache.close()
