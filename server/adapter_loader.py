@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
 import re
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 
 from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, read_adapter, serving_weights
-from .adapter_sources import AdapterLoadError, fetch_adapter, load_error
+from .adapter_sources import AdapterLoadError, fetch_adapter, load_error, staged_version
 from .adapters import AdapterId, LoRABuffers
 from .disk_read import DiskRead, PlanCache, files_stamp
 from .host_tier import HostCopy, HostTier, read_into_host
@@ -290,21 +289,6 @@ class SlotWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# What the node agent writes into each folder it stages (node_agent/store.py):
-# {"name", "sha256", "source"}, sha256 being that of the folder's adapter_model.safetensors.
-STAGED_META_FILE = ".loraplex.json"
-
-
-def staged_version(path: Path) -> str | None:
-    """The sha256 the node agent staged the folder `path` as, or None where it says nothing
-    (not the agent's, or unreadable)."""
-    try:
-        sha256 = json.loads((path / STAGED_META_FILE).read_bytes()).get("sha256")
-    except (OSError, ValueError, RecursionError, AttributeError):  # absent, not JSON, not an object
-        return None
-    return sha256 if isinstance(sha256, str) else None
 
 
 def _stat_digest(path: Path) -> str:

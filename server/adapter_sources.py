@@ -15,6 +15,8 @@ missing, corrupt, mismatch, oom, fetch or other (`load_error`).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import shutil
 import tempfile
@@ -34,6 +36,22 @@ class AdapterLoadError(RuntimeError):
         super().__init__(f"adapter {name!r} failed to load: {message}")
         self.adapter = name
         self.reason = reason
+
+
+# What the node agent writes into each folder it stages (node_agent/store.py), and the server
+# into each it downloads itself: {"name", "sha256", "source"}, sha256 being that of the
+# folder's adapter_model.safetensors.
+STAGED_META_FILE = ".loraplex.json"
+
+
+def staged_version(path: Path) -> str | None:
+    """The sha256 the folder `path` was staged as, or None where it says nothing (a folder
+    of the admin's, or unreadable)."""
+    try:
+        sha256 = json.loads((path / STAGED_META_FILE).read_bytes()).get("sha256")
+    except (OSError, ValueError, RecursionError, AttributeError):  # absent, not JSON, not an object
+        return None
+    return sha256 if isinstance(sha256, str) else None
 
 
 def redact(uri: str | None) -> str | None:
@@ -101,6 +119,7 @@ def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | 
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_dir))
     try:
         prefix, _, query = src.partition("?")
+        digest = hashlib.sha256()  # of the weights, as they arrive
         for filename in (CONFIG_FILE, WEIGHTS_FILE):
             url = f"{prefix.rstrip('/')}/{filename}" + (f"?{query}" if query else "")
             with httpx.stream("GET", url, timeout=60, follow_redirects=True) as r:
@@ -109,8 +128,14 @@ def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | 
                 with (tmp / filename).open("wb") as f:
                     for chunk in r.iter_bytes(1 << 20):
                         f.write(chunk)
-        if sha256 and file_digest(tmp / WEIGHTS_FILE) != sha256:
+                        if filename == WEIGHTS_FILE:
+                            digest.update(chunk)
+        if sha256 and digest.hexdigest() != sha256:
             raise AdapterLoadError(name, "corrupt", f"download of {redact(src)} does not match sha256 {sha256}")
+        # Which version this folder holds: a later load for another sha256 fetches that one
+        # rather than read this (AdapterLoader.host_copy).
+        (tmp / STAGED_META_FILE).write_text(json.dumps(
+            {"name": name, "sha256": digest.hexdigest(), "source": redact(source)}))
         dest = cache_dir / name
         if dest.exists():
             shutil.rmtree(dest)

@@ -120,3 +120,32 @@ def test_a_sources_credentials_never_reach_the_api_or_its_errors(tmp_path_factor
             assert row["source"] == f"http://{host}/nothing-here"
         finally:
             cache.close()
+
+
+def test_a_new_version_is_fetched_not_read_from_the_servers_own_download_of_the_old(tmp_path_factory):
+    """Without a node agent the server downloads an http(s) source into --adapter-cache-dir
+    itself. When the plan moves the adapter to a new version, the next load must fetch the new
+    one, not read the old download and keep it as the new version."""
+    import hashlib
+
+    remote, cache_dir = tmp_path_factory.mktemp("bucket"), tmp_path_factory.mktemp("cache")
+    write_adapter(remote / "v1", seed=1)
+    v2 = write_adapter(remote / "v2", seed=2)
+    cfg = json.loads((v2 / "adapter_config.json").read_text())
+    (v2 / "adapter_config.json").write_text(json.dumps(cfg | {"lora_alpha": 3 * cfg["r"]}))  # scaling 3, v1's 2
+    digest = {v: hashlib.sha256((remote / v / "adapter_model.safetensors").read_bytes()).hexdigest()
+              for v in ("v1", "v2")}
+    with _Files(remote, cache_dir) as files:
+        cache = make_cache(cache_dir, slots=2)
+        try:
+            cache.register("sql", source=f"{files.url}/v1", sha256=digest["v1"])
+            slot = cache.prefetch("sql").result(10)
+            assert cache.buffers.scales[slot].max().item() == 2.0
+            cache.register("sql", source=f"{files.url}/v2", sha256=digest["v2"])
+            cache.evict("sql")
+            slot = cache.prefetch("sql").result(10)
+            assert cache.buffers.scales[slot].max().item() == 3.0, "the old download was served as the new version"
+            assert (cache_dir / "sql" / "adapter_model.safetensors").read_bytes() == (
+                v2 / "adapter_model.safetensors").read_bytes()
+        finally:
+            cache.close()
