@@ -97,3 +97,23 @@ def test_an_adapter_that_leaves_the_plan_is_no_longer_served(tmp_path, tmp_path_
         assert sorted(rows) == ["b", "mine"]
     finally:
         cache.close()
+
+
+def test_a_plan_file_half_written_deleted_and_recreated(cache, tmp_path):
+    """A writer that truncates and writes in place is seen half way (not a plan: the last one
+    stays, and the whole file is read once its write ends); a deleted file keeps the last plan;
+    one created again is followed."""
+    path = tmp_path / "plan.json"
+    watcher = PlanWatcher(path, cache.apply_plan)
+    assert not watcher.check()  # no plan yet: nothing to do, nothing wrong
+    path.write_text(json.dumps(GOOD))
+    assert watcher.check() and _pinned(cache) == {"a"}
+    whole = json.dumps({"pinned": ["b"], "adapters": [], "prefetch": []})
+    path.write_text(whole[: len(whole) // 2])  # the writer, half way
+    assert not watcher.check() and watcher.last_error and _pinned(cache) == {"a"}
+    path.write_text(whole)
+    assert watcher.check() and watcher.last_error is None and _pinned(cache) == {"b"}
+    path.unlink()
+    assert not watcher.check() and _pinned(cache) == {"b"}
+    path.write_text(json.dumps({"pinned": ["c"], "adapters": [], "prefetch": []}))
+    assert watcher.check() and _pinned(cache) == {"c"}
