@@ -28,7 +28,6 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 
 from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, read_adapter, serving_weights
-from .adapter_sources import AdapterLoadError, fetch_adapter, load_error, staged_version
+from .adapter_sources import FOLDER_NAME, AdapterLoadError, fetch_adapter, load_error, staged_version
 from .adapters import AdapterId, LoRABuffers
 from .disk_read import DiskRead, PlanCache, files_stamp
 from .host_tier import HostCopy, HostTier, read_into_host
@@ -44,8 +43,6 @@ from .slot_table import CachedAdapter
 
 log = logging.getLogger(__name__)
 
-# An adapter name as it may appear in a path under --adapter-cache-dir: no separators, no "..".
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,252}$")
 
 # done(row, slot, tier, error or None, t0): the load of `row` into `slot` finished; its bytes
 # came from `tier` (host, disk, source); it started at clock `t0`.
@@ -95,13 +92,13 @@ class AdapterLoader:
     def staged_path(self, name: str) -> Path | None:
         """<cache_dir>/<name>/, where the node agent stages `name` (None: no cache dir, or a name
         that cannot be a folder there)."""
-        return self.cache_dir / name if self.cache_dir is not None and _NAME.match(name) else None
+        return self.cache_dir / name if self.cache_dir is not None and FOLDER_NAME.match(name) else None
 
     def staged_names(self) -> list[str]:
         """Names under --adapter-cache-dir that may be adapters, sorted (files not checked)."""
         if self.cache_dir is None or not self.cache_dir.is_dir():
             return []
-        return [child.name for child in sorted(self.cache_dir.iterdir()) if _NAME.match(child.name)]
+        return [child.name for child in sorted(self.cache_dir.iterdir()) if FOLDER_NAME.match(child.name)]
 
     def disk_dir(self, e: CachedAdapter) -> Path | None:
         """The PEFT directory `e` loads from: its registered path, else the node agent's copy."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,6 +38,9 @@ class AdapterLoadError(RuntimeError):
         self.adapter = name
         self.reason = reason
 
+
+# An adapter name that may be a folder under --adapter-cache-dir: no separators, no "..".
+FOLDER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,252}$")
 
 # What the node agent writes into each folder it stages (node_agent/store.py), and the server
 # into each it downloads itself: {"name", "sha256", "source"}, sha256 being that of the
@@ -75,6 +79,9 @@ def fetch_adapter(name: str, source: str | None, sha256: str | None, cache_dir: 
     if not source:
         where = missing or (cache_dir / name if cache_dir else None)
         raise AdapterLoadError(name, "missing", f"no adapter files at {where} and no source to fetch from")
+    if not FOLDER_NAME.match(name):  # it names the folder the files go to, which is replaced
+        raise AdapterLoadError(name, "fetch", "the name is not a folder name (letters, digits, . _ @ + -), "
+                               "so it cannot be staged under the adapter cache directory")
     if node_agent_url and cache_dir is not None:
         return _stage_through_agent(name, source, sha256, cache_dir, node_agent_url, dtype)
     return _fetch_direct(name, source, sha256, cache_dir)
