@@ -135,7 +135,8 @@ class AdapterCache:
     def register(self, name: str, path: str | Path | None = None, source: str | None = None,
                  sha256: str | None = None) -> None:
         """Make `name` known: a PEFT directory on disk, and/or a source to fetch it from.
-        A new sha256 (a new version) drops the host copy, so the next load reads the new files."""
+        A new version (a new sha256; without one, a new source: CachedAdapter.version) drops
+        the host copy, so the next load reads the new files."""
         with self._lock:
             e = self.table.entries.get(name)
             if e is not None and e.unloading:
@@ -143,15 +144,17 @@ class AdapterCache:
                                    f"when they finish")
             if e is None:
                 e = self.table.entries[name] = CachedAdapter(name)
+            before = e.version
             if path is not None:
                 e.path = Path(path)
             if source is not None:
                 e.source = source
-            if sha256 is not None and sha256 != e.sha256:
-                if e.sha256 is not None:
-                    self.host.discard(name)
-                    log.info("adapter %s: new version %s (takes effect at its next load)", name, sha256[:12])
+            if sha256 is not None:
                 e.sha256 = sha256
+            if e.version != before and e.version[0] == before[0] and before[1] is not None:
+                self.host.discard(name)
+                log.info("adapter %s: new version %s (takes effect at its next load)", name,
+                         redact(e.version[1])[:64] if e.sha256 is None else e.sha256[:12])
 
     def _lookup(self, name: str) -> CachedAdapter | None:
         """The entry for `name`, registering one found in --adapter-cache-dir (lazy discovery)."""

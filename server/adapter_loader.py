@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, read_adapter, serving_weights
-from .adapter_sources import FOLDER_NAME, AdapterLoadError, fetch_adapter, load_error, staged_version
+from .adapter_sources import FOLDER_NAME, AdapterLoadError, fetch_adapter, load_error, staged_as
 from .adapters import AdapterId, LoRABuffers
 from .disk_read import DiskRead, PlanCache, files_stamp
 from .host_tier import HostCopy, HostTier, read_into_host
@@ -139,24 +139,24 @@ class AdapterLoader:
             return copy, "host"
         with self._lock:
             path = self.disk_dir(e)
-            version = e.sha256  # a new one registered during the read: this copy is not it
-        staged = staged_version(path) if path is not None and version is not None else None
-        if staged is not None and staged != version:
+            # A new version registered during the read: this copy is not it.
+            version, sha256, source = e.version, e.sha256, e.source
+        if path is not None and not staged_as(path, sha256, source):
             # The node agent's copy is another version (the plan moved on; the agent stages the
             # new one in its own time): stage this one now rather than serve that one as it.
-            log.info("adapter %s: the staged copy is version %s, %s is wanted: staging it", e.name,
-                     staged[:12], version[:12])
+            log.info("adapter %s: its staged copy is another version (its %s differs): staging this one",
+                     e.name, version[0])
             path = None
         tier = "disk"
         if path is None:
-            path, tier = fetch_adapter(e.name, e.source, version, self.cache_dir, self.node_agent_url,
+            path, tier = fetch_adapter(e.name, source, sha256, self.cache_dir, self.node_agent_url,
                                        missing=e.path, dtype=self.dtype_name), "source"
         copy, spec, stamp = self._read_disk(e, path, writer)
-        digest = version or _stat_digest(path / WEIGHTS_FILE)
+        digest = sha256 or _stat_digest(path / WEIGHTS_FILE)
         with self._lock:
             e.spec, e.disk_read = spec, DiskRead(stamp, spec, copy.read_plan)
             e.id = AdapterId(name=e.name, digest=digest, uri=str(path))
-            current = e.sha256 == version
+            current = e.version == version
             # Kept under the lock that `register` holds to drop the host copy of a replaced
             # version: a new version registered between the check and the add would otherwise
             # find no copy to drop, and the old one would go in after it.

@@ -48,14 +48,17 @@ FOLDER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,252}$")
 STAGED_META_FILE = ".loraplex.json"
 
 
-def staged_version(path: Path) -> str | None:
-    """The sha256 the folder `path` was staged as, or None where it says nothing (a folder
-    of the admin's, or unreadable)."""
+def staged_as(path: Path, sha256: str | None, source: str | None) -> bool:
+    """Whether the folder `path` holds the version asked for (its sha256, or without one its
+    source, as the node agent tells versions apart), as far as its STAGED_META_FILE says:
+    True where it says nothing (a folder of the admin's, or unreadable)."""
     try:
-        sha256 = json.loads((path / STAGED_META_FILE).read_bytes()).get("sha256")
-    except (OSError, ValueError, RecursionError, AttributeError):  # absent, not JSON, not an object
-        return None
-    return sha256 if isinstance(sha256, str) else None
+        meta = json.loads((path / STAGED_META_FILE).read_bytes())
+    except (OSError, ValueError, RecursionError):  # absent, not JSON
+        return True
+    key, wanted = ("sha256", sha256) if sha256 is not None else ("source", source)
+    staged = meta.get(key) if isinstance(meta, dict) else None
+    return wanted is None or not isinstance(staged, str) or staged == wanted
 
 
 def redact(uri: str | None) -> str | None:
@@ -139,10 +142,10 @@ def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | 
                             digest.update(chunk)
         if sha256 and digest.hexdigest() != sha256:
             raise AdapterLoadError(name, "corrupt", f"download of {redact(src)} does not match sha256 {sha256}")
-        # Which version this folder holds: a later load for another sha256 fetches that one
+        # Which version this folder holds: a later load of another version fetches that one
         # rather than read this (AdapterLoader.host_copy).
         (tmp / STAGED_META_FILE).write_text(json.dumps(
-            {"name": name, "sha256": digest.hexdigest(), "source": redact(source)}))
+            {"name": name, "sha256": digest.hexdigest(), "source": source}))
         dest = cache_dir / name
         if dest.exists():
             shutil.rmtree(dest)

@@ -80,6 +80,12 @@ class CachedAdapter:
         return self.pinned_api or self.pinned_plan
 
     @property
+    def version(self) -> tuple[str, str | None]:
+        """What tells its versions apart, as the node agent does: its sha256, or without one
+        its source (a new source is a new version)."""
+        return ("sha256", self.sha256) if self.sha256 is not None else ("source", self.source)
+
+    @property
     def ready(self) -> bool:
         return self.state == "ready"
 

@@ -177,3 +177,30 @@ def test_a_plan_name_that_is_not_a_folder_name_is_never_fetched_outside_the_cach
             assert sorted(p.name for p in root.iterdir()) == ["cache", "victim"]
         finally:
             cache.close()
+
+
+def test_without_a_sha256_a_new_source_is_a_new_version(tmp_path_factory):
+    """A LoRAAdapter may leave out its sha256: then, as for the node agent, a new source is a
+    new version. The server only changed the row's source: the old version's host copy stayed
+    (served after each eviction), and the old version's staged folder was read as the new."""
+    remote, cache_dir = tmp_path_factory.mktemp("bucket"), tmp_path_factory.mktemp("cache")
+    write_adapter(remote / "sql-v1", seed=1)
+    v2 = write_adapter(remote / "sql-v2", seed=2)
+    cfg = json.loads((v2 / "adapter_config.json").read_text())
+    (v2 / "adapter_config.json").write_text(json.dumps(cfg | {"lora_alpha": 3 * cfg["r"]}))  # scaling 3, v1's 2
+    for v in ("sql-v1", "sql-v2"):  # what the node agent writes into the folder it stages
+        (remote / v / ".loraplex.json").write_text(json.dumps({"name": "sql", "sha256": v * 8, "source": f"s3://b/{v}"}))
+    with _Files(remote, cache_dir) as agent:
+        cache = make_cache(cache_dir, slots=2, node_agent_url=agent.url)
+        try:
+            cache.register("sql", source="s3://b/sql-v1")
+            slot = cache.prefetch("sql").result(10)  # staged through the agent
+            assert cache.buffers.scales[slot].max().item() == 2.0 and "sql" in cache.host
+            cache.register("sql", source="s3://b/sql-v2")  # the agent has not staged it yet
+            assert "sql" not in cache.host, "the old version's host copy is kept for the new one"
+            cache.evict("sql")
+            slot = cache.prefetch("sql").result(10)
+            assert [b["source"] for b in agent.staged] == ["s3://b/sql-v1", "s3://b/sql-v2"]
+            assert cache.buffers.scales[slot].max().item() == 3.0, "the old version was served as the new one"
+        finally:
+            cache.close()
