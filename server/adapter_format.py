@@ -109,6 +109,9 @@ SAFETENSORS_DTYPE_BYTES = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }
 MAX_HEADER_BYTES = 100 << 20
+# adapter_config.json: PEFT writes about a kilobyte; a rank_pattern over every module of a
+# 126-layer model is ~100 kB.
+MAX_CONFIG_BYTES = 16 << 20
 
 # Serving dtypes (the server's --dtype) and their safetensors names.
 SERVING_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -262,8 +265,14 @@ def read_config(path: str | Path) -> dict:
         raise AdapterError(f"{path}: not a directory")
     if not cfg_file.is_file():
         raise AdapterError(f"{path}: no {CONFIG_FILE}")
+    with cfg_file.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_CONFIG_BYTES:  # checked before it is read: it would all be in memory
+            raise AdapterError(f"{cfg_file}: {size} bytes, too large for an adapter config "
+                               f"(at most {MAX_CONFIG_BYTES})")
+        raw = f.read(MAX_CONFIG_BYTES + 1)
     try:
-        cfg = json.loads(cfg_file.read_bytes())
+        cfg = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise AdapterError(f"{cfg_file}: invalid JSON ({e})") from None
     if not isinstance(cfg, dict):

@@ -167,3 +167,20 @@ def test_a_pissa_adapter_as_peft_saves_it_is_refused_and_its_conversion_served(t
     with pytest.raises(AdapterError, match="changed the base"):
         read_adapter(tmp_path / "pissa", base)
     assert read_adapter(tmp_path / "converted", base).max_rank == 8
+
+
+def test_an_adapter_config_too_large_to_be_one_is_refused_unread(tmp_path, monkeypatch):
+    """adapter_config.json was read whole: a huge one (a path mistaken for an adapter, a
+    sparse file) took that much memory before anything was checked, enough to get the
+    server killed. PEFT writes about a kilobyte."""
+    from pathlib import Path
+
+    path = _adapter(tmp_path)
+    with (path / "adapter_config.json").open("r+b") as f:
+        f.truncate(64 << 30)  # sparse: 64 GiB that take no disk
+    reads = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self) or real(self))
+    with pytest.raises(AdapterError, match="too large"):
+        read_adapter(path, BASE)
+    assert not reads
