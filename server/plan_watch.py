@@ -6,8 +6,8 @@ The plan is a mounted ConfigMap key (operator/plan.py writes it), e.g.
 not: a cheap `stat` (following links) about every second sees (inode, mtime, size) move.
 A new plan is parsed, its shape checked, and handed to `apply` (AdapterCache.apply_plan). A
 plan that does not parse, or whose fields are not of their shape, is logged and skipped
-whole; the last good one stays in force. The loop runs in one daemon
-thread, logs and counts its own failures, and never dies of one (`last_error` shows it).
+whole; the last good one stays in force. The loop runs in one daemon thread, logs and
+counts its own failures, and never dies of one (`last_error` shows it).
 """
 
 from __future__ import annotations
