@@ -547,7 +547,8 @@ class AdapterCache:
         for fut in waiters:
             tell(fut, slot, error)
         if retry:
-            delay = min(PIN_RETRY_MAX_S, PIN_RETRY_FIRST_S * 2 ** (e.failed_in_row - 1))
+            # The exponent capped: 2.0 ** 1024 overflows a float (some 34 hours of failures).
+            delay = min(PIN_RETRY_MAX_S, PIN_RETRY_FIRST_S * 2.0 ** min(e.failed_in_row - 1, 64))
             timer = threading.Timer(delay, self._retry_pin, (e,))
             timer.daemon = True
             timer.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import loraplex.server.adapter_loader as loader
 
@@ -204,3 +205,41 @@ def test_without_a_sha256_a_new_source_is_a_new_version(tmp_path_factory):
             assert cache.buffers.scales[slot].max().item() == 3.0, "the old version was served as the new one"
         finally:
             cache.close()
+
+
+def test_a_pin_failing_for_a_long_time_is_still_retried(tmp_path, monkeypatch):
+    """A pin's retry waits 2 s doubled per failure in a row, up to 2 minutes: the doubling was
+    computed as a float of 2 ** failures, which overflows past 1,024 failures (some 34 hours
+    of a node agent down). The OverflowError ended the retries for good, in the load worker,
+    unseen, and the pin stayed cold once its source came back."""
+    import loraplex.server.adapter_cache as cache_module
+
+    write_adapter(tmp_path / "a", seed=1)
+    weights = tmp_path / "a" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])  # every load fails
+    delays = []
+
+    class Timer:  # records the retry instead of waiting for it
+        def __init__(self, delay, fn, args):
+            delays.append(delay)
+            self.daemon = True
+
+        def start(self):
+            pass
+
+    monkeypatch.setattr(cache_module.threading, "Timer", Timer)
+    cache = make_cache(tmp_path, slots=2)
+    try:
+        cache.register("a")
+        cache.table.entries["a"].failed_in_row = 5_000
+        fut = cache.pin("a")
+        try:
+            fut.result(10)
+        except Exception:  # noqa: BLE001 - the load fails, as it should
+            pass
+        deadline = time.monotonic() + 5
+        while not delays and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert delays == [cache_module.PIN_RETRY_MAX_S]
+    finally:
+        cache.close()
