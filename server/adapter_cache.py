@@ -97,6 +97,7 @@ class AdapterCache:
         self._lock = threading.RLock()
         self._plan_prefetch: set[str] = set()  # the last plan's prefetch list (open warm-up windows)
         self._plan_adapters: set[str] = set()  # the last plan's adapters
+        self._left_plan: set[str] = set()  # forgotten as they left the plan: not found on disk again
         self._closed = False
         self.loader = AdapterLoader(buffers, base, self.host, lock=self._lock, done=self._loaded,
                                     max_concurrent_loads=max_concurrent_loads, cache_dir=cache_dir,
@@ -144,6 +145,7 @@ class AdapterCache:
                                    f"when they finish")
             if e is None:
                 e = self.table.entries[name] = CachedAdapter(name)
+            self._left_plan.discard(name)  # registered on purpose (a plan lists it, or a load)
             before = e.version
             if path is not None:
                 e.path = Path(path)
@@ -161,7 +163,7 @@ class AdapterCache:
         e = self.table.entries.get(name)
         if e is not None:
             return None if e.unloading else e
-        path = self.loader.staged(name)
+        path = self.loader.staged(name) if name not in self._left_plan else None
         if path is not None:
             e = self.table.entries[name] = CachedAdapter(name, path=path)
             log.info("adapter %s found in %s", name, self.loader.cache_dir)
@@ -304,7 +306,9 @@ class AdapterCache:
         remove its files) is forgotten, as `unload` does (its running requests finish first),
         so it is not served from a slot or host copy, nor fetched from its source again. One
         registered from a folder of its own (load_lora_adapter, --lora-modules) stays, without
-        the plan's source and sha256. Plan format: operator/plan.py."""
+        the plan's source and sha256. A folder the node agent still holds for it is not found
+        again (lazy discovery) until a plan lists it or a load registers it. Plan format:
+        operator/plan.py."""
         prefetch = {p["name"] for p in plan.get("prefetch") or [] if p.get("name")}
         with self._lock:
             ended = self._plan_prefetch - prefetch
@@ -346,13 +350,15 @@ class AdapterCache:
             left, self._plan_adapters = self._plan_adapters - listed, listed
             for name in sorted(left):
                 e = self.table.entries.get(name)
-                if e is None or e.unloading:
-                    continue
-                if e.path is not None and e.path != self.loader.staged_path(name):
+                if e is not None and e.path is not None and e.path != self.loader.staged_path(name):
                     e.source = e.sha256 = None  # the admin's own folder: served from there as before
                     continue
-                self.unload(name)
-                log.info("plan: %s left the plan: no longer served", name)
+                # Its folder in the node agent's cache may stay a while (or for good, with an
+                # agent that does not follow the plan): it is not found there again.
+                self._left_plan.add(name)
+                if e is not None and not e.unloading:
+                    self.unload(name)
+                    log.info("plan: %s left the plan: no longer served", name)
 
     # -- vLLM-style admin and benchmarks ---------------------------------------------------------
 

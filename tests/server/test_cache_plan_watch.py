@@ -117,3 +117,29 @@ def test_a_plan_file_half_written_deleted_and_recreated(cache, tmp_path):
     assert not watcher.check() and _pinned(cache) == {"b"}
     path.write_text(json.dumps({"pinned": ["c"], "adapters": [], "prefetch": []}))
     assert watcher.check() and _pinned(cache) == {"c"}
+
+
+def test_an_adapter_that_left_the_plan_is_not_found_again_on_disk(tmp_path):
+    """Its folder stays in the node agent's cache until the agent removes it (on its next look
+    at the plan; never, for an agent not told to follow the plan). Meanwhile a request found it
+    there again, as any staged adapter is found, and it was resident and served once more. A
+    later plan that lists it again, or an explicit load, brings it back."""
+    write_adapter(tmp_path / "a", seed=1)
+    cache = make_cache(tmp_path, slots=2)
+    try:
+        plan = {"pinned": [], "prefetch": [], "adapters": [{"name": "a", "source": "s3://b/a", "sha256": None}]}
+        cache.apply_plan(plan)
+        cache.prefetch("a").result(10)
+        cache.apply_plan({"pinned": [], "prefetch": [], "adapters": []})
+        assert (tmp_path / "a" / "adapter_config.json").is_file()  # not removed yet
+        assert not cache.has("a") and "a" not in {r["name"] for r in cache.describe()}
+        with pytest.raises(KeyError):
+            cache.acquire("a")
+        cache.apply_plan(plan)  # listed again
+        assert cache.prefetch("a").result(10) >= 0
+        cache.apply_plan({"pinned": [], "prefetch": [], "adapters": []})
+        assert not cache.has("a")
+        assert cache.load("a", tmp_path / "a") >= 0  # the admin loads it on purpose
+        assert cache.has("a")
+    finally:
+        cache.close()
