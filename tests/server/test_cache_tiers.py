@@ -1,5 +1,7 @@
-"""The cache's tiers under stress: files that change during a load, the host tier's byte
-bound under concurrent loads, and what an eviction frees."""
+"""The cache's tiers when what is below them moves: files and versions that change around a
+load (a rename during a read, a new sha256 or source, a stale staged folder or download), a
+source's credentials and a name that climbs out of the cache directory, a pin whose loads
+keep failing."""
 
 from __future__ import annotations
 
