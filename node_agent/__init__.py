@@ -16,5 +16,6 @@ One process per node (a DaemonSet), no torch. The adapter bytes path, one module
 Contract with the servers on the node: they mount the cache directory read-only and find
 adapter `<name>` at `<cache>/<name>/` (adapter_config.json, adapter_model.safetensors); the
 agent asks them to load and pin through `POST /v1/adapters/<name>/prefetch?wait=false` and
-`POST /v1/adapters/<name>/pin`.
+`POST /v1/adapters/<name>/pin`, and takes back a pin the plan no longer makes through
+`POST /v1/adapters/<name>/unpin`.
 """

@@ -10,8 +10,10 @@
     GET  /metrics      -> Prometheus text
 
 Errors: {"error": {"reason": "DigestMismatch", "message": "..."}} with 400 (bad request,
-unsupported source), 404 (source or plan adapter not found), 422 (digest or adapter
-files wrong), 502 (source cut the download or failed), 507 (disk budget).
+unsupported source), 404 (source or plan adapter not found, or no such endpoint), 405 (wrong
+method), 409 (removed from the plan, or superseded by a version asked for later, while it
+downloaded; or a version of a plan adapter other than the plan's), 413 (body too large), 422 (digest or adapter files wrong), 502 (source cut the
+download or failed), 507 (disk budget, or the disk itself full).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class Agent:
 
 def create_app(config: AgentConfig, metrics: Metrics | None = None) -> web.Application:
     agent = Agent(config, metrics)
-    app = web.Application()
+    app = web.Application(middlewares=[json_errors])
     app[AGENT] = agent
 
     async def lifespan(app: web.Application):
@@ -135,6 +137,31 @@ def error(reason: str, message: str, status: int) -> web.Response:
     return web.json_response({"error": {"reason": reason, "message": message}}, status=status)
 
 
+# aiohttp's own errors (no route, wrong method, body over client_max_size), by status.
+HTTP_REASONS = {404: "NotFound", 405: "MethodNotAllowed", 413: "RequestTooLarge"}
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp answers an unknown path, a wrong method or a body too large in plain text;
+    give those the API's error shape too, so a client reads every error the same way."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400 or e.content_type == "application/json":  # redirects; our own errors
+            raise
+        if isinstance(e, web.HTTPMethodNotAllowed):
+            message = f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(e.allowed_methods))}"
+        elif isinstance(e, web.HTTPNotFound):
+            message = f"no such endpoint: {request.path}"
+        else:
+            message = e.text or e.reason
+        resp = error(HTTP_REASONS.get(e.status, "InvalidRequest"), message, e.status)
+        if "Allow" in e.headers:
+            resp.headers["Allow"] = e.headers["Allow"]
+        return resp
+
+
 def _store_error(e: StoreError) -> web.Response:
     return error(e.reason, str(e), e.status)
 
@@ -158,9 +185,14 @@ async def stage(request: web.Request) -> web.Response:
     missing = [k for k in ("name", "source") if k not in body]
     if missing:
         return error("InvalidRequest", f"missing fields: {', '.join(missing)}", 400)
+    agent = _agent(request)
+    ref = AdapterRef(body["name"], body["source"], body.get("sha256"), body.get("dtype"))
     try:
-        staged = await _agent(request).store.stage(
-            AdapterRef(body["name"], body["source"], body.get("sha256"), body.get("dtype")))
+        ref.validate()
+        refusal = await agent.warmer.stage_refusal(ref)
+        if refusal is not None:
+            raise refusal
+        staged = await agent.store.stage(ref)
     except StoreError as e:
         return _store_error(e)
     return web.json_response({"adapter": staged.as_json()})

@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,8 +56,10 @@ class Settings:
     port: int = 8081
     """TCP port of the agent's HTTP API. Default: 8081."""
 
-    host: str = "0.0.0.0"
-    """Address to listen on. Default: 0.0.0.0."""
+    host: str = ""
+    """Address to listen on; empty: every address of both families, IPv4 and IPv6 (the
+    serving pods call the hostPort at the node's IP, whichever family the cluster gives it;
+    0.0.0.0 is IPv4's only). Default: empty."""
 
     node_name: str | None = None
     """This node's name, to find the server pods on it. Default: $NODE_NAME."""
@@ -99,6 +102,10 @@ class Settings:
                 raise ValueError(f"--plan-configmap must be NAMESPACE/NAME, got {self.plan_configmap!r}")
             if self.kube_api_url is None:
                 raise ValueError("--plan-configmap needs the Kubernetes API (--kube-api-url, or run in a pod)")
+        for url in self.server_url:
+            _check_http_url("--server-url", url)
+        if self.kube_api_url is not None:
+            _check_http_url("--kube-api-url", self.kube_api_url)
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"--log-level {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
 
@@ -139,6 +146,18 @@ class Settings:
         )
 
 
+def _check_http_url(flag: str, url: str) -> None:
+    """An http(s) URL with a host, or ValueError naming the flag: 127.0.0.1:8000 without its
+    scheme parses as scheme '127.0.0.1', and every request to it then fails for good."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # a bad port is a bad URL
+    except ValueError as e:
+        raise ValueError(f"{flag} {url!r} is not a URL ({e}); give http://HOST:PORT") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{flag} {url!r} is not an http(s) URL with a host; give http://HOST:PORT")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per Settings field; every default is None so unset flags keep the field's."""
     parser = argparse.ArgumentParser(
@@ -165,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("node agent on %s:%d, cache %s, budget %d bytes, node %s", settings.host, settings.port,
-             settings.cache_dir, settings.budget_bytes, settings.node_name or "(unset)")
+    log.info("node agent on %s port %d, cache %s, budget %d bytes, node %s", settings.host or "every address",
+             settings.port, settings.cache_dir, settings.budget_bytes, settings.node_name or "(unset)")
     web.run_app(create_app(settings.agent_config()), host=settings.host, port=settings.port,
                 print=None, access_log=None)
     return 0

@@ -27,7 +27,7 @@ import numpy as np
 
 from loraplex.server.adapter_format import SERVING_DTYPES, WEIGHTS_FILE, read_safetensors_header, serving_weights_name
 
-__all__ = ["write_serving_copy", "float32_to_bfloat16_bits"]
+__all__ = ["write_serving_copy", "serving_copy_size", "float32_to_bfloat16_bits"]
 
 
 def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
@@ -47,35 +47,60 @@ def _convert(raw: bytes, dtype: str) -> bytes:
     return values.astype("<f2").tobytes()
 
 
-def write_serving_copy(directory: str | Path, dtype: str) -> Path | None:
-    """Write `adapter_model.<dtype>.safetensors` in `directory`: every F32 tensor of
-    `adapter_model.safetensors` in `dtype` (bfloat16 or float16), the others as they are, the
-    header's metadata kept. Returns its path; None (nothing written) when `dtype` is float32
-    or the file has no F32 tensor. Written under a temporary name and renamed, so a reader
-    never sees it half written."""
+def _layout(src: Path, dtype: str) -> tuple[bytes, list[tuple[int, int, bool]]] | None:
+    """The copy's header bytes and, in file order, each tensor's (begin, end) in the original's
+    data and whether it is converted; None when there is nothing to convert."""
     if dtype not in SERVING_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(SERVING_DTYPES)}")
-    directory = Path(directory)
-    src = directory / WEIGHTS_FILE
     header = read_safetensors_header(src)  # checks every range against the file
     if dtype == "float32" or not any(info["dtype"] == "F32" for info in header.values()):
         return None
     with src.open("rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         metadata = json.loads(f.read(n)).get("__metadata__")
-        data = f.read()
     out_header: dict = {"__metadata__": metadata} if metadata is not None else {}
-    chunks, pos = [], 0
+    pieces, pos = [], 0
     for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
         begin, end = info["data_offsets"]
-        raw = data[begin:end]
-        if info["dtype"] == "F32":
-            raw, info = _convert(raw, dtype), {**info, "dtype": SERVING_DTYPES[dtype]}
-        out_header[name] = {**info, "data_offsets": [pos, pos + len(raw)]}
-        chunks.append(raw)
-        pos += len(raw)
+        convert = info["dtype"] == "F32"
+        size = (end - begin) // 2 if convert else end - begin  # F32 -> a 2-byte dtype
+        if convert:
+            info = {**info, "dtype": SERVING_DTYPES[dtype]}
+        out_header[name] = {**info, "data_offsets": [pos, pos + size]}
+        pieces.append((begin, end, convert))
+        pos += size
     head = json.dumps(out_header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return head, pieces
+
+
+def serving_copy_size(directory: str | Path, dtype: str) -> int | None:
+    """The bytes `write_serving_copy(directory, dtype)` would write (None: it writes nothing),
+    so that the room for it can be found before a byte of it is on disk."""
+    layout = _layout(Path(directory) / WEIGHTS_FILE, dtype)
+    if layout is None:
+        return None
+    head, pieces = layout
+    return 8 + len(head) + sum((e - b) // 2 if c else e - b for b, e, c in pieces)
+
+
+def write_serving_copy(directory: str | Path, dtype: str) -> Path | None:
+    """Write `adapter_model.<dtype>.safetensors` in `directory`: every F32 tensor of
+    `adapter_model.safetensors` in `dtype` (bfloat16 or float16), the others as they are, the
+    header's metadata kept. Returns its path; None (nothing written) when `dtype` is float32
+    or the file has no F32 tensor. Written under a temporary name and renamed, so a reader
+    never sees it half written."""
+    directory = Path(directory)
+    src = directory / WEIGHTS_FILE
+    layout = _layout(src, dtype)
+    if layout is None:
+        return None
+    head, pieces = layout
+    with src.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + n)
+        data = f.read()
+    chunks = [_convert(data[b:e], dtype) if c else data[b:e] for b, e, c in pieces]
     dst = directory / serving_weights_name(dtype)
     tmp = directory / f".{dst.name}.{uuid.uuid4().hex[:8]}"
     try:

@@ -114,7 +114,10 @@ class PlanConfigMap:
         identity = (body.get("metadata") or {}).get("resourceVersion")
         if identity is not None and identity == known:
             return identity, None
-        raw = config_map_plan_bytes(body, self.key)
+        try:
+            raw = config_map_plan_bytes(body, self.key)
+        except ValueError as e:  # binascii.Error
+            raise ValueError(f"its binaryData {self.key!r} is not base64 ({e})") from None
         return (identity, raw) if raw is not None else (None, None)
 
 

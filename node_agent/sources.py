@@ -14,15 +14,19 @@ one source per file, which the CRD does not have yet (see the node agent notes).
 
 Every fetch is a stream of chunks with the size when the source knows it up front; errors
 are `SourceError` with a short machine reason (`NotFound`, `Truncated`, `Unreachable`,
-`HTTPError`, `Unsupported`) that the metrics and the HTTP API report as is.
+`HTTPError`, `Unsupported`; `InvalidRequest` for a source that cannot name a directory: a
+URL that does not parse or names no host, a NUL byte, a file: URI whose path is not
+absolute) that the metrics and the HTTP API report as is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
+import re
 import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -119,48 +123,92 @@ class HTTPSource:
         url = self.url(filename)
         shown = redact(url)
         try:
-            resp = await self._session.get(url)
+            # The file as stored: aiohttp asks for gzip by default and decodes it, and the
+            # Content-Length of a compressed answer does not count the bytes we get.
+            resp = await self._session.get(url, headers={"Accept-Encoding": "identity"})
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise SourceError("Unreachable", f"GET {shown}: {e or type(e).__name__}") from None
+            raise SourceError("Unreachable", f"GET {shown}: {describe(e)}") from None
         try:
             if resp.status == 404:
                 raise SourceError("NotFound", f"GET {shown}: 404 Not Found")
             if resp.status != 200:
                 raise SourceError("HTTPError", f"GET {shown}: {resp.status} {resp.reason}")
-            yield Fetch(resp.content_length, self._chunks(resp, shown))
+            # Compressed all the same (an object stored gzipped): aiohttp decodes it (and checks
+            # the encoded length itself); the decoded size is not known up front.
+            size = resp.content_length if resp.headers.get("Content-Encoding", "identity") == "identity" else None
+            yield Fetch(size, self._chunks(resp, shown, size))
         finally:
             resp.release()
 
     @staticmethod
-    async def _chunks(resp: aiohttp.ClientResponse, shown: str) -> AsyncIterator[bytes]:
+    async def _chunks(resp: aiohttp.ClientResponse, shown: str, size: int | None) -> AsyncIterator[bytes]:
         seen = 0
         try:
             async for chunk in resp.content.iter_chunked(CHUNK_BYTES):
                 seen += len(chunk)
                 yield chunk
         except aiohttp.ClientPayloadError as e:
-            raise SourceError("Truncated", f"GET {shown}: body cut after {seen} bytes ({e})") from None
+            raise SourceError("Truncated", f"GET {shown}: body cut after {seen} bytes ({describe(e)})") from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise SourceError("Unreachable", f"GET {shown}: {e or type(e).__name__} after {seen} bytes") from None
-        if resp.content_length is not None and seen != resp.content_length:
-            raise SourceError("Truncated", f"GET {shown}: {seen} of {resp.content_length} bytes")
+            raise SourceError("Unreachable", f"GET {shown}: {describe(e)} after {seen} bytes") from None
+        if size is not None and seen != size:
+            raise SourceError("Truncated", f"GET {shown}: {seen} of {size} bytes")
+
+
+_QUERY = re.compile(r"\?[^\s'\"<>]*")
+
+
+def describe(e: BaseException) -> str:
+    """An aiohttp error in words, with no query string of any URL in it: aiohttp's text of a
+    response error is `0, message='', url='<the whole URL>'`, signature and all (the URL of
+    the last redirect, for too many of them)."""
+    if isinstance(e, aiohttp.TooManyRedirects):
+        text = f"too many redirects ({len(e.history)} followed)"
+    elif isinstance(e, aiohttp.ClientResponseError):
+        text = f"{type(e).__name__}: {e.status} {e.message}".rstrip()
+    else:
+        text = str(e) or type(e).__name__
+    return _QUERY.sub("?…", text)
 
 
 def redact(url: str) -> str:
-    """The URL without its query string: presigned signatures and tokens never reach logs
-    or API answers."""
-    p = urllib.parse.urlsplit(url)
-    return urllib.parse.urlunsplit((p.scheme, p.netloc, p.path, "…" if p.query else "", ""))
+    """The URL without its query string and user info: presigned signatures, tokens and
+    passwords never reach logs, API answers or the node's cache directory."""
+    try:
+        p = urllib.parse.urlsplit(url)
+    except ValueError:  # not a URL: hide everything from its query string on
+        head, sep, _ = url.partition("?")
+        return head + ("?…" if sep else "")
+    netloc = p.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit((p.scheme, netloc, p.path, "…" if p.query else "", ""))
+
+
+def source_digest(uri: str) -> str:
+    """What stands for a whole source (secrets and all) where it is kept: sha256 hex of it."""
+    return hashlib.sha256(uri.encode()).hexdigest()
 
 
 def open_source(uri: str, session: aiohttp.ClientSession | None) -> Source:
     """The source for `uri`: a plain absolute path, file://, http:// or https://."""
+    if "\x00" in uri:  # no path or URL has one; open() would raise ValueError deep in the download
+        raise SourceError("InvalidRequest", f"source {redact(uri)!r} holds a NUL byte")
     if uri.startswith("/"):
         return LocalSource(uri, Path(uri))
-    scheme = urllib.parse.urlsplit(uri).scheme
+    try:
+        parts = urllib.parse.urlsplit(uri)
+        parts.port  # parsed here: a bad port is a bad URL, not an unreachable host
+    except ValueError as e:
+        raise SourceError("InvalidRequest", f"source {redact(uri)!r} is not a valid URL ({e})") from None
+    scheme = parts.scheme
     if scheme == "file":
-        return LocalSource(uri, Path(urllib.parse.unquote(urllib.parse.urlsplit(uri).path)))
+        path = urllib.parse.unquote(parts.path)
+        if not path.startswith("/") or "\x00" in path:  # not relative to wherever the agent runs
+            raise SourceError("InvalidRequest", f"source {redact(uri)!r}: a file:// URI names an absolute"
+                              " path (file:///mnt/adapters/a)")
+        return LocalSource(uri, Path(path))
     if scheme in ("http", "https"):
+        if not parts.hostname:
+            raise SourceError("InvalidRequest", f"source {redact(uri)!r} is not a valid URL (no host)")
         if session is None:
             raise SourceError("Unsupported", f"{redact(uri)}: no HTTP session to fetch it")
         return HTTPSource(uri, session)

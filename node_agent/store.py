@@ -8,7 +8,8 @@ Layout under the cache directory (the host path the server pods mount read-only)
         adapter_model.safetensors
         adapter_model.bfloat16.safetensors  the F32 tensors in a server's dtype (node_agent.convert),
                                             when a stage request names one
-        .loraplex.json                      {"name", "sha256", "source"}: read back at start
+        .loraplex.json                      {"name", "sha256", "source" (its secrets left out),
+                                            "sourceSha256" (of the whole source)}: read back at start
     <root>/.tmp/…                           downloads in progress (removed at start)
 
 Staging an adapter: stream both files into a fresh directory under .tmp (same filesystem),
@@ -20,20 +21,32 @@ part. A new version of a name replaces the old one the same way. A request that 
 serving dtype (the plan's, or the server's own) also gets the weights' F32 tensors written
 in that dtype beside the original, once, under a temporary name renamed into place; a staged
 version that lacks it gets it at the next such request. The copy takes only free budget: it
-never evicts an adapter, and without room the adapter is staged without it.
+never evicts an adapter, and without room the adapter is staged without it (its size is
+known from the header, so a copy without room is never written).
 
 Budget: staged bytes plus bytes reserved by downloads in flight stay within `budget_bytes`.
 To make room the store evicts least recently used adapters, unpinned first, pinned last
 and only for another pinned adapter; if even that cannot make room, the staging fails with
-`BudgetExceeded` and nothing is evicted. At most `max_concurrent_downloads` downloads run at
-once; concurrent requests for the same adapter version share one download.
+`BudgetExceeded` and nothing is evicted. A download whose size the source does not give up
+front (no Content-Length) reserves its bytes as they arrive, evicting as it grows, and fails
+with `BudgetExceeded` the moment it outgrows what can be made room for (what it evicted on
+the way stays evicted; room held by a download that started before it is waited for).
+Staged bytes over the budget at start (a smaller budget than the last run's) are evicted,
+least recently used first.
+
+At most `max_concurrent_downloads` downloads run at once; concurrent requests for the same
+adapter version share one download. Downloads of different versions of one name that
+overlap end as they were asked for: one that ends after a version asked for later was
+staged is dropped (`Superseded`), never put back over it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -42,7 +55,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,15 +68,16 @@ from loraplex.node_agent.adapter_files import (
     InvalidAdapter,
     check_adapter_dir,
 )
-from loraplex.node_agent.convert import write_serving_copy
+from loraplex.node_agent.convert import serving_copy_size, write_serving_copy
 from loraplex.node_agent.metrics import Metrics
-from loraplex.node_agent.sources import Fetch, SourceError, open_source, redact
-from loraplex.server.adapter_format import SERVING_DTYPES, serving_weights_name
+from loraplex.node_agent.sources import Fetch, SourceError, open_source, redact, source_digest
+from loraplex.server.adapter_format import (SERVING_DTYPES, STAGED_META_FILE, read_safetensors_header,
+                                            serving_weights_name)
+from loraplex.server.adapter_names import InvalidAdapterName, check_adapter_name
 
 log = logging.getLogger(__name__)
 
-META_FILE = ".loraplex.json"
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a Kubernetes object name
+META_FILE = STAGED_META_FILE  # what a server reads to know the version behind a name
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 # HTTP status the API answers for each failure reason.
@@ -78,8 +92,11 @@ REASON_STATUS = {
     "HTTPError": 502,
     "Unreachable": 502,
     "BudgetExceeded": 507,
+    "DiskFull": 507,  # the disk itself, under the budget (ENOSPC, EDQUOT)
     "DiskError": 500,
     "Removed": 409,  # removed (it left the plan) while it downloaded
+    "Superseded": 409,  # another version of the name, asked for later, was staged first
+    "NotThePlansVersion": 409,  # a client asked for another version of a plan adapter
 }
 
 
@@ -110,8 +127,10 @@ class AdapterRef:
     dtype: str | None = None
 
     def validate(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise StoreError("InvalidRequest", f"adapter name {self.name!r} is not a Kubernetes object name")
+        try:  # the server's rule: every name it can ask for (Kubernetes object names among them)
+            check_adapter_name(self.name)
+        except InvalidAdapterName as e:
+            raise StoreError("InvalidRequest", str(e)) from None
         if self.sha256 is not None and (not isinstance(self.sha256, str) or not _SHA256.match(self.sha256)):
             raise StoreError("InvalidRequest", f"sha256 {self.sha256!r} is not 64 lowercase hex digits")
         if not isinstance(self.source, str) or not self.source:
@@ -122,8 +141,10 @@ class AdapterRef:
 
 def is_version(staged: "_Entry | StagedAdapter", ref: AdapterRef) -> bool:
     """`staged` (on disk) is the version `ref` asks for: the same digest, or, where `ref` gives
-    none, the same source."""
-    return staged.sha256 == ref.sha256 if ref.sha256 is not None else staged.source == ref.source
+    none, the same source (compared by digest: the cache keeps no source's secrets)."""
+    if ref.sha256 is not None:
+        return staged.sha256 == ref.sha256
+    return staged.source_digest == source_digest(ref.source)
 
 
 @dataclass
@@ -134,6 +155,8 @@ class _Entry:
     blob: str  # directory name under .store
     nbytes: int
     last_used: float
+    source_digest: str  # of the whole source (`source` may be redacted: read back from disk)
+    asked: int = 0  # the order of the request whose download staged it (0: found at start)
 
 
 @dataclass(frozen=True)
@@ -147,6 +170,7 @@ class StagedAdapter:
     bytes: int
     pinned: bool
     last_used: float  # seconds since the epoch (the store's clock)
+    source_digest: str = ""  # of the whole source: what tells digest-less versions apart
 
     def as_json(self) -> dict:
         return {"name": self.name, "sha256": self.sha256, "source": redact(self.source), "path": self.path,
@@ -179,10 +203,14 @@ class AdapterStore:
         self._entries: dict[str, _Entry] = {}
         self._pinned: frozenset[str] = frozenset()
         self._reserved = 0  # bytes promised to downloads in flight
+        self._holding: dict[int, int] = {}  # download (in start order) -> bytes it reserved
+        self._started = itertools.count()
+        self._asked = itertools.count(1)  # downloads in the order they were asked for
+        self._released = asyncio.Event()  # set (and replaced) when a download gives bytes back
         self._semaphore = asyncio.Semaphore(max_concurrent_downloads)
         self._inflight: dict[tuple[str, str, int], asyncio.Future] = {}
         self._generation: dict[str, int] = {}  # name -> removals so far (a download started before one is void)
-        self._copying: set[tuple[str, str]] = set()  # (version, dtype) copies being written
+        self._copying: dict[tuple[str, str], asyncio.Future] = {}  # (version, dtype) -> the copy's writer
         self.downloads_started = 0
         self.metrics.budget_bytes.set(budget_bytes)
         self._open()
@@ -228,11 +256,18 @@ class AdapterStore:
         key = (ref.name, ref.sha256 or ref.source, generation)
         fut = self._inflight.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(self._download(ref, generation))
+            fut = asyncio.ensure_future(self._download(ref, generation, next(self._asked)))
             self._inflight[key] = fut
             fut.add_done_callback(lambda f, key=key: self._download_done(key, f))
         # shield: a client that gives up does not cancel a download others wait for.
-        return await asyncio.shield(fut)
+        staged = await asyncio.shield(fut)
+        # A request that joined a download asked for without its dtype gets the copy now.
+        e = self._entries.get(ref.name)
+        if (ref.dtype and e is not None and is_version(e, ref)
+                and not (self._store_dir / e.blob / serving_weights_name(ref.dtype)).exists()):
+            await self._add_serving_copy(e, ref)
+            return self._info(e)
+        return staged
 
     def _download_done(self, key: tuple[str, str, int], fut: asyncio.Future) -> None:
         self._inflight.pop(key, None)
@@ -250,7 +285,7 @@ class AdapterStore:
         self._update_gauges()
         return True
 
-    async def _download(self, ref: AdapterRef, generation: int) -> StagedAdapter:
+    async def _download(self, ref: AdapterRef, generation: int, asked: int) -> StagedAdapter:
         self.metrics.downloads_waiting.inc()
         try:
             await self._semaphore.acquire()
@@ -260,7 +295,14 @@ class AdapterStore:
         self.metrics.downloads_in_flight.inc()
         t0 = time.monotonic()
         try:
-            staged = await self._fetch_verify_place(ref, generation)
+            try:
+                staged = await self._fetch_verify_place(ref, generation, asked)
+            except OSError as err:
+                if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise StoreError("DiskFull", f"{ref.name}: no space left on the disk under {self.root}"
+                                 f" ({err.strerror}; {self.used_bytes} bytes staged, budget"
+                                 f" {self.budget_bytes}: more than the disk has free?)") from None
         except StoreError as err:
             self.metrics.failures.labels(err.reason).inc()
             log.warning("staging %s failed: %s: %s", ref.name, err.reason, err)
@@ -277,28 +319,49 @@ class AdapterStore:
         log.info("staged %s (%d bytes) in %.2f s", ref.name, staged.bytes, seconds)
         return staged
 
-    async def _fetch_verify_place(self, ref: AdapterRef, generation: int) -> StagedAdapter:
+    async def _fetch_verify_place(self, ref: AdapterRef, generation: int, asked: int) -> StagedAdapter:
         try:
             source = open_source(ref.source, self._session)
         except SourceError as e:
             raise StoreError(e.reason, str(e)) from None
-        tmp = Path(await asyncio.to_thread(_mkdtemp, self._tmp_dir, ref.name))
+        tmp = Path(await asyncio.to_thread(_mkdtemp, self._tmp_dir, ref.name[:64]))  # (a name: 253 max)
         reserved = 0
+        config_bytes = 0
+        me = next(self._started)
+
+        async def grow(nbytes: int, up_front: bool = False) -> None:
+            """The weights have `nbytes` on disk so far (or in all, `up_front`): keep the budget
+            ahead of them. A size the source did not announce is reserved as the bytes come,
+            evicting as they grow; where the room is then held by a download that started
+            earlier, it waits for that one to end rather than fail, so that two which cannot
+            both fit do not both fail (the earliest never waits: one always goes on)."""
+            nonlocal reserved
+            while config_bytes + nbytes > reserved:
+                released = self._released
+                try:
+                    reserved += self._reserve(ref, config_bytes + nbytes - reserved, config_bytes + nbytes)
+                except StoreError:
+                    if up_front or not any(d < me for d in self._holding):
+                        raise
+                    await released.wait()
+                else:
+                    self._holding[me] = reserved
+
         try:
             try:
                 async with source.open(CONFIG_FILE) as fetch:
                     config_bytes, _ = await self._write(
                         fetch, tmp / CONFIG_FILE, limit=MAX_CONFIG_BYTES, too_big="InvalidAdapter")
                 async with source.open(WEIGHTS_FILE) as fetch:
-                    if fetch.size is not None:
-                        reserved = self._reserve(ref, fetch.size + config_bytes)
+                    if fetch.size is not None:  # all of it up front: fail early, before any byte
+                        await grow(fetch.size, up_front=True)
                     nbytes, digest = await self._write(
-                        fetch, tmp / WEIGHTS_FILE, limit=self.budget_bytes, too_big="BudgetExceeded")
+                        fetch, tmp / WEIGHTS_FILE, limit=self.budget_bytes, too_big="BudgetExceeded",
+                        grow=grow)
             except SourceError as e:
                 raise StoreError(e.reason, str(e)) from None
+            await grow(nbytes)  # (an empty file wrote no chunk)
             total = nbytes + config_bytes
-            if total > reserved:  # the size was not known up front
-                reserved += self._reserve(ref, total - reserved)
             if ref.sha256 is not None and digest != ref.sha256:
                 raise StoreError(
                     "DigestMismatch",
@@ -311,25 +374,37 @@ class AdapterStore:
             if ref.dtype:
                 extra = await self._write_serving_copy(tmp, ref)
                 reserved += extra
+                self._holding[me] = reserved
                 total += extra
-            meta = {"name": ref.name, "sha256": digest, "source": ref.source}
+            # The cache is a host path every serving pod on the node mounts: no source's secrets.
+            meta = {"name": ref.name, "sha256": digest, "source": redact(ref.source),
+                    "sourceSha256": source_digest(ref.source)}
             await asyncio.to_thread(_write_synced, tmp / META_FILE, json.dumps(meta).encode())
             blob = f"{digest[:16]}-{uuid.uuid4().hex[:8]}"
             await asyncio.to_thread(self._store_blob, tmp, blob)
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, tmp, True)
-            self._reserved -= reserved
+            self._release(reserved, me)
             raise
-        self._reserved -= reserved
         if self._generation.get(ref.name, 0) != generation:  # removed while the directory moved
             await asyncio.to_thread(shutil.rmtree, self._store_dir / blob, True)
+            self._release(reserved, me)
             raise StoreError("Removed", f"{ref.name} was removed (it left the plan) while it downloaded")
+        self._release(reserved, me)
+        old = self._entries.get(ref.name)
+        if old is not None and old.asked > asked:  # the later request wins, whichever ends first
+            await asyncio.to_thread(shutil.rmtree, self._store_dir / blob, True)
+            raise StoreError("Superseded", f"{ref.name}: version {digest[:12]} was dropped: version"
+                             f" {old.sha256[:12]}, asked for after it, was staged first")
         # The name's symlink and its entry change together, with no await between them: two
         # versions of one name staged at once must not leave the link on one and the entry on
         # the other (whose cleanup then deletes the linked directory).
-        old = self._entries.get(ref.name)
-        entry = _Entry(ref.name, digest, ref.source, blob, total, self._clock())
-        self._link(ref.name, blob)
+        entry = _Entry(ref.name, digest, ref.source, blob, total, self._clock(), source_digest(ref.source), asked)
+        try:
+            self._link(ref.name, blob)
+        except OSError:  # (a full disk): the version directory must not stay, unlinked and uncounted
+            await asyncio.to_thread(shutil.rmtree, self._store_dir / blob, True)
+            raise
         self._entries[ref.name] = entry
         await asyncio.to_thread(_fsync_dir, self.root)
         if old is not None:  # the previous version: its symlink points here no more
@@ -337,8 +412,11 @@ class AdapterStore:
         self._update_gauges()
         return self._info(entry)
 
-    async def _write(self, fetch: Fetch, path: Path, limit: int, too_big: str) -> tuple[int, str]:
-        """Stream `fetch` into `path`; return (bytes, sha256 hex). Refuse more than `limit`."""
+    async def _write(self, fetch: Fetch, path: Path, limit: int, too_big: str,
+                     grow: Callable[[int], Awaitable[None]] | None = None) -> tuple[int, str]:
+        """Stream `fetch` into `path`; return (bytes, sha256 hex). Refuse more than `limit`.
+        `grow(bytes so far)` runs before each chunk is written (it reserves budget for them,
+        or raises)."""
         h = hashlib.sha256()
         n = 0
         with path.open("wb") as f:
@@ -346,6 +424,8 @@ class AdapterStore:
                 n += len(chunk)
                 if n > limit:
                     raise StoreError(too_big, f"{path.name}: more than {limit} bytes")
+                if grow is not None:
+                    await grow(n)
                 h.update(chunk)
                 f.write(chunk)
             f.flush()
@@ -355,8 +435,10 @@ class AdapterStore:
         self.metrics.download_bytes.inc(n)
         return n, h.hexdigest()
 
-    def _reserve(self, ref: AdapterRef, nbytes: int) -> int:
-        """Promise `nbytes` of the budget to a download, evicting to make room."""
+    def _reserve(self, ref: AdapterRef, nbytes: int, total: int | None = None) -> int:
+        """Promise `nbytes` more of the budget to a download (`total` with what it holds
+        already), evicting to make room."""
+        total = nbytes if total is None else total
         need = self.used_bytes + self._reserved + nbytes - self.budget_bytes
         if need > 0:
             pinned = ref.name in self._pinned
@@ -375,14 +457,23 @@ class AdapterStore:
             if freed < need:
                 raise StoreError(
                     "BudgetExceeded",
-                    f"{ref.name}: {nbytes} bytes do not fit the {self.budget_bytes}-byte budget"
-                    f" ({self.used_bytes} staged, {self._reserved} reserved by downloads in flight,"
+                    f"{ref.name}: {total} bytes do not fit the {self.budget_bytes}-byte budget"
+                    f" ({self.used_bytes} staged, {self._reserved - (total - nbytes)} reserved by other"
+                    " downloads in flight,"
                     f" {freed} evictable{'' if pinned else ' without evicting pinned adapters'})",
                 )
             for e in victims:
                 self._evict(e)
         self._reserved += nbytes
         return nbytes
+
+    def _release(self, nbytes: int, download: int | None = None) -> None:
+        """Give back bytes reserved (once they are staged or deleted); wake those waiting."""
+        self._reserved -= nbytes
+        if download is not None:
+            self._holding.pop(download, None)
+        self._released.set()
+        self._released = asyncio.Event()
 
     def _evict(self, e: _Entry) -> None:
         log.info("evicting %s (%d bytes, last used %.0f) to make room", e.name, e.nbytes, e.last_used)
@@ -414,18 +505,25 @@ class AdapterStore:
             blob_dir = self._store_dir / target.name
             try:
                 meta = json.loads((blob_dir / META_FILE).read_text())
-                for f in (CONFIG_FILE, WEIGHTS_FILE):
-                    (blob_dir / f).stat()  # both must be there
+                check_adapter_dir(blob_dir)  # both files there and whole, as when staged
                 mtime = blob_dir.stat().st_mtime
-                # A serving copy cut short by a crash, under its temporary name.
+                # A serving copy cut short by a crash, under its temporary name, or since.
                 leftovers = [f for f in blob_dir.iterdir() if f.name.startswith(".") and f.name != META_FILE]
+                for dtype in SERVING_DTYPES:
+                    copy = blob_dir / serving_weights_name(dtype)
+                    if copy.exists():
+                        try:
+                            read_safetensors_header(copy)
+                        except InvalidAdapter as e:
+                            log.warning("removing %s: %s", copy, e)
+                            leftovers.append(copy)
                 for f in leftovers:
                     f.unlink()
                 if leftovers:
                     os.utime(blob_dir, (mtime, mtime))  # the last use, not this clean-up
                 nbytes = sum(f.stat().st_size for f in blob_dir.iterdir() if f.name != META_FILE)
-            except (OSError, ValueError):
-                log.warning("removing %s: its version directory is missing or incomplete", link)
+            except (OSError, ValueError) as e:  # InvalidAdapter too
+                log.warning("removing %s: its version directory is missing or incomplete (%s)", link, e)
                 link.unlink()
                 continue
             if (not isinstance(meta, dict) or meta.get("name") != link.name
@@ -434,12 +532,22 @@ class AdapterStore:
                 link.unlink()
                 continue
             used_blobs.add(target.name)
-            self._entries[link.name] = _Entry(link.name, meta["sha256"], meta["source"], target.name, nbytes, mtime)
+            # A version staged before sources were kept redacted has the whole source instead.
+            kept = meta.get("sourceSha256")
+            self._entries[link.name] = _Entry(link.name, meta["sha256"], meta["source"], target.name, nbytes, mtime,
+                                              kept if isinstance(kept, str) else source_digest(meta["source"]))
         for blob in self._store_dir.iterdir():
             if blob.name not in used_blobs:
                 shutil.rmtree(blob, ignore_errors=True)
         if self._entries:
             log.info("found %d staged adapters (%d bytes) in %s", len(self._entries), self.used_bytes, self.root)
+        if self.used_bytes > self.budget_bytes:  # a smaller budget than the last run's
+            log.warning("%d staged bytes are over the %d-byte budget: evicting the least recently used",
+                        self.used_bytes, self.budget_bytes)
+            for e in sorted(self._entries.values(), key=lambda e: e.last_used):  # (no pins known yet)
+                if self.used_bytes <= self.budget_bytes:
+                    break
+                self._evict(e)
         self._update_gauges()
 
     def _store_blob(self, tmp: Path, blob: str) -> None:
@@ -451,41 +559,56 @@ class AdapterStore:
     def _link(self, name: str, blob: str) -> None:
         """Point the name's symlink at `blob`: a new link renamed over the old, so a reader sees
         one version or the other. Two quick syscalls, run on the event loop (see the caller)."""
-        link_tmp = self.root / f".{name}.{uuid.uuid4().hex[:8]}.link"
+        # The name's first 64 characters only: a name may take 253 of a file name's 255 bytes.
+        link_tmp = self.root / f".{name[:64]}.{uuid.uuid4().hex[:8]}.link"
         os.symlink(os.path.join(".store", blob), link_tmp)
-        os.replace(link_tmp, self.root / name)
+        try:
+            os.replace(link_tmp, self.root / name)
+        except OSError:
+            link_tmp.unlink(missing_ok=True)
+            raise
 
     async def _write_serving_copy(self, directory: Path, ref: AdapterRef) -> int:
         """Write the weights' F32 tensors in `ref.dtype` beside them in `directory` and reserve
         its bytes; returns them (0 when there is nothing to convert). A copy that cannot be
         written, or does not fit the budget's free bytes (it never evicts an adapter), is left
-        out, not the adapter: a server then converts as it reads (slower, the same bits)."""
+        out, not the adapter: a server then converts as it reads (slower, the same bits). Its
+        size comes from the header, so one without room is never written."""
         try:
-            copy = await asyncio.to_thread(write_serving_copy, directory, ref.dtype)
+            size = await asyncio.to_thread(serving_copy_size, directory, ref.dtype)
         except (OSError, ValueError, MemoryError) as err:
             log.warning("adapter %s: no %s copy of its weights (%s)", ref.name, ref.dtype, err)
             return 0
-        if copy is None:
+        if size is None:
             return 0
-        size = copy.stat().st_size
         if self.used_bytes + self._reserved + size > self.budget_bytes:
-            copy.unlink()
             log.info("adapter %s: no room in the budget for its %s copy (%d bytes)", ref.name, ref.dtype, size)
             return 0
         self._reserved += size
-        return size
+        try:
+            copy = await asyncio.to_thread(write_serving_copy, directory, ref.dtype)
+            written = copy.stat().st_size if copy is not None else 0
+        except (OSError, ValueError, MemoryError) as err:
+            self._release(size)
+            log.warning("adapter %s: no %s copy of its weights (%s)", ref.name, ref.dtype, err)
+            return 0
+        self._release(size - written)  # (none, unless the file changed between the two reads)
+        return written
 
     async def _add_serving_copy(self, e: _Entry, ref: AdapterRef) -> None:
-        """The same for a version staged before without it (one writer at a time)."""
+        """The same for a version staged before without it: one writer, as a task of its own
+        (a caller that goes away cancels neither it nor its accounting), which a request that
+        comes while it writes waits for too, so that every one is answered with the copy there."""
         key = (e.blob, ref.dtype)
-        if key in self._copying:
-            return
-        self._copying.add(key)
-        try:
-            extra = await self._write_serving_copy(self._store_dir / e.blob, ref)
-        finally:
-            self._copying.discard(key)
-        self._reserved -= extra
+        task = self._copying.get(key)
+        if task is None:
+            task = self._copying[key] = asyncio.ensure_future(self._copy_into(e, ref))
+            task.add_done_callback(lambda t, key=key: self._copying.pop(key, None))
+        await asyncio.shield(task)
+
+    async def _copy_into(self, e: _Entry, ref: AdapterRef) -> None:
+        extra = await self._write_serving_copy(self._store_dir / e.blob, ref)
+        self._release(extra)
         if extra and self._entries.get(e.name) is e:
             e.nbytes += extra
             self._update_gauges()
@@ -501,7 +624,7 @@ class AdapterStore:
 
     def _info(self, e: _Entry) -> StagedAdapter:
         return StagedAdapter(e.name, e.sha256, e.source, str(self.root / e.name), e.nbytes,
-                             e.name in self._pinned, e.last_used)
+                             e.name in self._pinned, e.last_used, e.source_digest)
 
     def _update_gauges(self) -> None:
         self.metrics.disk_bytes.set(self.used_bytes)
@@ -511,7 +634,8 @@ class AdapterStore:
 
 def _mkdtemp(parent: Path, name: str) -> str:
     parent.mkdir(parents=True, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f"{name}.", dir=parent)
+    # The name's head only: "<name>.<random>" of a 253-character name is past NAME_MAX (255).
+    return tempfile.mkdtemp(prefix=f"{name[:64]}.", dir=parent)
 
 
 def _write_synced(path: Path, data: bytes) -> None:

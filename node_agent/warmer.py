@@ -12,25 +12,35 @@ mtime, since a ConfigMap changes by a symlink swap; through the API: the resourc
 and re-reads it when that changes. On each plan (when a warm-up window opens, and after a
 backoff while a staging failure may pass) it reconciles: the store's pinned set; pinned
 adapters staged first, then prefetch entries whose window is open; adapters that left the
-plan removed from disk. A bad plan is logged and the previous plan kept.
+plan removed from disk (at the first plan after a start, those that left it while the agent
+was down: the plan's adapter names are kept in `<cache>/.plan-adapters.json`). A bad plan is
+logged and the previous plan kept.
 
 Servers: when a server pod of the plan's base on this node turns ready, the warmer asks it
 to load the pinned set and the open prefetch entries from local disk:
 
     POST http://<pod>:8000/v1/adapters/{name}/prefetch?wait=false
     POST http://<pod>:8000/v1/adapters/{name}/pin              (pinned adapters only)
+    POST http://<pod>:8000/v1/adapters/{name}/unpin            (pinned by an earlier plan, not
+                                                                by this one: a server keeps an
+                                                                API pin until told otherwise)
 
 The server finds `{name}` in its adapter directory, which is this agent's cache directory
-mounted read-only (the operator's Deployment mounts the same host path).
+mounted read-only (the operator's Deployment mounts the same host path). Servers are called
+side by side; a server that does not answer a call (refused, or no answer within
+`server_timeout_seconds`) has the rest of its warm-up skipped and is tried again at the next
+server check, so a server that is down or hung holds up neither the others nor the plan loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import logging
 import os
 import urllib.parse
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +50,7 @@ import aiohttp
 
 from loraplex.node_agent.kube import StatusReporter
 from loraplex.node_agent.metrics import Metrics
+from loraplex.node_agent.sources import redact
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StagedAdapter, StoreError, is_version
 from loraplex.server.adapter_format import SERVING_DTYPES
 from loraplex.server.plan_file import PlanFileError, decode_plan, read_plan_file
@@ -94,14 +105,15 @@ def parse_plan(data: object) -> Plan:
         if dtype is not None and dtype not in SERVING_DTYPES:
             raise PlanError(f"dtype {dtype!r} is not one of {sorted(SERVING_DTYPES)}")
         for a in data.get("adapters") or []:
-            ref = AdapterRef(a["name"], a["source"], a.get("sha256"), dtype)
+            ref = AdapterRef(_string(a["name"], "an adapter's name"), a["source"], a.get("sha256"), dtype)
             adapters[ref.name] = PlanAdapter(ref, a.get("tenant"), int(a.get("priority", 0)), bool(a.get("pinned")))
         pinned = tuple(data.get("pinned") or [n for n, a in adapters.items() if a.pinned])
         unknown = [n for n in pinned if n not in adapters]
         if unknown:
             raise PlanError(f"pinned adapters {unknown} are not in the plan's adapters")
         windows = tuple(
-            PrefetchWindow(w["name"], _parse_time(w["start"]), _parse_time(w["end"]))
+            PrefetchWindow(_string(w["name"], "a prefetch window's name"), _parse_time(w["start"]),
+                           _parse_time(w["end"]))
             for w in data.get("prefetch") or []
         )
         return Plan(str(data["baseModel"]), int(data.get("slots", 0)), pinned, adapters, windows)
@@ -109,6 +121,14 @@ def parse_plan(data: object) -> Plan:
         raise
     except (KeyError, TypeError, ValueError) as e:
         raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
+
+
+def _same_version(planned: AdapterRef, asked: AdapterRef) -> bool:
+    """`asked` names the version the plan has for its name (see Warmer.stage_refusal)."""
+    if planned.sha256 is not None:
+        return asked.sha256 == planned.sha256
+    return (asked.source.partition("?")[0] == planned.source.partition("?")[0]
+            and asked.sha256 in (None, planned.sha256))
 
 
 def read_plan(path: Path) -> Plan:
@@ -150,7 +170,17 @@ class PlanFile:
             raise PlanError(f"{self.path}: {e}") from None
 
 
+def _string(value: object, what: str) -> str:
+    """`value` if it is a string: a name of another type would fail later, where a dict
+    lookup or a URL quote meets it, out of the plan parser's reach."""
+    if not isinstance(value, str):
+        raise PlanError(f"{what} must be a string, got {value!r}")
+    return value
+
+
 def _parse_time(s: str) -> datetime.datetime:
+    if not isinstance(s, str):
+        raise ValueError(f"time {s!r} is not an ISO 8601 string")
     t = datetime.datetime.fromisoformat(s.replace("Z", "+00:00"))
     if t.tzinfo is None:
         raise ValueError(f"time {s!r} has no UTC offset")
@@ -177,14 +207,15 @@ class StaticServers:
         self._session = session
 
     async def servers(self, base_model: str) -> dict[str, tuple[str, bool]]:
-        out = {}
-        for url in self.urls:
-            try:
-                async with self._session.get(f"{url}/readyz", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    out[url] = (url, r.status == 200)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                out[url] = (url, False)
-        return out
+        ready = await asyncio.gather(*(self._ready(url) for url in self.urls))  # side by side
+        return {url: (url, r) for url, r in zip(self.urls, ready)}
+
+    async def _ready(self, url: str) -> bool:
+        try:
+            async with self._session.get(f"{url}/readyz", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
 
 
 # -- the warmer -------------------------------------------------------------------------------
@@ -196,19 +227,27 @@ class WarmResult:
     action: str
     ok: bool
     detail: str = ""
+    unreachable: bool = False  # no answer at all (refused, reset, timed out), not an error status
 
     def as_json(self) -> dict:
         return {"name": self.name, "action": self.action, "ok": self.ok, "detail": self.detail}
 
 
-# Staging failures worth retrying without a new plan (with backoff).
-RETRYABLE = frozenset({"NotFound", "Truncated", "Unreachable", "HTTPError", "DiskError"})
+# Staging failures worth retrying without a new plan (with backoff). Superseded: another
+# version of the name, asked for by someone else, was staged over the plan's; the plan wins.
+RETRYABLE = frozenset({"NotFound", "Truncated", "Unreachable", "HTTPError", "DiskError", "DiskFull",
+                       "Superseded"})
+
+
+# Failures of the adapter itself (its files, its digest, its source URI), not of the node.
+BAD_ADAPTER = frozenset({"DigestMismatch", "InvalidAdapter", "InvalidRequest", "Unsupported"})
 
 
 @dataclass
 class _Watch:
     identity: object = None
     missing: bool = False  # logged once per absence
+    read_error: str | None = None  # the last error reading the plan, logged once while it lasts
     plan: Plan | None = None
     errors: dict[str, str] = field(default_factory=dict)  # adapter -> "Reason: message"
     reasons: dict[str, str] = field(default_factory=dict)  # adapter -> Reason
@@ -228,6 +267,7 @@ class Warmer:
         now: Callable[[], datetime.datetime] = utcnow,
         poll_seconds: float = 1.0,
         server_poll_seconds: float = 2.0,
+        server_timeout_seconds: float = 10.0,
         retry_seconds: float = 10.0,
         max_retry_seconds: float = 300.0,
     ) -> None:
@@ -241,12 +281,15 @@ class Warmer:
         self._now = now
         self.poll_seconds = poll_seconds
         self.server_poll_seconds = server_poll_seconds
+        self.server_timeout_seconds = server_timeout_seconds
         self.retry_seconds = retry_seconds
         self.max_retry_seconds = max_retry_seconds
         self._watch = _Watch()
         self._ready: dict[str, str] = {}  # server id -> URL, servers already warmed
         self._wake = asyncio.Event()
         self.reconciles = 0
+        self._recorded: dict | None = None  # the plan's adapters and pins as last written to disk
+        self._unpin: set[str] = set()  # pinned by an earlier plan (or run), not by this one
 
     @property
     def plan(self) -> Plan | None:
@@ -268,6 +311,42 @@ class Warmer:
 
     # -- plan ---------------------------------------------------------------------------------
 
+    async def stage_refusal(self, ref: AdapterRef) -> StoreError | None:
+        """Why a client's stage request for `ref` must not be served, or None.
+
+        The node's servers load a plan adapter by its name from this node's disk, so a request
+        for a name the plan lists must ask for the plan's version: its digest, or, where the
+        plan gives none, its source (query string aside: a rotated token names the same
+        object). Otherwise any pod that reaches the agent's port could put other weights
+        under a tenant's adapter name, for every server of the pool on this node. A server may
+        have read a newer plan than this agent has, so a mismatch reads the plan again (and
+        wakes the plan loop to take it) before refusing. Names the plan does not list (another
+        base's servers on this node, or no plan at all) are staged as asked."""
+        plan = self.plan
+        if plan is None or ref.name not in plan.adapters or _same_version(plan.adapters[ref.name].ref, ref):
+            return None
+        newer = await self._read_plan_now()
+        if newer is not None:
+            self.wake()
+            if ref.name not in newer.adapters or _same_version(newer.adapters[ref.name].ref, ref):
+                return None
+            plan = newer
+        wanted = plan.adapters[ref.name].ref
+        what = f"sha256 {wanted.sha256}" if wanted.sha256 is not None else f"source {redact(wanted.source)}"
+        return StoreError("NotThePlansVersion", f"{ref.name} is in the plan of {plan.base_model} with {what}: "
+                          "this node stages that version of it alone")
+
+    async def _read_plan_now(self) -> Plan | None:
+        """The plan as its source holds it now, if it reads and parses; the watch is left as it
+        is (the plan loop takes a new plan, and reconciles for it, on its next poll)."""
+        if self.plan_source is None:
+            return None
+        try:
+            identity, raw = await self.plan_source.read(None)
+            return parse_plan(decode_plan(raw)) if identity is not None and raw is not None else None
+        except (ValueError, PlanFileError, zlib.error, aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return None
+
     async def check_plan(self) -> bool:
         """Re-read the plan if it changed; True if a new plan was taken. A missing or bad
         plan is logged and the last good one kept."""
@@ -275,9 +354,14 @@ class Warmer:
             return False
         try:
             identity, raw = await self.plan_source.read(self._watch.identity)
-        except (PlanError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            log.error("cannot read the plan: %s", e)
+        except (ValueError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            # ValueError: PlanError, and a ConfigMap whose binaryData is not base64 or whose
+            # body is not JSON; each poll meets it again, so it is logged once.
+            if str(e) != self._watch.read_error:
+                log.error("cannot read the plan %s: %s", self.plan_source, e)
+            self._watch.read_error = str(e)
             return False
+        self._watch.read_error = None
         if identity is None:
             if not self._watch.missing:
                 log.warning("plan %s is missing; keeping the last plan", self.plan_source)
@@ -289,7 +373,7 @@ class Warmer:
         self._watch.identity = identity
         try:
             plan = parse_plan(decode_plan(raw))
-        except (PlanError, PlanFileError) as e:
+        except (PlanError, PlanFileError, zlib.error) as e:  # zlib.error: a broken deflate stream
             log.error("ignoring plan %s: %s", self.plan_source, e)
             return False
         if plan == self._watch.plan:
@@ -306,17 +390,28 @@ class Warmer:
             return
         self.reconciles += 1
         self.store.set_pinned(set(plan.pinned))
+        dropped: set[str] = set()
+        was_pinned: set[str] = set()
         if previous is not None:
             # A new plan may unpin or drop adapters and so make room: try budget failures again.
             for name in [n for n, r in self._watch.reasons.items() if r == "BudgetExceeded"]:
                 self._watch.failed_for_good.pop(name, None)
-            for name in sorted(set(previous.adapters) - set(plan.adapters)):
-                if await self.store.remove(name):
-                    log.info("removed %s from local disk: it left the plan", name)
-                    self._report_removed(name)
-                self._watch.errors.pop(name, None)
-                self._watch.reasons.pop(name, None)
-                self._watch.failed_for_good.pop(name, None)
+            dropped = set(previous.adapters) - set(plan.adapters)
+            was_pinned = set(previous.pinned)
+        elif self._recorded is None:  # this process's first plan: the one before is the last run's
+            last = self._last_run()
+            dropped = set(last["adapters"]) - set(plan.adapters)
+            was_pinned = set(last["pinned"])
+        # A server keeps the pins the warmer made through its API until it is told otherwise.
+        self._unpin = (self._unpin | was_pinned) - set(plan.pinned)
+        for name in sorted(dropped):
+            if await self.store.remove(name):
+                log.info("removed %s from local disk: it left the plan", name)
+                self._report_removed(name)
+            self._watch.errors.pop(name, None)
+            self._watch.reasons.pop(name, None)
+            self._watch.failed_for_good.pop(name, None)
+        self._record({"adapters": sorted(plan.adapters), "pinned": sorted(plan.pinned)})
         if self.reporter is not None:  # what an earlier run (or a session) left on disk
             for name, a in plan.adapters.items():
                 staged = self.store.get(name)
@@ -325,9 +420,9 @@ class Warmer:
         await self._stage_all([plan.adapters[n].ref for n in plan.pinned])
         now = self._now()
         await self._stage_all([plan.adapters[n].ref for n in plan.open_prefetch(now)])
-        # Servers already warm get the new pins and open windows too (idempotent calls).
-        for url in list(self._ready.values()):
-            await self.warm_server(url)
+        # Servers already warm get the new pins and open windows too (idempotent calls), side
+        # by side: a server that hangs costs the plan loop one call timeout, not one per server.
+        await asyncio.gather(*(self.warm_server(url) for url in list(self._ready.values())))
 
     async def _stage_all(self, refs: list[AdapterRef]) -> None:
         # An adapter that failed for good (wrong digest, bad file) is tried again only when
@@ -364,6 +459,34 @@ class Warmer:
         if self.reporter is not None:
             self.reporter.staged(ref.name, staged.bytes)
         return staged
+
+    # The plan's adapter names and pinned set, kept in the cache directory (a dot name: neither
+    # the store nor a server takes it for an adapter), so that what the plan dropped or unpinned
+    # while the agent was down is removed and unpinned after its next start as while it runs.
+    PLAN_ADAPTERS_FILE = ".plan-adapters.json"
+
+    def _last_run(self) -> dict[str, list[str]]:
+        try:
+            last = json.loads((self.store.root / self.PLAN_ADAPTERS_FILE).read_text())
+        except (OSError, ValueError):
+            last = None
+        if not isinstance(last, dict):
+            last = {}
+        return {k: [n for n in v if isinstance(n, str)] if isinstance(v := last.get(k), list) else []
+                for k in ("adapters", "pinned")}
+
+    def _record(self, state: dict) -> None:
+        if state == self._recorded:
+            return
+        path = self.store.root / self.PLAN_ADAPTERS_FILE
+        tmp = path.with_name(f"{path.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("cannot record the plan's adapters in %s: %s", path, e)
+            return
+        self._recorded = state
 
     def _evicted(self, name: str) -> None:
         plan = self._watch.plan
@@ -427,33 +550,49 @@ class Warmer:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             log.warning("cannot list the servers on this node: %s", e)
             return []
-        warmed = []
         for sid, (url, ready) in seen.items():
-            if ready and sid not in self._ready:
-                log.info("server %s is ready: loading its pinned set", url)
-                await self.warm_server(url)
-                self._ready[sid] = url
-                warmed.append(url)
-            elif not ready:
+            if not ready:
                 self._ready.pop(sid, None)  # warm it again when it comes back
         for sid in set(self._ready) - set(seen):
             del self._ready[sid]
+        new = [(sid, url) for sid, (url, ready) in seen.items() if ready and sid not in self._ready]
+        for _, url in new:
+            log.info("server %s is ready: loading its pinned set", url)
+        # Side by side: a server that hangs must not hold up the warm-up of the others.
+        results = await asyncio.gather(*(self.warm_server(url) for _, url in new))
+        warmed = []
+        for (sid, url), res in zip(new, results):
+            if any(r.unreachable for r in res):  # it did not answer: try again at the next check
+                continue
+            self._ready[sid] = url
+            warmed.append(url)
         return warmed
 
     async def warm_server(self, url: str) -> list[WarmResult]:
+        """Take back the pins an earlier plan made that this one does not, then ask the server
+        at `url` to load (and pin) the pinned set, then the open warm-up windows, in that
+        order. A call it does not answer at all (refused, timed out) ends the warm-up: the
+        calls left are reported skipped, not made one timeout each."""
         plan = self._watch.plan
         if plan is None:
             return []
+        calls: list[tuple[str, str]] = [(name, "unpin") for name in sorted(self._unpin)]
         results = []
         for name in plan.pinned:
             if self.store.get(name) is None:
                 results.append(WarmResult(name, "prefetch", False, "not staged on this node"))
                 continue
-            results.append(await self.call_server(url, name, "prefetch"))
-            results.append(await self.call_server(url, name, "pin"))
+            calls += [(name, "prefetch"), (name, "pin")]
         for name in plan.open_prefetch(self._now()):
             if name not in plan.pinned and self.store.get(name) is not None:
-                results.append(await self.call_server(url, name, "prefetch"))
+                calls.append((name, "prefetch"))
+        for i, (name, action) in enumerate(calls):
+            result = await self.call_server(url, name, action)
+            results.append(result)
+            if result.unreachable:
+                results += [WarmResult(n, a, False, f"skipped: the server did not answer ({result.detail})",
+                                       unreachable=True) for n, a in calls[i + 1:]]
+                break
         return results
 
     async def call_server(self, url: str, name: str, action: str) -> WarmResult:
@@ -461,16 +600,20 @@ class Warmer:
         path = f"/v1/adapters/{urllib.parse.quote(name)}/{action}"
         if action == "prefetch":
             path += "?wait=false"
+        unreachable = False
         try:
-            async with self._session.post(url.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
-                ok = 200 <= r.status < 300
+            async with self._session.post(url.rstrip("/") + path,
+                                          timeout=aiohttp.ClientTimeout(total=self.server_timeout_seconds)) as r:
+                # (an unpin of an adapter the server does not know has nothing to undo)
+                ok = 200 <= r.status < 300 or (action == "unpin" and r.status == 404)
                 detail = "" if ok else f"{r.status}: {(await r.text())[:200]}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            ok, detail = False, f"{type(e).__name__}: {e}"
+            ok, detail = False, f"{type(e).__name__}: {str(e) or f'no answer in {self.server_timeout_seconds:g} s'}"
+            unreachable = not isinstance(e, aiohttp.ClientResponseError)
         self.metrics.server_calls.labels(action, "ok" if ok else "error").inc()
         if not ok:
             log.warning("%s %s on %s failed: %s", action, name, url, detail)
-        return WarmResult(name, action, ok, detail)
+        return WarmResult(name, action, ok, detail, unreachable)
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -479,6 +622,12 @@ class Warmer:
         plan = self._watch.plan
         if plan is None or name not in plan.adapters:
             raise StoreError("UnknownAdapter", f"adapter {name!r} is not in this node's plan")
-        staged = await self._stage(plan.adapters[name].ref)
-        results = [await self.call_server(url, name, "prefetch") for url in list(self._ready.values())]
-        return staged, results
+        ref = plan.adapters[name].ref
+        reason = self._watch.reasons.get(name)
+        if reason in BAD_ADAPTER and self._watch.failed_for_good.get(name) == ref:
+            # The same source gives the same bytes: the failure stands until the plan changes
+            # the adapter (a download per session start would only repeat it).
+            raise StoreError(reason, self._watch.errors[name].removeprefix(f"{reason}: "))
+        staged = await self._stage(ref)
+        results = await asyncio.gather(*(self.call_server(url, name, "prefetch") for url in list(self._ready.values())))
+        return staged, list(results)

@@ -4,8 +4,9 @@
     LoRAAdapter  any event (node agents patch status.nodes)     -> reconcile if Staged / Ready move
     BaseModel    create / update / resume                      -> Deployment + Service, reconcile
     BaseModel    deleted                                        -> its adapters go Pending
-    BaseModel    daemon                                         -> reconcile when a warm-up window opens or ends
-    Deployment   readiness (ours, by label)                    -> reconcile its base
+    BaseModel    daemon                                         -> reconcile when a warm-up window opens or ends;
+                                                                   every RESYNC_SECONDS also repair its workloads
+    Deployment   readiness (ours, by label)                    -> reconcile its base; deleted: recreated
 
 The indices hold every BaseModel and LoRAAdapter as small parsed records, so a handler
 never lists objects. Run with `kopf run -m loraplex.operator` or `loraplex-operator`.
@@ -16,14 +17,17 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
-from loraplex.operator import kube, status as statuses, workloads
+from loraplex.operator import kube, liveness, status as statuses, workloads
 from loraplex.operator.packing import pack
 from loraplex.operator.reconciler import AdapterRecord, BaseRecord, Planner, utcnow
 from loraplex.operator.specs import GROUP, VERSION, AdapterSpec, BaseModelSpec, SpecError
+
+logger = logging.getLogger(__name__)
 
 BASEMODELS = (GROUP, VERSION, "basemodels")
 ADAPTERS = (GROUP, VERSION, "loraadapters")
@@ -31,13 +35,19 @@ OURS = {"app.kubernetes.io/managed-by": workloads.MANAGED_BY}
 FINALIZER = "loraplex.io/operator"
 ANNOTATIONS_PREFIX = "operator.loraplex.io"
 # Longest a BaseModel's daemon sleeps between plans when no warm-up window is due (seconds);
-# each run also re-reads the ConfigMap, so a plan deleted by hand comes back.
+# each run also re-reads the ConfigMap, so a plan deleted by hand comes back, and puts back
+# its Deployment and Service (deleted, edited, or held up by a name conflict or a refusal).
 RESYNC_SECONDS = 300.0
 
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.finalizer = FINALIZER
+    # A handler's failure (an invalid spec, a write refused) as a Warning event on its object,
+    # where `kubectl describe` shows it; its successes are not worth an event each. kopf 1.45
+    # posts no log message as an event unless told to (`loggers`), older kopf posts INFO too.
+    settings.posting.loggers = True
+    settings.posting.level = logging.WARNING
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATIONS_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATIONS_PREFIX, key="last-handled-configuration")
@@ -51,10 +61,20 @@ def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
     return kube.login(settings)
 
 
+@kopf.on.startup()
+async def serve_liveness(memo: kopf.Memo, **_: Any) -> None:
+    """The liveness endpoint on every address of both families, when the command line asks
+    for one with an empty host (cli.liveness_endpoints; kopf's own binds one address)."""
+    if memo.get("liveness") and "liveness_runner" not in memo:
+        memo.liveness_runner = await liveness.serve(memo.liveness)
+
+
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
     if "planner" in memo:
         await memo.planner.client.close()
+    if "liveness_runner" in memo:
+        await memo.liveness_runner.cleanup()
 
 
 # Indices: (namespace, base name) -> records. kopf fills them before any handler runs.
@@ -124,7 +144,7 @@ async def adapter_staging(event: kopf.RawEvent, body: kopf.Body, namespace: str,
     desired = statuses.adapter_status(record.spec, plan.verdicts[record.spec.name], plan,
                                       record.status, ready, utcnow())
     if statuses.differs(record.status, desired):
-        await planner.reconcile(key, basemodels, adapters_by_base)
+        await planner.reconcile_or_retry(key, basemodels, adapters_by_base)
 
 
 # BaseModel
@@ -142,17 +162,18 @@ async def basemodel_changed(body: kopf.Body, namespace: str, name: str, memo: ko
         await memo.planner.reconcile((namespace, name), basemodels, adapters_by_base)  # -> BaseModelInvalid
         raise kopf.PermanentError(f"invalid BaseModel spec: {exc}") from exc
     planner: Planner = memo.planner
-    children = [workloads.deployment(base, pack(base).slots), workloads.service(base)]
-    kopf.adopt(children, owner=body)
     try:
-        for child in children:
-            outcome = await planner.client.ensure(child)
-            if outcome != "unchanged":
-                logger.info("%s %s %s", child["kind"], child["metadata"]["name"], outcome)
+        problem = await _ensure_workloads(planner.client, base, body, logger)
     except kube.KubeError as exc:
         raise kopf.TemporaryError(f"writing the serving workloads: {exc}", delay=5) from exc
+    planner.state((namespace, name)).workload_error = problem
     planner.forget_written((namespace, name))
     await planner.reconcile((namespace, name), basemodels, adapters_by_base)
+    if problem is not None:
+        # The status says why. Not a delayed retry: that would hold the next spec change back
+        # for its delay; the daemon's resync tries again for what is lifted elsewhere (the
+        # other owner's object deleted, an admission policy changed).
+        raise kopf.PermanentError(problem[1])
 
 
 @kopf.on.event(*BASEMODELS)
@@ -160,7 +181,7 @@ async def basemodel_gone(event: kopf.RawEvent, namespace: str, name: str, memo: 
                          basemodels: kopf.Index, adapters_by_base: kopf.Index, **_: Any) -> None:
     """Its adapters go back to Pending (BaseModelNotFound); owned objects are garbage-collected."""
     if event.get("type") == "DELETED":
-        await memo.planner.reconcile((namespace, name), basemodels, adapters_by_base)
+        await memo.planner.reconcile_or_retry((namespace, name), basemodels, adapters_by_base)
 
 
 @kopf.daemon(*BASEMODELS, cancellation_timeout=5.0)
@@ -177,9 +198,60 @@ async def follow_warmup_windows(namespace: str, name: str, memo: kopf.Memo, stop
         state.wake.clear()
         if await _sleep(delay, state.wake, stopped):
             continue  # woken: stopping, or the wake-up time moved and we sleep until the new one
-        if state.wakeup is None or state.wakeup <= planner.clock():
+        if state.wakeup is None or state.wakeup <= planner.clock():  # the resync
             planner.forget_written(key)
+            await _repair_workloads(planner, key, basemodels)
         await planner.reconcile(key, basemodels, adapters_by_base)
+
+
+async def _ensure_workloads(client: kube.KubeClient, base: BaseModelSpec, owner: Mapping[str, Any],
+                            log: logging.Logger) -> tuple[str, str] | None:
+    """Create the serving Deployment and Service of `base`, or put back what differs.
+
+    Returns (reason, message) for the base's status when one could not be written for a
+    reason a retry cannot lift: NameConflict (another owner's object has the name, left
+    alone: `kube.NotOwned`) or WorkloadInvalid (the API server refused it, e.g. for what
+    spec.serving put in it); None when both are written. Other errors raise KubeError.
+    """
+    children = [workloads.deployment(base, pack(base).slots), workloads.service(base)]
+    kopf.adopt(children, owner=owner)  # type: ignore[arg-type]
+    problems: list[tuple[str, str]] = []
+    for child in children:
+        where = f"{child['kind']} {base.namespace}/{child['metadata']['name']}"
+        try:
+            outcome = await client.ensure(child)
+        except kube.NotOwned as exc:
+            problems.append(("NameConflict", exc.message))
+            continue
+        except kube.KubeError as exc:
+            if exc.status not in (400, 422):
+                raise
+            problems.append(("WorkloadInvalid", f"{where} refused by the API server: {exc.message}"))
+            continue
+        if outcome != "unchanged":
+            log.info("%s %s", where, outcome)
+    if not problems:
+        return None
+    reason = "WorkloadInvalid" if any(r == "WorkloadInvalid" for r, _ in problems) else "NameConflict"
+    return reason, "; ".join(message for _, message in problems)
+
+
+async def _repair_workloads(planner: Planner, key: tuple[str, str], basemodels: kopf.Index) -> None:
+    """Recreate or repair the workloads of a live BaseModel (one deleted or edited by hand).
+    Not for a base being deleted: its objects are the garbage collector's to remove."""
+    record: BaseRecord | None = next(iter(basemodels.get(key, ())), None)
+    if record is None or record.spec is None or record.deleting:
+        return
+    try:
+        problem = await _ensure_workloads(planner.client, record.spec, record.owner(), logger)
+    except kube.KubeError as exc:
+        logger.warning("repairing the serving workloads of %s/%s: %s (retried at the next resync)",
+                       key[0], key[1], exc)
+        return
+    state = planner.state(key)
+    if problem != state.workload_error:
+        state.workload_error = problem
+        planner.forget_written(key)  # the base's status changes with it
 
 
 async def _sleep(delay: float, wake: asyncio.Event, stopped: kopf.DaemonStopped) -> bool:
@@ -207,16 +279,22 @@ async def deployment_readiness(event: kopf.RawEvent, body: kopf.Body, namespace:
     deleted = event.get("type") == "DELETED"
     ready = 0 if deleted else int((body.get("status") or {}).get("readyReplicas") or 0)
     planner: Planner = memo.planner
+    if deleted:  # by hand, or its base is going: recreated in the first case only
+        await _repair_workloads(planner, (namespace, base), basemodels)
     if planner.set_ready_replicas((namespace, base), ready):
-        await planner.reconcile((namespace, base), basemodels, adapters_by_base)
+        await planner.reconcile_or_retry((namespace, base), basemodels, adapters_by_base)
 
 
 def _invalid_status(body: kopf.Body, message: str, phase: str) -> dict[str, Any]:
+    """Accepted and Ready False / InvalidSpec; the other conditions (Staged) kept as they were."""
     generation = int(body.get("metadata", {}).get("generation") or 0)
-    cond = statuses.condition("Accepted", False, "InvalidSpec", message, generation)
+    old = list((body.get("status") or {}).get("conditions") or ())
+    kept = [c for c in old if c.get("type") not in ("Accepted", "Ready")]
+    conds = [statuses.condition("Accepted", False, "InvalidSpec", message, generation), *kept,
+             statuses.condition("Ready", False, "InvalidSpec", message, generation)]
     now = datetime.datetime.now(datetime.timezone.utc)
     return {
         "observedGeneration": generation,
         "phase": phase,
-        "conditions": statuses.merge_conditions((body.get("status") or {}).get("conditions"), [cond], now),
+        "conditions": statuses.merge_conditions(old, conds, now),
     }

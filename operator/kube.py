@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import logging
 import ssl
 import tempfile
@@ -62,6 +63,16 @@ class KubeError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+        self.message = message  # the API server's own words (a Status object's message)
+
+
+class NotOwned(KubeError):
+    """`ensure` found another owner's object under the name it needs; nothing was written."""
+
+    def __init__(self, kind: str, namespace: str, name: str, why: str) -> None:
+        message = f"{kind} {namespace}/{name} already exists and is not this BaseModel's ({why})"
+        Exception.__init__(self, message)
+        self.status, self.message = 409, message
 
 
 def login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
@@ -118,7 +129,9 @@ class KubeClient:
             raise
 
     async def ensure(self, desired: Mapping[str, Any]) -> str:
-        """Create `desired` or patch the parts we own; returns "created", "patched" or "unchanged"."""
+        """Create `desired` or patch the parts we own; returns "created", "patched" or "unchanged".
+        Raises `NotOwned`, writing nothing, when the name is taken by an object that is not ours
+        (`workloads.foreign_owner`)."""
         resource = _BY_KIND[desired["kind"]]
         meta = desired["metadata"]
         path = resource.path(meta["namespace"], meta["name"])
@@ -131,6 +144,11 @@ class KubeClient:
                 if exc.status != 409:
                     raise
                 existing = await self.get(path)  # created meanwhile: fall through to compare
+                if existing is None:
+                    raise
+        why = workloads.foreign_owner(existing, desired)
+        if why is not None:
+            raise NotOwned(desired["kind"], meta["namespace"], meta["name"], why)
         if not workloads.needs_update(existing, desired):
             return "unchanged"
         owned = {key: desired[key] for key in ("spec", "data", "binaryData") if key in desired}
@@ -162,8 +180,7 @@ class KubeClient:
             headers["Authorization"] = f"{self._info.scheme or 'Bearer'} {self._info.token}"
         async with session.request(method, url, headers=headers, **kwargs) as response:
             if response.status >= 400:
-                text = await response.text()
-                raise KubeError(response.status, text[:500])
+                raise KubeError(response.status, _status_message(await response.text()))
             result: dict[str, Any] = await response.json(content_type=None)
             return result
 
@@ -195,6 +212,17 @@ class KubeClient:
         f.flush()
         self._tempfiles.append(f)
         return f.name
+
+
+def _status_message(text: str) -> str:
+    """The message of the `Status` object an API server answers an error with, else the text."""
+    try:
+        status = json.loads(text)
+    except ValueError:
+        status = None
+    if isinstance(status, dict) and isinstance(status.get("message"), str) and status["message"]:
+        return status["message"][:1000]
+    return text[:500]
 
 
 def _text(data: str | bytes) -> str:

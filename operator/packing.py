@@ -1,7 +1,11 @@
 """How many adapters fit on one GPU next to the base: the packing math.
 
-    adapter room = GPU memory - base weights - KV-cache reserve - overhead
+    adapter room = GPU memory - base weights - KV cache - overhead
     slots        = adapter room // bytes of one slot at maxLoraRank (slot_modules)
+
+The KV cache is what the server will allocate, `serving.engine.maxNumSeqs` rows of
+`maxModelLen` tokens (kv_cache_bytes, when the architecture is known), or
+`memory.kvCacheReserve` if that is larger (or the architecture unknown).
 
 Every slot is sized for the largest rank the buffers hold (`lora_a: [slots, R, in]`,
 `lora_b: [slots, out, R]` per target module and layer), so a rank-8 adapter in a rank-64
@@ -69,6 +73,22 @@ def slot_modules(modules: Iterable[str]) -> tuple[str, ...]:
     return tuple(m for group in SLOT_GROUPS if modules & set(group) for m in group)
 
 
+def kv_cache_bytes(arch: Architecture, rows: int, max_len: int, dtype_bytes: int) -> int:
+    """K and V of `rows` sequences of `max_len` tokens, every layer: the server's preallocated
+    cache. Llama-3-8B, bf16, 16 rows of 2048: 2 * 32 * 8 * 128 * 2 * 16 * 2048 = 4.29 GB."""
+    return 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim * dtype_bytes * rows * max_len
+
+
+def kv_bytes(base: BaseModelSpec) -> int:
+    """The KV cache the packing math reserves for `base`'s servers (module docstring)."""
+    reserve = base.memory.kv_cache_reserve
+    if base.architecture is None:
+        return reserve
+    engine = base.serving.engine
+    return max(reserve, kv_cache_bytes(base.architecture, engine.max_num_seqs, engine.max_model_len,
+                                       base.dtype_bytes))
+
+
 def base_weight_bytes(arch: Architecture, dtype_bytes: int) -> int:
     """Bytes of the base weights: embeddings, attention, MLP, norms (and an untied LM head)."""
     hidden = arch.hidden_size
@@ -126,11 +146,12 @@ def pack(base: BaseModelSpec, rank: int | None = None) -> Packing:
                        "cannot size slots without " + ", ".join(missing) + " (or set memory.slots)")
     assert mem.gpu_memory is not None and base_bytes is not None and slot is not None
 
-    room = mem.gpu_memory - base_bytes - mem.kv_cache_reserve - mem.overhead
+    kv = kv_bytes(base)
+    room = mem.gpu_memory - base_bytes - kv - mem.overhead
     if room <= 0:
         return Packing(0, slot, room, base_bytes, "NoRoom",
                        f"no adapter room: GPU {_gb(mem.gpu_memory)} - base {_gb(base_bytes)}"
-                       f" - KV {_gb(mem.kv_cache_reserve)} - overhead {_gb(mem.overhead)}"
+                       f" - KV {_gb(kv)} - overhead {_gb(mem.overhead)}"
                        f" = {_gb(room)}")
     slots = room // slot if slot > 0 else 0
     if slots == 0:

@@ -23,7 +23,7 @@ import dataclasses
 import datetime
 from collections.abc import Iterable, Sequence
 
-from loraplex.operator.specs import AdapterSpec, format_time
+from loraplex.operator.specs import AdapterSpec, Warmup, format_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,13 +63,22 @@ class PrefetchEntry:
         return {"name": self.name, "start": format_time(self.start), "end": format_time(self.end)}
 
 
+def opens(warmup: Warmup, lead: datetime.timedelta) -> datetime.datetime:
+    """When a window enters the prefetch list: `lead` before its start, or at the start of
+    the calendar for a start that early."""
+    try:
+        return warmup.start - lead
+    except OverflowError:
+        return datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+
+
 def prefetch(adapters: Iterable[AdapterSpec], now: datetime.datetime,
              lead: datetime.timedelta) -> list[PrefetchEntry]:
     """Adapters whose window is open or opens within `lead` of `now`, by start then name."""
     entries = [
         PrefetchEntry(a.name, a.warmup.start, a.warmup.end)
         for a in adapters
-        if a.warmup is not None and a.warmup.start - lead <= now < a.warmup.end
+        if a.warmup is not None and opens(a.warmup, lead) <= now < a.warmup.end
     ]
     return sorted(entries, key=lambda e: (e.start, e.name))
 
@@ -80,7 +89,7 @@ def next_change(adapters: Sequence[AdapterSpec], now: datetime.datetime,
     moments = [
         moment
         for a in adapters if a.warmup is not None
-        for moment in (a.warmup.start - lead, a.warmup.end)
+        for moment in (opens(a.warmup, lead), a.warmup.end)
         if moment > now
     ]
     return min(moments, default=None)

@@ -31,6 +31,10 @@ from loraplex.operator.validation import read_adapter_config
 logger = logging.getLogger(__name__)
 
 BaseKey = tuple[str, str]  # (namespace, BaseModel name)
+# A reconcile that failed where kopf does not retry (an event handler) is run again from the
+# background after this many seconds, doubling up to RETRY_MAX_SECONDS until it succeeds.
+RETRY_SECONDS = 5.0
+RETRY_MAX_SECONDS = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,7 @@ class BaseRecord:
     spec: BaseModelSpec | None
     error: str | None
     status: Mapping[str, Any]
+    deleting: bool = False  # deletionTimestamp set: its owned objects are being collected
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> BaseRecord:
@@ -53,7 +58,8 @@ class BaseRecord:
         except SpecError as exc:
             spec, error = None, str(exc)
         return cls(str(meta.get("namespace") or "default"), str(meta.get("name")), str(meta.get("uid") or ""),
-                   dict(meta.get("labels") or {}), spec, error, dict(body.get("status") or {}))
+                   dict(meta.get("labels") or {}), spec, error, dict(body.get("status") or {}),
+                   bool(meta.get("deletionTimestamp")))
 
     def owner(self) -> dict[str, Any]:
         """A body for `kopf.adopt`: enough to write an owner reference."""
@@ -103,6 +109,9 @@ class _BaseState:
     ready_replicas: int = 0
     wakeup: datetime.datetime | None = None
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    retry: asyncio.Task[None] | None = None  # a background re-run after a failed one
+    workload_error: tuple[str, str] | None = None  # (reason, message): its Deployment / Service not written
+    failed_writes: list[str] = dataclasses.field(default_factory=list)  # statuses the last run could not write
 
 
 Indices = Mapping[Any, Iterable[Any]]  # kopf.Index: key -> store of values
@@ -158,14 +167,55 @@ class Planner:
             target = state.requested
             state.runs += 1
             try:
-                await self._run(key, state, basemodels, adapters)
+                state.failed_writes = await self._run(key, state, basemodels, adapters)
             except kube.KubeError as exc:
                 raise kopf.TemporaryError(f"writing the plan of {key[0]}/{key[1]}: {exc}", delay=5) from exc
             state.done = target
-            return state.plan
+        if state.failed_writes:
+            # The plan is written: the statuses that were not are written again from the
+            # background, so that one object refusing them holds up no handler (a finalizer).
+            self._retry_later(key, basemodels, adapters, "; ".join(state.failed_writes))
+        return state.plan
 
-    async def _run(self, key: BaseKey, state: _BaseState, basemodels: Indices, adapters: Indices) -> None:
+    async def reconcile_or_retry(self, key: BaseKey, basemodels: Indices, adapters: Indices) -> None:
+        """`reconcile` for callers kopf does not retry (event handlers): when it fails, it is run
+        again from the background until it succeeds, so a transient API error does not leave
+        statuses stale until some later event (after a BaseModel is gone, none comes)."""
+        try:
+            await self.reconcile(key, basemodels, adapters)
+        except kopf.TemporaryError as exc:
+            self._retry_later(key, basemodels, adapters, str(exc))
+
+    def _retry_later(self, key: BaseKey, basemodels: Indices, adapters: Indices, why: str) -> None:
+        state = self.state(key)
+        if state.retry is None or state.retry.done():
+            logger.warning("%s; trying again in %.0fs", why, RETRY_SECONDS)
+            state.retry = asyncio.get_running_loop().create_task(
+                self._retry(key, basemodels, adapters), name=f"reconcile {key[0]}/{key[1]} again")
+
+    async def _retry(self, key: BaseKey, basemodels: Indices, adapters: Indices) -> None:
+        """Run the reconcile of `key` until it and every write it makes succeed (backing off)."""
+        delay = RETRY_SECONDS
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await self.reconcile(key, basemodels, adapters)
+                if not self.state(key).failed_writes:
+                    return
+                why = "; ".join(self.state(key).failed_writes)
+            except kopf.TemporaryError as exc:
+                why = str(exc)
+            except Exception:
+                logger.exception("reconciling %s/%s failed; not retried", *key)
+                return
+            delay = min(delay * 2, RETRY_MAX_SECONDS)
+            logger.warning("%s; trying again in %.0fs", why, delay)
+
+    async def _run(self, key: BaseKey, state: _BaseState, basemodels: Indices, adapters: Indices) -> list[str]:
+        """One run; raises KubeError if the plan could not be written, returns the status
+        writes that failed (each object's own, so one refusing its status stops no other)."""
         namespace, name = key
+        failed: list[str] = []
         now = self.clock()
         base_records: list[BaseRecord] = list(basemodels.get(key, ()))
         adapter_records: list[AdapterRecord] = [r for r in adapters.get(key, ()) if r.spec is not None]
@@ -179,15 +229,15 @@ class Planner:
                     continue
                 desired = statuses.orphan_status(record.spec, record.status, now,
                                                  base.error if base is not None else None)
-                await self._patch_adapter(state, record, desired)
-            return
+                await self._patch_adapter(state, record, desired, failed)
+            return failed
 
         started = now
         plan = build_plan(base.spec, [r.spec for r in adapter_records if r.spec is not None], now)
         logger.debug("planned %s/%s: %d adapters in %.3fs", namespace, name, len(plan.adapters),
                      (self.clock() - started).total_seconds())
         state.plan = plan  # before the writes: events they cause must see this plan
-        plan_error = await self._write_config_map(base, plan, state)
+        plan_error, plan_error_reason = await self._write_config_map(base, plan, state)
 
         for record in adapter_records:
             assert record.spec is not None
@@ -196,40 +246,55 @@ class Planner:
             verdict = plan.verdicts[record.spec.name]
             desired = statuses.adapter_status(record.spec, verdict, plan, record.status,
                                               state.ready_replicas > 0, now)
-            await self._patch_adapter(state, record, desired)
+            await self._patch_adapter(state, record, desired, failed)
 
         cm_name = workloads.plan_config_map_name(name)
-        desired_base = statuses.base_status(plan, base.status, state.ready_replicas, cm_name, now, plan_error)
+        desired_base = statuses.base_status(plan, base.status, state.ready_replicas, cm_name, now, plan_error,
+                                            plan_error_reason, state.workload_error)
         if statuses.differs(base.status, desired_base) and state.written_status.get(base.uid) != desired_base:
-            await self.client.patch_status(kube.BASE_MODELS, namespace, name, desired_base)
-            state.written_status[base.uid] = desired_base
+            try:
+                await self.client.patch_status(kube.BASE_MODELS, namespace, name, desired_base)
+                state.written_status[base.uid] = desired_base
+            except kube.KubeError as exc:
+                failed.append(f"status of BaseModel {namespace}/{name}: {exc}")
 
         wakeup = next_wakeup(plan, now)
         if wakeup != state.wakeup:
             state.wakeup = wakeup
             state.wake.set()
+        return failed
 
-    async def _write_config_map(self, base: BaseRecord, plan: Plan, state: _BaseState) -> str | None:
-        """Write the plan if it changed; returns why it could not be written, if so."""
+    async def _write_config_map(self, base: BaseRecord, plan: Plan,
+                                state: _BaseState) -> tuple[str | None, str]:
+        """Write the plan if it changed; returns why it could not be written, if so, and a reason."""
         assert base.spec is not None
         text = plan.to_json()
         if state.written_json == text:
-            return None
+            return None, ""
         try:
             desired = workloads.plan_config_map(base.spec, text)
         except workloads.PlanTooLarge as exc:
             logger.error("plan %s/%s not written: %s", base.namespace, base.name, exc)
-            return str(exc)  # the ConfigMap keeps the last plan that fit; the status says why
+            return str(exc), "PlanTooLarge"  # the ConfigMap keeps the last plan that fit; the status says why
         kopf.adopt(desired, owner=base.owner())  # type: ignore[arg-type]
-        outcome = await self.client.ensure(desired)
+        try:
+            outcome = await self.client.ensure(desired)
+        except kube.NotOwned as exc:
+            logger.error("plan %s/%s not written: %s", base.namespace, base.name, exc)
+            return str(exc), "NameConflict"  # tried again at every run until the name is free
         if outcome != "unchanged":
             logger.info("plan %s/%s %s: %d adapters, %d pinned, %d slots", base.namespace,
                         desired["metadata"]["name"], outcome, len(plan.adapters),
                         len(plan.pinning.pinned), plan.slots)
         state.written_json = text
-        return None
+        return None, ""
 
-    async def _patch_adapter(self, state: _BaseState, record: AdapterRecord, desired: Mapping[str, Any]) -> None:
+    async def _patch_adapter(self, state: _BaseState, record: AdapterRecord, desired: Mapping[str, Any],
+                             failed: list[str]) -> None:
         if statuses.differs(record.status, desired) and state.written_status.get(record.uid) != desired:
-            await self.client.patch_status(kube.ADAPTERS, record.namespace, record.name, desired)
+            try:
+                await self.client.patch_status(kube.ADAPTERS, record.namespace, record.name, desired)
+            except kube.KubeError as exc:
+                failed.append(f"status of LoRAAdapter {record.namespace}/{record.name}: {exc}")
+                return
             state.written_status[record.uid] = desired

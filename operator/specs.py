@@ -27,6 +27,8 @@ ALL_TARGET_MODULES: tuple[str, ...] = (
 )
 DEFAULT_TARGET_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+# The longest warmupLeadSeconds (a year), as the CRD's maximum.
+MAX_WARMUP_LEAD_SECONDS = 365 * 24 * 3600
 PIN_POLICIES: tuple[str, ...] = ("Auto", "Always", "Never")
 
 # Kubernetes quantities: "80Gi", "16G", "40M", "1.5Gi", or a plain number of bytes.
@@ -36,6 +38,10 @@ _SUFFIX: dict[str, int] = {
     "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
 }
+
+
+# A quantity is an int64 in Kubernetes, as the CRDs' integer fields are.
+_MAX_QUANTITY = 2**63 - 1
 
 
 class SpecError(ValueError):
@@ -51,12 +57,21 @@ def parse_quantity(value: int | str | None) -> int | None:
     if isinstance(value, int):
         if value < 0:
             raise SpecError(f"negative quantity: {value}")
+        if value > _MAX_QUANTITY:
+            raise SpecError(f"quantity {value} is too large (at most {_MAX_QUANTITY} bytes)")
         return value
     match = _QUANTITY.match(str(value).strip())
     if not match:
         raise SpecError(f"not a quantity: {value!r} (use bytes or e.g. 80Gi, 16G, 40M)")
     number, suffix = match.groups()
-    return int(float(number) * _SUFFIX[suffix or ""])
+    # In integers, not floats: exact (as Kubernetes quantities are), and no overflow on long
+    # numbers; a fraction of a byte is dropped.
+    whole, _, fraction = number.partition(".")
+    scale = _SUFFIX[suffix or ""]
+    parsed = int(whole) * scale + int(fraction or "0") * scale // 10 ** len(fraction)
+    if parsed > _MAX_QUANTITY:
+        raise SpecError(f"quantity {value!r} is too large (at most {_MAX_QUANTITY} bytes)")
+    return parsed
 
 
 def parse_time(value: str | None) -> datetime.datetime | None:
@@ -69,7 +84,10 @@ def parse_time(value: str | None) -> datetime.datetime | None:
         raise SpecError(f"not an RFC 3339 time: {value!r}") from exc
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=datetime.timezone.utc)
-    return parsed.astimezone(datetime.timezone.utc)
+    try:
+        return parsed.astimezone(datetime.timezone.utc)
+    except OverflowError as exc:  # e.g. 0001-01-01T00:00:00+01:00: before year 1 in UTC
+        raise SpecError(f"time {value!r} is out of range") from exc
 
 
 def format_time(value: datetime.datetime) -> str:
@@ -130,6 +148,105 @@ class Memory:
         )
 
 
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu-aged", "wtinylfu")
+
+# Server flags the operator sets from the rest of the spec (or from the plan and the node):
+# `serving.extraArgs` may not name them, or the Deployment would contradict the packing math
+# (--max-loras, --max-num-seqs, --max-model-len size GPU memory), the plan (adapters come
+# from LoRAAdapters, not --lora-modules) or the probes and the Service (--host, --port).
+OPERATOR_FLAGS: frozenset[str] = frozenset({
+    "--model", "--served-model-name", "--dummy-weights", "--demo", "--demo-dir", "--host", "--port",
+    "--device", "--dtype", "--plan-file", "--max-loras", "--max-lora-rank", "--lora-target-modules",
+    "--lora-modules", "--adapter-cache-dir", "--node-agent-url", "--max-num-seqs", "--max-model-len",
+    "--max-prefill-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-cpu-loras",
+    "--max-concurrent-loads", "--eviction-policy",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """The server's engine settings (`loraplex-server` flags); max_num_seqs * max_model_len
+    tokens of KV cache is what the server allocates, and what the packing math counts."""
+
+    max_num_seqs: int = 16
+    max_model_len: int = 2048
+    max_prefill_tokens: int | None = None
+    enable_chunked_prefill: bool | None = None
+    eviction_policy: str | None = None
+    max_cpu_loras: int | None = None
+    max_concurrent_loads: int | None = None
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> Engine:
+        def optional_int(key: str, low: int) -> int | None:
+            value = spec.get(key)
+            if value is None:
+                return None
+            if isinstance(value, bool) or int(value) != value or value < low:
+                raise SpecError(f"serving.engine.{key} must be an integer >= {low}, got {value!r}")
+            return int(value)
+
+        policy = spec.get("evictionPolicy")
+        if policy is not None and policy not in EVICTION_POLICIES:
+            raise SpecError(f"serving.engine.evictionPolicy {policy!r} is not one of {list(EVICTION_POLICIES)}")
+        chunked = spec.get("enableChunkedPrefill")
+        if chunked is not None and not isinstance(chunked, bool):
+            raise SpecError(f"serving.engine.enableChunkedPrefill must be true or false, got {chunked!r}")
+        return cls(
+            max_num_seqs=optional_int("maxNumSeqs", 1) or cls.max_num_seqs,
+            max_model_len=optional_int("maxModelLen", 2) or cls.max_model_len,
+            max_prefill_tokens=optional_int("maxPrefillTokens", 1),
+            enable_chunked_prefill=chunked,
+            eviction_policy=policy,
+            max_cpu_loras=optional_int("maxCpuLoras", 0),
+            max_concurrent_loads=optional_int("maxConcurrentLoads", 1),
+        )
+
+    def args(self) -> list[str]:
+        """The flags, in `loraplex-server --help` order; unset optional ones are left to the server."""
+        args = ["--max-num-seqs", str(self.max_num_seqs), "--max-model-len", str(self.max_model_len)]
+        if self.max_prefill_tokens is not None:
+            args += ["--max-prefill-tokens", str(self.max_prefill_tokens)]
+        if self.enable_chunked_prefill is not None:
+            args.append("--enable-chunked-prefill" if self.enable_chunked_prefill else "--no-enable-chunked-prefill")
+        for flag, value in (("--max-cpu-loras", self.max_cpu_loras),
+                            ("--max-concurrent-loads", self.max_concurrent_loads),
+                            ("--eviction-policy", self.eviction_policy)):
+            if value is not None:
+                args += [flag, str(value)]
+        return args
+
+
+def _extra_args(value: Any) -> tuple[str, ...]:
+    """serving.extraArgs: strings, none of them a flag the operator sets (OPERATOR_FLAGS)."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(a, str) for a in value):
+        raise SpecError(f"serving.extraArgs must be a list of strings, got {value!r}")
+    owned = sorted({a.split("=", 1)[0] for a in value if a.split("=", 1)[0] in OPERATOR_FLAGS})
+    if owned:
+        raise SpecError(f"serving.extraArgs may not set {', '.join(owned)}: the operator sets them"
+                        " (use serving.engine and the rest of the spec)")
+    return tuple(value)
+
+
+# Environment variables the operator sets on the server container (workloads.deployment).
+OPERATOR_ENV: frozenset[str] = frozenset({"NODE_IP", "TRITON_CACHE_DIR"})
+
+
+def _env(value: Any) -> tuple[Mapping[str, Any], ...]:
+    """serving.env: Kubernetes EnvVars ({name, value} or {name, valueFrom}), none of OPERATOR_ENV."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(e, Mapping) and isinstance(e.get("name"), str) and e["name"] for e in value):
+        raise SpecError("serving.env must be a list of EnvVars, each with a name")
+    owned = sorted({e["name"] for e in value} & OPERATOR_ENV)
+    if owned:
+        raise SpecError(f"serving.env may not set {', '.join(owned)}: the operator sets them")
+    return tuple(dict(e) for e in value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Serving:
     """The serving Deployment's template; free-form Kubernetes parts kept as given."""
@@ -142,6 +259,9 @@ class Serving:
     tolerations: tuple[Mapping[str, Any], ...] = ()
     volumes: tuple[Mapping[str, Any], ...] = ()
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
+    engine: Engine = Engine()
+    extra_args: tuple[str, ...] = ()  # after the operator's flags
+    env: tuple[Mapping[str, Any], ...] = ()  # EnvVars, after the operator's
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> Serving:
@@ -154,6 +274,9 @@ class Serving:
             tolerations=tuple(spec.get("tolerations") or ()),
             volumes=tuple(spec.get("volumes") or ()),
             volume_mounts=tuple(spec.get("volumeMounts") or ()),
+            engine=Engine.from_spec(spec.get("engine") or {}),
+            extra_args=_extra_args(spec.get("extraArgs")),
+            env=_env(spec.get("env")),
         )
 
 
@@ -192,6 +315,9 @@ class BaseModelSpec:
             if unknown:
                 raise SpecError(f"unknown target modules {unknown}")
             arch = spec.get("architecture")
+            lead = int(spec.get("warmupLeadSeconds", 600))
+            if not 0 <= lead <= MAX_WARMUP_LEAD_SECONDS:
+                raise SpecError(f"warmupLeadSeconds {lead} is not within 0..{MAX_WARMUP_LEAD_SECONDS}")
             return cls(
                 name=str(meta["name"]),
                 namespace=str(meta.get("namespace") or "default"),
@@ -202,7 +328,7 @@ class BaseModelSpec:
                 architecture=Architecture.from_spec(arch) if arch else None,
                 memory=Memory.from_spec(spec.get("memory") or {}),
                 pinned_percent=int(spec.get("pinnedPercent", 50)),
-                warmup_lead_seconds=int(spec.get("warmupLeadSeconds", 600)),
+                warmup_lead_seconds=lead,
                 serving=Serving.from_spec(spec.get("serving") or {}),
                 generation=int(meta.get("generation") or 0),
                 uid=str(meta.get("uid") or ""),

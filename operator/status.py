@@ -127,10 +127,15 @@ def adapter_status(adapter: AdapterSpec, verdict: Verdict, plan: Plan | None,
 
 
 def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: int,
-                plan_config_map: str, now: datetime.datetime, plan_error: str | None = None) -> dict[str, Any]:
+                plan_config_map: str, now: datetime.datetime, plan_error: str | None = None,
+                plan_error_reason: str = "PlanTooLarge",
+                workload_error: tuple[str, str] | None = None) -> dict[str, Any]:
     """The BaseModel's status: packing outcome, pinned set, counts, conditions.
 
-    `plan_error`: why the plan could not be written (too large for a ConfigMap), if so.
+    `plan_error`: why the plan could not be written (`plan_error_reason`: PlanTooLarge for a
+    ConfigMap, NameConflict when another owner's ConfigMap has its name), if so.
+    `workload_error`: (reason, message) when its Deployment or Service could not be written
+    (NameConflict, WorkloadInvalid), if so.
     """
     current = current or {}
     base = plan.base
@@ -138,7 +143,9 @@ def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: i
     packed = plan.packing
     accepted_message = packed.message + (f"; hint: {plan.hint}" if plan.hint else "")
     replicas = base.serving.replicas
-    if replicas == 0:
+    if workload_error:
+        ready = condition("Ready", False, workload_error[0], workload_error[1], gen)
+    elif replicas == 0:
         ready = condition("Ready", False, "ScaledToZero", "serving.replicas is 0", gen)
     elif ready_replicas >= replicas:
         ready = condition("Ready", True, "ReplicasReady", f"{ready_replicas}/{replicas} replicas ready", gen)
@@ -146,14 +153,15 @@ def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: i
         ready = condition("Ready", False, "ReplicasNotReady", f"{ready_replicas}/{replicas} replicas ready", gen)
     conditions = [
         condition("Accepted", packed.slots > 0, packed.reason, accepted_message, gen),
-        condition("Staged", False, "PlanTooLarge", plan_error, gen) if plan_error else
+        condition("Staged", False, plan_error_reason, plan_error, gen) if plan_error else
         condition("Staged", True, "PlanWritten",
                   f"{len(plan.adapters)} adapters ({len(plan.pinning.pinned)} pinned) in ConfigMap"
                   f" {plan_config_map}", gen),
         ready,
     ]
     rejected = sum(1 for v in plan.verdicts.values() if v.phase == "Rejected")
-    phase = "Failed" if packed.slots == 0 else ("Ready" if ready["status"] == "True" else "Planned")
+    failed = packed.slots == 0 or workload_error or (plan_error_reason == "NameConflict" and plan_error)
+    phase = "Failed" if failed else ("Ready" if ready["status"] == "True" else "Planned")
     return {
         "observedGeneration": gen,
         "phase": phase,

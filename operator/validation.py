@@ -6,6 +6,7 @@ writes to the adapter's `Accepted` condition:
 
     validate(adapter, base) -> Verdict("Accepted", "Accepted", "rank 16 <= 64, ...")
     validate(rank_128, base) -> Verdict("Rejected", "RankTooLarge", "rank 128 > maxLoraRank 64")
+    validate(named_a_b, base) -> Verdict("Rejected", "InvalidName", "adapter name 'a,b' contains ','...")
 
 Rank and target modules come from the spec, or from the adapter's adapter_config.json when
 the operator can read it (file:// sources and mounted paths; see `read_adapter_config`).
@@ -20,6 +21,7 @@ import urllib.parse
 from typing import Any
 
 from loraplex.operator.specs import AdapterSpec, BaseModelSpec
+from loraplex.server.adapter_names import InvalidAdapterName, check_adapter_name
 
 # adapter_config.json is a few hundred bytes; anything this big is not one.
 _MAX_CONFIG_BYTES = 1 << 20
@@ -40,6 +42,10 @@ class Verdict:
 
 def validate(adapter: AdapterSpec, base: BaseModelSpec | None) -> Verdict:
     """The verdict on one adapter against the base it names (None: no such BaseModel)."""
+    try:  # every Kubernetes object name fits; the check keeps the plan to names servers take
+        check_adapter_name(adapter.name)
+    except InvalidAdapterName as exc:
+        return Verdict("Rejected", "InvalidName", str(exc))
     if base is None:
         return Verdict("Pending", "BaseModelNotFound",
                        f"BaseModel {adapter.base_model!r} does not exist in namespace {adapter.namespace!r}")
@@ -47,6 +53,10 @@ def validate(adapter: AdapterSpec, base: BaseModelSpec | None) -> Verdict:
         return Verdict("Rejected", "WrongBaseModel",
                        f"adapter is for base {adapter.namespace}/{adapter.base_model},"
                        f" not {base.namespace}/{base.name}")
+    if adapter.name == served_name(base):
+        return Verdict("Rejected", "InvalidName",
+                       f"{adapter.name!r} is the name {base.name}'s servers serve the base model under"
+                       f" (a request for it runs on the base): rename the adapter")
     if adapter.rank is None or adapter.target_modules is None:
         return Verdict("Pending", "MetadataUnknown",
                        "rank and target modules unknown: set spec.rank and spec.targetModules"
@@ -62,6 +72,13 @@ def validate(adapter: AdapterSpec, base: BaseModelSpec | None) -> Verdict:
     return Verdict("Accepted", "Accepted",
                    f"rank {adapter.rank} <= {base.max_lora_rank},"
                    f" modules {list(adapter.target_modules)} allowed")
+
+
+def served_name(base: BaseModelSpec) -> str:
+    """The model name the base's servers answer to: their --model folder's name."""
+    from loraplex.operator.workloads import model_path  # (workloads imports this module)
+
+    return pathlib.PurePosixPath(model_path(base)).name
 
 
 def normalise_target_modules(value: Any) -> tuple[str, ...] | None:

@@ -116,12 +116,16 @@ def model_path(base: BaseModelSpec) -> str:
 
 
 def server_args(base: BaseModelSpec, slots: int) -> list[str]:
-    """The server listens on every address (probes and the Service reach it at the pod IP),
-    finds staged adapters in the node's cache and asks the node's agent for the others
-    (NODE_IP comes from the downward API; Kubernetes expands $(NODE_IP) in args)."""
+    """The server listens on every address of both families (--host "": probes and the
+    Service reach it at the pod IP, IPv4 or IPv6 as the cluster gives, and 0.0.0.0 would
+    leave an IPv6 pod unreachable), finds staged adapters in the node's cache and asks the
+    node's agent for the others (NODE_IP comes from the downward API; Kubernetes expands
+    $(NODE_IP) in args, with no brackets around an IPv6 address: the server's
+    --node-agent-url reads `http://fd00::5:8081` as `http://[fd00::5]:8081`, so the one
+    template serves IPv4 and IPv6 nodes)."""
     return [
         "--model", model_path(base),
-        "--host", "0.0.0.0",
+        "--host", "",
         "--port", str(SERVER_PORT),
         "--plan-file", PLAN_FILE,
         "--max-loras", str(max(slots, 1)),
@@ -131,6 +135,9 @@ def server_args(base: BaseModelSpec, slots: int) -> list[str]:
         "--dtype", base.dtype,
         "--adapter-cache-dir", ADAPTER_CACHE_DIR,
         "--node-agent-url", f"http://$(NODE_IP):{NODE_AGENT_PORT}",
+        # The engine's rows and lengths size the KV cache the packing math counted.
+        *base.serving.engine.args(),
+        *base.serving.extra_args,
     ]
 
 
@@ -147,7 +154,8 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
         "command": ["loraplex-server"],
         "args": server_args(base, slots),
         "env": [{"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
-                {"name": "TRITON_CACHE_DIR", "value": KERNEL_CACHE_DIR}],
+                {"name": "TRITON_CACHE_DIR", "value": KERNEL_CACHE_DIR},
+                *copy.deepcopy(list(serving.env))],
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
         "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
                          "failureThreshold": STARTUP_SECONDS // 10},
@@ -222,6 +230,30 @@ def needs_update(existing: Mapping[str, Any] | None, desired: Mapping[str, Any])
         if key in desired and not _contains(existing.get(key), desired[key]):
             return True
     return False
+
+
+def foreign_owner(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> str | None:
+    """Why `existing` (an object under the name `desired` needs) is not ours to write, or None.
+
+    Ours: its controller is a BaseModel of the name `desired` is adopted by (any uid: a
+    BaseModel deleted and created again under its name takes its objects back), or it has no
+    controller and our labels for that base. Anything else belongs to someone else: patched,
+    it would be taken over, and garbage-collected with the BaseModel.
+    """
+    want = next((r for r in desired.get("metadata", {}).get("ownerReferences") or () if r.get("controller")), None)
+    if want is None:
+        return None
+    meta = existing.get("metadata") or {}
+    have = next((r for r in meta.get("ownerReferences") or () if r.get("controller")), None)
+    if have is not None:
+        same_group = str(have.get("apiVersion", "")).split("/")[0] == str(want["apiVersion"]).split("/")[0]
+        if same_group and have.get("kind") == want["kind"] and have.get("name") == want["name"]:
+            return None
+        return f"controlled by {have.get('kind')} {have.get('name')}"
+    labels = meta.get("labels") or {}
+    if labels.get("app.kubernetes.io/managed-by") == MANAGED_BY and labels.get(BASE_LABEL) == want["name"]:
+        return None
+    return "not made by the loraplex operator"
 
 
 def _contains(have: Any, want: Any) -> bool:

@@ -60,6 +60,7 @@ import torch
 
 from .adapter_format import WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, read_adapter
 from .adapter_loader import AdapterLoader
+from .adapter_names import InvalidAdapterName, check_adapter_name
 from .adapter_sources import AdapterLoadError, redact
 from .adapters import AdapterId, LoRABuffers
 from .cache_metrics import CacheMetrics
@@ -81,8 +82,17 @@ class AdapterCache:
     def __init__(self, buffers: LoRABuffers, base: BaseSpec, *, policy: str = "lru", max_cpu_loras: int = 0,
                  max_concurrent_loads: int = 4, cache_dir: str | Path | None = None,
                  node_agent_url: str | None = None, metrics: CacheMetrics | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, base_name: str | None = None,
+                 plan_scoped: bool = False):
         self.buffers = buffers
+        # The base model's name in the API: a request for it runs on the base, so no adapter
+        # may take it (one would be loaded, pinned and listed, and never used).
+        self.base_name = base_name
+        # A server that follows a plan finds on disk only the plan's adapters: the node's cache
+        # holds every base's and every namespace's adapters on that node (one host path).
+        self.plan_scoped = plan_scoped
+        self._plan_names: frozenset[str] = frozenset()  # the last plan's adapters, pins and prefetches
+        self._plan_adapters: frozenset[str] = frozenset()  # the last plan's adapters list
         self.base = base
         self.policy = make_policy(policy)
         self.max_concurrent_loads = max_concurrent_loads
@@ -96,8 +106,6 @@ class AdapterCache:
         self._pin_orders = itertools.count(1)  # pins are numbered as made: the newest yields first
         self._lock = threading.RLock()
         self._plan_prefetch: set[str] = set()  # the last plan's prefetch list (open warm-up windows)
-        self._plan_adapters: set[str] = set()  # the last plan's adapters
-        self._left_plan: set[str] = set()  # forgotten as they left the plan: not found on disk again
         self._closed = False
         self.loader = AdapterLoader(buffers, base, self.host, lock=self._lock, done=self._loaded,
                                     max_concurrent_loads=max_concurrent_loads, cache_dir=cache_dir,
@@ -108,11 +116,12 @@ class AdapterCache:
         self.cuda_lock = self.loader.cuda_lock
 
     @classmethod
-    def from_settings(cls, buffers: LoRABuffers, base: BaseSpec, settings, metrics: CacheMetrics | None = None
-                      ) -> "AdapterCache":
+    def from_settings(cls, buffers: LoRABuffers, base: BaseSpec, settings, metrics: CacheMetrics | None = None,
+                      base_name: str | None = None) -> "AdapterCache":
         return cls(buffers, base, policy=settings.eviction_policy, max_cpu_loras=settings.max_cpu_loras,
                    max_concurrent_loads=settings.max_concurrent_loads, cache_dir=settings.adapter_cache_dir,
-                   node_agent_url=settings.node_agent_url, metrics=metrics)
+                   node_agent_url=settings.node_agent_url, metrics=metrics, base_name=base_name,
+                   plan_scoped=bool(settings.plan_file))
 
     def close(self) -> None:
         self._closed = True  # no pin retry starts a load after this
@@ -137,7 +146,9 @@ class AdapterCache:
                  sha256: str | None = None) -> None:
         """Make `name` known: a PEFT directory on disk, and/or a source to fetch it from.
         A new version (a new sha256; without one, a new source: CachedAdapter.version) drops
-        the host copy, so the next load reads the new files."""
+        the host copy, so the next load reads the new files. AdapterError if `name` is not an
+        adapter name (`adapter_names`)."""
+        self._check_name(name)
         with self._lock:
             e = self.table.entries.get(name)
             if e is not None and e.unloading:
@@ -145,7 +156,6 @@ class AdapterCache:
                                    f"when they finish")
             if e is None:
                 e = self.table.entries[name] = CachedAdapter(name)
-            self._left_plan.discard(name)  # registered on purpose (a plan lists it, or a load)
             before = e.version
             if path is not None:
                 e.path = Path(path)
@@ -156,14 +166,16 @@ class AdapterCache:
             if e.version != before and e.version[0] == before[0] and before[1] is not None:
                 self.host.discard(name)
                 log.info("adapter %s: new version %s (takes effect at its next load)", name,
-                         redact(e.version[1])[:64] if e.sha256 is None else e.sha256[:12])
+                         e.version[1] if e.sha256 is None else e.sha256[:12])
 
     def _lookup(self, name: str) -> CachedAdapter | None:
-        """The entry for `name`, registering one found in --adapter-cache-dir (lazy discovery)."""
+        """The entry for `name`, registering one found in --adapter-cache-dir (lazy discovery:
+        with a plan, of the plan's adapters only)."""
         e = self.table.entries.get(name)
         if e is not None:
             return None if e.unloading else e
-        path = self.loader.staged(name) if name not in self._left_plan else None
+        discoverable = name != self.base_name and (not self.plan_scoped or name in self._plan_names)
+        path = self.loader.staged(name) if discoverable else None
         if path is not None:
             e = self.table.entries[name] = CachedAdapter(name, path=path)
             log.info("adapter %s found in %s", name, self.loader.cache_dir)
@@ -173,6 +185,22 @@ class AdapterCache:
     def has(self, name: str) -> bool:
         with self._lock:
             return self._lookup(name) is not None
+
+    def _name_error(self, name: str) -> str | None:
+        """Why `name` cannot be an adapter's here, or None."""
+        try:
+            check_adapter_name(name)
+        except InvalidAdapterName as e:
+            return str(e)
+        if name == self.base_name:
+            return f"{name!r} is the base model's name (a request for it runs on the base)"
+        return None
+
+    def _check_name(self, name: str) -> None:
+        """AdapterError (the refusal every caller already reports) for a name that is not one."""
+        error = self._name_error(name)
+        if error is not None:
+            raise AdapterError(error)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -297,20 +325,19 @@ class AdapterCache:
 
     def apply_plan(self, plan: dict) -> None:
         """Follow the operator's plan: register its adapters (source, sha256), pin its pinned set
-        and unpin what left it. An adapter that leaves the plan's prefetch list (its warm-up
-        window ended: the campaign is over) is evicted before any other until it is requested
-        again, so an ended campaign does not hold slots until its counts age out
-        (bench/results/cache_sim_notes.md, "The end of a campaign").
-
-        An adapter that leaves the plan's adapters (its LoRAAdapter was deleted; node agents
-        remove its files) is forgotten, as `unload` does (its running requests finish first),
-        so it is not served from a slot or host copy, nor fetched from its source again. One
-        registered from a folder of its own (load_lora_adapter, --lora-modules) stays, without
-        the plan's source and sha256. A folder the node agent still holds for it is not found
-        again (lazy discovery) until a plan lists it or a load registers it. Plan format:
-        operator/plan.py."""
+        and unpin what left it; unload an adapter that left the plan (deleted, or moved to
+        another base), once its requests finish, unless the admin API or --lora-modules loaded
+        it. An adapter that leaves the plan's prefetch list (its warm-up window ended: the
+        campaign is over) is evicted before any other until it is requested again, so an ended
+        campaign does not hold slots until its counts age out (bench/results/cache_sim_notes.md,
+        "The end of a campaign"). Plan format: operator/plan.py."""
         prefetch = {p["name"] for p in plan.get("prefetch") or [] if p.get("name")}
+        pinned = set(plan.get("pinned") or [])
+        adapters = {a.get("name") for a in plan.get("adapters") or []}
         with self._lock:
+            left = self._plan_adapters - adapters  # the pinned and prefetch lists name adapters of these
+            self._plan_adapters = frozenset(adapters)
+            self._plan_names = frozenset(n for n in adapters | pinned | prefetch if isinstance(n, str))
             ended = self._plan_prefetch - prefetch
             self._plan_prefetch = prefetch
             for name in sorted(ended):
@@ -323,7 +350,6 @@ class AdapterCache:
                     e.expired = False
         if ended:
             log.info("plan: warm-up window ended for %s", ", ".join(sorted(ended)))
-        pinned = set(plan.get("pinned") or [])
         for a in plan.get("adapters") or []:
             try:
                 self.register(a["name"], source=a.get("source"), sha256=a.get("sha256"))
@@ -331,6 +357,10 @@ class AdapterCache:
                 log.warning("plan: %s", err)
             if a.get("pinned"):
                 pinned.add(a["name"])
+        bad = {n for n in pinned if self._name_error(n)}
+        if bad:  # a hand-written plan's (the operator plans Kubernetes object names only)
+            log.warning("plan: not pinning %s: not adapter names", ", ".join(sorted(map(repr, bad))))
+            pinned -= bad
         with self._lock:
             before = {n for n, e in self.table.entries.items() if e.pinned_plan}
         for name in sorted(before - pinned):
@@ -345,20 +375,13 @@ class AdapterCache:
                 log.warning("plan pins %s, which is known nowhere (no source, not on disk)", name)
         if pinned != before:
             log.info("plan: %d pinned (%s)", len(pinned), ", ".join(sorted(pinned)) or "none")
-        listed = {a["name"] for a in plan.get("adapters") or []}
-        with self._lock:
-            left, self._plan_adapters = self._plan_adapters - listed, listed
-            for name in sorted(left):
+        for name in sorted(left):  # deleted, or moved to another base: no longer served here
+            with self._lock:
                 e = self.table.entries.get(name)
-                if e is not None and e.path is not None and e.path != self.loader.staged_path(name):
-                    e.source = e.sha256 = None  # the admin's own folder: served from there as before
+                if e is None or e.admin or e.unloading:
                     continue
-                # Its folder in the node agent's cache may stay a while (or for good, with an
-                # agent that does not follow the plan): it is not found there again.
-                self._left_plan.add(name)
-                if e is not None and not e.unloading:
-                    self.unload(name)
-                    log.info("plan: %s left the plan: no longer served", name)
+                now = self.unload(name)
+            log.info("plan: %s left the plan; unloaded%s", name, "" if now else " once its requests finish")
 
     # -- vLLM-style admin and benchmarks ---------------------------------------------------------
 
@@ -366,12 +389,14 @@ class AdapterCache:
         """Register `name` at `path` and load it into a slot (evicting an idle adapter if all are
         taken); returns the slot. Raises AdapterError when it does not fit the base, or when no
         slot frees up within `timeout` seconds (it stays registered and queued for one)."""
+        self._check_name(name)
         spec = read_adapter(path, self.base)  # a refused adapter is refused before anything changes
         with self._lock:  # one step: a second load of the name (or an unload) cannot come between
             if name in self.table.entries:
                 raise AdapterError(f"adapter {name!r} is already loaded")
             self.register(name, path=path)
             self.table.entries[name].spec = spec
+            self.table.entries[name].admin = True
             fut = self.prefetch(name)
         try:
             return fut.result(timeout)
@@ -397,6 +422,7 @@ class AdapterCache:
         """An adapter made in memory (benchmarks, tests), written into a slot now (call between
         steps); returns the slot. With `keep_host_copy` it pages like any other adapter (a
         pinned host copy is its source); without, it is forgotten when evicted."""
+        self._check_name(adapter.name)
         with self._lock:
             if adapter.name in self.table.entries:
                 raise AdapterError(f"adapter {adapter.name!r} is already loaded")

@@ -123,6 +123,24 @@ def serving_weights_name(dtype: str) -> str:
     return f"adapter_model.{dtype}.safetensors"
 
 
+# Beside a staged version's files: {"name", "sha256", "source"}, the version it is (the node
+# agent writes it, node_agent/store.py; so does the server's own http(s) fetch).
+STAGED_META_FILE = ".loraplex.json"
+
+
+def staged_version(directory: str | Path) -> tuple[str | None, str | None]:
+    """(sha256, source) of the version staged at `directory` (its STAGED_META_FILE); None for
+    what it does not say (a folder that no node agent or fetch staged says nothing)."""
+    try:
+        meta = json.loads((Path(directory) / STAGED_META_FILE).read_text())
+    except (OSError, ValueError):
+        return None, None
+    if not isinstance(meta, dict):
+        return None, None
+    sha, source = meta.get("sha256"), meta.get("source")
+    return (sha if isinstance(sha, str) else None), (source if isinstance(source, str) else None)
+
+
 def serving_weights(directory: str | Path, dtype: str) -> Path:
     """The weights file a server of `dtype` reads: the staged conversion when there is one, else
     `adapter_model.safetensors` (whose tensors it converts as it reads them)."""

@@ -34,15 +34,24 @@ from pathlib import Path
 
 import torch
 
-from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, read_adapter, serving_weights
-from .adapter_sources import FOLDER_NAME, AdapterLoadError, fetch_adapter, load_error, staged_as
+from .adapter_format import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterError,
+    AdapterSpec,
+    BaseSpec,
+    read_adapter,
+    serving_weights,
+    staged_version,
+)
+from .adapter_names import is_adapter_name
+from .adapter_sources import AdapterLoadError, fetch_adapter, load_error, redact
 from .adapters import AdapterId, LoRABuffers
 from .disk_read import DiskRead, PlanCache, files_stamp
 from .host_tier import HostCopy, HostTier, read_into_host
 from .slot_table import CachedAdapter
 
 log = logging.getLogger(__name__)
-
 
 # done(row, slot, tier, error or None, t0): the load of `row` into `slot` finished; its bytes
 # came from `tier` (host, disk, source); it started at clock `t0`.
@@ -86,19 +95,15 @@ class AdapterLoader:
 
     def staged(self, name: str) -> Path | None:
         """<cache_dir>/<name>/ if the node agent (or a fetch) put an adapter there."""
-        path = self.staged_path(name)
-        return path if path is not None and (path / CONFIG_FILE).is_file() else None
-
-    def staged_path(self, name: str) -> Path | None:
-        """<cache_dir>/<name>/, where the node agent stages `name` (None: no cache dir, or a name
-        that cannot be a folder there)."""
-        return self.cache_dir / name if self.cache_dir is not None and FOLDER_NAME.match(name) else None
+        if self.cache_dir is not None and is_adapter_name(name) and (self.cache_dir / name / CONFIG_FILE).is_file():
+            return self.cache_dir / name
+        return None
 
     def staged_names(self) -> list[str]:
         """Names under --adapter-cache-dir that may be adapters, sorted (files not checked)."""
         if self.cache_dir is None or not self.cache_dir.is_dir():
             return []
-        return [child.name for child in sorted(self.cache_dir.iterdir()) if FOLDER_NAME.match(child.name)]
+        return [child.name for child in sorted(self.cache_dir.iterdir()) if is_adapter_name(child.name)]
 
     def disk_dir(self, e: CachedAdapter) -> Path | None:
         """The PEFT directory `e` loads from: its registered path, else the node agent's copy."""
@@ -139,24 +144,27 @@ class AdapterLoader:
             return copy, "host"
         with self._lock:
             path = self.disk_dir(e)
-            # A new version registered during the read: this copy is not it.
-            version, sha256, source = e.version, e.sha256, e.source
-        if path is not None and not staged_as(path, sha256, source):
-            # The node agent's copy is another version (the plan moved on; the agent stages the
-            # new one in its own time): stage this one now rather than serve that one as it.
-            log.info("adapter %s: its staged copy is another version (its %s differs): staging this one",
-                     e.name, version[0])
-            path = None
+            # A new version registered during the read (CachedAdapter.version): this copy is not it.
+            identity, version, source = e.version, e.sha256, e.source
+            admin = e.admin  # its folder, given by load_lora_adapter or --lora-modules, is read as it is
         tier = "disk"
+        if path is not None and not admin and not _holds(path, version, source):
+            # The node's cache holds another version under the name (the previous one, its
+            # successor not staged yet): staging the plan's replaces it.
+            log.info("adapter %s: %s holds another version than the plan's; staging it", e.name, path)
+            path = None
         if path is None:
-            path, tier = fetch_adapter(e.name, source, sha256, self.cache_dir, self.node_agent_url,
+            path, tier = fetch_adapter(e.name, e.source, version, self.cache_dir, self.node_agent_url,
                                        missing=e.path, dtype=self.dtype_name), "source"
         copy, spec, stamp = self._read_disk(e, path, writer)
-        digest = sha256 or _stat_digest(path / WEIGHTS_FILE)
+        if not admin and not _holds(path, version, source):  # replaced again, meanwhile or by the staging
+            raise AdapterLoadError(e.name, "fetch", f"{path} holds another version than the plan's "
+                                   f"(another adapter of that name staged on this node?)")
+        digest = version or _stat_digest(path / WEIGHTS_FILE)
         with self._lock:
             e.spec, e.disk_read = spec, DiskRead(stamp, spec, copy.read_plan)
             e.id = AdapterId(name=e.name, digest=digest, uri=str(path))
-            current = e.version == version
+            current = e.version == identity
             # Kept under the lock that `register` holds to drop the host copy of a replaced
             # version: a new version registered between the check and the add would otherwise
             # find no copy to drop, and the old one would go in after it.
@@ -286,6 +294,18 @@ class SlotWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _holds(path: Path, sha256: str | None, source: str | None) -> bool:
+    """Whether the staged folder `path` is the version the plan names, as far as its record
+    says: the same sha256, or without one the same source (query strings aside), as the node
+    agent tells versions apart. A folder with no record is taken as it is."""
+    staged_sha, staged_source = staged_version(path)
+    if sha256 is not None:
+        return staged_sha in (None, sha256)
+    if source is not None and staged_source is not None:
+        return redact(staged_source) == redact(source)
+    return True
 
 
 def _stat_digest(path: Path) -> str:

@@ -15,17 +15,16 @@ missing, corrupt, mismatch, oom, fetch or other (`load_error`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
-from .adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, file_digest
+from .adapter_format import CONFIG_FILE, STAGED_META_FILE, WEIGHTS_FILE, AdapterError, file_digest
+from .adapter_names import InvalidAdapterName, check_adapter_name
 
 log = logging.getLogger(__name__)
 
@@ -39,52 +38,33 @@ class AdapterLoadError(RuntimeError):
         self.reason = reason
 
 
-# An adapter name that may be a folder under --adapter-cache-dir: no separators, no "..".
-FOLDER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,252}$")
-
-# What the node agent writes into each folder it stages (node_agent/store.py), and the server
-# into each it downloads itself: {"name", "sha256", "source"}, sha256 being that of the
-# folder's adapter_model.safetensors.
-STAGED_META_FILE = ".loraplex.json"
-
-
-def staged_as(path: Path, sha256: str | None, source: str | None) -> bool:
-    """Whether the folder `path` holds the version asked for (its sha256, or without one its
-    source, as the node agent tells versions apart), as far as its STAGED_META_FILE says:
-    True where it says nothing (a folder of the admin's, or unreadable)."""
-    try:
-        meta = json.loads((path / STAGED_META_FILE).read_bytes())
-    except (OSError, ValueError, RecursionError):  # absent, not JSON
-        return True
-    key, wanted = ("sha256", sha256) if sha256 is not None else ("source", source)
-    staged = meta.get(key) if isinstance(meta, dict) else None
-    return wanted is None or not isinstance(staged, str) or staged == wanted
-
-
 def redact(uri: str | None) -> str | None:
-    """A source without its query string (tokens, signatures) and the credentials of its
-    userinfo (https://user:password@host/...), for logs and the API."""
+    """A source without its query string (tokens, signatures) and its user info (a password)
+    for logs, the API and the version record of a fetch."""
     if not uri:
         return uri
-    uri = uri.split("?", 1)[0]
-    scheme, sep, rest = uri.partition("://")
-    if sep:
-        authority, slash, path = rest.partition("/")
-        uri = f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}"
-    return uri
+    head = uri.split("?", 1)[0]
+    scheme, sep, rest = head.partition("://")
+    if not sep:
+        return head
+    netloc, slash, path = rest.partition("/")
+    return f"{scheme}://{netloc.rpartition('@')[2]}{slash}{path}"
 
 
 def fetch_adapter(name: str, source: str | None, sha256: str | None, cache_dir: Path | None,
                   node_agent_url: str | None, missing: Path | None = None, dtype: str | None = None) -> Path:
     """The adapter's directory on local disk, fetched from `source` (see the module docstring).
     `missing`: where it was looked for, for the error message when there is no source;
-    `dtype`: the slots' (the node agent also stages a copy of F32 weights in it)."""
+    `dtype`: the slots' (the node agent also stages a copy of F32 weights in it).
+    A name that is not an adapter name (`adapter_names`: "../x", "/abs", "a/b") is refused
+    before any path is made of it: `<cache_dir>/<name>` must stay inside `cache_dir`."""
+    try:
+        check_adapter_name(name)
+    except InvalidAdapterName as e:
+        raise AdapterLoadError(name, "fetch", str(e)) from None
     if not source:
         where = missing or (cache_dir / name if cache_dir else None)
         raise AdapterLoadError(name, "missing", f"no adapter files at {where} and no source to fetch from")
-    if not FOLDER_NAME.match(name):  # it names the folder the files go to, which is replaced
-        raise AdapterLoadError(name, "fetch", "the name is not a folder name (letters, digits, . _ @ + -), "
-                               "so it cannot be staged under the adapter cache directory")
     if node_agent_url and cache_dir is not None:
         return _stage_through_agent(name, source, sha256, cache_dir, node_agent_url, dtype)
     return _fetch_direct(name, source, sha256, cache_dir)
@@ -126,10 +106,10 @@ def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | 
     import httpx
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_dir))
+    # The name's head only: ".<name>.<random>" of a 253-character name is past NAME_MAX (255).
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name[:64]}.", dir=cache_dir))
     try:
         prefix, _, query = src.partition("?")
-        digest = hashlib.sha256()  # of the weights, as they arrive
         for filename in (CONFIG_FILE, WEIGHTS_FILE):
             url = f"{prefix.rstrip('/')}/{filename}" + (f"?{query}" if query else "")
             with httpx.stream("GET", url, timeout=60, follow_redirects=True) as r:
@@ -138,14 +118,12 @@ def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | 
                 with (tmp / filename).open("wb") as f:
                     for chunk in r.iter_bytes(1 << 20):
                         f.write(chunk)
-                        if filename == WEIGHTS_FILE:
-                            digest.update(chunk)
-        if sha256 and digest.hexdigest() != sha256:
+        digest = file_digest(tmp / WEIGHTS_FILE)
+        if sha256 and digest != sha256:
             raise AdapterLoadError(name, "corrupt", f"download of {redact(src)} does not match sha256 {sha256}")
-        # Which version this folder holds: a later load of another version fetches that one
-        # rather than read this (AdapterLoader.host_copy).
-        (tmp / STAGED_META_FILE).write_text(json.dumps(
-            {"name": name, "sha256": digest.hexdigest(), "source": source}))
+        # The version, as the node agent records it: a later load finds out whether it is the plan's.
+        meta = {"name": name, "sha256": digest, "source": redact(src)}
+        (tmp / STAGED_META_FILE).write_text(json.dumps(meta))
         dest = cache_dir / name
         if dest.exists():
             shutil.rmtree(dest)

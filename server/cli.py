@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 
 from .settings import ServerSettings
 
 log = logging.getLogger("loraplex.server")
 
-DEMO_PROMPTS = [("base", "The quick brown fox"), ("sql-expert", "SELECT name FROM"),
+# (model, prompt); None is the base, by its served name ("base" unless --served-model-name).
+DEMO_PROMPTS = [(None, "The quick brown fox"), ("sql-expert", "SELECT name FROM"),
                 ("poet", "Shall I compare thee"), ("pirate", "Ahoy matey")]
 
 
@@ -31,14 +33,19 @@ def main(argv: list[str] | None = None) -> int:
     if settings.demo:
         try:
             _prepare_demo(settings)
+            settings.validate()  # the demo's own base and adapter names against the command line's
         except OSError as e:  # a --demo-dir that cannot be written (read-only, under a file, full)
             sys.stderr.write(f"loraplex-server: --demo-dir: cannot write the demo's files: {e}\n")
+            return 2
+        except ValueError as e:
+            sys.stderr.write(f"loraplex-server: --demo: {e}\n")
             return 2
     from .engine import check_settings
 
     try:
         check_settings(settings)
-    except ValueError as e:  # a wrong device, model folder, dummy shape or adapter path
+        _check_listen(settings.host, settings.port)
+    except ValueError as e:  # a wrong device, model folder, dummy shape, adapter path or address
         sys.stderr.write(f"loraplex-server: {e}\n")
         return 2
     try:
@@ -46,6 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _check_listen(host: str, port: int) -> None:
+    """ValueError unless `host:port` can be listened on. The server binds only once the model
+    is loaded and warmed up (minutes on a GPU): a port in use, or a --host that is no address
+    here, is said now instead. Bound as uvicorn binds (SO_REUSEADDR), then let go."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            shown = f"[{host}]" if ":" in host else host
+            raise ValueError(f"--host/--port {shown}:{port}: cannot listen there: "
+                             f"{e.strerror or e}") from None
 
 
 def _prepare_demo(settings: ServerSettings) -> None:
@@ -86,23 +108,31 @@ async def _demo_requests(server, settings: ServerSettings) -> None:
     while not server.started:
         await asyncio.sleep(0.1)
     port = server.servers[0].sockets[0].getsockname()[1] if server.servers else settings.port
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host  # an IPv6 address
+    host = settings.host or "127.0.0.1"  # "": every address, loopback among them
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address
     url = f"http://{host}:{port}"
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         async def one(model: str, prompt: str) -> tuple[str, str, str]:
             r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
                                                           "temperature": 0})
-            r.raise_for_status()
+            if r.is_error:  # the server's own reason, not httpx's "Client error ... for url"
+                try:
+                    why = r.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    why = r.text[:300]
+                raise httpx.HTTPStatusError(f"model {model!r}: HTTP {r.status_code}: {why}",
+                                            request=r.request, response=r)
             return model, prompt, r.json()["choices"][0]["text"]
 
         try:
-            results = await asyncio.gather(*(one(m, p) for m, p in DEMO_PROMPTS))
+            results = await asyncio.gather(*(one(m or settings.served_model_name, p) for m, p in DEMO_PROMPTS))
         except httpx.HTTPError as e:
             log.error("demo requests failed: %s", e)
-            return
-    log.info("demo: a random tiny model answered four requests in one batch (gibberish is expected):")
-    for model, prompt, text in results:
-        log.info("  model=%-10s prompt=%r -> %r", model, prompt, text)
+            results = None
+    if results is not None:
+        log.info("demo: a random tiny model answered four requests in one batch (gibberish is expected):")
+        for model, prompt, text in results:
+            log.info("  model=%-10s prompt=%r -> %r", model, prompt, text)
     log.info("try it:  curl %s/v1/completions -H 'Content-Type: application/json' "
              "-d '{\"model\": \"poet\", \"prompt\": \"Shall I\", \"max_tokens\": 16, \"stream\": true}'", url)
     log.info("models:  curl %s/v1/models   (Ctrl-C stops the server)", url)

@@ -154,7 +154,8 @@ class LLMEngine:
         # GPU slots paged over host memory, local disk and a source (adapter_cache.py).
         self.adapters = AdapterCache.from_settings(self.lora, BaseSpec(
             num_layers=cfg.num_layers, module_shapes=cfg.module_shapes(), max_rank=settings.max_lora_rank,
-            allowed_modules=tuple(settings.lora_target_modules)), settings, CacheMetrics(self.metrics.registry))
+            allowed_modules=tuple(settings.lora_target_modules)), settings, CacheMetrics(self.metrics.registry),
+            base_name=model_name)
         self.stalled = False  # the last step found only requests waiting for adapter loads
         self.model = LlamaModel(cfg, weights, self.kv, self.lora, settings.kernel_backend,
                                 fused_ops=None if settings.fused_ops else False,
@@ -353,7 +354,9 @@ class LLMEngine:
 
     def _launch_sample(self, reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> Sampled:
         return self.sampler.launch(logits, [r.params for r in reqs], [r.seed for r in reqs],
-                                   [len(r.output_ids) for r in reqs], rows, [r.output_ids for r in reqs])
+                                   [len(r.output_ids) for r in reqs], rows, [r.output_ids for r in reqs],
+                                   [r.distinct_prompt_ids if r.params.repetition_penalty != 1 else None for r in reqs],
+                                   [r.banned_tokens(self.eos_ids) for r in reqs])
 
     def _look_ahead(self, launched: list[tuple[list[Request], Sampled]]) -> LookAhead | None:
         """Launch the next step's decode now, on the tokens just sampled, still on the device:

@@ -3,15 +3,18 @@
 State: WAITING (in the scheduler's queue) -> RUNNING (holds a KV row) -> FINISHED. Text
 handling lives here too: incremental detokenization, stop strings (the text stops before
 the stop string; while streaming, text that could be the start of a stop string is held
-back until it cannot be), and the finish reasons of the OpenAI API ("stop", "length",
-"abort").
+back until it cannot be), stop tokens (EOS, stop_token_ids: their text is left out too),
+and the finish reasons of the OpenAI API ("stop", "length", "abort").
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .sampling import SamplingParams, TokenLogprobs
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -83,6 +86,12 @@ class Request:
     def finished(self) -> bool:
         return self.state is State.FINISHED
 
+    @functools.cached_property
+    def distinct_prompt_ids(self) -> np.ndarray:
+        """The prompt's distinct token ids, int64, for the repetition penalty: made once, so a
+        step penalises a long prompt without reading its Python list again."""
+        return np.unique(np.asarray(self.prompt_ids, dtype=np.int64))
+
     def append(self, token: int, eos_ids: tuple[int, ...], max_len: int,
                logprobs: TokenLogprobs | None = None) -> None:
         """Record a sampled token (and its logprobs) and decide whether the request is done."""
@@ -90,16 +99,24 @@ class Request:
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
         p = self.params
+        # A stop token (EOS, or one of stop_token_ids) ends the request and its text stays out
+        # of the answer, as a stop string's does (vLLM's rule); it is still an output token.
+        if (not p.ignore_eos and token in eos_ids) or token in p.stop_ids:
+            return self._finish("stop")
         if self.detok is not None:
             self.detok.add(token)
             if p.stop and self._find_stop():
                 return self._finish("stop")
-        if not p.ignore_eos and token in eos_ids:
-            return self._finish("stop")
-        if token in p.stop_token_ids:
-            return self._finish("stop")
         if self._at_length(len(self.output_ids), max_len):
             return self._finish("length")
+
+    def banned_tokens(self, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Tokens this request may not sample next: before its min_tokens-th output token, EOS
+        (unless ignore_eos) and its stop_token_ids, as vLLM's min_tokens; none after."""
+        p = self.params
+        if len(self.output_ids) >= p.min_tokens:
+            return ()
+        return (() if p.ignore_eos else tuple(eos_ids)) + tuple(p.stop_ids)
 
     def next_token_ends_by_length(self, max_len: int) -> bool:
         """The next token (sampled, not yet appended) ends the request by its length."""

@@ -1,5 +1,5 @@
-"""Per-request sampling for a whole batch at once: presence/frequency penalties, greedy,
-temperature, top-k, top-p, seed; and the logprobs a request asks for.
+"""Per-request sampling for a whole batch at once: repetition/presence/frequency penalties,
+greedy, temperature, top-k, top-p, seed; and the logprobs a request asks for.
 
 Randomness is counter-based: the noise for row r, vocabulary entry v at output step n is a
 hash of (request seed, n, v). A seeded request therefore draws the same tokens whichever
@@ -34,6 +34,9 @@ class SamplingParams:
     temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) = greedy
     top_p: float = 1.0  # keep the smallest set of tokens whose mass reaches top_p
     top_k: int = 0  # 0 or -1 = all tokens
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (vLLM's)
+    # EOS and stop_token_ids cannot be sampled before this many output tokens (vLLM's min_tokens).
+    min_tokens: int = 0
     seed: int | None = None  # None: the engine draws one per request
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -41,12 +44,19 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
     presence_penalty: float = 0.0  # subtracted from a token's logit once it appears in the output
     frequency_penalty: float = 0.0  # subtracted once per appearance in the output
+    # A token in the prompt or the output has its logit divided by this when positive,
+    # multiplied when negative (vLLM's and transformers' repetition penalty); 1 = off.
+    repetition_penalty: float = 1.0
     # The output starts with the prompt (/v1/completions `echo`): with `logprobs` k, each
     # prompt token's logprob and the k most likely there too (the first token's is None).
     # Only then may max_tokens be 0: score the prompt, generate nothing.
     echo: bool = False
+    # stop_token_ids as a set: the engine thread checks every sampled token against it (a
+    # list of a million ids cost each of the request's steps 26 ms).
+    stop_ids: frozenset = field(init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.stop_token_ids)
         if self.max_tokens < (0 if self.echo else 1):
             raise ValueError("max_tokens must be at least 1 (0 only with echo)")
         if self.temperature < 0:
@@ -55,10 +65,16 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < -1:
             raise ValueError("top_k must be -1, 0 or positive")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            raise ValueError("min_tokens must be between 0 and max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
         if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError("repetition_penalty must be greater than 0")
 
     @property
     def greedy(self) -> bool:
@@ -66,7 +82,7 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -130,27 +146,49 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def _token_counts(token_lists: list, vocab: int, device: torch.device) -> torch.Tensor:
+    """float32 [n, vocab]: how often each token occurs in each list (Python lists of ids, or
+    int64 arrays); one scatter of all of them."""
+    n = len(token_lists)
+    lengths = [len(g) for g in token_lists]
+    # Flat indices into counts [n * V], built on the host with numpy (it reads Python lists
+    # faster than torch.tensor does; arrays are joined as they are), and one copy sends them.
+    if any(isinstance(g, np.ndarray) for g in token_lists):
+        tokens = np.concatenate([np.asarray(g, dtype=np.int64) for g in token_lists])
+    else:
+        tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=sum(lengths))
+    flat = torch.from_numpy(np.repeat(np.arange(n, dtype=np.int64) * vocab, lengths) + tokens)
+    flat = flat.to(device, non_blocking=True)
+    counts = torch.zeros(n * vocab, dtype=torch.float32, device=device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+    return counts.view(n, vocab)
+
+
 def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, generated: list[list[int]],
-                    presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-    """OpenAI's presence and frequency penalties, for the rows that use them; a new tensor.
+                    presence: torch.Tensor, frequency: torch.Tensor, prompts: list | None = None,
+                    repetition: torch.Tensor | None = None) -> torch.Tensor:
+    """The repetition penalty, then OpenAI's presence and frequency penalties, for the rows
+    that use them; a new tensor.
 
     logits float32 [N, V]; rows int64 [n] (distinct), the logits row of each penalised
     request; generated[j] the output tokens of request j so far; presence, frequency float32
-    [n]. Row rows[j] gets, for every token t:
+    [n]; with `repetition` float32 [n], prompts[j] the prompt of request j (its ids, or its
+    distinct ids as an int64 array). Row rows[j] gets, for every token t, first (when t is in
+    prompts[j] or generated[j])
+        logits[t] = logits[t] / repetition[j] if logits[t] > 0 else logits[t] * repetition[j]
+    then
         logits[t] -= frequency[j] * count(t in generated[j]) + presence[j] * (count > 0)
     The counts are one scatter of all rows' tokens into a [n, V] tensor."""
-    n, vocab = rows.shape[0], logits.shape[-1]
-    lengths = [len(g) for g in generated]
-    # Flat indices into counts [n * V], built on the host with numpy (it reads Python lists
-    # faster than torch.tensor does), and one copy sends them.
-    tokens = np.fromiter(itertools.chain.from_iterable(generated), dtype=np.int64, count=sum(lengths))
-    flat = torch.from_numpy(np.repeat(np.arange(n, dtype=np.int64) * vocab, lengths) + tokens)
-    flat = flat.to(logits.device, non_blocking=True)
-    counts = torch.zeros(n * vocab, dtype=torch.float32, device=logits.device)
-    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
-    counts = counts.view(n, vocab)
+    vocab = logits.shape[-1]
+    counts = _token_counts(generated, vocab, logits.device)
     penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0).float()
-    return logits.index_add(0, rows, penalty, alpha=-1)
+    if repetition is None:
+        return logits.index_add(0, rows, penalty, alpha=-1)
+    seen = (counts > 0) | (_token_counts(prompts or [[]] * len(generated), vocab, logits.device) > 0)
+    sub = logits[rows]
+    factor = torch.where(seen, repetition[:, None], torch.ones_like(sub))
+    sub = torch.where(sub > 0, sub / factor, sub * factor)
+    return logits.index_copy(0, rows, sub - penalty)
 
 
 @dataclass
@@ -188,32 +226,51 @@ class Sampled:
 
 class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-               counters: list[int], rows: list[int] | None = None,
-               generated: list[list[int]] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+               counters: list[int], rows: list[int] | None = None, generated: list[list[int]] | None = None,
+               prompts: list | None = None,
+               banned: list | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
         """One token per request, and its logprobs where the request asks for them (None where
         it does not): `launch`, then its result."""
-        return self.launch(logits, params, seeds, counters, rows, generated).result()
+        return self.launch(logits, params, seeds, counters, rows, generated, prompts, banned).result()
 
     def launch(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-               counters: list[int], rows: list[int] | None = None,
-               generated: list[list[int]] | None = None) -> Sampled:
+               counters: list[int], rows: list[int] | None = None, generated: list[list[int]] | None = None,
+               prompts: list | None = None, banned: list | None = None) -> Sampled:
         """Queue the sampling on the logits' device, and the copies of what the host reads
         back, with no synchronisation: `Sampled.result` waits for them.
 
         logits float32 [n, V]; request i reads row rows[i] (default i); `seeds` and
         `counters` (the request's output-token index) feed the noise; generated[i] (its
-        output tokens so far) feeds the penalties. `logits` is read, never written (on CUDA
-        it is the decode graph's output buffer)."""
+        output tokens so far) feeds the penalties, and prompts[i] (its prompt's ids, or their
+        distinct ids as an int64 array; None without a repetition penalty) the repetition penalty.
+        `logits` is read, never written (on CUDA it is the decode graph's output buffer).
+        banned[i]: token ids request i may not sample this step (EOS and stop_token_ids before
+        its min_tokens); empty or None for most."""
         rows = list(range(len(params))) if rows is None else rows
         device = logits.device
         raw = logits
-        penalised = [i for i, p in enumerate(params) if p.penalised and generated and generated[i]]
+        generated = generated or [[] for _ in params]
+        prompts = prompts or [None for _ in params]
+        if banned and any(banned):
+            # A copy (the input is the graph's buffer), with those tokens at -inf in their rows.
+            vocab = logits.shape[-1]
+            pairs = [(rows[i], t) for i, ids in enumerate(banned) for t in ids or () if 0 <= t < vocab]
+            logits = logits.clone()
+            logits[to_device([r for r, _ in pairs], torch.int64, device),
+                   to_device([t for _, t in pairs], torch.int64, device)] = float("-inf")
+        # A row is penalised once it has tokens to penalise: its output, or (repetition) its prompt.
+        penalised = [i for i, p in enumerate(params) if p.penalised and (
+            generated[i] or (p.repetition_penalty != 1 and prompts[i] is not None and len(prompts[i])))]
         if penalised:  # no row uses them: no count tensor, no copy of the logits
+            repetition = [params[i].repetition_penalty for i in penalised]
             logits = apply_penalties(
                 logits, to_device([rows[i] for i in penalised], torch.int64, device),
                 [generated[i] for i in penalised],
                 to_device([params[i].presence_penalty for i in penalised], torch.float32, device),
-                to_device([params[i].frequency_penalty for i in penalised], torch.float32, device))
+                to_device([params[i].frequency_penalty for i in penalised], torch.float32, device),
+                # only the rows that use it scatter their prompts (a prompt may be long)
+                [prompts[i] if r != 1 and prompts[i] is not None else [] for i, r in zip(penalised, repetition)],
+                to_device(repetition, torch.float32, device) if any(r != 1 for r in repetition) else None)
         tokens = logits.argmax(dim=-1)
         picked = [i for i, p in enumerate(params) if not p.greedy]
         if picked:
@@ -228,6 +285,12 @@ class Sampler:
                 top_k = to_device([min(params[i].top_k, vocab) for i in picked], torch.int64, device)
                 top_p = to_device([params[i].top_p for i in picked], torch.float32, device)
                 sub = apply_top_k_top_p(sub, top_k, top_p)
+            if any(params[i].min_p > 0 for i in picked):
+                # Relative to the most likely token, so whether top-k / top-p masked first
+                # does not matter: both keep that token and scale the others alike.
+                min_p = to_device([params[i].min_p for i in picked], torch.float32, device)
+                probs = torch.softmax(sub, dim=-1)
+                sub = sub.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
             u = uniform_noise(to_device([seeds[i] for i in picked], torch.int64, device),
                               to_device([counters[i] for i in picked], torch.int64, device),
                               logits.shape[-1])

@@ -3,7 +3,8 @@
 Each field's docstring (the string literal under it) is its help text and gives the unit
 and the default; `build_parser` reads those docstrings from this file's source, so the
 flags, their help and the dataclass cannot drift apart. The environment is read only in
-`ServerSettings.from_env_and_args` (``LORAPLEX_<FIELD>`` overrides a default).
+`ServerSettings.from_env_and_args` (``LORAPLEX_<FIELD>`` overrides a default; a Kubernetes
+service link ``LORAPLEX_PORT=tcp://...``, from a Service named ``loraplex``, is not a port).
 
 Example::
 
@@ -17,14 +18,23 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import ipaddress
 import os
+import re
 import textwrap
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from .adapter_names import InvalidAdapterName, check_adapter_name
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The levels both `logging` and uvicorn's `log_level` take (in any case).
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# Kubernetes puts `<SERVICE>_PORT=tcp://10.96.0.12:8000` into every pod of a namespace for each
+# Service there: a Service named `loraplex` sets LORAPLEX_PORT so. That is no --port.
+SERVICE_LINK = re.compile(r"^(tcp|udp|sctp)://\S+:\d+$")
 
 
 @dataclass
@@ -44,7 +54,8 @@ class ServerSettings:
     """Folder for --demo's files. Default: $XDG_CACHE_HOME/loraplex/demo."""
 
     host: str = "127.0.0.1"
-    """Address to listen on. Default: 127.0.0.1."""
+    """Address to listen on; an empty string listens on every address of both families,
+    IPv4 and IPv6 (0.0.0.0 is IPv4's only, :: IPv6's only). Default: 127.0.0.1."""
 
     port: int = 8000
     """TCP port to listen on. Default: 8000."""
@@ -53,7 +64,9 @@ class ServerSettings:
     """Name of the base model in the API. Default: the --model folder's name."""
 
     lora_modules: list[str] = field(default_factory=list)
-    """Adapters to load at start, as NAME=PATH (repeatable). Default: none."""
+    """Adapters to load at start, as NAME=PATH (repeatable); a NAME is ASCII letters, digits,
+    '.', '_', '-', '@' and '+', starting with a letter or digit (server/adapter_names.py).
+    Default: none."""
 
     device: str = "auto"
     """Torch device: cpu, cuda, cuda:N or auto (cuda when present). Default: auto."""
@@ -101,15 +114,18 @@ class ServerSettings:
 
     adapter_cache_dir: str | None = None
     """Local disk tier: a folder of PEFT adapters, <dir>/<name>/ (the node agent's cache);
-    a request for a name found there loads it. Default: none."""
+    a request for a name found there loads it (with --plan-file, a name the plan lists: the
+    node's cache holds other bases' and namespaces' adapters too). Default: none."""
 
     plan_file: str | None = None
     """The operator's plan (JSON, usually a mounted ConfigMap key): its adapters are
     registered and its pinned set pinned, re-read when it changes. Default: none."""
 
     node_agent_url: str | None = None
-    """The node agent that stages adapters missing from --adapter-cache-dir (e.g.
-    http://127.0.0.1:8090); without it a plan source is fetched directly. Default: none."""
+    """The node agent that stages adapters missing from --adapter-cache-dir, which it needs
+    (e.g. http://127.0.0.1:8081); an IPv6 host may come without brackets, as Kubernetes expands
+    http://$(NODE_IP):8081 (http://fd00::5:8081 is read as [fd00::5], port 8081); without it a
+    plan source is fetched directly. Default: none."""
 
     lora_target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
     """Projections that may carry LoRA (subset of q/k/v/o/gate/up/down_proj); adapters
@@ -179,9 +195,24 @@ class ServerSettings:
             name, eq, path = item.partition("=")
             if not (name and eq and path):
                 raise ValueError(f"--lora-modules {item!r}: expected NAME=PATH")
+            try:
+                check_adapter_name(name)
+            except InvalidAdapterName as e:
+                raise ValueError(f"--lora-modules {item!r}: {e}") from None
             if name in names:
                 raise ValueError(f"--lora-modules: {name!r} is given twice")
             names.add(name)
+        # The base's name in the API, as the engine derives it; an adapter of that name could
+        # never be asked for (POST /v1/load_lora_adapter refuses one as well).
+        base = self.served_model_name or (Path(self.model).name if self.model else self.dummy_weights)
+        if base in names:
+            raise ValueError(f"--lora-modules: {base!r} is the base model's name in the API "
+                             f"(--served-model-name, else the --model folder's name); name the adapter otherwise")
+        if self.node_agent_url is not None:
+            self.node_agent_url = http_url(self.node_agent_url, "--node-agent-url")
+            if not self.adapter_cache_dir:  # the agent stages into its cache: the server reads it there
+                raise ValueError("--node-agent-url needs --adapter-cache-dir, the agent's cache folder as this "
+                                 "server sees it (without it the agent would never be asked)")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"--log-level {self.log_level!r}: use {', '.join(LOG_LEVELS)}")
 
@@ -195,9 +226,52 @@ class ServerSettings:
             env = os.environ.get(f"LORAPLEX_{f.name.upper()}")
             if arg is not None:
                 values[f.name] = arg
-            elif env is not None:
+            elif env is not None and not (f.name == "port" and SERVICE_LINK.match(env)):
                 values[f.name] = _parse_env(f, env)
         return cls(**values)
+
+
+_URL = re.compile(r"^(https?)://([^/?#]*)(.*)$", re.S)
+
+
+def http_url(url: str, flag: str) -> str:
+    """`url`, an http(s) URL, with an IPv6 host put in brackets; ValueError if it is none.
+
+    The operator gives its servers `http://$(NODE_IP):8081`, and the kubelet expands
+    $(NODE_IP) to the node's address as it is: on an IPv6 node `http://fd00::5:8081`, which
+    no URL parser reads (httpx: "Invalid port"). An unbracketed host with colons is read the
+    way that template writes it: the last `:digits` is the port when what comes before is an
+    IPv6 address (`fd00::5:8081` -> `[fd00::5]:8081`), else the whole is the address with no
+    port. IPv4 addresses and names are left as they are.
+    """
+    m = _URL.match(url)
+    if m is None:
+        raise ValueError(f"{flag} {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    scheme, netloc, rest = m.groups()
+    if netloc.count(":") > 1 and not netloc.startswith("[") and "@" not in netloc:
+        host, _, port = netloc.rpartition(":")
+        if port.isdigit() and _is_ipv6(host):
+            netloc = f"[{host}]:{port}"
+        elif _is_ipv6(netloc):
+            netloc = f"[{netloc}]"
+        else:
+            raise ValueError(f"{flag} {url!r}: {netloc!r} is neither HOST:PORT nor an IPv6 address")
+    url = f"{scheme}://{netloc}{rest}"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not one
+    except ValueError as e:
+        raise ValueError(f"{flag} {url!r}: {e}") from None
+    if not parts.hostname:
+        raise ValueError(f"{flag} {url!r}: no host")
+    return url
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 def field_docs(cls: type = ServerSettings) -> dict[str, str]:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .adapter_format import AdapterSpec
-from .adapter_sources import AdapterLoadError
+from .adapter_sources import AdapterLoadError, redact
 from .adapters import AdapterId
 from .cache_metrics import CacheMetrics
 from .cache_policy import EvictionPolicy
@@ -51,6 +51,7 @@ class CachedAdapter:
 
     name: str
     path: Path | None = None  # a PEFT directory registered for it (load_lora_adapter, --lora-modules)
+    admin: bool = False  # loaded by load_lora_adapter or --lora-modules: a plan never unloads it
     source: str | None = None  # the plan's source URI
     sha256: str | None = None  # the plan's digest of adapter_model.safetensors
     id: AdapterId | None = None  # set once its files are read
@@ -82,8 +83,9 @@ class CachedAdapter:
     @property
     def version(self) -> tuple[str, str | None]:
         """What tells its versions apart, as the node agent does: its sha256, or without one
-        its source (a new source is a new version)."""
-        return ("sha256", self.sha256) if self.sha256 is not None else ("source", self.source)
+        its source, query string and user info aside (a new source is a new version; a
+        re-signed URL is not)."""
+        return ("sha256", self.sha256) if self.sha256 is not None else ("source", redact(self.source))
 
     @property
     def ready(self) -> bool:

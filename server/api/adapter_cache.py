@@ -8,6 +8,9 @@
     POST /v1/sessions {"model": name}      a session starts: prefetch its adapter through every
                                            tier and answer once resident, so the first request hits
 
+A name may hold slashes ("acme/sql-lora", as vLLM users name adapters after their repositories):
+the routes take the whole path between /v1/adapters/ and the action as the name.
+
 The node agent calls prefetch (?wait=false) and pin when it warms a server (node_agent/warmer.py).
 """
 
@@ -65,7 +68,7 @@ async def list_adapters(engine: AsyncEngine = Depends(get_engine)) -> dict:
             "eviction_policy": cache.policy.name}
 
 
-@router.post("/v1/adapters/{name}/pin")
+@router.post("/v1/adapters/{name:path}/pin")
 async def pin(name: str, engine: AsyncEngine = Depends(get_engine)) -> dict:
     try:
         engine.engine.adapters.pin(name)
@@ -74,7 +77,7 @@ async def pin(name: str, engine: AsyncEngine = Depends(get_engine)) -> dict:
     return _row(engine, name)
 
 
-@router.post("/v1/adapters/{name}/unpin")
+@router.post("/v1/adapters/{name:path}/unpin")
 async def unpin(name: str, engine: AsyncEngine = Depends(get_engine)) -> dict:
     try:
         engine.engine.adapters.unpin(name)
@@ -83,7 +86,7 @@ async def unpin(name: str, engine: AsyncEngine = Depends(get_engine)) -> dict:
     return _row(engine, name)
 
 
-@router.post("/v1/adapters/{name}/prefetch")
+@router.post("/v1/adapters/{name:path}/prefetch")
 async def prefetch(name: str, wait: bool = Query(True, description="answer once resident (false: at once)"),
                    timeout: float = Query(120.0, gt=0, description="seconds to wait for residency"),
                    engine: AsyncEngine = Depends(get_engine)):

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
 from ..adapter_format import AdapterError
+from ..adapter_names import InvalidAdapterName, check_adapter_name
 from ..engine import AsyncEngine
 from .deps import get_engine
 from .errors import APIError
@@ -21,6 +22,10 @@ router = APIRouter(tags=["adapters"])
 
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadAdapterRequest, engine: AsyncEngine = Depends(get_engine)) -> PlainTextResponse:
+    try:
+        check_adapter_name(body.lora_name)
+    except InvalidAdapterName as e:
+        raise APIError(400, str(e), param="lora_name", code="invalid_adapter_name") from None
     if body.lora_name == engine.engine.model_name:
         raise APIError(400, f"{body.lora_name!r} is the base model's name", param="lora_name")
     try:

@@ -6,6 +6,7 @@ interleave, each naming its `index`; each choice ends with its own finish_reason
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -31,8 +32,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     if eng.tokenizer is None:
         raise APIError(400, "this server has no tokenizer: use /v1/completions with token ids")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        prompt = eng.tokenizer.apply_chat_template(messages)
+    try:  # off the event loop, which serves every stream: a long conversation takes seconds
+        prompt = await asyncio.to_thread(eng.tokenizer.apply_chat_template, messages)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     # Without max_tokens a chat reply may use the rest of the context (as vLLM does).

@@ -11,6 +11,7 @@ cover the prompt's tokens first; streamed, the first chunk carries the prompt an
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -59,7 +60,8 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
     if refusal:
         raise APIError(400, refusal[0], param=refusal[1])
     adapter = resolve_adapter(engine, body.model)
-    prompts, prompt_texts = _prompts(engine, body)
+    # Tokenizing a long text takes seconds: off the event loop, which serves every stream.
+    prompts, prompt_texts = await asyncio.to_thread(_prompts, engine, body)
     params = body.sampling(16 if body.max_tokens is None else body.max_tokens, echo=body.echo)
     streams = open_choices(engine, prompts, body, params, adapter)
     n, rid, created = body.n, new_id("cmpl"), now()

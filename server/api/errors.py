@@ -40,6 +40,12 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
                       "param": param, "code": code}}
 
 
+def _is_json(content_type: str) -> bool:
+    """application/json, with or without parameters, or any application/...+json (as FastAPI reads)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def model_not_found(name: str) -> APIError:
     return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
@@ -56,12 +62,21 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(500, str(exc), code="adapter_load_failed"), status_code=500)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         # Body that is not JSON at all: 400; JSON with wrong or missing fields: 422.
         if any(e.get("type") == "json_invalid" for e in errors):
             return JSONResponse(error_body(400, "The request body is not valid JSON.", code="invalid_json"),
                                 status_code=400)
+        # FastAPI reads a body as JSON only when its content type says so; any other body
+        # reaches validation as bytes ("not a valid dictionary"). Say what is wrong: 415.
+        content_type = request.headers.get("content-type", "")
+        if content_type and not _is_json(content_type) and any(
+                tuple(e.get("loc", ())) == ("body",) and e.get("type") in ("model_attributes_type", "dict_type")
+                for e in errors):
+            return JSONResponse(error_body(
+                415, f"The request body must be JSON, sent with Content-Type: application/json "
+                     f"(this one came as {content_type!r}).", code="unsupported_media_type"), status_code=415)
         first = errors[0] if errors else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"

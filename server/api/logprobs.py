@@ -21,7 +21,9 @@ The values are the model's own distribution: log_softmax of the raw logits in fl
 before penalties, temperature, top-k and top-p (vLLM's default "raw_logprobs"). A token's
 string is that token decoded alone ("\\ufffd" for a piece of a UTF-8 character; "" for a
 special token, which the tokenizer skips), or "token_id:N" on a server without a tokenizer
-(vLLM's spelling for ids).
+(vLLM's spelling for ids). A chat logprob's `bytes` are the token's own, as OpenAI's: for a
+piece of a character, that piece ("日" over three tokens: [230], [151], [165]), so the bytes
+of an answer's tokens join into the answer.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
     if tokenizer is None:
         return f"token_id:{token_id}"
     return tokenizer.decode([token_id])
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def token_bytes(tokenizer: Tokenizer | None, token_id: int) -> tuple[int, ...]:
+    """The token's own bytes: for a piece of a character, that piece, not "\ufffd"'s bytes."""
+    if tokenizer is None:
+        return tuple(token_text(None, token_id).encode())
+    return tuple(tokenizer.token_bytes(token_id))
 
 
 def _value(logprob: float) -> float:
@@ -74,15 +84,16 @@ class CompletionLogprobs:
         return out
 
 
-def _entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": _value(logprob), "bytes": list(text.encode("utf-8"))}
+def _entry(tokenizer: Tokenizer | None, token_id: int, logprob: float) -> dict:
+    return {"token": token_text(tokenizer, token_id), "logprob": _value(logprob),
+            "bytes": token_bytes(tokenizer, token_id)}
 
 
 def chat_logprobs(tokenizer: Tokenizer | None, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict:
     """The `logprobs` object of a /v1/chat/completions choice (or of one streamed chunk)."""
     content = []
     for token_id, lp in zip(token_ids, logprobs):
-        entry = _entry(token_text(tokenizer, token_id), lp.logprob)
-        entry["top_logprobs"] = [_entry(token_text(tokenizer, t), v) for t, v in lp.top]
+        entry = _entry(tokenizer, token_id, lp.logprob)
+        entry["top_logprobs"] = [_entry(tokenizer, t, v) for t, v in lp.top]
         content.append(entry)
     return {"content": content}

@@ -1,5 +1,6 @@
 """GET /v1/models: the base model and every known adapter, in any cache tier (adapters name the
-base as parent; rank and target modules once their files have been read)."""
+base as parent; rank and target modules once their files have been read).
+GET /v1/models/{model}: one of them (the official client's `models.retrieve`), or a 404."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ from fastapi import APIRouter, Depends
 
 from ..engine import AsyncEngine
 from .deps import get_engine
+from .errors import model_not_found
 from .schemas import now
 
 router = APIRouter(tags=["models"])
 
 
-@router.get("/v1/models")
-async def list_models(engine: AsyncEngine = Depends(get_engine)) -> dict:
+def _cards(engine: AsyncEngine) -> list[dict]:
     eng = engine.engine
     created = now()
     base = {"id": eng.model_name, "object": "model", "created": created, "owned_by": "loraplex",
@@ -24,4 +25,17 @@ async def list_models(engine: AsyncEngine = Depends(get_engine)) -> dict:
                  "max_model_len": eng.max_model_len, "rank": e.spec.max_rank if e.spec else None,
                  "target_modules": list(e.spec.target_modules) if e.spec else None}
                 for e in sorted(eng.adapters.known(), key=lambda e: e.name)]
-    return {"object": "list", "data": [base] + adapters}
+    return [base] + adapters
+
+
+@router.get("/v1/models")
+async def list_models(engine: AsyncEngine = Depends(get_engine)) -> dict:
+    return {"object": "list", "data": _cards(engine)}
+
+
+@router.get("/v1/models/{model:path}")  # an adapter's name may hold slashes ("acme/sql-lora")
+async def retrieve_model(model: str, engine: AsyncEngine = Depends(get_engine)) -> dict:
+    for card in _cards(engine):
+        if card["id"] == model:
+            return card
+    raise model_not_found(model)

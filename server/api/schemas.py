@@ -1,6 +1,8 @@
 """OpenAI request and response bodies (the subset a completions server needs), plus vLLM's
-adapter-admin bodies. Extra fields that vLLM accepts (top_k, ignore_eos, stop_token_ids)
-are accepted here too; unknown fields are ignored, as vLLM does.
+adapter-admin bodies. Extra fields that vLLM accepts (top_k, min_p, min_tokens,
+repetition_penalty, ignore_eos, stop_token_ids) are accepted here too; vLLM's and OpenAI's
+fields this server does not implement are refused when they would change the output
+(UNSUPPORTED); other unknown fields are ignored, as vLLM does.
 
 Values out of OpenAI's bounds that a client is likely to send on purpose (logprobs,
 top_logprobs, penalties) are refused with a 400 naming the parameter, as OpenAI does.
@@ -62,17 +64,32 @@ class RequestBody(BaseModel):
         return data
 
 
+# Fields of vLLM's or OpenAI's API that this server does not implement, with the values that
+# change nothing (accepted); any other value is refused with a 400 naming the field, never
+# silently dropped. Each maps to its neutral values.
+UNSUPPORTED: dict[str, tuple] = {
+    "guided_json": (None,), "guided_regex": (None, ""), "guided_choice": (None, []), "guided_grammar": (None, ""),
+    "guided_decoding_backend": (None, ""), "structured_outputs": (None, {}), "bad_words": (None, []),
+    "allowed_token_ids": (None,), "logits_processors": (None, []), "prompt_logprobs": (None,),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
+}
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
 class _SamplingFields(RequestBody):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept in model_extra, to refuse UNSUPPORTED ones
 
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(default=None, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -83,6 +100,7 @@ class _SamplingFields(RequestBody):
     best_of: int | None = None  # accepted only equal to n (vLLM's meaning: keep the n best of best_of)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's: > 0, 1 = off, over the prompt and the output
     user: str | None = None
     # Parts of the OpenAI API this server does not implement: refused when they would change
     # the output (a 400 naming them), accepted when neutral (empty, or plain text), never
@@ -93,6 +111,10 @@ class _SamplingFields(RequestBody):
 
     def top_logprobs_k(self) -> int | None:
         """How many alternatives per token the response lists (None: no logprobs)."""
+        raise NotImplementedError
+
+    def max_tokens_asked(self) -> int | None:
+        """The output length the request sets (None: the server picks it)."""
         raise NotImplementedError
 
     def refusal(self) -> tuple[str, str | None] | None:
@@ -114,10 +136,19 @@ class _SamplingFields(RequestBody):
                 "response_format"
         if self.tools:
             return "tools are not supported", "tools"
+        limit = self.max_tokens_asked()
+        if self.min_tokens and limit is not None and self.min_tokens > limit:
+            return f"min_tokens must be at most max_tokens ({limit}), got {self.min_tokens}", "min_tokens"
+        extra = self.model_extra or {}
+        for name, neutral in UNSUPPORTED.items():
+            if name in extra and not any(extra[name] == v and type(extra[name]) is type(v) for v in neutral):
+                return f"{name} is not supported", name
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and not -2.0 <= value <= 2.0:
                 return f"{name} must be between -2 and 2, got {value}", name
+        if self.repetition_penalty is not None and not 0.0 < self.repetition_penalty < float("inf"):
+            return f"repetition_penalty must be greater than 0, got {self.repetition_penalty}", "repetition_penalty"
         return None
 
     @staticmethod
@@ -133,6 +164,10 @@ class _SamplingFields(RequestBody):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            # Refused above max_tokens a request gives (refusal); a chat reply's max_tokens
+            # from the context left may still be below it: the context ends the reply first.
+            min_tokens=min(self.min_tokens or 0, max_tokens),
             seed=self.seed,
             stop=[s for s in stop if s],
             stop_token_ids=list(self.stop_token_ids or []),
@@ -140,6 +175,7 @@ class _SamplingFields(RequestBody):
             logprobs=self.top_logprobs_k(),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             echo=echo,
         )
 
@@ -161,6 +197,9 @@ class CompletionRequest(_SamplingFields):
 
     def top_logprobs_k(self) -> int | None:
         return self.logprobs
+
+    def max_tokens_asked(self) -> int | None:
+        return 16 if self.max_tokens is None else self.max_tokens
 
     def refusal(self) -> tuple[str, str | None] | None:
         return (super().refusal() or self._logprobs_bound("logprobs", self.logprobs)
@@ -196,6 +235,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     def top_logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def max_tokens_asked(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
 
     def refusal(self) -> tuple[str, str | None] | None:
         if self.top_logprobs and not self.logprobs:

@@ -206,3 +206,23 @@ class FakeClock:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture
+async def client_factory():
+    """Starts agents (the whole app, its background loops too) on 127.0.0.1; closed after the test."""
+    from aiohttp.test_utils import TestClient
+
+    from loraplex.node_agent.app import AgentConfig, create_app
+
+    clients = []
+
+    async def make(config: AgentConfig) -> TestClient:
+        client = TestClient(TestServer(create_app(config), host="127.0.0.1"))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield make
+    for c in clients:
+        await c.close()

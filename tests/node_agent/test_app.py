@@ -7,29 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from loraplex.node_agent.adapter_files import WEIGHTS_FILE
-from loraplex.node_agent.app import AGENT, AgentConfig, create_app
+from loraplex.node_agent.app import AGENT, AgentConfig
 from loraplex.node_agent.cli import Settings, build_parser, field_docs, main
 from loraplex.server.adapter_format import serving_weights_name
 
 from .helpers import ConfigMapDir, plan_json
-
-
-@pytest.fixture
-async def client_factory():
-    clients = []
-
-    async def make(config: AgentConfig) -> TestClient:
-        client = TestClient(TestServer(create_app(config), host="127.0.0.1"))
-        await client.start_server()
-        clients.append(client)
-        return client
-
-    yield make
-    for c in clients:
-        await c.close()
 
 
 def metric(text: str, name: str) -> float:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.node_agent.convert import float32_to_bfloat16_bits, write_serving_copy
+from loraplex.node_agent.convert import float32_to_bfloat16_bits, serving_copy_size, write_serving_copy
 from loraplex.server.adapter_format import WEIGHTS_FILE, read_safetensors_header, serving_weights, serving_weights_name
 
 
@@ -46,8 +46,10 @@ def _adapter(directory, gen) -> dict[str, torch.Tensor]:
 def test_serving_copy_converts_f32_and_keeps_the_rest(tmp_path, dtype):
     tensors = _adapter(tmp_path, torch.Generator().manual_seed(1))
     original = (tmp_path / WEIGHTS_FILE).read_bytes()
+    size = serving_copy_size(tmp_path, dtype)
     path = write_serving_copy(tmp_path, dtype)
     assert path == tmp_path / serving_weights_name(dtype) == serving_weights(tmp_path, dtype)
+    assert path.stat().st_size == size  # known before a byte is written
     assert (tmp_path / WEIGHTS_FILE).read_bytes() == original  # the digest'd file is untouched
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
     read_safetensors_header(path)  # whole: every range checked against the file
@@ -63,6 +65,7 @@ def test_serving_copy_converts_f32_and_keeps_the_rest(tmp_path, dtype):
 def test_no_serving_copy_when_nothing_to_convert(tmp_path):
     _adapter(tmp_path / "a", torch.Generator().manual_seed(2))
     assert write_serving_copy(tmp_path / "a", "float32") is None
+    assert serving_copy_size(tmp_path / "a", "float32") is None
     assert serving_weights(tmp_path / "a", "float32") == tmp_path / "a" / WEIGHTS_FILE
     save_file({"x.lora_A.weight": torch.randn(2, 2).bfloat16()}, str(tmp_path / WEIGHTS_FILE))
     assert write_serving_copy(tmp_path, "bfloat16") is None

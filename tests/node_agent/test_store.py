@@ -343,7 +343,10 @@ async def test_versions_of_one_name_staged_at_once_leave_the_link_and_the_entry_
     store = open_store(tmp_path / "cache", session, downloads=8)
     for round_ in range(30):
         picks = [versions[(round_ + k) % 4] for k in range(3)]
-        await asyncio.gather(*[store.stage(ref) for ref in picks])
+        results = await asyncio.gather(*[store.stage(ref) for ref in picks], return_exceptions=True)
+        # One that ends after a version asked for later is dropped (the later request wins).
+        assert all(not isinstance(r, BaseException) or getattr(r, "reason", None) == "Superseded"
+                   for r in results), results
         entry = store.get("a")
         weights = Path(entry.path, WEIGHTS_FILE).read_bytes()  # through the link
         assert hashlib.sha256(weights).hexdigest() == entry.sha256, round_
@@ -431,3 +434,103 @@ async def test_restart_drops_a_version_whose_metadata_does_not_describe_it(tmp_p
     again = open_store(root, session, clock)
     assert [a.name for a in again.list()] == ["keep"]
     assert_clean(root, ["odd"])
+
+
+async def test_a_request_naming_a_dtype_that_joins_a_download_gets_its_copy(tmp_path, object_store, session):
+    """Two requests for one version share its download; the second names a serving dtype and
+    the first none (the plan's stage and a bf16 server's, say). The second used to be answered
+    with the version as the first asked for it, with no bf16 copy, so its server converted
+    the F32 weights at every read until some later request named the dtype again."""
+    from loraplex.server.adapter_format import serving_weights_name
+
+    src = object_store.add("shared", tmp_path)
+    sha = object_store.adapters["shared"].sha256
+    object_store.gate = asyncio.Event()
+    store = open_store(tmp_path / "cache", session)
+    plain = asyncio.ensure_future(store.stage(AdapterRef("shared", src, sha)))
+    while object_store.active == 0:
+        await asyncio.sleep(0.005)
+    bf16 = asyncio.ensure_future(store.stage(AdapterRef("shared", src, sha, "bfloat16")))
+    await asyncio.sleep(0.02)
+    object_store.gate.set()
+    first, second = await asyncio.gather(plain, bf16)
+    assert store.downloads_started == 1
+    copy = tmp_path / "cache" / "shared" / serving_weights_name("bfloat16")
+    assert copy.is_file()
+    assert second.bytes == first.bytes + copy.stat().st_size == store.used_bytes
+
+
+async def test_a_version_asked_for_earlier_never_replaces_one_asked_for_later(tmp_path, object_store, session):
+    """Version 1 of an adapter downloads slowly; version 2 is asked for meanwhile and staged
+    first. Version 1 used to replace it when its download ended, so the node went back to
+    the old version although the newer one was the last asked for (the caller of version 2
+    had been told it was there). The later request wins: version 1 is dropped, its caller
+    told so (409 Superseded), and version 2 stays."""
+    src1 = object_store.add("a", tmp_path, seed=1)
+    ref1 = AdapterRef("a", src1, object_store.adapters["a"].sha256)
+    sha2 = make_adapter(tmp_path / "v2" / "a", seed=2)
+    ref2 = AdapterRef("a", str(tmp_path / "v2" / "a"), sha2)
+    object_store.gate = asyncio.Event()
+    store = open_store(tmp_path / "cache", session)
+    first = asyncio.ensure_future(store.stage(ref1))
+    while object_store.active == 0:
+        await asyncio.sleep(0.005)
+    staged2 = await store.stage(ref2)
+    object_store.gate.set()
+    with pytest.raises(StoreError) as err:
+        await first
+    assert err.value.reason == "Superseded" and err.value.status == 409
+    assert store.get("a").sha256 == sha2 == staged2.sha256
+    assert hashlib.sha256(Path(staged2.path, WEIGHTS_FILE).read_bytes()).hexdigest() == sha2
+    assert_clean(tmp_path / "cache", [])
+    # Asked for again now, version 1 is the latest request: it replaces version 2.
+    again = await store.stage(ref1)
+    assert store.get("a").sha256 == again.sha256 == ref1.sha256
+    assert_clean(tmp_path / "cache", [])
+
+
+async def test_requests_at_once_for_a_missing_serving_copy_all_wait_for_it(tmp_path, session, monkeypatch):
+    """Several bf16 servers ask at once for a version staged without its bf16 copy. One writes
+    it; the others used to be answered at once, before it existed, so their servers read and
+    converted the F32 file. All are answered once the copy is there, and it is written once,
+    whoever of them goes away meanwhile."""
+    import threading
+
+    import loraplex.node_agent.store as store_module
+    from loraplex.server.adapter_format import serving_weights_name
+
+    store = open_store(tmp_path / "cache", session)
+    staged = await _stage_local(store, tmp_path, "a", 1)  # no dtype: no copy
+    ref = AdapterRef("a", str(tmp_path / "volume" / "a"), staged.sha256, "bfloat16")
+    calls, go = [], threading.Event()
+    real = store_module.write_serving_copy
+
+    def slow(directory, dtype):  # the real conversion, held until the others have asked
+        calls.append(dtype)
+        go.wait(10)
+        return real(directory, dtype)
+
+    monkeypatch.setattr(store_module, "write_serving_copy", slow)
+    asks = [asyncio.ensure_future(store.stage(ref)) for _ in range(4)]
+    await asyncio.sleep(0.1)
+    assert not any(a.done() for a in asks)  # nobody answered before the copy is there
+    asks[0].cancel()  # the client whose request started the copy goes away: the copy goes on
+    go.set()
+    answers = await asyncio.gather(*asks[1:])
+    copy = Path(staged.path, serving_weights_name("bfloat16"))
+    assert calls == ["bfloat16"] and copy.is_file()
+    assert {a.bytes for a in answers} == {staged.bytes + copy.stat().st_size} == {store.used_bytes}
+    assert store._reserved == 0  # the copy's reservation became its staged bytes
+
+
+async def test_an_adapter_with_the_longest_name_a_kubernetes_object_may_have_is_staged(tmp_path, session):
+    """A LoRAAdapter's name may be 253 characters. The store named its download folder and the
+    name's symlink-to-be after the adapter, with a suffix: past the filesystem's 255 bytes for
+    a name, so such an adapter failed with a 500 (ENAMETOOLONG) every time."""
+    name = "a" * 240 + "-" + "b" * 12
+    assert len(name) == 253
+    store = open_store(tmp_path / "cache", session)
+    staged = await _stage_local(store, tmp_path, name, 1)
+    assert Path(staged.path, WEIGHTS_FILE).is_file() and store.get(name) is not None
+    assert_clean(tmp_path / "cache", [])
+    assert [a.name for a in open_store(tmp_path / "cache", session).list()] == [name]

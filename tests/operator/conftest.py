@@ -125,8 +125,9 @@ async def settle(emulator: Any, quiet: float = 0.3, timeout: float = 3.0) -> Non
 
 
 @contextlib.asynccontextmanager
-async def running_operator(emulator: Any) -> AsyncIterator[None]:
-    """kopf in its own thread and event loop, as `kopf.operator(...)`.
+async def running_operator(emulator: Any, namespaces: tuple[str, ...] = ()) -> AsyncIterator[None]:
+    """kopf in its own thread and event loop, as `kopf.operator(...)`: the whole cluster, or
+    only `namespaces` (as `loraplex-operator --namespace`).
 
     Not in the test's loop: on exit kopf cancels every task of its loop that it did not
     find at start, which would include the emulator's request handlers.
@@ -138,8 +139,9 @@ async def running_operator(emulator: Any) -> AsyncIterator[None]:
 
     def run() -> None:
         try:
-            asyncio.run(kopf.operator(clusterwide=True, standalone=True, settings=operator_settings(),
-                                      stop_flag=stop, ready_flag=ready, memo=kopf.Memo()))
+            asyncio.run(kopf.operator(clusterwide=not namespaces, namespaces=namespaces, standalone=True,
+                                      settings=operator_settings(), stop_flag=stop, ready_flag=ready,
+                                      memo=kopf.Memo()))
         except BaseException as exc:  # surfaced to the test below
             errors.append(exc)
 
@@ -165,8 +167,9 @@ def settled(emulator: Any) -> Callable[[], Awaitable[None]]:
 
 @pytest.fixture()
 def operator_runner(emulator: Any) -> Callable[[], contextlib.AbstractAsyncContextManager[None]]:
-    """Start (and restart) the operator within a test: `async with operator_runner(): ...`."""
-    return lambda: running_operator(emulator)
+    """Start (and restart) the operator within a test: `async with operator_runner(): ...`,
+    or `operator_runner(("ml",))` for one namespace."""
+    return lambda namespaces=(): running_operator(emulator, namespaces)
 
 
 @pytest.fixture()

@@ -1,9 +1,10 @@
 """The Helm chart, tested without a helm binary.
 
 A small renderer below covers the subset of Go templates the chart uses (include/define,
-if/with/range, and the pipes quote, nindent, toYaml, trunc, trimSuffix, default, printf), so
-the rendered manifests can be parsed and checked: RBAC covers what the operator and the
-node agent call, the node agent runs with its cache dir, the CRDs are the repository's.
+if/with/range, and the pipes quote, nindent, toYaml, trunc, trimSuffix, default, printf,
+splitList, last), so the rendered manifests can be parsed and checked: RBAC covers what the
+operator and the node agent call, the node agent runs with its cache dir, the CRDs are the
+repository's.
 Helm itself (and its Sprig functions beyond these) is not exercised here.
 """
 
@@ -141,6 +142,10 @@ class Renderer:
             return args[1] if args[1] else args[0]
         if fn == "printf":
             return args[0] % tuple(args[1:])
+        if fn == "splitList":
+            return self._str(args[1]).split(args[0])
+        if fn == "last":
+            return args[0][-1] if args[0] else None
         raise NotImplementedError(f"template function {fn!r} is not in the test renderer")
 
     @staticmethod
@@ -207,21 +212,39 @@ def _allows(role: dict[str, Any], group: str, resource: str, verb: str) -> bool:
                for rule in role["rules"])
 
 
-@pytest.mark.parametrize(("group", "resource", "verbs"), [
-    ("loraplex.io", "basemodels", ["get", "list", "watch", "patch"]),
-    ("loraplex.io", "loraadapters", ["get", "list", "watch", "patch"]),  # finalizers, kopf annotations
-    ("loraplex.io", "loraadapters/status", ["patch"]),
-    ("loraplex.io", "basemodels/status", ["patch"]),
-    ("", "configmaps", ["get", "create", "patch", "watch"]),
-    ("", "services", ["get", "create", "patch"]),
-    ("apps", "deployments", ["get", "create", "patch", "list", "watch"]),
-    ("", "events", ["create"]),
-    ("apiextensions.k8s.io", "customresourcedefinitions", ["list", "watch"]),
-])
-def test_operator_rbac_covers_its_calls(group, resource, verbs):
-    role = render_all()[("ClusterRole", "lp-loraplex-operator")]
-    for verb in verbs:
-        assert _allows(role, group, resource, verb), (group, resource, verb)
+def _granted(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}
+
+
+# What the operator calls (test_rbac_e2e.py records it from a run against the emulator):
+OPERATOR_CALLS = {
+    # kopf: watches (list + watch), finalizers and annotations (patch), status (patch /status)
+    *(("loraplex.io", r, v) for r in ("basemodels", "loraadapters") for v in ("list", "watch", "patch")),
+    ("loraplex.io", "basemodels/status", "patch"), ("loraplex.io", "loraadapters/status", "patch"),
+    ("apps", "deployments", "list"), ("apps", "deployments", "watch"),  # readiness of its servers
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    ("", "events", "create"),  # handler failures as Warning events
+    # operator/kube.py: the plan ConfigMap, Deployment and Service by name
+    *((g, r, v) for g, r in (("", "configmaps"), ("", "services"), ("apps", "deployments"))
+      for v in ("get", "create", "patch")),
+    # no API call: the OwnerReferencesPermissionEnforcement admission plugin's condition for
+    # blockOwnerDeletion (test_operator_may_block_the_deletion_of_what_it_adopts)
+    ("loraplex.io", "basemodels/finalizers", "update"),
+}
+
+
+@pytest.mark.parametrize("namespaces", [[], ["ml", "research-*"]], ids=["clusterwide", "namespaces"])
+def test_operator_role_grants_its_calls_and_no_more(namespaces):
+    """Nothing it calls is missing, nothing granted goes unused: no configmaps list/watch
+    (it reads one plan ConfigMap by name), no PUT, no CRD or namespace get. kopf lists and
+    watches namespaces only when it serves some, not the whole cluster."""
+    values = copy.deepcopy(VALUES)
+    values["operator"]["watchNamespaces"] = namespaces
+    role = render_all(values)[("ClusterRole", "lp-loraplex-operator")]
+    expected = OPERATOR_CALLS | ({("", "namespaces", "list"), ("", "namespaces", "watch")} if namespaces else set())
+    assert _granted(role) == expected
 
 
 def test_operator_may_block_the_deletion_of_what_it_adopts():
@@ -248,13 +271,25 @@ def test_node_agent_may_patch_only_adapter_status():
 def test_node_agent_role_grants_its_calls_and_no_more():
     """The agent runs on every node with the host's adapter cache mounted; its token may do
     what node_agent/kube.py does: GET one plan ConfigMap by name, list the pods on its node,
-    get / merge-patch LoRAAdapter status. Not list every ConfigMap of the cluster, read
-    objects it never reads, or write events."""
-    role = render_all()[("ClusterRole", "lp-loraplex-node-agent")]
-    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
-               for resource in rule["resources"] for verb in rule["verbs"]}
-    assert granted == {("loraplex.io", "loraadapters/status", "get"), ("loraplex.io", "loraadapters/status", "patch"),
-                       ("", "configmaps", "get"), ("", "pods", "list")}
+    get / merge-patch LoRAAdapter status. Not get or list every ConfigMap of the cluster
+    (aws-auth, coredns, any app's configuration), read objects it never reads, or write events."""
+    docs = render_all()
+    role = docs[("ClusterRole", "lp-loraplex-node-agent")]
+    assert _granted(role) == {("loraplex.io", "loraadapters/status", "get"),
+                              ("loraplex.io", "loraadapters/status", "patch"), ("", "pods", "list")}
+
+
+def test_node_agent_may_read_its_plan_configmap_and_no_other():
+    """By name, in a ClusterRole: a Role in the plan's namespace would have to be installed
+    into a namespace that need not exist yet (the README installs the chart first)."""
+    values = copy.deepcopy(VALUES)
+    values["nodeAgent"]["planConfigMap"] = "ml/llama-3-8b-plan"
+    docs = render_all(values)
+    role = docs[("ClusterRole", "lp-loraplex-node-agent")]
+    (rule,) = [r for r in role["rules"] if "configmaps" in r["resources"]]
+    assert rule == {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["llama-3-8b-plan"],
+                    "verbs": ["get"]}
+    assert not [key for key in docs if key[0] in ("Role", "RoleBinding")]
 
 
 def test_node_agent_daemonset_contract():
@@ -304,7 +339,7 @@ def test_operator_deployment_follows_values():
     dep = docs[("Deployment", "lp-loraplex-operator")]
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["loraplex-operator"]
-    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--namespace=ml", "--namespace=research",
+    assert container["args"] == ["--liveness=http://:8080/healthz", "--namespace=ml", "--namespace=research",
                                  "--verbose"]
     assert container["image"] == "loraplex/operator:dev"
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"

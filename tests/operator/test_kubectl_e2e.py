@@ -95,3 +95,24 @@ async def test_a_user_applies_the_examples_with_kubectl(kubectl, operator_runner
         left = await kubectl("get", "loraadapters", "-n", NS, "-l", "app.kubernetes.io/part-of=loraplex-demo",
                              "-o", "name")
         assert "acme-summarise" not in left and "acme-support" in left
+
+
+async def test_kubectl_get_basemodels_shows_a_failed_base(kubectl, api, operator, eventually_):
+    """A base the operator cannot size (no memory figures: SizeUnknown) serves no adapter;
+    `kubectl get basemodels` must say so, not only leave its columns blank or zero."""
+    from loraplex.operator.kube import BASE_MODELS
+
+    from .test_operator_e2e import NS as ML, base_body
+
+    await api.create(BASE_MODELS.path(ML), base_body("sized"))
+    await api.create(BASE_MODELS.path(ML), base_body("unsized", memory={}))
+
+    async def phases():
+        table = await kubectl("get", "basemodels", "-n", ML)
+        header, *rows = table.strip().splitlines()
+        if "PHASE" not in header.split():
+            return None
+        start = header.index("PHASE")  # cells are aligned under their header; empty ones are blank
+        found = {row.split()[0]: (row[start:].split() or [""])[0] for row in rows}
+        return found if found == {"sized": "Planned", "unsized": "Failed"} else None
+    await eventually_(phases, what="a PHASE column: sized Planned, unsized Failed")

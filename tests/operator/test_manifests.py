@@ -115,7 +115,7 @@ def test_examples_plan_as_their_comments_say():
 
 
 GOOD_ADAPTER = {"apiVersion": "loraplex.io/v1alpha1", "kind": "LoRAAdapter", "metadata": {"name": "a"},
-                "spec": {"baseModel": "llama-3-8b", "source": "s3://b/a", "sha256": "a" * 64}}
+                "spec": {"baseModel": "llama-3-8b", "source": "https://artifacts.example/a", "sha256": "a" * 64}}
 
 
 @pytest.mark.parametrize(("path", "value"), [

@@ -30,7 +30,7 @@ def base_body(name: str = "llama-3-8b", **spec: Any) -> dict[str, Any]:
 
 
 def adapter_body(name: str, priority: int, **spec: Any) -> dict[str, Any]:
-    fields: dict[str, Any] = {"baseModel": "llama-3-8b", "source": f"s3://adapters/{name}", "sha256": "0" * 64,
+    fields: dict[str, Any] = {"baseModel": "llama-3-8b", "source": f"https://artifacts.example/adapters/{name}", "sha256": "0" * 64,
                               "tenant": "acme", "priority": priority, "rank": 16,
                               "targetModules": ["q_proj", "v_proj"]}
     fields.update(spec)

@@ -32,19 +32,20 @@ def test_deployment_runs_the_server_with_the_plan_mounted():
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == ["loraplex-server"]
-    assert container["args"] == ["--model", "/models/llama-3-8b", "--host", "0.0.0.0", "--port", "8000",
+    assert container["args"] == ["--model", "/models/llama-3-8b", "--host", "", "--port", "8000",
                                  "--plan-file", "/etc/loraplex/plan/plan.json", "--max-loras", "250",
                                  "--max-lora-rank", "64", "--lora-target-modules", "q_proj", "k_proj", "v_proj",
                                  "o_proj", "--dtype", "bfloat16",
                                  "--adapter-cache-dir", "/var/lib/loraplex/adapters",
-                                 "--node-agent-url", "http://$(NODE_IP):8081"]
+                                 "--node-agent-url", "http://$(NODE_IP):8081",
+                                 "--max-num-seqs", "16", "--max-model-len", "2048"]
     # The server's own command line accepts them, with the meaning the operator intends
     # ($(NODE_IP) as the kubelet expands it from the downward-API variable).
     node_ip = container["env"][0]
     assert node_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
     args = [a.replace("$(NODE_IP)", "10.1.2.3") for a in container["args"]]
     settings = ServerSettings.from_env_and_args(args)
-    assert (settings.host, settings.port, settings.max_loras, settings.max_lora_rank) == ("0.0.0.0", 8000, 250, 64)
+    assert (settings.host, settings.port, settings.max_loras, settings.max_lora_rank) == ("", 8000, 250, 64)
     assert settings.lora_target_modules == list(BASE.target_modules)
     assert settings.adapter_cache_dir == "/var/lib/loraplex/adapters"
     assert settings.node_agent_url == "http://10.1.2.3:8081"

@@ -93,7 +93,7 @@ def test_an_adapter_that_leaves_the_plan_is_no_longer_served(tmp_path, tmp_path_
         assert cache.has("b")  # on disk, never in a plan: found there as before
         assert cache.has("mine") and cache.tier_of("mine") == "gpu"
         rows = {r["name"]: r for r in cache.describe()}
-        assert rows["mine"]["source"] is None and rows["mine"]["path"] == str(remote / "r")
+        assert rows["mine"]["path"] == str(remote / "r")
         assert sorted(rows) == ["b", "mine"]
     finally:
         cache.close()
@@ -125,7 +125,7 @@ def test_an_adapter_that_left_the_plan_is_not_found_again_on_disk(tmp_path):
     there again, as any staged adapter is found, and it was resident and served once more. A
     later plan that lists it again, or an explicit load, brings it back."""
     write_adapter(tmp_path / "a", seed=1)
-    cache = make_cache(tmp_path, slots=2)
+    cache = make_cache(tmp_path, slots=2, plan_scoped=True)  # as a server given --plan-file
     try:
         plan = {"pinned": [], "prefetch": [], "adapters": [{"name": "a", "source": "s3://b/a", "sha256": None}]}
         cache.apply_plan(plan)

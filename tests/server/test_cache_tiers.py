@@ -158,25 +158,27 @@ def test_a_plan_name_that_is_not_a_folder_name_is_never_fetched_outside_the_cach
     """A plan's adapter names the folder its download goes to, --adapter-cache-dir/<name>/,
     which is removed first if it exists. A name that climbs out of it ("/../../<path>", from a
     hand-edited plan; the operator writes Kubernetes names) removed the folder at <path> and
-    put the download there. Such a name must fail its load, touching nothing."""
+    put the download there. Such a name is neither registered nor fetched, touching nothing."""
+    import pytest
+
+    from loraplex.server.adapter_sources import AdapterLoadError, fetch_adapter
+
     remote, root = tmp_path_factory.mktemp("bucket"), tmp_path_factory.mktemp("node")
     write_adapter(remote / "x", seed=1)
     cache_dir, victim = root / "cache", root / "victim"
     cache_dir.mkdir()
     victim.mkdir()
     (victim / "precious").write_text("keep me")
+    name = "/" + "../" * 40 + str(victim).lstrip("/")
     with _Files(remote, cache_dir) as files:
         cache = make_cache(cache_dir, slots=2)
         try:
-            name = "/" + "../" * 40 + str(victim).lstrip("/")
-            cache.register(name, source=f"{files.url}/x")
-            try:
-                cache.prefetch(name).result(10)
-                loaded = True
-            except Exception as e:  # noqa: BLE001 - checked below
-                loaded, message = False, str(e)
+            cache.apply_plan({"pinned": [], "prefetch": [], "adapters": [{"name": name, "source": f"{files.url}/x"}]})
+            with pytest.raises(KeyError):
+                cache.prefetch(name)
+            with pytest.raises(AdapterLoadError):
+                fetch_adapter(name, f"{files.url}/x", None, cache_dir, None)
             assert (victim / "precious").read_text() == "keep me"
-            assert not loaded and "not a folder name" in message
             assert sorted(p.name for p in root.iterdir()) == ["cache", "victim"]
         finally:
             cache.close()

@@ -172,7 +172,8 @@ def test_chat_logprobs_shape_streaming_and_not(served):
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens == 8
     for entry in content:
-        assert entry.bytes == list(entry.token.encode("utf-8"))
+        if "\ufffd" not in entry.token:  # a piece of a character has its own bytes (test_api_logprob_bytes.py)
+            assert entry.bytes == list(entry.token.encode("utf-8"))
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.top_logprobs[0].token == entry.token  # greedy: the best one

@@ -1,0 +1,36 @@
+"""`loraplex-node-agent` refuses settings it cannot work with, in one line, exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.node_agent.cli import Settings, main
+
+
+@pytest.mark.parametrize("argv", [
+    ["--server-url", "localhost:8000"],  # no scheme: read as scheme 'localhost'
+    ["--server-url", "127.0.0.1:8000"],
+    ["--server-url", "http//host:8000"],
+    ["--server-url", "http://"],
+    ["--server-url", "http://[::1:8000"],
+    ["--kube-api-url", "kubernetes.default.svc"],
+])
+def test_a_url_setting_that_is_not_an_http_url_is_refused(argv):
+    """A --server-url without its scheme (an easy slip: 127.0.0.1:8000) was taken as it was;
+    every readiness check of it then failed on an invalid URL, which the warmer reads as
+    'not ready': the server was never warmed, and nothing said why."""
+    with pytest.raises(ValueError, match=f"{argv[0]} .*http") as err:
+        Settings.from_env_and_args(argv, {})
+    assert argv[1] in str(err.value)
+
+
+def test_the_refusal_is_one_line_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert main(["--server-url", "127.0.0.1:8000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("loraplex-node-agent: --server-url") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "https://srv.example:8443/", "http://[::1]:8000"])
+def test_good_server_urls_are_taken(url):
+    assert Settings.from_env_and_args(["--server-url", url], {}).server_url == [url]

@@ -1,0 +1,81 @@
+"""What the agent finds when it starts again: what an earlier run left in the cache directory,
+and a plan that changed while it was down."""
+
+from __future__ import annotations
+
+import os
+
+import aiohttp
+import pytest
+
+from loraplex.node_agent.store import AdapterRef, AdapterStore
+from loraplex.node_agent.warmer import Warmer
+
+from .helpers import ConfigMapDir, plan_json
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def _run_once(tmp_path, session, plan_path) -> Warmer:
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    warmer = Warmer(store, plan_path, session)
+    assert await warmer.check_plan()
+    await warmer.reconcile()
+    return warmer
+
+
+async def test_an_adapter_deleted_while_the_agent_was_down_leaves_the_node(tmp_path, object_store, session):
+    """The plan drops an adapter while the agent restarts (a rollout, a crash). The agent
+    removes what leaves the plan by comparing a new plan with the one before, which a fresh
+    process does not have: the adapter stayed on the node's disk for good, and a server on
+    the node, which finds adapters in the cache directory by name, kept serving it."""
+    for i, n in enumerate(["keep", "gone"]):
+        object_store.add(n, tmp_path, seed=i)
+    object_store.add("asked", tmp_path, seed=2)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, pinned=["keep", "gone"]))
+    first = await _run_once(tmp_path, session, cm.path)
+    assert first.store.get("gone") is not None
+    # Staged on request (a server's own adapter, never in the plan): not the plan's to remove.
+    await first.store.stage(AdapterRef("asked", object_store.source("asked"), object_store.adapters["asked"].sha256))
+    cm.write(plan_json(object_store, pinned=["keep"]))  # while the agent is down
+    second = await _run_once(tmp_path, session, cm.path)
+    assert second.store.get("gone") is None and not os.path.lexists(tmp_path / "cache" / "gone")
+    assert second.store.get("keep") is not None and second.store.get("asked") is not None
+    assert object_store.gets["keep/adapter_model.safetensors"] == 1  # found on disk, not fetched again
+    # And once more with the same plan: nothing else goes.
+    third = await _run_once(tmp_path, session, cm.path)
+    assert sorted(a.name for a in third.store.list()) == ["asked", "keep"]
+
+
+async def test_a_staged_file_cut_short_on_disk_is_dropped_at_start(tmp_path, session):
+    """A staged version whose weights were cut short on disk since (a disk fault, a hand at
+    work): the agent read it back as staged on its metadata alone, so the plan never staged
+    it again and every server load of it failed on its header for good. The start now checks
+    each version's files as the download did (config, safetensors header against the file):
+    a cut version is dropped (the plan stages it again), a cut serving copy only loses the
+    copy."""
+    from loraplex.node_agent.adapter_files import WEIGHTS_FILE
+    from loraplex.server.adapter_format import serving_weights_name
+
+    from .helpers import make_adapter
+
+    root = tmp_path / "cache"
+    store = AdapterStore(root, 10**9, session=session)
+    for i, name in enumerate(["whole", "cut", "copycut"]):
+        sha = make_adapter(tmp_path / "src" / name, seed=i)
+        await store.stage(AdapterRef(name, str(tmp_path / "src" / name), sha, "bfloat16"))
+    weights = root / "cut" / WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:-64])
+    copy = root / "copycut" / serving_weights_name("bfloat16")
+    copy.write_bytes(copy.read_bytes()[:-64])
+    again = AdapterStore(root, 10**9, session=session)
+    assert sorted(a.name for a in again.list()) == ["copycut", "whole"]
+    assert not os.path.lexists(root / "cut") and not copy.exists()
+    assert (root / "copycut" / WEIGHTS_FILE).is_file()
+    plain = sum((tmp_path / "src" / "copycut" / f).stat().st_size for f in ("adapter_config.json", WEIGHTS_FILE))
+    assert again.get("copycut").bytes == plain  # what is left of it, counted

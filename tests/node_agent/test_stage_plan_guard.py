@@ -1,0 +1,87 @@
+"""POST /v1/stage on a node that follows a plan: a plan adapter's name stages the plan's
+version alone, so no pod that reaches the agent's port can put other weights under a
+tenant's adapter name for the node's servers."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+from loraplex.node_agent.adapter_files import WEIGHTS_FILE
+from loraplex.node_agent.app import AGENT, AgentConfig
+
+from .helpers import ConfigMapDir, plan_json
+
+
+async def _agent_with_plan(tmp_path, object_store, client_factory, plan):
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan)
+    client = await client_factory(AgentConfig(tmp_path / "cache", 10**9, plan_file=cm.path, poll_seconds=30))
+    warmer = client.server.app[AGENT].warmer
+    for _ in range(200):  # the plan loop's first read
+        if warmer.plan is not None:
+            break
+        await asyncio.sleep(0.02)
+    assert warmer.plan is not None
+    return client, cm
+
+
+def _weights_sha(tmp_path, name):
+    return hashlib.sha256((tmp_path / "cache" / name / WEIGHTS_FILE).read_bytes()).hexdigest()
+
+
+async def test_another_version_of_a_plan_adapter_is_refused(tmp_path, object_store, client_factory):
+    object_store.add("sql", tmp_path, seed=1)
+    object_store.add("evil", tmp_path, seed=2)
+    client, _ = await _agent_with_plan(tmp_path, object_store, client_factory, plan_json(object_store, others=["sql"]))
+    planned = object_store.adapters["sql"].sha256
+    # Other weights under the tenant's name: another source with its own digest, or no digest.
+    for body in ({"name": "sql", "source": object_store.source("evil"), "sha256": object_store.adapters["evil"].sha256},
+                 {"name": "sql", "source": object_store.source("evil")},
+                 {"name": "sql", "source": object_store.source("sql"), "sha256": object_store.adapters["evil"].sha256}):
+        r = await client.post("/v1/stage", json=body)
+        assert r.status == 409, await r.text()
+        err = (await r.json())["error"]
+        assert err["reason"] == "NotThePlansVersion" and planned in err["message"]
+    # The plan's version stages (a server's request), and what is on disk is the tenant's.
+    r = await client.post("/v1/stage", json={"name": "sql", "source": object_store.source("sql"), "sha256": planned})
+    assert r.status == 200, await r.text()
+    assert _weights_sha(tmp_path, "sql") == planned
+    assert object_store.gets["evil/adapter_model.safetensors"] == 0
+
+
+async def test_a_plan_without_a_digest_pins_the_source_query_string_aside(tmp_path, object_store, client_factory):
+    object_store.add("chat", tmp_path, seed=3)
+    object_store.add("evil", tmp_path, seed=4)
+    plan = plan_json(object_store, others=["chat"])
+    del plan["adapters"][0]["sha256"]
+    plan["adapters"][0]["source"] += "?token=old"
+    client, _ = await _agent_with_plan(tmp_path, object_store, client_factory, plan)
+    r = await client.post("/v1/stage", json={"name": "chat", "source": object_store.source("evil")})
+    assert r.status == 409 and (await r.json())["error"]["reason"] == "NotThePlansVersion"
+    r = await client.post("/v1/stage", json={"name": "chat", "source": object_store.source("chat") + "?token=new"})
+    assert r.status == 200, await r.text()
+
+
+async def test_a_server_ahead_of_the_agent_gets_the_newer_plans_version(tmp_path, object_store, client_factory):
+    """A server that read a new plan before the agent's next poll asks for the new version:
+    the agent reads the plan again rather than refusing it."""
+    object_store.add("sql", tmp_path, seed=1)
+    client, cm = await _agent_with_plan(tmp_path, object_store, client_factory, plan_json(object_store, others=["sql"]))
+    object_store.add("sql", tmp_path, seed=5)  # v2 at the same source
+    cm.write(plan_json(object_store, others=["sql"]))  # the agent polls every 30 s: not read yet
+    v2 = object_store.adapters["sql"].sha256
+    r = await client.post("/v1/stage", json={"name": "sql", "source": object_store.source("sql"), "sha256": v2})
+    assert r.status == 200, await r.text()
+    assert _weights_sha(tmp_path, "sql") == v2
+
+
+async def test_names_outside_the_plan_and_agents_without_one_stage_as_asked(tmp_path, object_store, client_factory):
+    object_store.add("sql", tmp_path, seed=1)
+    object_store.add("other-base", tmp_path, seed=6)
+    client, _ = await _agent_with_plan(tmp_path, object_store, client_factory, plan_json(object_store, others=["sql"]))
+    r = await client.post("/v1/stage", json={"name": "other-base", "source": object_store.source("other-base")})
+    assert r.status == 200, await r.text()
+    bare = await client_factory(AgentConfig(tmp_path / "cache2", 10**9))
+    r = await bare.post("/v1/stage", json={"name": "sql", "source": object_store.source("other-base")})
+    assert r.status == 200, await r.text()
