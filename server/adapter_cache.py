@@ -145,8 +145,9 @@ class AdapterCache:
     def register(self, name: str, path: str | Path | None = None, source: str | None = None,
                  sha256: str | None = None) -> None:
         """Make `name` known: a PEFT directory on disk, and/or a source to fetch it from.
-        A new sha256 (a new version) drops the host copy, so the next load reads the new files.
-        AdapterError if `name` is not an adapter name (`adapter_names`)."""
+        A new version (a new sha256; without one, a new source: CachedAdapter.version) drops
+        the host copy, so the next load reads the new files. AdapterError if `name` is not an
+        adapter name (`adapter_names`)."""
         self._check_name(name)
         with self._lock:
             e = self.table.entries.get(name)
@@ -155,15 +156,17 @@ class AdapterCache:
                                    f"when they finish")
             if e is None:
                 e = self.table.entries[name] = CachedAdapter(name)
+            before = e.version
             if path is not None:
                 e.path = Path(path)
             if source is not None:
                 e.source = source
-            if sha256 is not None and sha256 != e.sha256:
-                if e.sha256 is not None:
-                    self.host.discard(name)
-                    log.info("adapter %s: new version %s (takes effect at its next load)", name, sha256[:12])
+            if sha256 is not None:
                 e.sha256 = sha256
+            if e.version != before and e.version[0] == before[0] and before[1] is not None:
+                self.host.discard(name)
+                log.info("adapter %s: new version %s (takes effect at its next load)", name,
+                         e.version[1] if e.sha256 is None else e.sha256[:12])
 
     def _lookup(self, name: str) -> CachedAdapter | None:
         """The entry for `name`, registering one found in --adapter-cache-dir (lazy discovery:
@@ -576,7 +579,8 @@ class AdapterCache:
         for fut in waiters:
             tell(fut, slot, error)
         if retry:
-            delay = min(PIN_RETRY_MAX_S, PIN_RETRY_FIRST_S * 2 ** (e.failed_in_row - 1))
+            # The exponent capped: 2.0 ** 1024 overflows a float (some 34 hours of failures).
+            delay = min(PIN_RETRY_MAX_S, PIN_RETRY_FIRST_S * 2.0 ** min(e.failed_in_row - 1, 64))
             timer = threading.Timer(delay, self._retry_pin, (e,))
             timer.daemon = True
             timer.start()

@@ -84,12 +84,34 @@ class AdapterSpec:
         return None
 
 
+# PEFT LoraConfig options whose adapters compute something other than y += scaling * B A x on
+# the base's own projections: served as plain LoRA they would give wrong outputs, and their
+# weights may well be plain lora_A/lora_B tensors of the right shapes. {key: what it is}
+UNSUPPORTED_OPTIONS = {
+    "alora_invocation_tokens": "activated LoRA (aLoRA: active only from its invocation tokens on)",
+    "layer_replication": "layer replication (its layers are a stack the base does not have)",
+    "lora_bias": "a trained bias on lora_B",
+    "use_qalora": "QA-LoRA (lora_A reads pooled inputs)",
+    "trainable_token_indices": "trainable token embeddings",
+    "target_parameters": "LoRA on parameters rather than projections",
+    "arrow_config": "Arrow routing between adapters",
+    "kasa_config": "KaSA (singular values between A and B, and a truncated base)",
+}
+# init_lora_weights values whose initialisation rewrote the base's weights (W - scaling * B A,
+# or a quantized W): such an adapter fits that changed base, not this one. PEFT's
+# save_pretrained(path_initial_model_for_weight_conversion=...) converts one into a plain
+# LoRA, and writes init_lora_weights = true.
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
 # safetensors dtypes and their bytes per element (for checking a header against its file).
 SAFETENSORS_DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }
 MAX_HEADER_BYTES = 100 << 20
+# adapter_config.json: PEFT writes about a kilobyte; a rank_pattern over every module of a
+# 126-layer model is ~100 kB.
+MAX_CONFIG_BYTES = 16 << 20
 
 # Serving dtypes (the server's --dtype) and their safetensors names.
 SERVING_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -163,7 +185,7 @@ def checked_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
     """A safetensors header's JSON bytes parsed and checked against the data's length (cached)."""
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise AdapterError(f"{name}: not a safetensors file ({e})") from None
     if not isinstance(header, dict):
         raise AdapterError(f"{name}: header is not a JSON object")
@@ -172,7 +194,9 @@ def checked_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
     for key, info in header.items():
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            want = SAFETENSORS_DTYPE_BYTES[dtype] * math.prod(int(d) for d in shape)
+            if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+                raise ValueError("a shape is a list of non-negative integers")
+            want = SAFETENSORS_DTYPE_BYTES[dtype] * math.prod(shape)
         except (KeyError, TypeError, ValueError):
             raise AdapterError(f"{name}: tensor {key!r} has a malformed entry {info!r}") from None
         if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_len):
@@ -189,6 +213,21 @@ def checked_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
     if pos != data_len:
         raise AdapterError(f"{name}: {data_len - pos} bytes after the last tensor")
     return header
+
+
+def _is_count(x) -> bool:
+    """A JSON integer >= 0 (not a bool, a float or a string)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _is_number(x) -> bool:
+    """A finite JSON number that fits a float (Python's json also reads NaN and Infinity)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an integer of 309 digits or more
+        return False
 
 
 @functools.lru_cache(maxsize=32)
@@ -227,9 +266,14 @@ def _pattern_value(patterns: dict, module_key: str, default):
     module's name ("model.layers.3.self_attn.q_proj" matches "q_proj", "layers.3.self_attn.q_proj"
     or a regex such as "^model.layers.3.*q_proj")."""
     for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module_key):
+        if re.match(_pattern_regex(key), module_key):
             return patterns[key]
     return default
+
+
+def _pattern_regex(key: str) -> str:
+    """A rank_pattern / alpha_pattern key as the regex PEFT matches module names with."""
+    return rf"(.*\.)?({key})$"
 
 
 def read_config(path: str | Path) -> dict:
@@ -239,10 +283,19 @@ def read_config(path: str | Path) -> dict:
         raise AdapterError(f"{path}: not a directory")
     if not cfg_file.is_file():
         raise AdapterError(f"{path}: no {CONFIG_FILE}")
+    with cfg_file.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_CONFIG_BYTES:  # checked before it is read: it would all be in memory
+            raise AdapterError(f"{cfg_file}: {size} bytes, too large for an adapter config "
+                               f"(at most {MAX_CONFIG_BYTES})")
+        raw = f.read(MAX_CONFIG_BYTES + 1)
     try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise AdapterError(f"{cfg_file}: invalid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{cfg_file}: not a JSON object")
+    return cfg
 
 
 def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
@@ -261,17 +314,37 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
             f"modules_to_save={cfg['modules_to_save']!r}: adapters that replace whole base modules are not supported")
     if cfg.get("fan_in_fan_out"):
         raise AdapterError("fan_in_fan_out=true: only nn.Linear-style (out, in) weights are supported")
+    for key, what in UNSUPPORTED_OPTIONS.items():
+        value = cfg.get(key)
+        if isinstance(value, dict) or value:  # a sub-config turns its option on even when empty
+            raise AdapterError(f"{key}={value!r}: {what} is not supported, only plain LoRA")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        raise AdapterError(
+            f"init_lora_weights={init!r}: that initialisation changed the base's weights, so the adapter "
+            f"does not fit the base served here; convert it to a plain LoRA (PEFT's save_pretrained with "
+            f"path_initial_model_for_weight_conversion)")
     r = cfg.get("r")
     alpha = cfg.get("lora_alpha", r)
-    if not isinstance(r, int) or r < 1:
+    if not _is_count(r) or r < 1:
         raise AdapterError(f"r={r!r}: expected a positive integer")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise AdapterError(f"lora_alpha={alpha!r}: expected a number")
+    if not _is_number(alpha):
+        raise AdapterError(f"lora_alpha={alpha!r}: expected a finite number")
     rslora = bool(cfg.get("use_rslora", False))
     rank_pattern = cfg.get("rank_pattern") or {}
     alpha_pattern = cfg.get("alpha_pattern") or {}
+    for key, patterns in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        if not isinstance(patterns, dict):
+            raise AdapterError(f"{key}={patterns!r}: expected an object of module name patterns")
+        for pattern in patterns:
+            try:
+                re.compile(_pattern_regex(pattern))
+            except re.error as e:
+                raise AdapterError(f"{key}: {pattern!r} is not a regular expression ({e})") from None
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
+        if not all(isinstance(t, str) for t in targets):
+            raise AdapterError(f"target_modules={targets!r}: expected module names")
         unknown = sorted(set(targets) - set(LORA_MODULES))
         if unknown:
             raise AdapterError(
@@ -310,6 +383,8 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
                 + (f" ({cfg['base_model_name_or_path']})" if cfg.get("base_model_name_or_path") else ""))
         if ra != rb:
             raise AdapterError(f"layer {layer} {proj}: lora_A rank {ra} != lora_B rank {rb}")
+        if ra < 1:
+            raise AdapterError(f"layer {layer} {proj}: rank 0 (empty lora_A and lora_B): expected a positive rank")
         module_key = f"model.layers.{layer}.{'mlp' if proj in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{proj}"
         want_rank = _pattern_value(rank_pattern, module_key, r)
         if ra != want_rank:
@@ -319,8 +394,8 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
             raise AdapterError(
                 f"layer {layer} {proj}: rank {ra} exceeds this server's max LoRA rank {base.max_rank}")
         a = _pattern_value(alpha_pattern, module_key, alpha)
-        if isinstance(a, bool) or not isinstance(a, (int, float)):
-            raise AdapterError(f"layer {layer} {proj}: lora_alpha {a!r} (alpha_pattern): expected a number")
+        if not _is_number(a):
+            raise AdapterError(f"layer {layer} {proj}: lora_alpha {a!r} (alpha_pattern): expected a finite number")
         a = float(a)
         scaling = a / math.sqrt(ra) if rslora else a / ra
         modules.append(ModuleLoRA(layer, proj, ra, a, scaling, key_a, key_b))

@@ -144,8 +144,8 @@ class AdapterLoader:
             return copy, "host"
         with self._lock:
             path = self.disk_dir(e)
-            version = e.sha256  # a new one registered during the read: this copy is not it
-            source = e.source
+            # A new version registered during the read (CachedAdapter.version): this copy is not it.
+            identity, version, source = e.version, e.sha256, e.source
             admin = e.admin  # its folder, given by load_lora_adapter or --lora-modules, is read as it is
         tier = "disk"
         if path is not None and not admin and not _holds(path, version, source):
@@ -164,12 +164,16 @@ class AdapterLoader:
         with self._lock:
             e.spec, e.disk_read = spec, DiskRead(stamp, spec, copy.read_plan)
             e.id = AdapterId(name=e.name, digest=digest, uri=str(path))
-            current = e.sha256 == version
+            current = e.version == identity
+            # Kept under the lock that `register` holds to drop the host copy of a replaced
+            # version: a new version registered between the check and the add would otherwise
+            # find no copy to drop, and the old one would go in after it.
+            kept = current and self.host.add(e.name, copy)
         if not current:
             # The slot gets this copy (a new version takes effect at the next load), but the host
             # tier must not keep it: the next load would serve the old version from there.
             log.info("adapter %s: a new version was registered during its load; its host copy is not kept", e.name)
-        elif not self.host.add(e.name, copy):
+        elif not kept:
             log.debug("adapter %s: no room in the host tier", e.name)
         return copy, tier
 

@@ -177,11 +177,14 @@ def plan_read(weights: Path, targets: list[tuple[str, torch.Tensor]], chunk_byte
     reads = []  # (file offset, nbytes, dst byte offset in flat, Convert or None)
     staged_bytes = 0
     for key, dst in targets:
-        info = header[key]
+        info = header.get(key)
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"]) if info is not None else None
+        if dtype is None:  # the spec was checked against another file: a new version renamed in since
+            raise AdapterError(f"{weights.name}: no floating-point tensor {key!r} (the file changed since "
+                               f"it was checked?)")
         start, end = (8 + n + o for o in info["data_offsets"])
         if end > size:
             raise AdapterError(f"{weights.name}: tensor {key!r} ends past the file's {size} bytes (cut short?)")
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
         at = dst.data_ptr() - base
         if dtype == dst.dtype and dst.is_contiguous() and list(dst.shape) == info["shape"]:
             reads.append((start, end - start, at, None))

@@ -38,6 +38,35 @@ def decode_plan(raw: bytes | str) -> dict[str, Any]:
     return plan
 
 
+def check_plan(plan: dict[str, Any]) -> None:
+    """Raise PlanFileError unless the fields a server follows have their shape
+    (operator/plan.py writes them): `adapters` a list of objects, each with a string `name` and
+    `source` and `sha256` strings or null; `pinned` a list of names; `prefetch` a list of
+    objects with a string `name`. Checked whole before any of it is applied, so a plan of the
+    wrong shape changes nothing (a half-applied one registered some adapters, pinned none)."""
+
+    def names_a_list(key: str) -> list:
+        value = plan.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise PlanFileError(f"not a plan: {key} is {type(value).__name__}, not a list")
+        return value
+
+    for i, a in enumerate(names_a_list("adapters")):
+        if not isinstance(a, dict) or not isinstance(a.get("name"), str) or not a["name"]:
+            raise PlanFileError(f"not a plan: adapters[{i}] is not an object with a name: {a!r}"[:300])
+        for key in ("source", "sha256"):
+            if a.get(key) is not None and not isinstance(a[key], str):
+                raise PlanFileError(f"not a plan: adapters[{i}] ({a['name']}): {key} {a[key]!r} is not a string"[:300])
+    for i, name in enumerate(names_a_list("pinned")):
+        if not isinstance(name, str):
+            raise PlanFileError(f"not a plan: pinned[{i}] {name!r} is not a name"[:300])
+    for i, w in enumerate(names_a_list("prefetch")):
+        if not isinstance(w, dict) or not isinstance(w.get("name"), str):
+            raise PlanFileError(f"not a plan: prefetch[{i}] is not an object with a name: {w!r}"[:300])
+
+
 def read_plan_file(path: str | Path) -> dict[str, Any]:
     """The plan in a mounted file."""
     try:

@@ -4,9 +4,10 @@ The plan is a mounted ConfigMap key (operator/plan.py writes it), e.g.
 `/etc/loraplex/plan/plan.json`. The kubelet updates such a mount by swapping a symlink
 (`..data -> ..2026_05_01_08_00_00.123`), so the file's inode changes while its path does
 not: a cheap `stat` (following links) about every second sees (inode, mtime, size) move.
-A new plan is parsed and handed to `apply` (AdapterCache.apply_plan). A plan that does not
-parse is logged and skipped; the last good one stays in force. The loop runs in one daemon
-thread, logs and counts its own failures, and never dies of one (`last_error` shows it).
+A new plan is parsed, its shape checked, and handed to `apply` (AdapterCache.apply_plan). A
+plan that does not parse, or whose fields are not of their shape, is logged and skipped
+whole; the last good one stays in force. The loop runs in one daemon thread, logs and
+counts its own failures, and never dies of one (`last_error` shows it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from .plan_file import read_plan_file  # plain or gzipped (the operator gzips a large plan)
+from .plan_file import check_plan, read_plan_file  # plain or gzipped (the operator gzips a large plan)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class PlanWatcher:
         self._seen = key
         try:
             plan = read_plan_file(self.path)
+            check_plan(plan)  # all of it, before any of it is applied
         except (OSError, ValueError) as e:
             self.last_error = f"{type(e).__name__}: {e}"
             log.error("plan file %s: %s; keeping the last plan", self.path, self.last_error)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .adapter_format import AdapterSpec
-from .adapter_sources import AdapterLoadError
+from .adapter_sources import AdapterLoadError, redact
 from .adapters import AdapterId
 from .cache_metrics import CacheMetrics
 from .cache_policy import EvictionPolicy
@@ -79,6 +79,13 @@ class CachedAdapter:
     @property
     def pinned(self) -> bool:
         return self.pinned_api or self.pinned_plan
+
+    @property
+    def version(self) -> tuple[str, str | None]:
+        """What tells its versions apart, as the node agent does: its sha256, or without one
+        its source, query string and user info aside (a new source is a new version; a
+        re-signed URL is not)."""
+        return ("sha256", self.sha256) if self.sha256 is not None else ("source", redact(self.source))
 
     @property
     def ready(self) -> bool:
