@@ -3,14 +3,13 @@ refused when they would change the output, never silently dropped."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
 from loraplex.server.request import Request
 from loraplex.server.sampling import SamplingParams, Sampler
 
-from .conftest import serve_tiny_llama
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 def draw(logits, params, seeds, banned=None):
@@ -19,9 +18,10 @@ def draw(logits, params, seeds, banned=None):
     return tokens
 
 
-def test_min_p_keeps_the_tokens_at_least_that_likely_relative_to_the_best():
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_p_keeps_the_tokens_at_least_that_likely_relative_to_the_best(device):
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])  # min_p 0.4: the bar is 0.2, tokens 0 and 1 pass
-    logits = probs.log()[None, :].repeat(400, 1)
+    logits = probs.log()[None, :].repeat(400, 1).to(device)
     seeds = list(range(400))
     with_min_p = set(draw(logits, [SamplingParams(min_p=0.4)] * 400, seeds))
     without = set(draw(logits, [SamplingParams()] * 400, seeds))
@@ -31,8 +31,9 @@ def test_min_p_keeps_the_tokens_at_least_that_likely_relative_to_the_best():
     assert set(draw(logits, [SamplingParams(min_p=0.4, top_k=3)] * 400, seeds)) == {0, 1}
 
 
-def test_banned_tokens_are_not_sampled_and_ids_past_the_vocabulary_are_ignored():
-    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [0.0, 5.0, 1.0, 2.0]])
+@pytest.mark.parametrize("device", DEVICES)
+def test_banned_tokens_are_not_sampled_and_ids_past_the_vocabulary_are_ignored(device):
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [0.0, 5.0, 1.0, 2.0]], device=device)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0)]
     assert draw(logits, params, [0, 1], banned=[(1,), ()]) == [3, 1]
     assert draw(logits, params, [0, 1], banned=[(1, 3, 99, -5), None]) == [2, 1]
@@ -57,11 +58,15 @@ def test_a_request_bans_eos_and_stop_tokens_until_its_min_tokens():
 
 @pytest.fixture(scope="module")
 def served(hf_llama, llama_adapters):
+    from .conftest import serve_tiny_llama
+
     with serve_tiny_llama(hf_llama, llama_adapters) as server:
         yield server
 
 
-def complete(served, **body) -> httpx.Response:
+def complete(served, **body):
+    import httpx
+
     return httpx.post(served.url + "/v1/completions", timeout=60,
                       json={"model": "tiny-llama", "prompt": [5, 6, 7, 8], "temperature": 0, **body})
 
@@ -86,16 +91,18 @@ def test_min_tokens_holds_off_a_stop_token_over_http(served):
     ("skip_special_tokens", False), ("use_beam_search", True), ("prompt_logprobs", 1),
     ("functions", [{"name": "f"}]), ("logits_processors", ["p"]), ("truncate_prompt_tokens", 4),
 ])
-def test_unimplemented_fields_are_refused_naming_themselves(served, field, value):
+def test_unimplemented_fields_are_refused_naming_themselves_over_http(served, field, value):
     r = complete(served, max_tokens=2, **{field: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field and "not supported" in r.json()["error"]["message"]
+    import httpx
+
     chat = httpx.post(served.url + "/v1/chat/completions", timeout=60, json={
         "model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == field
 
 
-def test_neutral_values_of_those_fields_and_min_p_are_served(served):
+def test_neutral_values_of_those_fields_and_min_p_are_served_over_http(served):
     r = complete(served, max_tokens=2, skip_special_tokens=True, include_stop_str_in_output=False, bad_words=[],
                  guided_json=None, use_beam_search=False, length_penalty=1.0, some_unknown_field=3,
                  temperature=0.8, seed=1, min_p=0.1)
