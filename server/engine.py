@@ -402,6 +402,17 @@ class LLMEngine:
                 req.fail(failures[req.adapter])
         return self._reap()
 
+    def fail_all(self, error: str) -> None:
+        """The engine has stopped (its loop crashed): end every request it still holds with
+        `error`, which frees their KV rows and adapter references, and set the gauges to what
+        is now true (nothing runs or waits), so that /metrics, which can no longer ask the
+        engine thread, does not go on showing the moment it died."""
+        for req in itertools.chain(self.scheduler.waiting, self.scheduler.running.values()):
+            if not req.finished:
+                req.fail(error)
+        self._reap()
+        self.metrics.refresh(self)
+
     def lora_state(self) -> tuple[list[str], list[str]]:
         """(running adapters, waiting adapters) by name, for the inference-extension metric."""
         running = sorted({r.adapter for r in self.scheduler.running.values() if r.adapter})
@@ -468,6 +479,10 @@ class AsyncEngine:
             stopped = RuntimeError(f"the engine has stopped: {e!r}")
             for loop, fut in list(self._calls):  # a call queued after this raises in _submit
                 loop.call_soon_threadsafe(_set_exception, fut, stopped)
+            try:
+                eng.fail_all(str(stopped))
+            except Exception:  # the crash may have left the batch half updated
+                log.exception("could not release the stopped engine's requests")
 
     def _deliver(self, out, request_id: str | None = None) -> None:
         stream = self._streams.get(request_id or out.request_id)
