@@ -21,6 +21,7 @@ import asyncio
 import gc
 import itertools
 import logging
+import os
 import queue
 import random
 import sys
@@ -103,17 +104,47 @@ def check_settings(settings: ServerSettings) -> None:
     """The checks `LLMEngine.from_settings` would fail on, made before anything loads, so the
     CLI answers a wrong device, model folder (no config.json, no readable safetensors), dummy
     shape or adapter path with one line (ValueError) instead of a failed server start."""
-    resolve_device(settings.device)
+    device = resolve_device(settings.device)
     if settings.model:
-        ModelConfig.from_dir(settings.model)
+        cfg = ModelConfig.from_dir(settings.model)
         if not settings.dummy_weights:
             check_checkpoint(settings.model)
     else:
-        named_shape(settings.dummy_weights)
+        cfg = named_shape(settings.dummy_weights)
     for item in settings.lora_modules:
         name, path = item.split("=", 1)
         if not (Path(path) / ADAPTER_CONFIG_FILE).is_file():
             raise ValueError(f"--lora-modules {name}={path}: no {ADAPTER_CONFIG_FILE} there")
+    check_memory(settings, cfg, resolve_dtype(settings.dtype, device), device_memory(device))
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes the engine may allocate on `device`: the CUDA device's free memory, or the host's
+    physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(settings: ServerSettings, cfg: ModelConfig, dtype: torch.dtype, memory: int) -> None:
+    """ValueError unless the base weights and the KV cache fit in `memory` bytes. The cache is
+    allocated whole at start, one row of max-model-len tokens per sequence of max-num-seqs
+    (kv_cache.py): vLLM's habit of 256 sequences of 8,192 tokens asks 275 GB of Llama-3-8B's,
+    which would fail only after the weights loaded, with an out-of-memory traceback."""
+    max_len = min(settings.max_model_len, cfg.max_position_embeddings)
+    row = max_len * KVCache.bytes_per_token(cfg, dtype)
+    weights = cfg.num_params() * torch.empty((), dtype=dtype).element_size()
+    kv = settings.max_num_seqs * row
+    if weights + kv <= memory:
+        return
+    if weights >= memory:
+        raise ValueError(f"the base's weights need {weights / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')} "
+                         f"and the device has {memory / 1e9:.1f} GB")
+    raise ValueError(
+        f"--max-num-seqs {settings.max_num_seqs} x --max-model-len {max_len}: the KV cache needs "
+        f"{kv / 1e9:.1f} GB (allocated whole at start) besides {weights / 1e9:.1f} GB of weights, and the "
+        f"device has {memory / 1e9:.1f} GB; at most {(memory - weights) // row} rows of {max_len} tokens fit: "
+        f"lower --max-num-seqs or --max-model-len")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
