@@ -127,24 +127,35 @@ def device_memory(device: torch.device) -> int:
 
 
 def check_memory(settings: ServerSettings, cfg: ModelConfig, dtype: torch.dtype, memory: int) -> None:
-    """ValueError unless the base weights and the KV cache fit in `memory` bytes. The cache is
-    allocated whole at start, one row of max-model-len tokens per sequence of max-num-seqs
-    (kv_cache.py): vLLM's habit of 256 sequences of 8,192 tokens asks 275 GB of Llama-3-8B's,
-    which would fail only after the weights loaded, with an out-of-memory traceback."""
+    """ValueError unless the base weights, the KV cache and (with --max-loras) the adapter
+    slots fit in `memory` bytes. The cache is allocated whole at start, one row of
+    max-model-len tokens per sequence of max-num-seqs (kv_cache.py): vLLM's habit of 256
+    sequences of 8,192 tokens asks 275 GB of Llama-3-8B's, which would fail only after the
+    weights loaded, with an out-of-memory traceback. So would slots asked beyond the memory
+    (--max-loras 0 sizes them from what is left, and always fits)."""
     max_len = min(settings.max_model_len, cfg.max_position_embeddings)
     row = max_len * KVCache.bytes_per_token(cfg, dtype)
     weights = cfg.num_params() * torch.empty((), dtype=dtype).element_size()
     kv = settings.max_num_seqs * row
-    if weights + kv <= memory:
+    slot = LoRABuffers.slot_bytes(cfg, settings.max_lora_rank, dtype, slot_groups(settings.lora_target_modules))
+    slots = settings.max_loras * slot
+    if weights + kv + slots <= memory:
         return
+    have = f"the device has {memory / 1e9:.1f} GB"
     if weights >= memory:
         raise ValueError(f"the base's weights need {weights / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')} "
-                         f"and the device has {memory / 1e9:.1f} GB")
+                         f"and {have}")
+    if weights + kv > memory:
+        raise ValueError(
+            f"--max-num-seqs {settings.max_num_seqs} x --max-model-len {max_len}: the KV cache needs "
+            f"{kv / 1e9:.1f} GB (allocated whole at start) besides {weights / 1e9:.1f} GB of weights, and "
+            f"{have}; at most {(memory - weights) // row} rows of {max_len} tokens fit: lower --max-num-seqs "
+            f"or --max-model-len")
     raise ValueError(
-        f"--max-num-seqs {settings.max_num_seqs} x --max-model-len {max_len}: the KV cache needs "
-        f"{kv / 1e9:.1f} GB (allocated whole at start) besides {weights / 1e9:.1f} GB of weights, and the "
-        f"device has {memory / 1e9:.1f} GB; at most {(memory - weights) // row} rows of {max_len} tokens fit: "
-        f"lower --max-num-seqs or --max-model-len")
+        f"--max-loras {settings.max_loras} x --max-lora-rank {settings.max_lora_rank}: the adapter slots need "
+        f"{slots / 1e9:.1f} GB ({slot / 1e6:.1f} MB each) besides {weights / 1e9:.1f} GB of weights and "
+        f"{kv / 1e9:.1f} GB of KV cache, and {have}; at most {(memory - weights - kv) // slot} slots fit: lower "
+        f"--max-loras or --max-lora-rank (--max-loras 0 sizes them from free memory)")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

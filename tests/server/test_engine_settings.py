@@ -46,5 +46,21 @@ def test_weights_larger_than_memory_say_so():
         check_memory(settings, cfg, torch.float32, cfg.num_params() * 4 - 1)
 
 
+@pytest.mark.parametrize("slots, fits", [(3, True), (4, False)])
+def test_memory_check_counts_adapter_slots_asked_for(slots, fits):
+    from loraplex.server.adapters import LoRABuffers, slot_groups
+
+    cfg = named_shape("tiny")
+    settings = ServerSettings(dummy_weights="tiny", device="cpu", max_num_seqs=2, max_model_len=64,
+                              max_loras=slots, max_lora_rank=8, lora_target_modules=["q_proj", "v_proj"])
+    slot = LoRABuffers.slot_bytes(cfg, 8, torch.float32, slot_groups(["q_proj", "v_proj"]))
+    room = cfg.num_params() * 4 + 2 * 64 * KVCache.bytes_per_token(cfg, torch.float32) + 3 * slot
+    if fits:
+        check_memory(settings, cfg, torch.float32, room)
+    else:
+        with pytest.raises(ValueError, match=r"--max-loras 4 x --max-lora-rank 8: .* at most 3 slots"):
+            check_memory(settings, cfg, torch.float32, room)
+
+
 def test_settings_that_fit_pass():
     check_settings(ServerSettings(dummy_weights="tiny", device="cpu"))
