@@ -101,10 +101,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 def check_settings(settings: ServerSettings) -> None:
-    """The checks `LLMEngine.from_settings` would fail on, made before anything loads, so the
-    CLI answers a wrong device, model folder (no config.json, no readable safetensors), dummy
-    shape or adapter path with one line (ValueError) instead of a failed server start."""
+    """The checks `LLMEngine.from_settings` (or the first request) would fail on, made before
+    anything loads, so the CLI answers a wrong device, kernel backend, model folder (no
+    config.json, no readable safetensors), dummy shape or adapter path, or buffers larger than
+    the device's memory, with one line (ValueError) instead of a failed server start."""
     device = resolve_device(settings.device)
+    if settings.kernel_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        # add_lora would raise at the first adapter request, inside a step: the engine would stop.
+        raise ValueError("--kernel-backend triton on the CPU runs only under the Triton interpreter: set "
+                         "TRITON_INTERPRET=1 in the environment, or use --kernel-backend auto or torch")
     if settings.model:
         cfg = ModelConfig.from_dir(settings.model)
         if not settings.dummy_weights:

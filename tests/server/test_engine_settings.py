@@ -64,3 +64,23 @@ def test_memory_check_counts_adapter_slots_asked_for(slots, fits):
 
 def test_settings_that_fit_pass():
     check_settings(ServerSettings(dummy_weights="tiny", device="cpu"))
+
+
+@pytest.mark.parametrize("backend, interpret, refused", [
+    ("triton", None, True), ("triton", "0", True), ("triton", "1", False),
+    ("auto", None, False), ("torch", None, False),
+])
+def test_the_triton_backend_on_the_cpu_needs_the_interpreter(monkeypatch, backend, interpret, refused):
+    """--kernel-backend triton on the CPU runs only under the Triton interpreter. Without it the
+    server started, served the base, and the first request for an adapter raised inside a
+    step, which stopped the engine for every client."""
+    if interpret is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    settings = ServerSettings(dummy_weights="tiny", device="cpu", kernel_backend=backend)
+    if refused:
+        with pytest.raises(ValueError, match="--kernel-backend triton .*TRITON_INTERPRET=1"):
+            check_settings(settings)
+    else:
+        check_settings(settings)
