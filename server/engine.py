@@ -392,7 +392,10 @@ class LLMEngine:
             self.metrics.generation_tokens.inc(len(reqs))
         outputs += [r.take_output() for r in itertools.chain(prefilled, decoding.values())]
         outputs += self._reap()
-        self.stalled = not chunks and not decoding
+        # A step that ran nothing waits for an adapter load to finish (the cache wakes the loop),
+        # unless the cache is draining a slot for a starved load: the drain gives the slot up (and
+        # starts that load) only at a step's ready_slots, so one more step must come.
+        self.stalled = not chunks and not decoding and self.adapters.table.draining is None
         m = self.metrics
         m.step_seconds.observe(time.perf_counter() - t0)
         m.running.set(len(self.scheduler.running))
