@@ -47,6 +47,13 @@ def test_a_step_that_starts_a_drain_is_not_a_stall(disk):
     request queued: a reference, so a cannot be evicted); b's request has waited for the slot
     longer than drain_after."""
     engine = one_slot(disk)
+    # a serves a request first: an adapter is drained only once it has run one since its load.
+    first = engine.make_request(PROMPT, PARAMS, "a")
+    engine.add_request(first)
+    while not first.finished:
+        engine.step()
+        if engine.stalled:
+            time.sleep(0.005)
     ra = engine.make_request(PROMPT, PARAMS, "a")
     resident(engine, "a")
     rb = engine.make_request(PROMPT, PARAMS, "b")
