@@ -48,7 +48,7 @@ def by_adapters(run: dict) -> dict:
 
 
 def test_engine_headline_is_its_json():
-    run = load("engine_h200_head_23b7e86.json")
+    run = load("engine_h200_head_e9d59af.json")
     cfg = run["config"]
     assert (cfg["batch"], cfg["rank"], cfg["prompt_len"]) == (64, 16, 512)
     assert len(cfg["targets"].split(",")) == 7 and run["warmup"]["seconds"] > 0
