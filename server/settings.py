@@ -165,6 +165,10 @@ class ServerSettings:
     blocks). With CUDA graphs a step is bounded by the cache's whole length instead, one graph
     key, and the attention reads only each row's own keys. Default: 256."""
 
+    max_request_bytes: int = 32 << 20
+    """Largest HTTP request body taken; a larger one is a 413, refused before it is read whole
+    (a 128k-token prompt as token ids is about 1 MB). Default: 33554432."""
+
     log_level: str = "info"
     """Logging level: debug, info, warning, error. Default: info."""
 
@@ -180,7 +184,7 @@ class ServerSettings:
             raise ValueError(f"--kernel-backend {self.kernel_backend!r}: use auto, triton or torch")
         for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("max_prefill_tokens", 1),
                           ("max_loras", 0), ("max_lora_rank", 1), ("kv_block", 1), ("max_cpu_loras", 0),
-                          ("max_concurrent_loads", 1)):
+                          ("max_concurrent_loads", 1), ("max_request_bytes", 1024)):
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least {low}")
         if self.eviction_policy not in ("lru", "lfu-aged", "wtinylfu"):

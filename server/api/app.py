@@ -16,14 +16,16 @@ from fastapi import FastAPI
 from ..engine import AsyncEngine, LLMEngine, freeze_start_up_objects
 from ..settings import ServerSettings
 from . import adapter_cache, adapters, chat, completions, health, models
+from .body_limit import BodyLimit
 from .errors import install_error_handlers
 
 log = logging.getLogger(__name__)
 
 
-def _build_app(lifespan) -> FastAPI:
+def _build_app(lifespan, max_request_bytes: int) -> FastAPI:
     app = FastAPI(title="loraplex", summary="OpenAI-compatible multi-LoRA server", lifespan=lifespan)
     app.state.engine = None
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     install_error_handlers(app)
     for module in (completions, chat, models, adapters, adapter_cache, health):
         app.include_router(module.router)
@@ -41,7 +43,9 @@ def create_app(engine: LLMEngine) -> FastAPI:
         finally:
             async_engine.stop()
 
-    return _build_app(lifespan)
+    # (engine None: the routes alone, for a look at them; its lifespan is never run)
+    limit = engine.settings.max_request_bytes if engine is not None else ServerSettings.max_request_bytes
+    return _build_app(lifespan, limit)
 
 
 def create_app_from_settings(settings: ServerSettings) -> FastAPI:
@@ -59,4 +63,4 @@ def create_app_from_settings(settings: ServerSettings) -> FastAPI:
         finally:
             async_engine.stop()
 
-    return _build_app(lifespan)
+    return _build_app(lifespan, settings.max_request_bytes)
