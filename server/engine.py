@@ -86,6 +86,11 @@ class RequestFailedError(RuntimeError):
     """A queued request ended with an error (its adapter failed to load); others go on."""
 
 
+class EngineStoppedError(RuntimeError):
+    """The engine loop crashed while the request was queued or running: the server serves
+    nothing more (503 until it is restarted; /healthz says so)."""
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -621,9 +626,11 @@ class RequestStream:
             while not self.finished:
                 out = await self.queue.get()
                 if isinstance(out, BaseException):
-                    raise RuntimeError(f"the engine has stopped: {out!r}")
+                    raise EngineStoppedError(f"the engine has stopped: {out!r}")
                 if out.error is not None:
                     self.finished = True
+                    if self.owner.error is not None:  # ended by the crash (LLMEngine.fail_all)
+                        raise EngineStoppedError(out.error)
                     raise RequestFailedError(out.error)
                 self.finished = out.finished
                 yield out

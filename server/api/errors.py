@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import RequestFailedError
+from ..engine import EngineStoppedError, RequestFailedError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
         # e.g. the request's adapter failed to load (missing or corrupt files, wrong shapes)
         return JSONResponse(error_body(500, str(exc), code="adapter_load_failed"), status_code=500)
+
+    @app.exception_handler(EngineStoppedError)
+    async def _engine_stopped(_: Request, exc: EngineStoppedError) -> JSONResponse:
+        # The engine loop crashed under this request (logged once, by the engine thread).
+        return JSONResponse(error_body(503, str(exc), type="service_unavailable", code="engine_stopped"),
+                            status_code=503)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from ..engine import RequestFailedError
+from ..engine import EngineStoppedError, RequestFailedError
 from .errors import error_body
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,8 @@ def sse_response(chunks: AsyncIterator[dict]) -> StreamingResponse:
                 yield sse_event(chunk)
         except RequestFailedError as e:  # the status line is sent: the error goes in the stream
             yield sse_event(error_body(500, str(e), code="adapter_load_failed"))
+        except EngineStoppedError as e:
+            yield sse_event(error_body(503, str(e), type="service_unavailable", code="engine_stopped"))
         except Exception as e:  # e.g. the engine stopped: an error event, not a cut connection
             log.exception("stream failed")
             yield sse_event(error_body(500, f"internal error: {e}"))

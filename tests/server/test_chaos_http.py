@@ -156,7 +156,8 @@ async def test_an_engine_crash_ends_streams_with_an_error_event_and_fails_health
                 lines = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
             assert lines[-1] == "[DONE]"
             error = json.loads(lines[-2])["error"]
-            assert error["type"] == "internal_server_error" and "boom" in error["message"]
+            assert error["type"] == "service_unavailable" and error["code"] == "engine_stopped"
+            assert "boom" in error["message"]
             r = await client.post("/v1/completions", json=body | {"stream": False})
             assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
             assert (await client.get("/healthz")).status_code == 503

@@ -62,7 +62,11 @@ async def test_a_crash_leaves_no_stale_gauges(disk):
             assert before["vllm:num_requests_running"] == [({}, 2.0)]
             assert before["vllm:num_requests_waiting"] == [({}, 3.0)]
             crash.set()
-            assert [r.status_code for r in await asyncio.gather(*answers)] == [500] * 5
+            answered = await asyncio.gather(*answers)
+            # In flight as it crashed: a 503 in the OpenAI shape, not a 500 with a traceback.
+            assert [r.status_code for r in answered] == [503] * 5
+            assert {r.json()["error"]["code"] for r in answered} == {"engine_stopped"}
+            assert all("boom" in r.json()["error"]["message"] for r in answered)
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             assert (await client.get("/readyz")).status_code == 503
             after = gauges((await client.get("/metrics")).text)
