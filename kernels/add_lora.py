@@ -138,10 +138,20 @@ def add_lora(
         return y
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before loraplex.kernels is imported")
-    if batch.block_m < 16 or batch.block_m & (batch.block_m - 1):
-        raise ValueError(f"the Triton path needs block_m a power of two >= 16, the batch has {batch.block_m}")
+    _check_triton(batch, slices)
     sgmv_lora(y, x, lora_a, lora_b, scaling, batch, ranks, slices)
     return y
+
+
+def _check_triton(batch: LoRABatch, slices: tuple[int, ...]) -> None:
+    """What the Triton kernels need beyond ``_check``: checked before anything is launched,
+    so a refused call writes nothing."""
+    from .expand import MAX_SLICES  # imports triton only when the Triton path is used
+
+    if batch.block_m < 16 or batch.block_m & (batch.block_m - 1):
+        raise ValueError(f"the Triton path needs block_m a power of two >= 16, the batch has {batch.block_m}")
+    if len(slices) > MAX_SLICES:
+        raise ValueError(f"the Triton path adds at most {MAX_SLICES} output slices in one launch, got {len(slices)}")
 
 
 def sgmv_lora(y, x, lora_a, lora_b, scaling, batch, ranks, slices, config=None) -> None:

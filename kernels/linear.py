@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .add_lora import SUPPORTED_DTYPES, _check, _overlaps
+from .add_lora import SUPPORTED_DTYPES, _check, _check_triton, _overlaps
 from .batch import LoRABatch
 from .configs import multiprocessors, sgmv_config, supports_pdl
 from .expand import sgmv_expand
@@ -270,8 +270,7 @@ def lora_linear(
     CUDA tensors, or CPU under ``TRITON_INTERPRET=1``; no host synchronisation."""
     y = out if out is not None else torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     slices = _check(y, x, lora_a, lora_b, scaling, batch, ranks, output_slices)
-    if batch.block_m < 16 or batch.block_m & (batch.block_m - 1):
-        raise ValueError(f"the Triton path needs block_m a power of two >= 16, the batch has {batch.block_m}")
+    _check_triton(batch, slices)
     config = config or gemm_config(x.shape[0], weight)
     if x.numel() == 0:  # no rows, or no input columns: no LoRA term
         return gemm(x, weight, y, config)
