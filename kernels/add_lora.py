@@ -7,8 +7,6 @@ picks a backend: the Triton SGMV kernels (shrink, then expand) on CUDA tensors (
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .batch import LoRABatch
@@ -136,18 +134,33 @@ def add_lora(
     if backend == "torch":
         add_lora_torch(y, x, lora_a, lora_b, scaling, batch.token_slots, ranks, slices)
         return y
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before loraplex.kernels is imported")
-    _check_triton(batch, slices)
+    _check_triton(x, batch, slices)
     sgmv_lora(y, x, lora_a, lora_b, scaling, batch, ranks, slices)
     return y
 
 
-def _check_triton(batch: LoRABatch, slices: tuple[int, ...]) -> None:
+def check_interpreter(x: torch.Tensor) -> None:
+    """Refuses CPU tensors unless Triton interprets its kernels (TRITON_INTERPRET, any value
+    Triton reads as true, set before the kernels are first imported): compiled kernels would
+    fail on them with no word of the fix."""
+    if x.is_cuda:
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .shrink import _shrink_kernel
+
+    # Triton decides at a kernel's definition; the kernel itself says which it became.
+    if not isinstance(_shrink_kernel, InterpretedFunction):
+        raise RuntimeError("the Triton kernels on CPU tensors need Triton's interpreter: TRITON_INTERPRET=1 set "
+                           "before loraplex.kernels is imported")
+
+
+def _check_triton(x: torch.Tensor, batch: LoRABatch, slices: tuple[int, ...]) -> None:
     """What the Triton kernels need beyond ``_check``: checked before anything is launched,
     so a refused call writes nothing."""
     from .expand import MAX_SLICES  # imports triton only when the Triton path is used
 
+    check_interpreter(x)
     if batch.block_m < 16 or batch.block_m & (batch.block_m - 1):
         raise ValueError(f"the Triton path needs block_m a power of two >= 16, the batch has {batch.block_m}")
     if len(slices) > MAX_SLICES:

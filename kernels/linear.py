@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .add_lora import SUPPORTED_DTYPES, _check, _check_triton, _overlaps
+from .add_lora import SUPPORTED_DTYPES, _check, _check_triton, _overlaps, check_interpreter
 from .batch import LoRABatch
 from .configs import multiprocessors, sgmv_config, supports_pdl
 from .expand import sgmv_expand
@@ -222,6 +222,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     for name, t in (("x", x), ("weight", weight)):
         if _overlaps(y, t):
             raise ValueError(f"out shares memory with {name}: its tiles are written while {name} is read")
+    check_interpreter(x)
     if num_tokens == 0:
         return y
     if in_features == 0:
@@ -270,7 +271,7 @@ def lora_linear(
     CUDA tensors, or CPU under ``TRITON_INTERPRET=1``; no host synchronisation."""
     y = out if out is not None else torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     slices = _check(y, x, lora_a, lora_b, scaling, batch, ranks, output_slices)
-    _check_triton(batch, slices)
+    _check_triton(x, batch, slices)
     config = config or gemm_config(x.shape[0], weight)
     if x.numel() == 0:  # no rows, or no input columns: no LoRA term
         return gemm(x, weight, y, config)

@@ -1,7 +1,11 @@
 """Edges of the kernels' public contract: calls the Triton path refuses are refused before
-anything is launched or written."""
+anything is launched or written, and the Triton path runs wherever Triton interprets."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,3 +31,52 @@ def test_too_many_slices_for_the_triton_path_are_refused_before_any_launch():
     assert torch.equal(y, torch.full((3, 32), 7.0))
     # The torch path adds any number of slices.
     add_lora(y, x, a, b, sc, batch, backend="torch", output_slices=(8, 8, 8, 8))
+
+
+def _run_with_interpret(value: str, code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter with TRITON_INTERPRET=value (Triton reads it when the
+    kernels are defined, once per process)."""
+    env = {**os.environ, "TRITON_INTERPRET": value}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+_SMALL_CALL = (
+    "import torch\n"
+    "from loraplex.kernels import LoRABatch, add_lora, add_lora_reference\n"
+    "from loraplex.kernels.linear import lora_linear\n"
+    "g = torch.Generator().manual_seed(1)\n"
+    "ts = torch.tensor([0, -1, 1], dtype=torch.int32)\n"
+    "x, y = torch.randn(3, 16, generator=g), torch.randn(3, 32, generator=g)\n"
+    "a, b, sc = torch.randn(2, 8, 16, generator=g), torch.randn(2, 32, 8, generator=g), torch.ones(2)\n"
+    "batch = LoRABatch.build(ts, 2)\n"
+)
+
+
+@pytest.mark.parametrize("value", ["true", "ON"])
+def test_triton_backend_runs_wherever_triton_interprets(value):
+    """TRITON_INTERPRET takes the values Triton reads as true, not only "1": with Triton
+    interpreting, backend='triton' on CPU tensors runs."""
+    run = _run_with_interpret(value, _SMALL_CALL + (
+        "expected = add_lora_reference(y, x, a, b, sc, ts)\n"
+        "add_lora(y, x, a, b, sc, batch, backend='triton')\n"
+        "torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)\n"
+    ))
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_triton_path_on_cpu_without_the_interpreter_is_refused_clearly():
+    """Without the interpreter, add_lora, lora_linear and gemm on CPU tensors name the fix
+    (the compiled kernels failed on them with "0 active drivers")."""
+    run = _run_with_interpret("0", _SMALL_CALL + (
+        "from loraplex.kernels.linear import gemm\n"
+        "for call in (lambda: add_lora(y, x, a, b, sc, batch, backend='triton'),\n"
+        "             lambda: lora_linear(x, torch.randn(32, 16), a, b, sc, batch),\n"
+        "             lambda: gemm(x, torch.randn(32, 16))):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except RuntimeError as e:\n"
+        "        assert 'TRITON_INTERPRET=1' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('not refused')\n"
+    ))
+    assert run.returncode == 0, run.stderr[-2000:]
