@@ -281,5 +281,5 @@ def lora_linear(
                           sgmv.num_warps, sgmv.num_stages, trigger=1 if config.pdl else 0)
     gemm(x, weight, y, config, pdl=config.pdl)
     sgmv_expand(y, partial, lora_b, scaling, batch, ranks, slices, sgmv.span, sgmv.block_n, sgmv.num_warps,
-                sgmv.num_stages, pdl=config.pdl, add_in_memory=True)
+                sgmv.num_stages, pdl=config.pdl, add_in_memory=sgmv.add_in_memory)
     return y

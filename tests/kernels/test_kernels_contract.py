@@ -80,3 +80,26 @@ def test_triton_path_on_cpu_without_the_interpreter_is_refused_clearly():
         "        raise AssertionError('not refused')\n"
     ))
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_lora_linear_gives_the_bits_of_gemm_then_add_lora(block_m):
+    """With the shrink's K cut as add_lora cuts it (shrink_splits 0), lora_linear is gemm then
+    add_lora to the bit, whatever the batch's rows per block (at 32, a prefill's, add_lora's
+    expand reads y and rounds once; lora_linear's rounded the term, then the sum)."""
+    from loraplex.kernels.linear import GemmConfig, gemm
+
+    gen = torch.Generator().manual_seed(block_m)
+    dtype, num_tokens = torch.float16, 40
+    token_slots = torch.randint(-1, 3, (num_tokens,), generator=gen).to(torch.int32)
+    x = torch.randn(num_tokens, 64, generator=gen).to(dtype)
+    weight = (torch.randn(96, 64, generator=gen) / 8).to(dtype)
+    a = (torch.randn(3, 16, 64, generator=gen) / 8).to(dtype)
+    b = (torch.randn(3, 96, 16, generator=gen) / 4).to(dtype)
+    scaling = torch.rand(3, generator=gen) * 3
+    batch = LoRABatch.build(token_slots, 3, block_m=block_m)
+    config = GemmConfig(block_m=16, block_n=32, block_k=32, splits=1, shrink_splits=0)
+    fused = lora_linear(x, weight, a, b, scaling, batch, config=config)
+    then = gemm(x, weight, config=config)
+    add_lora(then, x, a, b, scaling, batch, backend="triton")
+    assert torch.equal(fused, then)
