@@ -196,12 +196,7 @@ class _Workspace:
 _WORKSPACE = _Workspace()
 
 
-def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, config: GemmConfig | None = None,
-         pdl: bool = False) -> torch.Tensor:
-    """``x @ weight.T`` (a decode-sized GEMM; CUDA, or CPU under ``TRITON_INTERPRET=1``).
-
-    ``pdl``: launched as a programmatic dependent of the kernel before it, letting the one
-    after it launch at once (``lora_linear`` only)."""
+def _check_gemm_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"x must be [T, in] and weight [out, in], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
@@ -210,6 +205,15 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         raise TypeError(f"dtype {x.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     if weight.dtype != x.dtype:
         raise TypeError(f"weight is {weight.dtype} but x is {x.dtype}")
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, config: GemmConfig | None = None,
+         pdl: bool = False) -> torch.Tensor:
+    """``x @ weight.T`` (a decode-sized GEMM; CUDA, or CPU under ``TRITON_INTERPRET=1``).
+
+    ``pdl``: launched as a programmatic dependent of the kernel before it, letting the one
+    after it launch at once (``lora_linear`` only)."""
+    _check_gemm_inputs(x, weight)
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
     config = config or gemm_config(num_tokens, weight)
@@ -269,6 +273,7 @@ def lora_linear(
     with the arguments of ``add_lora`` (its shrink's K cut per ``config.shrink_splits``), the
     shrink overlapping the GEMM.
     CUDA tensors, or CPU under ``TRITON_INTERPRET=1``; no host synchronisation."""
+    _check_gemm_inputs(x, weight)  # before the shrink runs, and before the weight sizes y and the GEMM
     y = out if out is not None else torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     slices = _check(y, x, lora_a, lora_b, scaling, batch, ranks, output_slices)
     _check_triton(x, batch, slices)

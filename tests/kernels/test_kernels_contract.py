@@ -103,3 +103,19 @@ def test_lora_linear_gives_the_bits_of_gemm_then_add_lora(block_m):
     then = gemm(x, weight, config=config)
     add_lora(then, x, a, b, scaling, batch, backend="triton")
     assert torch.equal(fused, then)
+
+
+def test_lora_linear_checks_its_weight_first():
+    """A bad weight is refused as gemm refuses it, before the shrink runs: a 1-D weight was an
+    IndexError from the GEMM's configuration, not the message that names the shapes."""
+    x = torch.randn(4, 64)
+    batch = LoRABatch.build(torch.zeros(4, dtype=torch.int32), 2)
+    a, b, sc = torch.randn(2, 16, 64), torch.randn(2, 32, 16), torch.ones(2)
+    with pytest.raises(ValueError, match="weight \\[out, in\\]"):
+        lora_linear(x, torch.randn(32), a, b, sc, batch)
+    with pytest.raises(ValueError, match="weight \\[out, in\\]"):
+        lora_linear(x, torch.randn(32, 48), a, b, sc, batch)
+    with pytest.raises(TypeError, match="weight is"):
+        lora_linear(x, torch.randn(32, 64, dtype=torch.float16), a, b, sc, batch)
+    with pytest.raises(ValueError, match="contiguous"):
+        lora_linear(x, torch.randn(64, 32).T, a, b, sc, batch)
