@@ -73,6 +73,19 @@ def step_grids(max_tokens: int, max_adapters: int) -> dict[tuple[int, int], int]
     return grids
 
 
+def slot_counts(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """int64 [S]: rows of each slot in ``slots`` (int64 [T], negative = base only).
+
+    bincount would read max(slots) on the host; a scatter into a fixed size does not. Base
+    rows count in a bucket of their own before slot 0, so a slot at or past ``num_slots``
+    indexes past the buckets: an error (on a GPU, a device-side assert, as no host check is
+    possible there), never a row silently counted as a base row.
+    """
+    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=slots.device)
+    counts.scatter_add_(0, torch.where(slots < 0, 0, slots + 1), torch.ones_like(slots))
+    return counts[1:]
+
+
 @dataclass(frozen=True)
 class LoRABatch:
     """Token -> slot grouping of one forward step (all tensors int32, on the step's device)."""
@@ -131,10 +144,7 @@ class LoRABatch:
         key = torch.where(slots < 0, torch.full_like(slots, num_slots), slots)
         sorted_tokens = torch.sort(key, stable=True).indices
 
-        # bincount would read max(key) on the host; a scatter into a fixed size does not.
-        counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
-        counts.scatter_add_(0, key, torch.ones_like(key))
-        counts = counts[:num_slots]
+        counts = slot_counts(slots, num_slots)
         starts = torch.cumsum(counts, 0) - counts  # [S] first sorted position of each slot
         blocks = (counts + block_m - 1) // block_m  # [S] blocks of each slot
         blocks_end = torch.cumsum(blocks, 0)  # [S] one past each slot's last block

@@ -114,3 +114,16 @@ def test_refuses_more_adapters_than_max_adapters():
     with pytest.raises(ValueError, match="3 distinct slots, more than max_adapters=2"):
         LoRABatch.build(slots, 4, max_adapters=2)
     LoRABatch.build(slots, 4, max_adapters=3)
+
+
+@pytest.mark.parametrize("slot", [4, 5, 40])
+def test_slot_counts_refuse_slots_past_num_slots_without_a_host_check(slot):
+    """On a GPU build cannot check slots on the host; its counting scatter must not take slot
+    num_slots for a base row (it shared the base rows' bucket: silently no LoRA term) but
+    index out of bounds, as every larger slot does (a device-side assert there; here, the
+    CPU's error)."""
+    from loraplex.kernels.batch import slot_counts
+
+    assert slot_counts(torch.tensor([0, 3, -1, 3, -2]), 4).tolist() == [1, 0, 0, 2]
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        slot_counts(torch.tensor([0, slot, -1]), 4)
