@@ -122,7 +122,7 @@ def add_lora(
     are never read and do not change the result; a slice of rank 0 adds nothing and costs
     its rows nothing (an adapter on q and v alone skips k of a fused q/k/v call). ``ranks`` may
     be a strided view, e.g. columns of a per-projection table. No host synchronisation on
-    the Triton path.
+    the Triton path, which takes at most 3 slices (q/k/v) a call; the torch path takes any.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
