@@ -1,5 +1,6 @@
-"""Edges of the kernels' public contract: calls the Triton path refuses are refused before
-anything is launched or written, and the Triton path runs wherever Triton interprets."""
+"""Edges of the kernels' public contract: calls the Triton path refuses (too many slices, a
+bad weight for lora_linear) are refused before anything is launched or written, the Triton
+path runs wherever Triton interprets, and lora_linear gives gemm-then-add_lora's bits."""
 
 from __future__ import annotations
 
