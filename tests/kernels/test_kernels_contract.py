@@ -14,7 +14,14 @@ import torch
 from loraplex.kernels import LoRABatch, add_lora
 from loraplex.kernels.linear import lora_linear
 
+# Tests on CPU tensors run the Triton path through the interpreter (tests/conftest.py sets it);
+# a run with TRITON_INTERPRET=0 (the GPU machine's) runs them on CUDA where they can, or skips.
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs Triton on CPU tensors: needs its interpreter")
+DEVICES = [*(["cpu"] if INTERPRETING else []), *(["cuda"] if torch.cuda.is_available() else [])]
 
+
+@needs_interpreter
 def test_too_many_slices_for_the_triton_path_are_refused_before_any_launch():
     """The expand fuses at most 3 slices: a call with 4 is refused before the shrink (and
     lora_linear's GEMM) runs, so an out= buffer keeps what it held."""
@@ -53,6 +60,7 @@ _SMALL_CALL = (
 )
 
 
+@needs_interpreter  # (Triton 3.6's interpreter, on the GPU machine, cannot run these kernels)
 @pytest.mark.parametrize("value", ["true", "ON"])
 def test_triton_backend_runs_wherever_triton_interprets(value):
     """TRITON_INTERPRET takes the values Triton reads as true, not only "1": with Triton
@@ -83,8 +91,9 @@ def test_triton_path_on_cpu_without_the_interpreter_is_refused_clearly():
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_lora_linear_gives_the_bits_of_gemm_then_add_lora(block_m):
+def test_lora_linear_gives_the_bits_of_gemm_then_add_lora(block_m, device):
     """With the shrink's K cut as add_lora cuts it (shrink_splits 0), lora_linear is gemm then
     add_lora to the bit, whatever the batch's rows per block (at 32, a prefill's, add_lora's
     expand reads y and rounds once; lora_linear's rounded the term, then the sum)."""
@@ -98,6 +107,7 @@ def test_lora_linear_gives_the_bits_of_gemm_then_add_lora(block_m):
     a = (torch.randn(3, 16, 64, generator=gen) / 8).to(dtype)
     b = (torch.randn(3, 96, 16, generator=gen) / 4).to(dtype)
     scaling = torch.rand(3, generator=gen) * 3
+    token_slots, x, weight, a, b, scaling = (t.to(device) for t in (token_slots, x, weight, a, b, scaling))
     batch = LoRABatch.build(token_slots, 3, block_m=block_m)
     config = GemmConfig(block_m=16, block_n=32, block_k=32, splits=1, shrink_splits=0)
     fused = lora_linear(x, weight, a, b, scaling, batch, config=config)
