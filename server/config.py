@@ -37,6 +37,8 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    # Llama's attention_bias=true biases o_proj too (Qwen2's q/k/v biases leave it without).
+    o_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -61,6 +63,8 @@ class ModelConfig:
         per_layer = sum(a * b for a, b in self.module_shapes().values()) + 2 * self.hidden_size
         if self.qkv_bias:
             per_layer += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            per_layer += self.hidden_size
         emb = self.vocab_size * self.hidden_size
         return self.num_layers * per_layer + emb * (1 if self.tie_word_embeddings else 2) + self.hidden_size
 
@@ -117,6 +121,7 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -160,7 +165,7 @@ class ModelConfig:
             "torch_dtype": "float32",
         }
         if self.model_type == "llama":
-            out["attention_bias"] = self.qkv_bias
+            out["attention_bias"] = self.qkv_bias or self.o_bias
         return out
 
     def to_dict(self) -> dict:

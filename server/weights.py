@@ -4,7 +4,7 @@ Layout (nn.Linear style, [out_features, in_features]; `y = x @ W.T`):
 
     embed      [vocab, hidden]
     layer i:   input_norm [hidden], qkv [q + 2*kv, hidden] (+ qkv_bias [q + 2*kv] on Qwen2),
-               o [hidden, q], post_norm [hidden], gate_up [2*inter, hidden], down [hidden, inter]
+               o [hidden, q] (+ o_bias [hidden] on Llama with attention_bias), post_norm [hidden], gate_up [2*inter, hidden], down [hidden, inter]
     norm       [hidden]
     lm_head    [vocab, hidden]   (the same tensor as embed when embeddings are tied)
 """
@@ -31,6 +31,7 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    o_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -104,6 +105,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: torch.device, dtype
             input_norm=get(p + "input_layernorm.weight"),
             qkv=qkv, qkv_bias=bias,
             o=get(p + "self_attn.o_proj.weight"),
+            o_bias=get(p + "self_attn.o_proj.bias") if cfg.o_bias else None,
             post_norm=get(p + "post_attention_layernorm.weight"),
             gate_up=gate_up.to(device, dtype),
             down=get(p + "mlp.down_proj.weight"),
@@ -135,7 +137,8 @@ def dummy_weights(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, se
         LayerWeights(
             input_norm=ones(h), qkv=rand(q + 2 * kv, h),
             qkv_bias=rand(q + 2 * kv) if cfg.qkv_bias else None,
-            o=rand(h, q), post_norm=ones(h), gate_up=rand(2 * inter, h), down=rand(h, inter))
+            o=rand(h, q), o_bias=rand(h) if cfg.o_bias else None,
+            post_norm=ones(h), gate_up=rand(2 * inter, h), down=rand(h, inter))
         for _ in range(cfg.num_layers)
     ]
     embed = rand(cfg.vocab_size, h)
@@ -179,5 +182,7 @@ def save_hf_checkpoint(w: BaseWeights, cfg: ModelConfig, path: str | Path) -> No
             qb, kb, vb = lw.qkv_bias.split([q, kv, kv])
             out |= {p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb,
                     p + "self_attn.v_proj.bias": vb}
+        if lw.o_bias is not None:
+            out[p + "self_attn.o_proj.bias"] = lw.o_bias
     Path(path).mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in out.items()}, str(Path(path) / "model.safetensors"))
