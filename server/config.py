@@ -74,6 +74,12 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(
                 f"model_type {model_type!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}")
+        # A checkpoint of another head (LlamaForSequenceClassification's score.weight, a bare
+        # LlamaModel) has no LM head to sample from.
+        heads = [a for a in cfg.get("architectures") or () if not str(a).endswith("ForCausalLM")]
+        if heads:
+            raise ModelConfigError(
+                f"architectures {cfg['architectures']} is not supported: a causal LM (*ForCausalLM) only")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")

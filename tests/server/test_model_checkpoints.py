@@ -25,7 +25,8 @@ def make_checkpoint(path: Path, model_type: str, arch: str = "AutoModelForCausal
 
     cfg = transformers.AutoConfig.for_model(model_type, **(SHAPE | config))
     torch.manual_seed(0)
-    model = getattr(transformers, arch).from_config(cfg, dtype=torch.float32)
+    cls = getattr(transformers, arch)
+    model = cls.from_config(cfg, dtype=torch.float32) if arch.startswith("Auto") else cls(cfg)
     for name, p in model.named_parameters():
         if name.endswith(".bias"):
             torch.nn.init.normal_(p, std=0.1)
@@ -52,3 +53,13 @@ def test_llama_with_attention_bias_matches_transformers(tmp_path):
     path = make_checkpoint(tmp_path / "m", "llama", attention_bias=True)
     ours, hf = last_logits(path)
     torch.testing.assert_close(ours, hf, atol=1e-4, rtol=1e-4)
+
+
+def test_a_checkpoint_of_another_head_is_refused(tmp_path):
+    """A sequence classifier has `score.weight` where the LM head would be: served, its
+    embeddings stood in for lm_head and every completion was noise."""
+    from loraplex.server.config import ModelConfigError
+
+    path = make_checkpoint(tmp_path / "m", "llama", arch="LlamaForSequenceClassification")
+    with pytest.raises(ModelConfigError, match="LlamaForSequenceClassification"):
+        ModelConfig.from_dir(path)
