@@ -12,7 +12,7 @@ import torch
 from loraplex.server.config import ModelConfig
 from loraplex.server.kv_cache import KVCache
 from loraplex.server.model import LlamaModel, PrefillSeq
-from loraplex.server.weights import load_weights
+from loraplex.server.weights import check_checkpoint, load_weights
 
 SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -63,3 +63,88 @@ def test_a_checkpoint_of_another_head_is_refused(tmp_path):
     path = make_checkpoint(tmp_path / "m", "llama", arch="LlamaForSequenceClassification")
     with pytest.raises(ModelConfigError, match="LlamaForSequenceClassification"):
         ModelConfig.from_dir(path)
+
+
+def rewrite(path: Path, drop: tuple[str, ...] = (), add: dict | None = None) -> Path:
+    """The checkpoint's model.safetensors less `drop`, plus `add`."""
+    from safetensors.torch import load_file, save_file
+
+    f = path / "model.safetensors"
+    tensors = {k: v for k, v in load_file(f).items() if k not in drop} | (add or {})
+    save_file(tensors, f, metadata={"format": "pt"})
+    return path
+
+
+def refusals(path: Path) -> tuple[str, str]:
+    """The messages of the CLI's check before a server starts, and of load_weights."""
+    from loraplex.server.engine import check_settings
+    from loraplex.server.settings import ServerSettings
+
+    with pytest.raises(ValueError) as checked:
+        check_settings(ServerSettings(model=str(path), device="cpu"))
+    with pytest.raises(ValueError) as loaded:
+        load_weights(path, ModelConfig.from_dir(path), torch.device("cpu"), torch.float32)
+    return str(checked.value), str(loaded.value)
+
+
+def test_a_tensor_the_model_would_not_use_is_refused_by_name(tmp_path):
+    """An extra weight (here an MLP bias) changes what the checkpoint computes: leaving it
+    out silently served other outputs than transformers'."""
+    path = rewrite(make_checkpoint(tmp_path / "m", "llama"), add={"model.layers.1.mlp.down_proj.bias": torch.ones(64)})
+    for message in refusals(path):
+        assert "model.layers.1.mlp.down_proj.bias" in message
+
+
+def test_a_missing_tensor_is_refused_by_name_before_the_server_starts(tmp_path):
+    """The CLI's check read the headers only: the server started, then died loading the
+    weights with a KeyError traceback."""
+    path = rewrite(make_checkpoint(tmp_path / "m", "llama"), drop=("model.layers.1.mlp.up_proj.weight",))
+    for message in refusals(path):
+        assert "model.layers.1.mlp.up_proj.weight" in message
+
+
+def test_untied_embeddings_without_an_lm_head_are_refused(tmp_path):
+    """tie_word_embeddings=false and no lm_head.weight: the input embeddings were taken for
+    the LM head (transformers would make a random one); neither is the model."""
+    path = rewrite(make_checkpoint(tmp_path / "m", "llama", tie_word_embeddings=False), drop=("lm_head.weight",))
+    for message in refusals(path):
+        assert "lm_head.weight" in message
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_by_name_before_the_server_starts(tmp_path):
+    path = rewrite(make_checkpoint(tmp_path / "m", "llama"),
+                   add={"model.layers.0.self_attn.k_proj.weight": torch.zeros(16, 64)})
+    for message in refusals(path):
+        assert "k_proj" in message and "(16, 64)" in message
+
+
+def test_tied_checkpoints_may_carry_an_lm_head_and_old_rotary_buffers(tmp_path):
+    """transformers ignores both: lm_head.weight of a tied checkpoint, and the inv_freq
+    buffers older Llama checkpoints saved."""
+    path = make_checkpoint(tmp_path / "m", "llama", tie_word_embeddings=True)
+    from safetensors.torch import load_file
+
+    embed = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
+    rewrite(path, add={"lm_head.weight": embed.clone(),
+                       "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
+    ours, hf = last_logits(path)
+    torch.testing.assert_close(ours, hf, atol=1e-4, rtol=1e-4)
+
+
+def test_a_sharded_checkpoint_reads_the_files_its_index_names(tmp_path):
+    """Mistral's repositories hold consolidated.safetensors (mistral's own tensor names)
+    beside the HF shards and their model.safetensors.index.json; transformers reads the
+    index's files only, and so must we (its tensors are no extra ones)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("mistral", **(SHAPE | dict(sliding_window=None)))
+    torch.manual_seed(0)
+    path = tmp_path / "m"
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path, max_shard_size="50KB")
+    assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("model-*.safetensors"))) > 2
+    save_file({"layers.0.attention.wq.weight": torch.zeros(64, 64), "tok_embeddings.weight": torch.zeros(320, 64)},
+              path / "consolidated.safetensors")
+    check_checkpoint(path)
+    ours, hf = last_logits(path)
+    torch.testing.assert_close(ours, hf, atol=1e-4, rtol=1e-4)
