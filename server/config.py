@@ -101,9 +101,11 @@ class ModelConfig:
             elif kind != "llama3":
                 raise ModelConfigError(f"rope scaling type {kind!r} is not supported (llama3 only)")
             else:
-                scaling = {k: scaling[k] for k in ("rope_type", "factor", "low_freq_factor",
-                                                     "high_freq_factor", "original_max_position_embeddings")
-                           if k in scaling} | {"rope_type": "llama3"}
+                keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                missing = [k for k in keys if scaling.get(k) is None]
+                if missing:
+                    raise ModelConfigError(f"llama3 rope scaling {scaling} has no {', '.join(missing)}")
+                scaling = {k: scaling[k] for k in keys} | {"rope_type": "llama3"}
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         max_pos = cfg.get("max_position_embeddings", 4096)

@@ -1,0 +1,22 @@
+"""config.json values this engine cannot serve as written are refused when the config is
+read (the CLI's check before a server starts), naming the value."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.server.config import ModelConfig, ModelConfigError
+
+BASE = dict(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=4)
+
+
+@pytest.mark.parametrize("missing", ["factor", "low_freq_factor", "high_freq_factor",
+                                     "original_max_position_embeddings"])
+def test_llama3_rope_scaling_without_one_of_its_values_is_refused_by_name(missing):
+    """The server started and died building its RoPE tables with a bare KeyError."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    del scaling[missing]
+    with pytest.raises(ModelConfigError, match=missing):
+        ModelConfig.from_hf(BASE | {"rope_scaling": scaling})
