@@ -46,8 +46,8 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in self.chat_template}
             self.chat_template = named.get("default") or next(iter(named.values()), None)
         jinja_file = path / "chat_template.jinja"
-        if self.chat_template is None and jinja_file.is_file():
-            self.chat_template = jinja_file.read_text()
+        if jinja_file.is_file():  # as in transformers, the file wins over tokenizer_config's entry
+            self.chat_template = jinja_file.read_text(encoding="utf-8")
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.add_bos = bool(cfg.get("add_bos_token", False))

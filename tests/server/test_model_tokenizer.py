@@ -1,0 +1,28 @@
+"""A base's tokenizer files read as transformers reads them."""
+
+from __future__ import annotations
+
+from loraplex.server.demo import build_tokenizer
+from loraplex.server.tokenizer import Tokenizer
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+
+
+def hf_chat_ids(path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(path).apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_chat_template_jinja_wins_over_tokenizer_config(tmp_path):
+    """transformers: "independent chat template file(s) take priority over template entries in
+    the tokenizer config". A fine-tune that ships its own chat_template.jinja beside the base's
+    tokenizer_config.json was prompted in the base's format."""
+    build_tokenizer(tmp_path, vocab_size=320)  # tokenizer_config.json with the demo's template
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}")
+    tok = Tokenizer(tmp_path)
+    assert tok.apply_chat_template(MESSAGES) == hf_chat_ids(tmp_path)
+    assert tok.decode(tok.apply_chat_template(MESSAGES)).startswith("[system] be brief")
