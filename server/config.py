@@ -85,6 +85,10 @@ class ModelConfig:
             raise ModelConfigError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
         if cfg.get("mlp_bias"):
             raise ModelConfigError("mlp_bias=true is not supported")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if not isinstance(cfg.get(k), int)]
+        if missing:
+            raise ModelConfigError(f"config has no (integer) {', '.join(missing)}")
         heads = cfg["num_attention_heads"]
         # transformers >= 5 nests theta and scaling in rope_parameters; older configs use
         # rope_theta + rope_scaling at the top level.
@@ -140,14 +144,17 @@ class ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ModelConfigError(f"{path}: no config.json")
-        cfg = json.loads(cfg_file.read_text())
+        cfg = _read_json(cfg_file)
         gen = path / "generation_config.json"
         if gen.is_file():
             # generation_config's eos list (Llama 3 instruct: [128001, 128008, 128009]) wins.
-            g = json.loads(gen.read_text())
+            g = _read_json(gen)
             if g.get("eos_token_id") is not None:
                 cfg = cfg | {"eos_token_id": g["eos_token_id"]}
-        return cls.from_hf(cfg)
+        try:
+            return cls.from_hf(cfg)
+        except ModelConfigError as e:
+            raise ModelConfigError(f"{cfg_file}: {e}") from None
 
     def to_hf(self) -> dict:
         """An HF config.json dict (transformers' LlamaConfig / Qwen2Config keys)."""
@@ -178,6 +185,16 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelConfigError(f"{path}: unreadable: {e}") from None
+    if not isinstance(value, dict):
+        raise ModelConfigError(f"{path}: not a JSON object")
+    return value
 
 
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

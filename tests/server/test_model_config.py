@@ -20,3 +20,16 @@ def test_llama3_rope_scaling_without_one_of_its_values_is_refused_by_name(missin
     del scaling[missing]
     with pytest.raises(ModelConfigError, match=missing):
         ModelConfig.from_hf(BASE | {"rope_scaling": scaling})
+
+
+@pytest.mark.parametrize("text, reason", [
+    ('{"model_type": "llama", "hidden_size": 64}', "vocab_size"),
+    ('{"model_type": "llama",', "config.json"),
+])
+def test_a_config_json_short_of_a_value_or_unparsable_is_refused_by_the_cli(tmp_path, capsys, text, reason):
+    """A config.json without one of the shape's values left the CLI with a KeyError traceback."""
+    from loraplex.server.cli import main
+
+    (tmp_path / "config.json").write_text(text)
+    assert main(["--model", str(tmp_path), "--device", "cpu"]) == 2
+    assert reason in capsys.readouterr().err
