@@ -148,3 +148,34 @@ def test_a_sharded_checkpoint_reads_the_files_its_index_names(tmp_path):
     check_checkpoint(path)
     ours, hf = last_logits(path)
     torch.testing.assert_close(ours, hf, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type, config", [
+    ("llama", dict(attention_bias=True, tie_word_embeddings=True)),
+    ("qwen2", dict(head_dim=32, tie_word_embeddings=False)),
+    ("mistral", dict(head_dim=8, sliding_window=None, rope_theta=1e6)),
+])
+def test_greedy_generation_matches_transformers(tmp_path, model_type, config):
+    """Prefill and decode steps of the engine (bfloat16 on disk, float32 served) against
+    transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.server.engine import LLMEngine
+    from loraplex.server.sampling import SamplingParams
+    from loraplex.server.settings import ServerSettings
+
+    made = make_checkpoint(tmp_path / "m", model_type, **config)
+    path = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(made, dtype=torch.bfloat16).save_pretrained(path, max_shard_size="60KB")
+    assert not (path / "model.safetensors").exists() and (path / "model.safetensors.index.json").is_file()
+    engine = LLMEngine.from_settings(ServerSettings(model=str(path), device="cpu", dtype="float32", max_num_seqs=2,
+                                                    max_model_len=64, max_loras=1, max_lora_rank=8))
+    prompt = [1, 17, 99, 250, 7, 64, 3]
+    req = engine.make_request(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), None)
+    engine.add_request(req)
+    while engine.has_work():
+        engine.step()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)[0, len(prompt):]
+    assert req.output_ids == want.tolist()
