@@ -26,3 +26,25 @@ def test_chat_template_jinja_wins_over_tokenizer_config(tmp_path):
     tok = Tokenizer(tmp_path)
     assert tok.apply_chat_template(MESSAGES) == hf_chat_ids(tmp_path)
     assert tok.decode(tok.apply_chat_template(MESSAGES)).startswith("[system] be brief")
+
+
+def test_an_unreadable_tokenizer_is_refused_before_the_server_starts(tmp_path):
+    """The CLI's check passed a tokenizer.json cut short (or a tokenizer_config.json that is
+    not JSON): the server then died in its lifespan with the tokenizers library's traceback."""
+    import pytest
+
+    from loraplex.server.engine import check_settings
+    from loraplex.server.settings import ServerSettings
+
+    from .test_model_checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "m", "llama")
+    build_tokenizer(path, vocab_size=320)
+    whole = (path / "tokenizer.json").read_text()
+    (path / "tokenizer.json").write_text(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        check_settings(ServerSettings(model=str(path), device="cpu"))
+    (path / "tokenizer.json").write_text(whole)
+    (path / "tokenizer_config.json").write_text("{")
+    with pytest.raises(ValueError, match="tokenizer_config.json"):
+        check_settings(ServerSettings(model=str(path), device="cpu"))
