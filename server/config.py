@@ -80,6 +80,11 @@ class ModelConfig:
         if heads:
             raise ModelConfigError(
                 f"architectures {cfg['architectures']} is not supported: a causal LM (*ForCausalLM) only")
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ModelConfigError(f"quantized checkpoints ({method!r}) are not supported: "
+                                   "a float32, float16 or bfloat16 checkpoint only")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")

@@ -33,3 +33,13 @@ def test_a_config_json_short_of_a_value_or_unparsable_is_refused_by_the_cli(tmp_
     (tmp_path / "config.json").write_text(text)
     assert main(["--model", str(tmp_path), "--device", "cpu"]) == 2
     assert reason in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quant", [{"quant_method": "fp8", "activation_scheme": "dynamic"},
+                                   {"quant_method": "gptq", "bits": 4, "group_size": 128},
+                                   {"quant_method": "bitsandbytes", "load_in_4bit": True}])
+def test_a_quantized_checkpoint_is_refused_naming_its_method(quant):
+    """An FP8 checkpoint's float8 weights were cast to the serving dtype without their scales:
+    served, every answer noise."""
+    with pytest.raises(ModelConfigError, match=quant["quant_method"]):
+        ModelConfig.from_hf(BASE | {"quantization_config": quant})
