@@ -8,8 +8,11 @@ Imports no torch, so the node agent and operator could read a base's shape too.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -118,9 +121,11 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         max_pos = cfg.get("max_position_embeddings", 4096)
-        if model_type == "mistral" and cfg.get("sliding_window"):
+        if model_type == "mistral" and cfg.get("sliding_window") and cfg["sliding_window"] < max_pos:
             # Full attention equals sliding-window attention up to the window's length.
-            max_pos = min(max_pos, cfg["sliding_window"])
+            log.warning("mistral sliding_window %d: served as full attention, the context is capped at %d "
+                        "tokens (max_position_embeddings %d)", cfg["sliding_window"], cfg["sliding_window"], max_pos)
+            max_pos = cfg["sliding_window"]
         if model_type == "qwen2" and cfg.get("use_sliding_window"):
             raise ModelConfigError("qwen2 use_sliding_window=true is not supported")
         return cls(

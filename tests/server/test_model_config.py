@@ -43,3 +43,16 @@ def test_a_quantized_checkpoint_is_refused_naming_its_method(quant):
     served, every answer noise."""
     with pytest.raises(ModelConfigError, match=quant["quant_method"]):
         ModelConfig.from_hf(BASE | {"quantization_config": quant})
+
+
+def test_mistral_sliding_window_caps_the_context_with_a_warning(caplog):
+    """Served as full attention, which equals sliding-window attention only up to the
+    window: the context is capped there, and the log says so (it said nothing, and a
+    --max-model-len 32768 server refused 5000-token prompts with no word why at start)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="loraplex.server.config"):
+        cfg = ModelConfig.from_hf(BASE | {"model_type": "mistral", "max_position_embeddings": 32768,
+                                          "sliding_window": 4096})
+    assert cfg.max_position_embeddings == 4096
+    assert "sliding_window" in caplog.text and "4096" in caplog.text
