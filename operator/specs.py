@@ -223,7 +223,9 @@ def _extra_args(value: Any) -> tuple[str, ...]:
         return ()
     if not isinstance(value, (list, tuple)) or not all(isinstance(a, str) for a in value):
         raise SpecError(f"serving.extraArgs must be a list of strings, got {value!r}")
-    owned = sorted({a.split("=", 1)[0] for a in value if a.split("=", 1)[0] in OPERATOR_FLAGS})
+    # argparse also takes a flag's unique prefix (--max-num for --max-num-seqs): refused too.
+    owned = sorted({flag for a in value if a.startswith("--") and len(a.split("=", 1)[0]) > 2
+                    for flag in OPERATOR_FLAGS if flag.startswith(a.split("=", 1)[0])})
     if owned:
         raise SpecError(f"serving.extraArgs may not set {', '.join(owned)}: the operator sets them"
                         " (use serving.engine and the rest of the spec)")

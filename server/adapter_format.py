@@ -180,9 +180,30 @@ def _header_bytes(path: Path) -> tuple[bytes, int]:
 # byte: a server reads each distinct header once (read_adapter 3.6 against 1.0 ms for a
 # Llama-3-8B adapter's 448 tensors, bench/results/disk_read_cpu.json). The
 # results are shared: callers must not change them (read_safetensors_header hands out a copy).
-@functools.lru_cache(maxsize=32)
+# Headers are cached (here, in _header_modules and in disk_read.PlanCache) up to this size
+# only. A fleet's real ones are tens of KB (a Llama-3-8B adapter's 448 tensors: about 45 KB);
+# crafted ones of up to MAX_HEADER_BYTES (a huge __metadata__), kept 32 at a time by each
+# cache, would hold gigabytes of host memory.
+CACHED_HEADER_BYTES = 1 << 20
+
+
 def checked_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
-    """A safetensors header's JSON bytes parsed and checked against the data's length (cached)."""
+    """A safetensors header's JSON bytes parsed and checked against the data's length (cached
+    when at most CACHED_HEADER_BYTES)."""
+    if len(raw) > CACHED_HEADER_BYTES:
+        return _check_header(raw, data_len, name)
+    return _cached_header(raw, data_len, name)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
+    return _check_header(raw, data_len, name)
+
+
+checked_header.cache_clear = _cached_header.cache_clear  # type: ignore[attr-defined]  (benches, tests)
+
+
+def _check_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
@@ -230,10 +251,23 @@ def _is_number(x) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=32)
 def _header_modules(raw: bytes, data_len: int, name: str) -> tuple[dict, int]:
     """The header's LoRA pairs {(layer, proj): {"A"/"B": (key, info)}} and their bytes, each
     tensor name checked (cached as checked_header is)."""
+    if len(raw) > CACHED_HEADER_BYTES:
+        return _find_modules(raw, data_len, name)
+    return _cached_modules(raw, data_len, name)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_modules(raw: bytes, data_len: int, name: str) -> tuple[dict, int]:
+    return _find_modules(raw, data_len, name)
+
+
+_header_modules.cache_clear = _cached_modules.cache_clear  # type: ignore[attr-defined]
+
+
+def _find_modules(raw: bytes, data_len: int, name: str) -> tuple[dict, int]:
     pairs: dict[tuple[int, str], dict[str, tuple[str, dict]]] = {}
     nbytes = 0
     for key, info in checked_header(raw, data_len, name).items():

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from .adapter_format import CONFIG_FILE, MAX_HEADER_BYTES, WEIGHTS_FILE, AdapterError, AdapterSpec, checked_header
+from .adapter_format import (CACHED_HEADER_BYTES, CONFIG_FILE, MAX_HEADER_BYTES, WEIGHTS_FILE, AdapterError, AdapterSpec,
+                             checked_header)
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
@@ -133,6 +134,8 @@ class PlanCache:
             return plan
 
     def put(self, key: tuple, plan: ReadPlan) -> None:
+        if len(key[0]) > CACHED_HEADER_BYTES:  # a crafted header: not kept (adapter_format)
+            return
         with self._lock:
             self._plans[key] = plan
             self._plans.move_to_end(key)

@@ -21,6 +21,7 @@ import asyncio
 import gc
 import itertools
 import logging
+import os
 import queue
 import random
 import sys
@@ -100,21 +101,67 @@ def resolve_device(name: str) -> torch.device:
 
 
 def check_settings(settings: ServerSettings) -> None:
-    """The checks `LLMEngine.from_settings` would fail on, made before anything loads, so the
-    CLI answers a wrong device, model folder (no config.json, no readable safetensors), dummy
-    shape or adapter path with one line (ValueError) instead of a failed server start."""
-    resolve_device(settings.device)
+    """The checks `LLMEngine.from_settings` (or the first request) would fail on, made before
+    anything loads, so the CLI answers a wrong device, kernel backend, model folder (no
+    config.json, no readable safetensors), dummy shape or adapter path, or buffers larger than
+    the device's memory, with one line (ValueError) instead of a failed server start."""
+    device = resolve_device(settings.device)
+    if settings.kernel_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        # add_lora would raise at the first adapter request, inside a step: the engine would stop.
+        raise ValueError("--kernel-backend triton on the CPU runs only under the Triton interpreter: set "
+                         "TRITON_INTERPRET=1 in the environment, or use --kernel-backend auto or torch")
     if settings.model:
-        ModelConfig.from_dir(settings.model)
+        cfg = ModelConfig.from_dir(settings.model)
         check_tokenizer(settings.model)
         if not settings.dummy_weights:
             check_checkpoint(settings.model)
     else:
-        named_shape(settings.dummy_weights)
+        cfg = named_shape(settings.dummy_weights)
     for item in settings.lora_modules:
         name, path = item.split("=", 1)
         if not (Path(path) / ADAPTER_CONFIG_FILE).is_file():
             raise ValueError(f"--lora-modules {name}={path}: no {ADAPTER_CONFIG_FILE} there")
+    check_memory(settings, cfg, resolve_dtype(settings.dtype, device), device_memory(device))
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes the engine may allocate on `device`: the CUDA device's free memory, or the host's
+    physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(settings: ServerSettings, cfg: ModelConfig, dtype: torch.dtype, memory: int) -> None:
+    """ValueError unless the base weights, the KV cache and (with --max-loras) the adapter
+    slots fit in `memory` bytes. The cache is allocated whole at start, one row of
+    max-model-len tokens per sequence of max-num-seqs (kv_cache.py): vLLM's habit of 256
+    sequences of 8,192 tokens asks 275 GB of Llama-3-8B's, which would fail only after the
+    weights loaded, with an out-of-memory traceback. So would slots asked beyond the memory
+    (--max-loras 0 sizes them from what is left, and always fits)."""
+    max_len = min(settings.max_model_len, cfg.max_position_embeddings)
+    row = max_len * KVCache.bytes_per_token(cfg, dtype)
+    weights = cfg.num_params() * torch.empty((), dtype=dtype).element_size()
+    kv = settings.max_num_seqs * row
+    slot = LoRABuffers.slot_bytes(cfg, settings.max_lora_rank, dtype, slot_groups(settings.lora_target_modules))
+    slots = settings.max_loras * slot
+    if weights + kv + slots <= memory:
+        return
+    have = f"the device has {memory / 1e9:.1f} GB"
+    if weights >= memory:
+        raise ValueError(f"the base's weights need {weights / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')} "
+                         f"and {have}")
+    if weights + kv > memory:
+        raise ValueError(
+            f"--max-num-seqs {settings.max_num_seqs} x --max-model-len {max_len}: the KV cache needs "
+            f"{kv / 1e9:.1f} GB (allocated whole at start) besides {weights / 1e9:.1f} GB of weights, and "
+            f"{have}; at most {(memory - weights) // row} rows of {max_len} tokens fit: lower --max-num-seqs "
+            f"or --max-model-len")
+    raise ValueError(
+        f"--max-loras {settings.max_loras} x --max-lora-rank {settings.max_lora_rank}: the adapter slots need "
+        f"{slots / 1e9:.1f} GB ({slot / 1e6:.1f} MB each) besides {weights / 1e9:.1f} GB of weights and "
+        f"{kv / 1e9:.1f} GB of KV cache, and {have}; at most {(memory - weights - kv) // slot} slots fit: lower "
+        f"--max-loras or --max-lora-rank (--max-loras 0 sizes them from free memory)")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -346,7 +393,10 @@ class LLMEngine:
             self.metrics.generation_tokens.inc(len(reqs))
         outputs += [r.take_output() for r in itertools.chain(prefilled, decoding.values())]
         outputs += self._reap()
-        self.stalled = not chunks and not decoding
+        # A step that ran nothing waits for an adapter load to finish (the cache wakes the loop),
+        # unless the cache is draining a slot for a starved load: the drain gives the slot up (and
+        # starts that load) only at a step's ready_slots, so one more step must come.
+        self.stalled = not chunks and not decoding and self.adapters.table.draining is None
         m = self.metrics
         m.step_seconds.observe(time.perf_counter() - t0)
         m.running.set(len(self.scheduler.running))
@@ -402,6 +452,17 @@ class LLMEngine:
             if req.adapter in failures and not req.finished:
                 req.fail(failures[req.adapter])
         return self._reap()
+
+    def fail_all(self, error: str) -> None:
+        """The engine has stopped (its loop crashed): end every request it still holds with
+        `error`, which frees their KV rows and adapter references, and set the gauges to what
+        is now true (nothing runs or waits), so that /metrics, which can no longer ask the
+        engine thread, does not go on showing the moment it died."""
+        for req in itertools.chain(self.scheduler.waiting, self.scheduler.running.values()):
+            if not req.finished:
+                req.fail(error)
+        self._reap()
+        self.metrics.refresh(self)
 
     def lora_state(self) -> tuple[list[str], list[str]]:
         """(running adapters, waiting adapters) by name, for the inference-extension metric."""
@@ -469,6 +530,10 @@ class AsyncEngine:
             stopped = RuntimeError(f"the engine has stopped: {e!r}")
             for loop, fut in list(self._calls):  # a call queued after this raises in _submit
                 loop.call_soon_threadsafe(_set_exception, fut, stopped)
+            try:
+                eng.fail_all(str(stopped))
+            except Exception:  # the crash may have left the batch half updated
+                log.exception("could not release the stopped engine's requests")
 
     def _deliver(self, out, request_id: str | None = None) -> None:
         stream = self._streams.get(request_id or out.request_id)

@@ -9,8 +9,8 @@ encodings apart by gzip's magic bytes, never by the file name.
 from __future__ import annotations
 
 import base64
-import gzip
 import json
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,15 +23,32 @@ class PlanFileError(ValueError):
     """The plan's bytes are not a plan: the message says why."""
 
 
+# The most a gzipped plan may inflate to. The operator gzips plans over 900 kB to fit a
+# ConfigMap (1 MiB); JSON plans compress about 10:1, so a real one stays far below this, while
+# a 1 MiB deflate bomb could inflate to a gigabyte in every server and node agent reading it.
+MAX_PLAN_BYTES = 64 << 20
+
+
+def _gunzip(raw: bytes) -> bytes:
+    """gzip.decompress, refusing output past MAX_PLAN_BYTES (PlanFileError)."""
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)  # a gzip header and trailer
+    out = inflate.decompress(raw, MAX_PLAN_BYTES + 1)
+    if len(out) > MAX_PLAN_BYTES:
+        raise PlanFileError(f"not a plan: it inflates past {MAX_PLAN_BYTES} bytes")
+    if not inflate.eof:
+        raise PlanFileError("not a plan: its gzip stream is cut short")
+    return out
+
+
 def decode_plan(raw: bytes | str) -> dict[str, Any]:
     """A plan's JSON object from its file bytes, gzipped or not."""
     if isinstance(raw, str):
         raw = raw.encode()
     try:
         if raw[:2] == GZIP_MAGIC:
-            raw = gzip.decompress(raw)
+            raw = _gunzip(raw)
         plan = json.loads(raw)
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise PlanFileError(f"not a plan: {e}") from None
     if not isinstance(plan, dict):
         raise PlanFileError("not a plan: the JSON is not an object")

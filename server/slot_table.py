@@ -72,6 +72,7 @@ class CachedAdapter:
     failed_in_row: int = 0  # loads that failed since the last that did not (a pin's retries back off)
     unloading: bool = False
     draining: bool = False  # no new admissions; evicted once its running requests finish
+    served: bool = False  # ran a request since its last load: only then may it be drained
     expired: bool = False  # its warm-up window ended with no request since: evicted before any other
     pending_since: float = 0.0  # when its load was asked for (clock seconds)
     waiters: list[concurrent.futures.Future] = field(default_factory=list)
@@ -270,6 +271,10 @@ class SlotTable:
                 else:
                     self.pump()
                 return
+        for name in running:
+            e = self.entries.get(name)
+            if e is not None and e.ready:
+                e.served = True
         if self.draining is not None or self.free or self.in_flight >= self.max_concurrent_loads:
             return
         # `pending` may still name rows unloaded since (pump drops them as it meets them).
@@ -280,7 +285,10 @@ class SlotTable:
         resident = {n for n, o in self.entries.items() if o.ready and not o.pinned}
         if any(self.entries[n].refs == 0 for n in resident):
             return  # a slot is evictable: the normal path serves it
-        victim = self.policy.select_victim(resident)
+        # Only an adapter that has run a request since it loaded: one whose load took longer
+        # than drain_after would otherwise be drained before admitting anything, and the next
+        # one too, so that every slot swaps adapters for ever and no request is served.
+        victim = self.policy.select_victim({n for n in resident if self.entries[n].served})
         if victim is not None:
             self.draining = victim
             self.entries[victim].draining = True
@@ -297,7 +305,7 @@ class SlotTable:
         self.in_flight -= 1
         waiters, e.waiters = e.waiters, []
         if error is None:
-            e.state, e.error = "ready", None
+            e.state, e.error, e.served = "ready", None, False
             self.ready[e.name] = slot
             self.policy.record_insert(e.name, cost=1.0, prefetch=e.prefetch)
             self.metrics.load_seconds.labels(tier).observe(self.clock() - t0)

@@ -93,6 +93,8 @@ def test_engine_rows_that_leave_no_room_say_so():
 @pytest.mark.parametrize(("serving", "says"), [
     ({"extraArgs": ["--max-loras", "9"]}, "--max-loras"),
     ({"extraArgs": ["--max-num-seqs=64"]}, "--max-num-seqs"),
+    ({"extraArgs": ["--max-num", "64"]}, "--max-num-seqs"),  # argparse takes a unique prefix
+    ({"extraArgs": ["--node-agent=http://x"]}, "--node-agent-url"),
     ({"extraArgs": ["--log-level", "debug", "--served-model-name", "x"]}, "--served-model-name"),
     ({"extraArgs": ["--lora-modules", "a=/x"]}, "--lora-modules"),
     ({"extraArgs": "--log-level debug"}, "list of strings"),
