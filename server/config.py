@@ -114,6 +114,11 @@ class ModelConfig:
                 raise ModelConfigError(f"rope scaling type {kind!r} is not supported (llama3 only)")
             else:
                 keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                # transformers' standardize_rope_params: a top-level original_max_position_embeddings
+                # first, then the scaling's own, then max_position_embeddings.
+                original = (cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                            or cfg.get("max_position_embeddings"))
+                scaling = scaling | {"original_max_position_embeddings": original}
                 missing = [k for k in keys if scaling.get(k) is None]
                 if missing:
                     raise ModelConfigError(f"llama3 rope scaling {scaling} has no {', '.join(missing)}")

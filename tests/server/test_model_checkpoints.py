@@ -179,3 +179,23 @@ def test_greedy_generation_matches_transformers(tmp_path, model_type, config):
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)[0, len(prompt):]
     assert req.output_ids == want.tolist()
+
+
+@pytest.mark.parametrize("top_level", [None, 128])
+def test_llama3_scaling_without_original_max_position_embeddings_falls_back_as_in_transformers(tmp_path, top_level):
+    """transformers takes a top-level original_max_position_embeddings first, then the
+    scaling's own, then max_position_embeddings."""
+    import json
+
+    path = make_checkpoint(tmp_path / "m", "llama", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    cfg = json.loads((path / "config.json").read_text())
+    scaling = cfg.get("rope_parameters") or cfg["rope_scaling"]
+    if top_level is None:
+        del scaling["original_max_position_embeddings"]
+    else:
+        cfg["original_max_position_embeddings"] = top_level
+    (path / "config.json").write_text(json.dumps(cfg))
+    ours, hf = last_logits(path, n=40)
+    torch.testing.assert_close(ours, hf, atol=1e-4, rtol=1e-4)

@@ -11,8 +11,7 @@ BASE = dict(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size
             num_attention_heads=4)
 
 
-@pytest.mark.parametrize("missing", ["factor", "low_freq_factor", "high_freq_factor",
-                                     "original_max_position_embeddings"])
+@pytest.mark.parametrize("missing", ["factor", "low_freq_factor", "high_freq_factor"])
 def test_llama3_rope_scaling_without_one_of_its_values_is_refused_by_name(missing):
     """The server started and died building its RoPE tables with a bare KeyError."""
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
