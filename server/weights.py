@@ -146,10 +146,12 @@ def _check_tensors(shards: _Shards, cfg: ModelConfig, path: str | Path) -> None:
         raise ValueError(f"{path}: the checkpoint has no tensor {missing[0]!r}{more(missing)}, "
                          f"which its config.json's {cfg.model_type} shape needs")
     extra = [k for k in shards.keys() if k not in want and not k.endswith(_UNUSED_SUFFIXES)
-             and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]  # unread when tied, as in transformers
+             and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if extra:
         raise ValueError(f"{path}: the checkpoint's tensor {extra[0]!r}{more(extra)} is not part of a "
                          f"{cfg.model_type} model as its config.json describes it; not served without it")
+    if cfg.tie_word_embeddings and shards.has("lm_head.weight"):  # read where it differs (load_weights)
+        want = want | {"lm_head.weight": want["model.embed_tokens.weight"]}
     for k, shape in want.items():
         if shards.shape(k) != shape:
             raise ValueError(f"{path}: tensor {k!r} has shape {shards.shape(k)}, config.json says {shape}")
@@ -195,6 +197,14 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: torch.device, dtype
         ))
     embed = get("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
+    if cfg.tie_word_embeddings and shards.has("lm_head.weight"):
+        # transformers (>= 5) leaves a tied checkpoint untied when its lm_head.weight differs
+        # from the embeddings; one equal to them costs no second copy.
+        # Compared as stored, on the host: no device copy of a head that is the embeddings.
+        if not torch.equal(shards.get("lm_head.weight"), shards.get("model.embed_tokens.weight")):
+            log.warning("%s: tie_word_embeddings is true but lm_head.weight differs from the embeddings: "
+                        "served untied, as transformers does", path)
+            lm_head = get("lm_head.weight")
     weights = BaseWeights(embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=lm_head)
     _check_shapes(weights, cfg)
     return weights

@@ -118,15 +118,17 @@ def test_a_tensor_of_the_wrong_shape_is_refused_by_name_before_the_server_starts
         assert "k_proj" in message and "(16, 64)" in message
 
 
-def test_tied_checkpoints_may_carry_an_lm_head_and_old_rotary_buffers(tmp_path):
-    """transformers ignores both: lm_head.weight of a tied checkpoint, and the inv_freq
-    buffers older Llama checkpoints saved."""
+@pytest.mark.parametrize("head", ["the embeddings", "another"])
+def test_tied_checkpoints_may_carry_an_lm_head_and_old_rotary_buffers(tmp_path, head):
+    """transformers ignores the inv_freq buffers older Llama checkpoints saved, and reads a
+    tied checkpoint's lm_head.weight only where it differs from the embeddings: then it
+    does not tie them ("both are present in the checkpoints with different values")."""
     path = make_checkpoint(tmp_path / "m", "llama", tie_word_embeddings=True)
     from safetensors.torch import load_file
 
     embed = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
-    rewrite(path, add={"lm_head.weight": embed.clone(),
-                       "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
+    lm_head = embed.clone() if head == "the embeddings" else torch.randn(embed.shape)
+    rewrite(path, add={"lm_head.weight": lm_head, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
     ours, hf = last_logits(path)
     torch.testing.assert_close(ours, hf, atol=1e-4, rtol=1e-4)
 
