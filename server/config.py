@@ -16,6 +16,14 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
+# transformers' defaults (LlamaConfig, MistralConfig, Qwen2Config) for the values of the
+# shape a config.json may leave out: they are what transformers runs such a config with.
+_HF_DEFAULTS = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+}
+
 
 class ModelConfigError(ValueError):
     """A config.json that describes a model this engine cannot run."""
@@ -77,6 +85,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(
                 f"model_type {model_type!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}")
+        cfg = _HF_DEFAULTS[model_type] | cfg
         # A checkpoint of another head (LlamaForSequenceClassification's score.weight, a bare
         # LlamaModel) has no LM head to sample from.
         heads = [a for a in cfg.get("architectures") or () if not str(a).endswith("ForCausalLM")]

@@ -55,3 +55,19 @@ def test_mistral_sliding_window_caps_the_context_with_a_warning(caplog):
                                           "sliding_window": 4096})
     assert cfg.max_position_embeddings == 4096
     assert "sliding_window" in caplog.text and "4096" in caplog.text
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_values_a_config_json_leaves_out_take_transformers_defaults(model_type):
+    """A config.json written by hand (or trimmed) without rms_norm_eps was served with eps
+    1e-5 where transformers uses 1e-6; a Mistral one without sliding_window with full
+    attention past transformers' default window of 4096, its context that of no model."""
+    from transformers import AutoConfig
+
+    given = dict(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    hf = AutoConfig.for_model(model_type, **given)
+    ours = ModelConfig.from_hf(given | {"model_type": model_type})
+    assert ours.rms_norm_eps == hf.rms_norm_eps
+    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    window = getattr(hf, "sliding_window", None) if model_type == "mistral" else None
+    assert ours.max_position_embeddings == min(hf.max_position_embeddings, window or hf.max_position_embeddings)
