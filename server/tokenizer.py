@@ -56,6 +56,16 @@ class Tokenizer:
             raise ValueError(f"{cfg_file}: not JSON: {e}") from None
         if not isinstance(cfg, dict):
             raise ValueError(f"{cfg_file}: not a JSON object")
+        map_file = path / "special_tokens_map.json"
+        if "added_tokens_decoder" not in cfg and map_file.is_file():
+            # A legacy tokenizer_config.json: transformers takes the special tokens of
+            # special_tokens_map.json over it.
+            try:
+                special = json.loads(map_file.read_text(encoding="utf-8"))
+            except ValueError as e:
+                raise ValueError(f"{map_file}: not JSON: {e}") from None
+            if isinstance(special, dict):
+                cfg = cfg | {k: special[k] for k in ("bos_token", "eos_token") if special.get(k)}
         self.chat_template: str | None = cfg.get("chat_template")
         if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in self.chat_template}

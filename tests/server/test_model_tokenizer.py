@@ -48,3 +48,23 @@ def test_an_unreadable_tokenizer_is_refused_before_the_server_starts(tmp_path):
     (path / "tokenizer_config.json").write_text("{")
     with pytest.raises(ValueError, match="tokenizer_config.json"):
         check_settings(ServerSettings(model=str(path), device="cpu"))
+
+
+def test_special_tokens_of_a_legacy_special_tokens_map_are_read(tmp_path):
+    """Older tokenizers keep bos/eos in special_tokens_map.json, not in tokenizer_config.json
+    (transformers reads it for a config without added_tokens_decoder): the EOS that ends a
+    generation was unknown, and the chat template's {{ bos_token }} rendered empty."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    build_tokenizer(tmp_path, vocab_size=320)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del cfg["bos_token"], cfg["eos_token"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": {"content": "</s>", "lstrip": False, "normalized": False,
+                                           "rstrip": False, "single_word": False}}))
+    tok, hf = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert (tok.bos_token_id, tok.eos_token_id) == (hf.bos_token_id, hf.eos_token_id) == (1, 2)
+    assert tok.apply_chat_template(MESSAGES) == hf_chat_ids(tmp_path)
