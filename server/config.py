@@ -205,6 +205,8 @@ class ModelConfig:
         }
         if self.model_type == "llama":
             out["attention_bias"] = self.qkv_bias or self.o_bias
+        if self.model_type == "mistral":
+            out["sliding_window"] = None  # served as full attention (MistralConfig's default is 4096)
         return out
 
     def to_dict(self) -> dict:

@@ -71,3 +71,11 @@ def test_values_a_config_json_leaves_out_take_transformers_defaults(model_type):
     assert ours.rope_theta == hf.rope_parameters["rope_theta"]
     window = getattr(hf, "sliding_window", None) if model_type == "mistral" else None
     assert ours.max_position_embeddings == min(hf.max_position_embeddings, window or hf.max_position_embeddings)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "llama-3-8b", "llama-2-7b", "mistral-7b", "qwen2-7b"])
+def test_every_named_shape_round_trips_through_its_config_json(name):
+    """The demo and the benchmarks write named shapes as config.json (to_hf)."""
+    from loraplex.server.config import named_shape
+
+    assert ModelConfig.from_hf(named_shape(name).to_hf()) == named_shape(name)
