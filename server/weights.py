@@ -4,7 +4,8 @@ Layout (nn.Linear style, [out_features, in_features]; `y = x @ W.T`):
 
     embed      [vocab, hidden]
     layer i:   input_norm [hidden], qkv [q + 2*kv, hidden] (+ qkv_bias [q + 2*kv] on Qwen2),
-               o [hidden, q] (+ o_bias [hidden] on Llama with attention_bias), post_norm [hidden], gate_up [2*inter, hidden], down [hidden, inter]
+               o [hidden, q] (+ o_bias [hidden] on Llama with attention_bias), post_norm [hidden],
+               gate_up [2*inter, hidden], down [hidden, inter]
     norm       [hidden]
     lm_head    [vocab, hidden]   (the same tensor as embed when embeddings are tied)
 """
@@ -199,8 +200,8 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: torch.device, dtype
     lm_head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
     if cfg.tie_word_embeddings and shards.has("lm_head.weight"):
         # transformers (>= 5) leaves a tied checkpoint untied when its lm_head.weight differs
-        # from the embeddings; one equal to them costs no second copy.
-        # Compared as stored, on the host: no device copy of a head that is the embeddings.
+        # from the embeddings. Compared as stored, on the host: a head equal to the embeddings
+        # costs no second copy on the device.
         if not torch.equal(shards.get("lm_head.weight"), shards.get("model.embed_tokens.weight")):
             log.warning("%s: tie_word_embeddings is true but lm_head.weight differs from the embeddings: "
                         "served untied, as transformers does", path)
