@@ -88,8 +88,8 @@ class ModelConfig:
         cfg = _HF_DEFAULTS[model_type] | cfg
         # A checkpoint of another head (LlamaForSequenceClassification's score.weight, a bare
         # LlamaModel) has no LM head to sample from.
-        heads = [a for a in cfg.get("architectures") or () if not str(a).endswith("ForCausalLM")]
-        if heads:
+        others = [a for a in cfg.get("architectures") or () if not str(a).endswith("ForCausalLM")]
+        if others:
             raise ModelConfigError(
                 f"architectures {cfg['architectures']} is not supported: a causal LM (*ForCausalLM) only")
         quant = cfg.get("quantization_config")
