@@ -8,10 +8,21 @@ Imports no torch, so the node agent and operator could read a base's shape too.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# transformers' defaults (LlamaConfig, MistralConfig, Qwen2Config) for the values of the
+# shape a config.json may leave out: they are what transformers runs such a config with.
+_HF_DEFAULTS = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+}
 
 
 class ModelConfigError(ValueError):
@@ -37,6 +48,8 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    # Llama's attention_bias=true biases o_proj too (Qwen2's q/k/v biases leave it without).
+    o_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -61,6 +74,8 @@ class ModelConfig:
         per_layer = sum(a * b for a, b in self.module_shapes().values()) + 2 * self.hidden_size
         if self.qkv_bias:
             per_layer += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            per_layer += self.hidden_size
         emb = self.vocab_size * self.hidden_size
         return self.num_layers * per_layer + emb * (1 if self.tie_word_embeddings else 2) + self.hidden_size
 
@@ -70,11 +85,27 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(
                 f"model_type {model_type!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}")
+        cfg = _HF_DEFAULTS[model_type] | cfg
+        # A checkpoint of another head (LlamaForSequenceClassification's score.weight, a bare
+        # LlamaModel) has no LM head to sample from.
+        others = [a for a in cfg.get("architectures") or () if not str(a).endswith("ForCausalLM")]
+        if others:
+            raise ModelConfigError(
+                f"architectures {cfg['architectures']} is not supported: a causal LM (*ForCausalLM) only")
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ModelConfigError(f"quantized checkpoints ({method!r}) are not supported: "
+                                   "a float32, float16 or bfloat16 checkpoint only")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
         if cfg.get("mlp_bias"):
             raise ModelConfigError("mlp_bias=true is not supported")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if not isinstance(cfg.get(k), int)]
+        if missing:
+            raise ModelConfigError(f"config has no (integer) {', '.join(missing)}")
         heads = cfg["num_attention_heads"]
         # transformers >= 5 nests theta and scaling in rope_parameters; older configs use
         # rope_theta + rope_scaling at the top level.
@@ -91,15 +122,24 @@ class ModelConfig:
             elif kind != "llama3":
                 raise ModelConfigError(f"rope scaling type {kind!r} is not supported (llama3 only)")
             else:
-                scaling = {k: scaling[k] for k in ("rope_type", "factor", "low_freq_factor",
-                                                     "high_freq_factor", "original_max_position_embeddings")
-                           if k in scaling} | {"rope_type": "llama3"}
+                keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                # transformers' standardize_rope_params: a top-level original_max_position_embeddings
+                # first, then the scaling's own, then max_position_embeddings.
+                original = (cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                            or cfg.get("max_position_embeddings"))
+                scaling = scaling | {"original_max_position_embeddings": original}
+                missing = [k for k in keys if scaling.get(k) is None]
+                if missing:
+                    raise ModelConfigError(f"llama3 rope scaling {scaling} has no {', '.join(missing)}")
+                scaling = {k: scaling[k] for k in keys} | {"rope_type": "llama3"}
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         max_pos = cfg.get("max_position_embeddings", 4096)
-        if model_type == "mistral" and cfg.get("sliding_window"):
+        if model_type == "mistral" and cfg.get("sliding_window") and cfg["sliding_window"] < max_pos:
             # Full attention equals sliding-window attention up to the window's length.
-            max_pos = min(max_pos, cfg["sliding_window"])
+            log.warning("mistral sliding_window %d: served as full attention, the context is capped at %d "
+                        "tokens (max_position_embeddings %d)", cfg["sliding_window"], cfg["sliding_window"], max_pos)
+            max_pos = cfg["sliding_window"]
         if model_type == "qwen2" and cfg.get("use_sliding_window"):
             raise ModelConfigError("qwen2 use_sliding_window=true is not supported")
         return cls(
@@ -117,6 +157,7 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -127,14 +168,17 @@ class ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ModelConfigError(f"{path}: no config.json")
-        cfg = json.loads(cfg_file.read_text())
+        cfg = _read_json(cfg_file)
         gen = path / "generation_config.json"
         if gen.is_file():
             # generation_config's eos list (Llama 3 instruct: [128001, 128008, 128009]) wins.
-            g = json.loads(gen.read_text())
+            g = _read_json(gen)
             if g.get("eos_token_id") is not None:
                 cfg = cfg | {"eos_token_id": g["eos_token_id"]}
-        return cls.from_hf(cfg)
+        try:
+            return cls.from_hf(cfg)
+        except ModelConfigError as e:
+            raise ModelConfigError(f"{cfg_file}: {e}") from None
 
     def to_hf(self) -> dict:
         """An HF config.json dict (transformers' LlamaConfig / Qwen2Config keys)."""
@@ -160,11 +204,23 @@ class ModelConfig:
             "torch_dtype": "float32",
         }
         if self.model_type == "llama":
-            out["attention_bias"] = self.qkv_bias
+            out["attention_bias"] = self.qkv_bias or self.o_bias
+        if self.model_type == "mistral":
+            out["sliding_window"] = None  # served as full attention (MistralConfig's default is 4096)
         return out
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelConfigError(f"{path}: unreadable: {e}") from None
+    if not isinstance(value, dict):
+        raise ModelConfigError(f"{path}: not a JSON object")
+    return value
 
 
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

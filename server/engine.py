@@ -49,7 +49,7 @@ from .sampling import Sampled, Sampler, SamplingParams
 from .scheduler import Scheduler
 from .settings import ServerSettings
 from .slot_sizing import resolve_max_loras
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, check_tokenizer
 from .weights import check_checkpoint, dummy_weights, load_weights
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ def check_settings(settings: ServerSettings) -> None:
                          "TRITON_INTERPRET=1 in the environment, or use --kernel-backend auto or torch")
     if settings.model:
         cfg = ModelConfig.from_dir(settings.model)
+        check_tokenizer(settings.model)
         if not settings.dummy_weights:
             check_checkpoint(settings.model)
     else:

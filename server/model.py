@@ -303,7 +303,7 @@ class LlamaModel:
                         vc[s.row, :, :end].unsqueeze(0), attn_mask=visible[s.start], scale=1.0,
                         enable_gqa=cfg.num_heads != cfg.num_kv_heads)
                 attn[sl] = out[0].transpose(0, 1)
-            x = x + self._linear(attn.reshape(x.shape[0], cfg.q_size), lw.o, None, i, "o", lora)
+            x = x + self._linear(attn.reshape(x.shape[0], cfg.q_size), lw.o, lw.o_bias, i, "o", lora)
             x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, lora)
         last = to_device([s.start + s.length - 1 for s in seqs], torch.int64, self.device)
         logits = self._logits(x[last])
@@ -387,7 +387,7 @@ class LlamaModel:
             # softmax accumulates in float32 inside, for bfloat16 input too
             probs = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1)
             attn = torch.matmul(probs, vc[:b, :, :kv_len])  # [B, kv_heads, groups, d]
-            x = x + self._linear(attn.reshape(b, cfg.q_size), lw.o, None, i, "o", lora)
+            x = x + self._linear(attn.reshape(b, cfg.q_size), lw.o, lw.o_bias, i, "o", lora)
             x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, lora)
         return self._rms_norm(x, self.w.norm)
 
@@ -407,7 +407,7 @@ class LlamaModel:
             qkv = self._linear(h, lw.qkv, lw.qkv_bias, i, "qkv", lora)
             q = rope_and_cache_write(qkv, self.cos, self.sin, kc, vc, rows, positions, self.scale)
             attn = decode_attention(q, kc, vc, positions, kv_len)  # [B, heads, d]
-            o = self._linear(attn.view(b, cfg.q_size), lw.o, None, i, "o", lora)
+            o = self._linear(attn.view(b, cfg.q_size), lw.o, lw.o_bias, i, "o", lora)
             x, h = add_rms_norm(x, o, lw.post_norm, eps)
             down = self._mlp(h, i, lora)
             x, h = add_rms_norm(x, down, layers[i + 1].input_norm if i + 1 < len(layers) else self.w.norm, eps)

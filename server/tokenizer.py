@@ -33,21 +33,46 @@ def _token_text(value) -> str | None:
     return value
 
 
+def check_tokenizer(path: str | Path) -> None:
+    """ValueError unless the tokenizer of the model folder `path`, if it has a tokenizer.json,
+    loads (the CLI's check before a server starts)."""
+    if (Path(path) / "tokenizer.json").is_file():
+        Tokenizer(path)
+
+
 class Tokenizer:
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _HFTokenizer
 
         path = Path(path)
-        self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the library raises a bare Exception on a file it cannot parse
+            raise ValueError(f"{path / 'tokenizer.json'}: unreadable tokenizer: {e}") from None
         cfg_file = path / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        try:
+            cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+        except ValueError as e:
+            raise ValueError(f"{cfg_file}: not JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{cfg_file}: not a JSON object")
+        map_file = path / "special_tokens_map.json"
+        if "added_tokens_decoder" not in cfg and map_file.is_file():
+            # A legacy tokenizer_config.json: transformers takes the special tokens of
+            # special_tokens_map.json over it.
+            try:
+                special = json.loads(map_file.read_text(encoding="utf-8"))
+            except ValueError as e:
+                raise ValueError(f"{map_file}: not JSON: {e}") from None
+            if isinstance(special, dict):
+                cfg = cfg | {k: special[k] for k in ("bos_token", "eos_token") if special.get(k)}
         self.chat_template: str | None = cfg.get("chat_template")
         if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in self.chat_template}
             self.chat_template = named.get("default") or next(iter(named.values()), None)
         jinja_file = path / "chat_template.jinja"
-        if self.chat_template is None and jinja_file.is_file():
-            self.chat_template = jinja_file.read_text()
+        if jinja_file.is_file():  # as in transformers, the file wins over tokenizer_config's entry
+            self.chat_template = jinja_file.read_text(encoding="utf-8")
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.add_bos = bool(cfg.get("add_bos_token", False))
