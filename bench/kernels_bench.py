@@ -84,6 +84,11 @@ class GraphTimer:
         self.reps = reps
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
 
+    def clear_l2(self) -> None:
+        """Before each replay: FLUSH_BYTES written, more than L2 holds (l2_flush_bench.py times
+        what its dirty lines cost the call after it)."""
+        self.flush.zero_()
+
     def __call__(self, fn) -> float:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -97,7 +102,7 @@ class GraphTimer:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         for i in range(self.reps):
-            self.flush.zero_()
+            self.clear_l2()
             starts[i].record()
             graph.replay()
             ends[i].record()

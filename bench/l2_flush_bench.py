@@ -32,8 +32,8 @@ from checkout import use_checkout  # bench/ is sys.path[0]
 
 use_checkout()
 
-from kernels_bench import (FLUSH_BYTES, _touch_kernel, copy_bandwidth, fewest_bytes, loop_per_adapter,  # noqa: E402
-                           make_case, rel_error, timing_meta)
+from kernels_bench import (FLUSH_BYTES, GraphTimer, _touch_kernel, copy_bandwidth, fewest_bytes,  # noqa: E402
+                           loop_per_adapter, make_case, rel_error, timing_meta)
 from loraplex.kernels import LoRABatch, add_lora  # noqa: E402
 
 MODES = ("write", "read", "write_read", "none")
@@ -45,42 +45,25 @@ CASES = (  # (layer, tokens, adapters, prefill sequences)
 )
 
 
-class FlushTimer:
+class FlushTimer(GraphTimer):
     """kernels_bench.GraphTimer with the flush before each replay chosen by `mode`."""
 
     def __init__(self, reps: int):
-        self.reps = reps
-        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        super().__init__(reps)
         self.clean = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+        self.mode = "write"
 
-    def _flush(self, mode: str) -> None:
-        if mode in ("write", "write_read"):
+    def clear_l2(self) -> None:
+        if self.mode in ("write", "write_read"):
             self.flush.zero_()
-        if mode == "read":
+        if self.mode == "read":
             self.flush.view(torch.float32).sum()
-        if mode == "write_read":
+        if self.mode == "write_read":
             self.clean.view(torch.float32).sum()
 
     def __call__(self, fn, mode: str) -> float:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
-        for i in range(self.reps):
-            self._flush(mode)
-            starts[i].record()
-            graph.replay()
-            ends[i].record()
-        torch.cuda.synchronize()
-        times = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))  # us
-        return times[len(times) // 2]
+        self.mode = mode
+        return super().__call__(fn)
 
 
 def main(argv=None) -> int:

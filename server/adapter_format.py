@@ -180,6 +180,7 @@ def _header_bytes(path: Path) -> tuple[bytes, int]:
 # byte: a server reads each distinct header once (read_adapter 3.6 against 1.0 ms for a
 # Llama-3-8B adapter's 448 tensors, bench/results/disk_read_cpu.json). The
 # results are shared: callers must not change them (read_safetensors_header hands out a copy).
+#
 # Headers are cached (here, in _header_modules and in disk_read.PlanCache) up to this size
 # only. A fleet's real ones are tens of KB (a Llama-3-8B adapter's 448 tensors: about 45 KB);
 # crafted ones of up to MAX_HEADER_BYTES (a huge __metadata__), kept 32 at a time by each
@@ -187,23 +188,21 @@ def _header_bytes(path: Path) -> tuple[bytes, int]:
 CACHED_HEADER_BYTES = 1 << 20
 
 
+def _cache_small_headers(fn):
+    """fn(raw, data_len, name), its results cached (32) for headers of at most CACHED_HEADER_BYTES."""
+    cached = functools.lru_cache(maxsize=32)(fn)
+
+    @functools.wraps(fn)
+    def wrapper(raw: bytes, data_len: int, name: str):
+        return cached(raw, data_len, name) if len(raw) <= CACHED_HEADER_BYTES else fn(raw, data_len, name)
+
+    wrapper.cache_clear, wrapper.cache_info = cached.cache_clear, cached.cache_info  # (benches, tests)
+    return wrapper
+
+
+@_cache_small_headers
 def checked_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
-    """A safetensors header's JSON bytes parsed and checked against the data's length (cached
-    when at most CACHED_HEADER_BYTES)."""
-    if len(raw) > CACHED_HEADER_BYTES:
-        return _check_header(raw, data_len, name)
-    return _cached_header(raw, data_len, name)
-
-
-@functools.lru_cache(maxsize=32)
-def _cached_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
-    return _check_header(raw, data_len, name)
-
-
-checked_header.cache_clear = _cached_header.cache_clear  # type: ignore[attr-defined]  (benches, tests)
-
-
-def _check_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
+    """A safetensors header's JSON bytes parsed and checked against the data's length (cached)."""
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
@@ -251,23 +250,10 @@ def _is_number(x) -> bool:
         return False
 
 
+@_cache_small_headers
 def _header_modules(raw: bytes, data_len: int, name: str) -> tuple[dict, int]:
     """The header's LoRA pairs {(layer, proj): {"A"/"B": (key, info)}} and their bytes, each
     tensor name checked (cached as checked_header is)."""
-    if len(raw) > CACHED_HEADER_BYTES:
-        return _find_modules(raw, data_len, name)
-    return _cached_modules(raw, data_len, name)
-
-
-@functools.lru_cache(maxsize=32)
-def _cached_modules(raw: bytes, data_len: int, name: str) -> tuple[dict, int]:
-    return _find_modules(raw, data_len, name)
-
-
-_header_modules.cache_clear = _cached_modules.cache_clear  # type: ignore[attr-defined]
-
-
-def _find_modules(raw: bytes, data_len: int, name: str) -> tuple[dict, int]:
     pairs: dict[tuple[int, str], dict[str, tuple[str, dict]]] = {}
     nbytes = 0
     for key, info in checked_header(raw, data_len, name).items():

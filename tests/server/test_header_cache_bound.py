@@ -24,8 +24,8 @@ def test_small_headers_are_cached_and_large_ones_are_not(tmp_path):
     write_safetensors(small, 100)
     write_safetensors(large, CACHED_HEADER_BYTES + 1)
     assert set(read_safetensors_header(small)) == set(read_safetensors_header(large)) == {"w"}
-    assert adapter_format._cached_header.cache_info().currsize == 1
+    assert adapter_format.checked_header.cache_info().currsize == 1
     read_safetensors_header(large)
-    assert adapter_format._cached_header.cache_info().currsize == 1
+    assert adapter_format.checked_header.cache_info().currsize == 1
     read_safetensors_header(small)
-    assert adapter_format._cached_header.cache_info().hits >= 1
+    assert adapter_format.checked_header.cache_info().hits >= 1
