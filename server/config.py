@@ -1,6 +1,6 @@
 """ModelConfig: the shape of a Llama-family base, read from an HF config.json or named.
 
-Covers Llama 2/3 (incl. Llama-3.1 "llama3" rope scaling), Mistral and Qwen2 (q/k/v biases)
+Covers Llama 2/3 (incl. Llama-3.1 "llama3", "linear" and "dynamic" rope scaling), Mistral and Qwen2 (q/k/v biases)
 shapes: grouped-query attention, RoPE, RMSNorm, SwiGLU, tied or untied embeddings.
 Imports no torch, so the node agent and operator could read a base's shape too.
 """
@@ -119,8 +119,13 @@ class ModelConfig:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind == "default":
                 scaling = None
+            elif kind in ("linear", "dynamic"):
+                factor = scaling.get("factor")
+                if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+                    raise ModelConfigError(f"{kind} rope scaling needs a factor >= 1, got {factor!r}")
+                scaling = {"rope_type": kind, "factor": float(factor)}
             elif kind != "llama3":
-                raise ModelConfigError(f"rope scaling type {kind!r} is not supported (llama3 only)")
+                raise ModelConfigError(f"rope scaling type {kind!r} is not supported (llama3, linear and dynamic are)")
             else:
                 keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
                 # transformers' standardize_rope_params: a top-level original_max_position_embeddings

@@ -104,11 +104,18 @@ class PrefillSeq:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], float32, computed as transformers does (llama3 scaling incl.)."""
+    """Inverse frequencies [head_dim/2], float32, computed as transformers does (its llama3,
+    linear and dynamic scaling incl.)."""
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = cfg.rope_scaling
     if not s:
+        return inv
+    if s["rope_type"] == "linear":  # positions divided by the factor
+        return inv / s["factor"]
+    if s["rope_type"] == "dynamic":
+        # Dynamic NTK scaling changes the frequencies only past max_position_embeddings, and the
+        # engine caps every sequence there (ModelConfig.max_position_embeddings).
         return inv
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old = s["original_max_position_embeddings"]

@@ -201,3 +201,37 @@ def test_llama3_scaling_without_original_max_position_embeddings_falls_back_as_i
     (path / "config.json").write_text(json.dumps(cfg))
     ours, hf = last_logits(path, n=40)
     torch.testing.assert_close(ours, hf, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 4.0},
+                                     {"type": "linear", "factor": 3}])
+def test_linear_and_dynamic_rope_scaling_match_transformers(tmp_path, scaling):
+    """Linear scaling divides the frequencies by its factor; dynamic NTK scaling changes them
+    only past max_position_embeddings, where the engine never goes (older transformers
+    configs write "type" for "rope_type")."""
+    import json
+
+    path = make_checkpoint(tmp_path / "m", "llama", rope_theta=10000.0)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = scaling
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert ModelConfig.from_dir(path).rope_scaling["rope_type"] == scaling.get("rope_type", scaling.get("type"))
+    ours, hf = last_logits(path, n=48)
+    torch.testing.assert_close(ours, hf, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 0.5}, {"rope_type": "dynamic"},
+                                     {"rope_type": "yarn", "factor": 4.0}])
+def test_rope_scaling_that_cannot_be_served_as_transformers_does_is_refused(tmp_path, scaling):
+    import json
+
+    from loraplex.server.config import ModelConfigError
+
+    path = make_checkpoint(tmp_path / "m", "llama")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = scaling
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match="rope scaling"):
+        ModelConfig.from_dir(path)
