@@ -12,7 +12,8 @@ the engine, the HTTP layer and the plan watcher call::
 
     request -> lookup, refs, pins, plan  adapter_cache.py   acquire/release, prefetch, pin, apply_plan
             -> slot choice / eviction    slot_table.py      want, pump, take_slot (the policy's victim), drain
-            -> load through the tiers    adapter_loader.py  source -> disk -> host -> slot, on load workers
+            -> stage from its source     adapter_loader.py  source -> disk, on staging threads, no slot held
+            -> load through the tiers    adapter_loader.py  disk -> host -> slot, on load workers
             -> ready                     slot_table.py      finish_load; the engine reads ready_slots
     (the slot count: slot_sizing.py; the tiers below: host_tier.py, adapter_sources.py;
      the eviction policies: cache_policy.py; the metrics: cache_metrics.py)
@@ -33,7 +34,10 @@ all slots but one (the rest stay pending, reported by `describe`) so requests al
 slot to page through (pins made while resident, or loaded for a request or a prefetch of
 their own, can fill every slot: then the newest idle one gives its slot to a request and
 waits pending, `SlotTable.take_slot`). At most
-`max_concurrent_loads` loads run at once. A failed load frees its slot, fails its waiters
+`max_concurrent_loads` loads run at once; an adapter not on local disk is fetched before its
+load takes a slot or a load worker (on as many staging threads), so slow fetches never hold
+up the loads from host memory or disk behind them. A failed load frees its slot; it, or a
+failed fetch, fails its waiters
 (`take_failures` for the engine's queued requests, `failed_load` for one queued after that)
 and is retried by the next request; a pin's also on its own, after a back-off (`_retry_pin`). Under overload (every slot's adapter always has
 requests) a cold request would starve: after `drain_after` seconds one busy adapter stops
@@ -42,8 +46,8 @@ robin through the slots.
 
 Threads: one lock (`_lock`) guards the slot table, its rows and the eviction policy; the
 HTTP thread (`acquire`, `prefetch`, `pin`), the engine thread (`ready_slots`, `release`,
-`take_failures`) and the load workers (`_loaded`) call in. Loads never run on the engine
-thread: it only reads `ready_slots`.
+`take_failures`) and the load workers and staging threads (`_loaded`, `_staged`) call in.
+Loads and fetches never run on the engine thread: it only reads `ready_slots`.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ import torch
 from .adapter_format import WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, read_adapter
 from .adapter_loader import AdapterLoader
 from .adapter_names import InvalidAdapterName, check_adapter_name
-from .adapter_sources import AdapterLoadError, redact
+from .adapter_sources import AdapterLoadError, Fetched, redact
 from .adapters import AdapterId, LoRABuffers
 from .cache_metrics import CacheMetrics
 from .cache_policy import make_policy
@@ -109,9 +113,11 @@ class AdapterCache:
         self._closed = False
         self.loader = AdapterLoader(buffers, base, self.host, lock=self._lock, done=self._loaded,
                                     max_concurrent_loads=max_concurrent_loads, cache_dir=cache_dir,
-                                    node_agent_url=node_agent_url, clock=clock)
+                                    node_agent_url=node_agent_url, clock=clock, staged=self._staged,
+                                    unstaged=self._unstaged)
         self.table = SlotTable(buffers.num_slots, self.policy, self.host, self.metrics,
-                               max_concurrent_loads=max_concurrent_loads, start_load=self.loader.start, clock=clock)
+                               max_concurrent_loads=max_concurrent_loads, start_load=self.loader.start, clock=clock,
+                               start_stage=self.loader.stage, needs_stage=self.loader.needs_fetch)
         # Held by a load worker around its CUDA calls, and by the engine while it captures a CUDA graph.
         self.cuda_lock = self.loader.cuda_lock
 
@@ -232,7 +238,7 @@ class AdapterCache:
             e.refs -= 1
             if e.refs > 0:
                 return
-            if e.unloading and e.state != "loading":  # a load's end drops it (finish_load)
+            if e.unloading and e.state not in ("loading", "staging"):  # their end drops it
                 self.table.drop(e)
             elif e.state == "pending" and not e.pinned and all(f.done() for f in e.waiters):
                 # Its last request left (an abort) before its load started, and no prefetch
@@ -473,7 +479,7 @@ class AdapterCache:
             if e is None or e.unloading:
                 raise KeyError(name)
             e.unloading = True
-            if e.refs > 0 or e.state == "loading":
+            if e.refs > 0 or e.state in ("loading", "staging"):  # one fetch or load of a name at a time
                 return False
             freed = e.ready
             self.table.drop(e)
@@ -576,6 +582,27 @@ class AdapterCache:
             waiters = self.table.finish_load(e, slot, tier, error, t0)
             e.failed_in_row = e.failed_in_row + 1 if error is not None else 0
             retry = error is not None and e.pinned and not e.unloading
+        self._tell(e, waiters, slot, error, retry)
+
+    def _staged(self, e: CachedAdapter, version: tuple, fetched: Fetched | None,
+                error: AdapterLoadError | None) -> None:
+        """The loader's `staged_done`: `e` is on local disk and waits for a slot, or its fetch
+        failed as a load does (its requests and prefetches fail, a pin is tried again later)."""
+        with self._lock:
+            waiters = self.table.finish_stage(e, version, fetched, error)
+            if error is not None:
+                e.failed_in_row += 1
+            retry = error is not None and e.pinned and not e.unloading
+        self._tell(e, waiters, -1, error, retry)
+
+    def _unstaged(self, e: CachedAdapter, slot: int) -> None:
+        """The loader's `unstaged`: a load found `e` not on local disk; it stages it first."""
+        with self._lock:
+            self.table.unstage(e, slot)
+        self.wake()
+
+    def _tell(self, e: CachedAdapter, waiters: list[concurrent.futures.Future], slot: int,
+              error: AdapterLoadError | None, retry: bool) -> None:
         for fut in waiters:
             tell(fut, slot, error)
         if retry:

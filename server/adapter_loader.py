@@ -3,9 +3,16 @@
 Where it sits in the adapter cache's data flow::
 
     request -> lookup, refs, pins      adapter_cache.py
-            -> slot choice / eviction  slot_table.py     (pump hands (row, slot) to `start`)
+            -> slot choice / eviction  slot_table.py     (want hands a row not on disk to `stage`,
+                                                          pump hands (row, slot) to `start`)
+            -> stage from its source   adapter_loader.py (here, on a staging thread: no slot held)
             -> load through the tiers  adapter_loader.py (here, on a load worker thread)
             -> ready                   slot_table.py     (the cache's `done` callback: finish_load)
+
+Stage first: an adapter not on local disk (`needs_fetch`, the check `host_copy` makes) is
+fetched by `stage` on a staging thread (as many as load workers) before it waits for a slot;
+its load then reads it from disk. A load that finds it must fetch after all (its version
+replaced on disk meanwhile) does not: it gives its slot back to stage it (`unstaged`).
 
 One load, fastest tier that holds the adapter first::
 
@@ -14,7 +21,7 @@ One load, fastest tier that holds the adapter first::
              -> read_into_host (safetensors into pinned memory, chunks on the read threads:
                 disk_read.py), each chunk's bytes copied to the slot as they land
              -> kept in the HostTier if it fits
-    source   fetch_adapter (through the node agent, or here) onto disk, then as disk
+    source   staged before the load (fetch_adapter, through the node agent or here), then as disk
     slot     copy_to_slot: on CUDA a side stream and an event, so the decode loop never waits on PCIe
 
 Every failure becomes one AdapterLoadError (`load_error`), handed to `done`; it fails only
@@ -45,7 +52,7 @@ from .adapter_format import (
     staged_version,
 )
 from .adapter_names import is_adapter_name
-from .adapter_sources import AdapterLoadError, fetch_adapter, load_error, redact
+from .adapter_sources import AdapterLoadError, Fetched, fetch_adapter, load_error, redact
 from .adapters import AdapterId, LoRABuffers
 from .disk_read import DiskRead, PlanCache, files_stamp
 from .host_tier import HostCopy, HostTier, read_into_host
@@ -56,20 +63,33 @@ log = logging.getLogger(__name__)
 # done(row, slot, tier, error or None, t0): the load of `row` into `slot` finished; its bytes
 # came from `tier` (host, disk, source); it started at clock `t0`.
 LoadDone = Callable[[CachedAdapter, int, str, AdapterLoadError | None, float], None]
+# staged(row, version, fetched or None, error or None): the staging of `row` (for `version`)
+# finished; `fetched` is None when the version was on disk already (nothing fetched).
+StageDone = Callable[[CachedAdapter, tuple, Fetched | None, AdapterLoadError | None], None]
+
+
+class Unstaged(Exception):
+    """A load found its adapter not on local disk (host_copy): it is staged before it loads."""
 
 
 class AdapterLoader:
     """Load workers (at most `max_concurrent_loads`) and the tier walk each of them runs; read
-    threads (`read_threads`, default min(8, CPUs)) that the loads' disk reads share."""
+    threads (`read_threads`, default min(8, CPUs)) that the loads' disk reads share; staging
+    threads (`max_concurrent_fetches`, default `max_concurrent_loads`) that fetch adapters not
+    on local disk before their loads take a slot."""
 
     def __init__(self, buffers: LoRABuffers, base: BaseSpec, host: HostTier, *, lock: threading.RLock,
                  done: LoadDone, max_concurrent_loads: int = 4, cache_dir: str | Path | None = None,
-                 node_agent_url: str | None = None, clock: Callable[[], float], read_threads: int | None = None):
+                 node_agent_url: str | None = None, clock: Callable[[], float], read_threads: int | None = None,
+                 staged: StageDone | None = None, unstaged: Callable[[CachedAdapter, int], None] | None = None,
+                 max_concurrent_fetches: int | None = None):
         self.buffers = buffers
         self.base = base
         self.host = host
         self._lock = lock  # the cache's: guards the rows (a load reads e.path, writes e.spec and e.id)
         self.done = done
+        self.staged_done = staged  # the cache's: finish_stage
+        self.unstaged = unstaged  # the cache's: unstage (slot back, stage first); None: fetch in the load
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self.node_agent_url = node_agent_url.rstrip("/") if node_agent_url else None
         self.clock = clock
@@ -78,6 +98,10 @@ class AdapterLoader:
         self.read_plans = PlanCache()  # the first read of a fleet's next adapter is planned already
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, max_concurrent_loads),
                                                            thread_name_prefix="loraplex-load")
+        # Fetches (seconds each) on their own threads: they hold no slot and no load worker.
+        self.max_concurrent_fetches = max(1, max_concurrent_fetches or max_concurrent_loads)
+        self._stage_pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrent_fetches,
+                                                                 thread_name_prefix="loraplex-stage")
         # One file is read as a few MB-sized chunks at once: a single thread copies from the page
         # cache at well under the host's memory bandwidth.
         self.read_threads = read_threads or min(8, os.cpu_count() or 1)
@@ -88,6 +112,7 @@ class AdapterLoader:
         self.cuda_lock = threading.Lock()
 
     def close(self) -> None:
+        self._stage_pool.shutdown(wait=True, cancel_futures=True)  # first: a staging ends in a load
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.read_pool.shutdown(wait=True)
 
@@ -111,6 +136,54 @@ class AdapterLoader:
             return e.path
         return self.staged(e.name)
 
+    # -- staging: the source onto local disk, before a slot (staging thread) ------------------------
+
+    def needs_fetch(self, e: CachedAdapter) -> bool:
+        """Whether a load of `e` would have to fetch it from its source (host_copy's check):
+        not in host memory, and no folder on disk holding its version. Under the cache's lock:
+        a few stat calls and the staged folder's small version record."""
+        if e.memory is not None or e.name in self.host:
+            return False
+        path = self.disk_dir(e)
+        return path is None or (not e.admin and not _holds(path, e.sha256, e.source))
+
+    def stage(self, e: CachedAdapter) -> None:
+        """Bring `e` onto local disk on a staging thread; `staged_done` hears how it went."""
+        self._stage_pool.submit(self._stage_run, e)
+
+    def _stage_run(self, e: CachedAdapter) -> None:
+        t0 = self.clock()
+        with self._lock:
+            identity, path = e.version, self.disk_dir(e)
+            version, source, admin, missing = e.sha256, e.source, e.admin, e.path
+        fetched: Fetched | None = None
+        error: AdapterLoadError | None = None
+        try:
+            # Checked again here, off the lock: a node agent may have staged it meanwhile.
+            if path is None or (not admin and not _holds(path, version, source)):
+                if path is not None:
+                    # The node's cache holds another version under the name (the previous one,
+                    # its successor not staged yet): staging the plan's replaces it.
+                    log.info("adapter %s: %s holds another version than the plan's; staging it", e.name, path)
+                path = self._fetch(e.name, version, source, admin, missing)
+                fetched = Fetched(identity, path, self.clock() - t0)
+        except AdapterLoadError as err:
+            error = err
+        except BaseException as err:  # noqa: BLE001 - any failure fails this adapter only
+            error = load_error(e.name, err)
+        self.staged_done(e, identity, fetched, error)
+
+    def _fetch(self, name: str, version: str | None, source: str | None, admin: bool,
+               missing: Path | None) -> Path:
+        """Fetch adapter `name` (the version of sha256 `version` or of `source`) onto local
+        disk: its folder there. `missing`: its registered folder, for the error message."""
+        path = fetch_adapter(name, source, version, self.cache_dir, self.node_agent_url,
+                             missing=missing, dtype=self.dtype_name)
+        if not admin and not _holds(path, version, source):  # replaced by another staging meanwhile
+            raise AdapterLoadError(name, "fetch", f"{path} holds another version than the plan's "
+                                   f"(another adapter of that name staged on this node?)")
+        return path
+
     # -- one load (worker thread) -------------------------------------------------------------------
 
     def start(self, e: CachedAdapter, slot: int) -> None:
@@ -122,21 +195,32 @@ class AdapterLoader:
         tier = "host"
         error: AdapterLoadError | None = None
         writer = SlotWriter(self, slot)
+        with self._lock:  # what its staging fetched, for this load (nothing else sets it while loading)
+            fetched, e.fetched = e.fetched, None
         try:
-            copy, tier = self.host_copy(e, writer)
+            copy, tier = self.host_copy(e, writer, fetched)
             self.copy_to_slot(copy, slot, writer)
+        except Unstaged:
+            writer.close()  # nothing enqueued: the check comes before any read
+            self.unstaged(e, slot)
+            return
         except AdapterLoadError as err:
             error = err
         except BaseException as err:  # noqa: BLE001 - any failure fails this adapter only
             error = load_error(e.name, err)
         finally:
             writer.close()  # a failed load's transfers land before the slot goes to another
+        if tier == "source" and fetched is not None:
+            t0 -= fetched.seconds  # a load from the source: its fetch and its read, not its wait for a slot
         self.done(e, slot, tier, error, t0)
 
-    def host_copy(self, e: CachedAdapter, writer: "SlotWriter | None" = None) -> tuple[HostCopy, str]:
-        """The adapter in host memory, reading (and fetching) it if needed; the tier it came
-        from. A disk read hands each region of the copy to `writer` as it is read, so the copy
-        into the slot runs under the rest of the read."""
+    def host_copy(self, e: CachedAdapter, writer: "SlotWriter | None" = None,
+                  fetched: Fetched | None = None) -> tuple[HostCopy, str]:
+        """The adapter in host memory, reading it if needed; the tier it came from. A disk read
+        hands each region of the copy to `writer` as it is read, so the copy into the slot runs
+        under the rest of the read. `fetched`: what the row's staging put on disk for this
+        load (the tier is then "source"). One that must be fetched first raises Unstaged, for
+        the load to give its slot back (a loader made without `unstaged` fetches it here)."""
         if e.memory is not None:
             return e.memory, "host"
         copy = self.host.get(e.name)
@@ -147,15 +231,16 @@ class AdapterLoader:
             # A new version registered during the read (CachedAdapter.version): this copy is not it.
             identity, version, source = e.version, e.sha256, e.source
             admin = e.admin  # its folder, given by load_lora_adapter or --lora-modules, is read as it is
+            missing = e.path
         tier = "disk"
-        if path is not None and not admin and not _holds(path, version, source):
-            # The node's cache holds another version under the name (the previous one, its
-            # successor not staged yet): staging the plan's replaces it.
-            log.info("adapter %s: %s holds another version than the plan's; staging it", e.name, path)
-            path = None
+        if fetched is not None and fetched.version == identity and (fetched.path / CONFIG_FILE).is_file():
+            path, tier = fetched.path, "source"  # staged for this load; checked again after the read
+        elif path is not None and not admin and not _holds(path, version, source):
+            path = None  # another version on disk: the plan's is staged first
         if path is None:
-            path, tier = fetch_adapter(e.name, e.source, version, self.cache_dir, self.node_agent_url,
-                                       missing=e.path, dtype=self.dtype_name), "source"
+            if self.unstaged is not None:
+                raise Unstaged(e.name)
+            path, tier = self._fetch(e.name, version, source, admin, missing), "source"
         copy, spec, stamp = self._read_disk(e, path, writer)
         if not admin and not _holds(path, version, source):  # replaced again, meanwhile or by the staging
             raise AdapterLoadError(e.name, "fetch", f"{path} holds another version than the plan's "

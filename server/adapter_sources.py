@@ -19,6 +19,7 @@ import json
 import logging
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +42,18 @@ class AdapterLoadError(RuntimeError):
         super().__init__(f"adapter {name!r} failed to load: {message}")
         self.adapter = name
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """An adapter a staging brought onto local disk for its next load (stage first, then a
+    slot: AdapterLoader.stage): the version fetched (CachedAdapter.version), its folder (the
+    node's cache, or a local source read in place) and the fetch's seconds, which the load's
+    time from the "source" tier includes."""
+
+    version: tuple[str, str | None]
+    path: Path
+    seconds: float
 
 
 def redact(uri: str | None) -> str | None:

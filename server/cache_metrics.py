@@ -4,8 +4,10 @@ serves them beside the engine's).
     loraplex_adapter_cache_hits_total{tier}      a request found its adapter in tier (gpu, host, disk, source)
     loraplex_adapter_cache_misses_total{tier}    ... did not find it in that tier (and looked further down)
     loraplex_adapter_load_seconds{source}        cold load, from the load's start to resident in a slot
+                                                 (from "source": its fetch, before it waited for a slot, too)
     loraplex_adapter_loads_in_flight             loads running now (at most --max-concurrent-loads)
     loraplex_adapter_loads_pending               loads waiting for a load worker or a free slot
+                                                 (an adapter being fetched first is in neither)
     loraplex_adapter_evictions_total{tier}       adapters evicted from gpu slots / the host tier
     loraplex_adapter_load_failures_total{reason} failed loads (missing, corrupt, mismatch, oom, fetch, other)
     loraplex_adapters_pinned / _host             pinned adapters (resident or not) / host copies

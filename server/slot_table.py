@@ -4,14 +4,23 @@ Where it sits in the adapter cache's data flow::
 
     request -> lookup, refs, pins      adapter_cache.py  (AdapterCache, the public face)
             -> slot choice / eviction  slot_table.py     (here: want, pump, take_slot, drain)
-            -> load through the tiers  adapter_loader.py (source -> disk -> host -> slot)
+            -> stage from its source   adapter_loader.py (stage: onto local disk, no slot held)
+            -> load through the tiers  adapter_loader.py (disk -> host -> slot)
             -> ready                   slot_table.py     (finish_load: the slot joins ready_slots)
 
 One `CachedAdapter` row per known adapter. Its state, with the step that moves it::
 
-    cold --want--> pending --pump: a load worker and a slot--> loading --finish_load--> ready
-    loading --finish_load, failed--> cold (its slot back on the free list)
+    cold --want: not on local disk--> staging --finish_stage--> pending
+    cold --want: in host memory or on disk--> pending
+    pending --pump: a load worker and a slot--> loading --finish_load--> ready
+    staging --finish_stage, failed--> cold;  loading --finish_load, failed--> cold (slot freed)
+    loading --unstage: the load found it must be fetched after all--> staging (slot freed)
     ready --release_slot (evicted by take_slot, evict, or drained)--> cold
+
+Stage first: a fetch from the source (or the node agent) takes seconds, a load from host
+memory ~2 ms. A fetch runs before its load takes a slot and a load worker, on the loader's
+own staging threads, so slow fetches never hold the --max-concurrent-loads workers or slots
+that other cold loads wait for.
 
 Running example, 2 slots holding a (pinned) and b (one request), a request for c::
 
@@ -35,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .adapter_format import AdapterSpec
-from .adapter_sources import AdapterLoadError, redact
+from .adapter_sources import AdapterLoadError, Fetched, redact
 from .adapters import AdapterId
 from .cache_metrics import CacheMetrics
 from .cache_policy import EvictionPolicy
@@ -57,7 +66,7 @@ class CachedAdapter:
     id: AdapterId | None = None  # set once its files are read
     spec: AdapterSpec | None = None
     disk_read: DiskRead | None = None  # its last read from disk (spec, read plan): reused while its files match
-    state: str = "cold"  # cold -> pending -> loading -> ready (-> cold when evicted or failed)
+    state: str = "cold"  # cold -> (staging ->) pending -> loading -> ready (-> cold when evicted or failed)
     slot: int = -1
     refs: int = 0  # requests holding it (queued or running)
     pinned_api: bool = False
@@ -75,6 +84,7 @@ class CachedAdapter:
     served: bool = False  # ran a request since its last load: only then may it be drained
     expired: bool = False  # its warm-up window ended with no request since: evicted before any other
     pending_since: float = 0.0  # when its load was asked for (clock seconds)
+    fetched: Fetched | None = None  # what its staging put on disk, for its next load (taken at its start)
     waiters: list[concurrent.futures.Future] = field(default_factory=list)
 
     @property
@@ -115,13 +125,17 @@ class SlotTable:
 
     def __init__(self, num_slots: int, policy: EvictionPolicy, host: HostTier, metrics: CacheMetrics, *,
                  max_concurrent_loads: int, start_load: Callable[[CachedAdapter, int], None],
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float], start_stage: Callable[[CachedAdapter], None] | None = None,
+                 needs_stage: Callable[[CachedAdapter], bool] | None = None):
         self.num_slots = num_slots
         self.policy = policy
         self.host = host  # an unloaded adapter's host copy goes too
         self.metrics = metrics
         self.max_concurrent_loads = max_concurrent_loads
         self.start_load = start_load  # runs the load of (row, slot) on a load worker; returns at once
+        # Runs the staging of a row (a fetch onto local disk) on a staging thread; returns at once.
+        self.start_stage = start_stage
+        self.needs_stage = needs_stage  # whether a load of the row must fetch it first (None: never)
         self.clock = clock
         self.entries: dict[str, CachedAdapter] = {}
         self.ready: dict[str, int] = {}  # name -> slot of the resident adapters (read every step)
@@ -130,19 +144,31 @@ class SlotTable:
         self.free = list(range(num_slots))
         self.pending: deque[str] = deque()
         self.in_flight = 0
+        self.staging = 0  # rows being staged (fetched onto disk): no slot, no load worker
         self.failures: dict[str, str] = {}
         self.max_in_flight_seen = 0
 
     # -- request -> slot ----------------------------------------------------------------------------
 
-    def want(self, e: CachedAdapter) -> None:
-        """Queue a load of `e` (if it is neither resident nor on its way) and start what can start."""
+    def want(self, e: CachedAdapter, check: bool = True) -> None:
+        """Queue a load of `e` (if it is neither resident nor on its way) and start what can start.
+        One not on local disk (`needs_stage`) is staged first: it waits for its slot once there.
+        `check=False` (the engine thread's calls) skips that look at the disk: the load then
+        finds out, and gives its slot back to stage it first (`unstage`)."""
         if e.state == "pending":
             if e.pinned and (e.refs == 1 or e.asked):  # a pin waiting over its share is asked for:
                 self.pump()  # pump's rule lets it start now (other pending rows gain nothing)
             return
-        if e.state in ("ready", "loading"):
+        if e.state in ("ready", "loading", "staging"):
             return
+        e.fetched = None
+        if check and self.needs_stage is not None and self.needs_stage(e):
+            self.stage(e)
+            return
+        self.enqueue(e)
+
+    def enqueue(self, e: CachedAdapter) -> None:
+        """`e` waits for a load worker and a slot (from now: `drain` counts its wait from here)."""
         e.state, e.pending_since = "pending", self.clock()
         self.pending.append(e.name)
         self.pump()
@@ -170,6 +196,58 @@ class SlotTable:
             self.metrics.loads_in_flight.set(self.in_flight)
             self.start_load(e, slot)
         self.metrics.loads_pending.set(self.num_pending())
+
+    def stage(self, e: CachedAdapter) -> None:
+        """Fetch `e` onto local disk on a staging thread; `finish_stage` hears how it went."""
+        assert self.start_stage is not None
+        e.state = "staging"
+        self.staging += 1
+        self.start_stage(e)
+
+    def finish_stage(self, e: CachedAdapter, version: tuple[str, str | None], fetched: Fetched | None,
+                     error: AdapterLoadError | None) -> list[concurrent.futures.Future]:
+        """A staging thread is done with `e` (staged for `version`): on disk, it waits for a slot
+        (`fetched` goes to its load); failed, it fails as a load does. Returns the prefetches
+        to fail (resolve them unlocked)."""
+        self.staging -= 1
+        if e.state != "staging" or self.entries.get(e.name) is not e:
+            return []  # defensive: an unload defers while staging, so the row is still there
+        if e.unloading and e.refs == 0:
+            e.state = "cold"
+            self.drop(e)  # its prefetches hear "unloaded before it was loaded"
+            self.pump()
+            return []
+        if e.version != version:  # a new version registered during the fetch: stage that one
+            log.info("adapter %s: a new version was registered during its staging; staging it", e.name)
+            self.stage(e)
+            return []
+        if error is not None:
+            e.state = "cold"
+            waiters, e.waiters = e.waiters, []
+            self.fail(e, error)
+            self.pump()
+            return waiters
+        if e.refs == 0 and not e.pinned and all(f.done() for f in e.waiters):
+            e.state = "cold"  # its requests left (aborts) during the fetch: the load is called off
+            return []
+        e.fetched = fetched
+        self.enqueue(e)
+        return []
+
+    def unstage(self, e: CachedAdapter, slot: int) -> None:
+        """A load found `e` not on local disk (its version replaced, its files gone, or wanted
+        with `check=False`): its slot and its worker go back, and it is staged first."""
+        self.in_flight -= 1
+        self.metrics.loads_in_flight.set(self.in_flight)
+        e.state, e.slot = "cold", -1
+        self.free.append(slot)
+        self.free.sort()
+        log.info("adapter %s is not on local disk: its load gives slot %d back and stages it first", e.name, slot)
+        if e.unloading and e.refs == 0:
+            self.drop(e)
+        else:
+            self.stage(e)
+        self.pump()
 
     def num_pending(self) -> int:
         """Loads pending now: `pending` may still name rows unloaded since, once more if a new row
@@ -267,7 +345,7 @@ class SlotTable:
                 self.release_slot(e)
                 log.info("adapter %s drained out of slot for the starved loads", e.name)
                 if e.refs > 0:
-                    self.want(e)
+                    self.want(e, check=False)  # the engine thread: no look at the disk here
                 else:
                     self.pump()
                 return
@@ -314,17 +392,22 @@ class SlotTable:
             if e.unloading and e.refs == 0:
                 self.drop(e)
         else:
-            e.state, e.slot, e.error = "cold", -1, str(error)
+            e.state, e.slot = "cold", -1
             self.free.append(slot)
             self.free.sort()
-            self.metrics.load_failures.labels(error.reason).inc()
-            if e.refs > 0:
-                self.failures[e.name] = str(error)
-            log.warning("%s", error)
-            if e.unloading and e.refs == 0:  # else the last request's release drops it
-                self.drop(e)
+            self.fail(e, error)
         self.pump()
         return waiters
+
+    def fail(self, e: CachedAdapter, error: AdapterLoadError) -> None:
+        """`e`'s load (or staging) failed: its queued requests fail with `error` (take_failures)."""
+        e.error = str(error)
+        self.metrics.load_failures.labels(error.reason).inc()
+        if e.refs > 0:
+            self.failures[e.name] = str(error)
+        log.warning("%s", error)
+        if e.unloading and e.refs == 0:  # else the last request's release drops it
+            self.drop(e)
 
     def take_failures(self) -> dict[str, str]:
         """{name: error} of loads that failed since the last call."""

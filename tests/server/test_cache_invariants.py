@@ -8,6 +8,8 @@ workers, for each eviction policy, with the cache's rules checked after every st
 - an adapter leaves a slot only when no request runs on it; a pinned one only when pins hold
   every slot (the newest idle pin then yields);
 - at most --max-concurrent-loads loads in flight; the host tier within its bytes;
+- an adapter known by its source only is fetched (slowly, at random) before its load takes a
+  slot: never while it holds one; one whose source fails fails its own requests only;
 - an adapter's refs are the requests holding it;
 - the hit and miss counters count each request once;
 - once traffic stops, every queued request is admitted or failed with its load (nothing
@@ -21,9 +23,16 @@ import time
 
 import pytest
 
+from loraplex.server import adapter_loader
+from loraplex.server.adapter_format import AdapterError
+
 from .test_adapter_cache import check_invariants, make_cache, write_adapter
 
-NAMES = "abcdefz"  # z: its weights file is cut short, every load of it fails
+# z: its weights file is cut short, every load of it fails; s: known by its source only (a
+# local folder outside the cache: every load not from host memory fetches it, slowly); x: a
+# source that cannot be fetched (every fetch fails)
+NAMES = "abcdefzsx"
+SOURCES = {"s": None, "x": "s3://nowhere/x"}
 STEPS = 400
 SEEDS = 6
 
@@ -35,20 +44,23 @@ def disk(tmp_path_factory):
         write_adapter(root / name, seed=i)
     weights = root / "z" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
+    for name in SOURCES:  # not in the cache's folder: only their sources have them
+        (root / name).rename(root.parent / f"{root.name}-src-{name}")
     return root
 
 
 def _settle(cache, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while cache.in_flight and time.monotonic() < deadline:
+    while (cache.in_flight or cache.table.staging) and time.monotonic() < deadline:
         time.sleep(0.001)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu-aged", "wtinylfu"])
 @pytest.mark.parametrize("seed", range(SEEDS))
-def test_random_operations_keep_the_cache_rules(disk, policy, seed):
+def test_random_operations_keep_the_cache_rules(disk, policy, seed, monkeypatch):
     rng = random.Random(seed * 101 + len(policy))
     cache = make_cache(disk, slots=3, policy=policy, max_cpu_loras=2, max_concurrent_loads=2)
+    sources = {n: src or str(disk.parent / f"{disk.name}-src-{n}") for n, src in SOURCES.items()}
     cache.drain_after = 0.0 if seed % 2 else 3600.0  # half the runs drain at once under overload
     table = cache.table
     queued: list[str] = []  # adapters of requests acquired and not admitted yet
@@ -57,6 +69,28 @@ def test_random_operations_keep_the_cache_rules(disk, policy, seed):
     acquires = [0, 0]  # all, found resident
 
     real_release_slot = table.release_slot
+    real_fetch = adapter_loader.fetch_adapter
+    delays = random.Random(seed)
+    fetches: list[str] = []
+
+    def slow_fetch(name, *args, **kw):  # a staging thread, no lock held
+        fetches.append(name)
+        with cache._lock:
+            e = table.entries.get(name)
+            if e is None or e.state != "staging" or e.slot != -1:
+                violations.append(f"{name} fetched in state {e and e.state}, slot {e and e.slot}")
+        time.sleep(delays.choice([0.0, 0.005, 0.05]))
+        return real_fetch(name, *args, **kw)
+
+    monkeypatch.setattr(adapter_loader, "fetch_adapter", slow_fetch)
+
+    def known(name: str) -> bool:  # a source-only adapter unloaded is registered again (the plan)
+        if name in sources and not cache.has(name):
+            try:
+                cache.register(name, source=sources[name])
+            except AdapterError:
+                return False  # still being unloaded
+        return cache.has(name)
 
     def release_slot(v, free=True):  # runs under the cache's lock, on any thread
         if any(name == v.name for name, _ in running):
@@ -78,6 +112,7 @@ def test_random_operations_keep_the_cache_rules(disk, policy, seed):
             for name, e in table.entries.items():
                 assert e.refs == want.get(name, 0), f"{step}: {name} refs {e.refs}, {want.get(name, 0)} requests"
             assert table.in_flight <= cache.max_concurrent_loads
+            assert table.staging == sum(1 for e in table.entries.values() if e.state == "staging")
         assert cache.host.used_bytes <= cache.host.capacity_bytes
         assert not violations, f"{step}: {violations}"
 
@@ -97,7 +132,7 @@ def test_random_operations_keep_the_cache_rules(disk, policy, seed):
             op = rng.choices(["request", "admit", "finish", "abort", "pin", "unpin", "plan", "prefetch",
                               "evict", "unload", "settle"], [8, 6, 5, 1, 1, 1, 1, 1, 1, 1, 3])[0]
             name = rng.choice(NAMES)
-            if op in ("request", "pin", "prefetch") and not cache.has(name):
+            if op in ("request", "pin", "prefetch") and not known(name):
                 pass  # unloaded, its load still running: unknown until it ends (then found on disk again)
             elif op == "request":
                 acquires[0] += 1
@@ -140,6 +175,9 @@ def test_random_operations_keep_the_cache_rules(disk, policy, seed):
             check("drain")
             time.sleep(0.001)
         assert not queued, f"starved: {queued}; {cache.describe()}"
+        _settle(cache)
+        check("settled")
+        assert set(fetches) == set(SOURCES), fetches  # both were staged, at least once
         hits = sum(cache.metrics.hits.labels(t)._value.get() for t in ("gpu", "host", "disk", "source"))
         assert hits == acquires[0]
         assert cache.metrics.hits.labels("gpu")._value.get() == acquires[1]
