@@ -236,3 +236,45 @@ def test_a_load_that_finds_another_version_on_disk_gives_its_slot_back_and_stage
         assert cache.metrics.load_seconds.labels("source")._sum.get() > 0
     finally:
         cache.close()
+
+
+def test_a_load_whose_requests_all_left_during_its_fetch_is_called_off(bucket, cache_dir, slow_fetch):
+    cache = make_cache(cache_dir, slots=2)
+    try:
+        cache.register("slow1", source=str(bucket / "slow1"))
+        cache.acquire("slow1")
+        cache.release("slow1")  # the client went away during the fetch
+        slow_fetch.set()
+        deadline = time.monotonic() + 10
+        while cache.table.staging and time.monotonic() < deadline:
+            time.sleep(0.01)
+        e = cache.table.entries["slow1"]
+        assert e.state == "cold" and cache.num_free == 2 and cache.in_flight == 0
+        assert cache.prefetch("slow1").result(10) in (0, 1)  # wanted again: fetched and loaded
+    finally:
+        cache.close()
+
+
+def test_a_pin_whose_fetch_failed_is_fetched_again_after_its_back_off(bucket, cache_dir, monkeypatch):
+    from loraplex.server import adapter_cache
+
+    monkeypatch.setattr(adapter_cache, "PIN_RETRY_FIRST_S", 0.05)
+    cache = make_cache(cache_dir, slots=2)
+    real = adapter_loader.fetch_adapter
+    calls = []
+
+    def flaky(name, *args, **kw):  # the node agent down for the first try
+        calls.append(name)
+        if len(calls) == 1:
+            raise AdapterLoadError(name, "fetch", "node agent at http://agent unreachable: down")
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(adapter_loader, "fetch_adapter", flaky)
+    try:
+        cache.register("slow1", source=str(bucket / "slow1"))
+        with pytest.raises(AdapterLoadError, match="unreachable"):
+            cache.pin("slow1").result(10)
+        wait_ready(cache, "slow1")
+        assert calls == ["slow1", "slow1"] and cache.table.entries["slow1"].failed_in_row == 0
+    finally:
+        cache.close()
