@@ -704,9 +704,10 @@ def test_plan_file_pins_follow_a_symlink_swap(disk, tmp_path, tmp_path_factory):
 
 class _Files(threading.Thread):
     """A loopback HTTP server: GET serves `root`; POST /v1/stage acts as the node agent (copies
-    the named source folder into `cache_dir/<name>/` and answers 200, or 404 if absent)."""
+    the named source folder into `cache_dir/<name>/` and answers 200, or 404 if absent). With
+    `delay`, each GET and POST waits that many seconds first (a slow source or agent)."""
 
-    def __init__(self, root: Path, cache_dir: Path):
+    def __init__(self, root: Path, cache_dir: Path | None = None, delay: float = 0.0):
         import functools
         import http.server
         import shutil
@@ -714,11 +715,16 @@ class _Files(threading.Thread):
         outer = self
 
         class Handler(http.server.SimpleHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                time.sleep(outer.delay)
+                super().do_GET()
+
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.staged.append(body)
+                time.sleep(outer.delay)
                 src = root / body["source"].rsplit("/", 1)[-1]
-                if not src.is_dir():
+                if cache_dir is None or not src.is_dir():
                     self.send_response(404)
                     self.end_headers()
                     self.wfile.write(b'{"error": {"reason": "NotFound"}}')
@@ -731,6 +737,7 @@ class _Files(threading.Thread):
             def log_message(self, *a):
                 pass
 
+        self.delay = delay
         self.staged: list[dict] = []
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
                                                       functools.partial(Handler, directory=str(root)))

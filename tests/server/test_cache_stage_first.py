@@ -7,8 +7,6 @@ own http fetch, and the node agent's /v1/stage), or fetch_adapter made slow."""
 
 from __future__ import annotations
 
-import functools
-import http.server
 import json
 import shutil
 import threading
@@ -20,52 +18,9 @@ import pytest
 from loraplex.server import adapter_loader
 from loraplex.server.adapter_sources import AdapterLoadError
 
-from .test_adapter_cache import check_invariants, make_cache, wait_ready, write_adapter
+from .test_adapter_cache import _Files, check_invariants, make_cache, wait_ready, write_adapter
 
 SLOW_S = 1.5
-
-
-class _SlowFiles(threading.Thread):
-    """GET serves `root` after `delay` seconds; POST /v1/stage acts as a slow node agent (waits
-    `delay`, then copies the named source folder into `cache_dir/<name>/`; 404 if absent)."""
-
-    def __init__(self, root: Path, cache_dir: Path, delay: float):
-        outer = self
-        self.delay = delay
-
-        class Handler(http.server.SimpleHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                time.sleep(outer.delay)
-                super().do_GET()
-
-            def do_POST(self):  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                time.sleep(outer.delay)
-                src = root / body["source"].rsplit("/", 1)[-1]
-                if not src.is_dir():
-                    self.send_response(404)
-                    self.end_headers()
-                    self.wfile.write(b'{"error": {"reason": "NotFound"}}')
-                    return
-                shutil.copytree(src, cache_dir / body["name"], dirs_exist_ok=True)
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(json.dumps({"adapter": {"name": body["name"]}}).encode())
-
-            def log_message(self, *a):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                                      functools.partial(Handler, directory=str(root)))
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        super().__init__(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
 
 
 @pytest.fixture
@@ -94,7 +49,7 @@ def _time_to_ready(cache, name: str) -> float:
 @pytest.mark.parametrize("through", ["http", "agent"])
 @pytest.mark.parametrize("loads", [1, 2])
 def test_a_slow_fetch_does_not_hold_up_a_load_from_disk_or_host(bucket, cache_dir, through, loads):
-    with _SlowFiles(bucket, cache_dir, SLOW_S) as files:
+    with _Files(bucket, cache_dir, delay=SLOW_S) as files:
         cache = make_cache(cache_dir, slots=4, max_concurrent_loads=loads,
                            node_agent_url=files.url if through == "agent" else None)
         try:
@@ -124,7 +79,7 @@ def test_a_slow_fetch_does_not_hold_up_a_load_from_disk_or_host(bucket, cache_di
 
 
 def test_a_failed_fetch_fails_its_requests_only_with_the_same_reason(bucket, cache_dir):
-    with _SlowFiles(bucket, cache_dir, 1.0) as files:
+    with _Files(bucket, cache_dir, delay=1.0) as files:
         cache = make_cache(cache_dir, slots=2, max_concurrent_loads=1, node_agent_url=files.url)
         try:
             cache.register("gone", source="s3://bucket/nothing-here")

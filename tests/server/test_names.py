@@ -5,10 +5,6 @@ refused name changes nothing on disk, least of all outside the cache directory."
 
 from __future__ import annotations
 
-import functools
-import http.server
-import threading
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,7 +18,7 @@ from loraplex.server.settings import ServerSettings
 from loraplex.server.slot_table import CachedAdapter
 
 from .conftest import LiveServer
-from .test_adapter_cache import make_cache, write_adapter
+from .test_adapter_cache import _Files, make_cache, write_adapter
 
 BAD_NAMES = [
     "a,b",  # vllm:lora_requests_info joins names with commas; the picker splits on them
@@ -112,28 +108,6 @@ def test_a_plan_adapter_with_a_bad_name_is_left_out(tmp_path):
         cache.close()
 
 
-class _Bucket(threading.Thread):
-    """A loopback HTTP server for a folder: an object store's public prefix."""
-
-    def __init__(self, root: Path):
-        handler = functools.partial(_Quiet, directory=str(root))
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        super().__init__(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-
-
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *a):
-        pass
-
-
 def test_a_fetch_never_writes_outside_the_cache_dir(tmp_path):
     """A name that is a path (a hand-written plan, a caller of AdapterCache.register) must not
     lead the direct http(s) fetch out of --adapter-cache-dir: `cache/../victim` would be
@@ -144,7 +118,7 @@ def test_a_fetch_never_writes_outside_the_cache_dir(tmp_path):
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "keep").write_text("mine")
-    with _Bucket(tmp_path / "bucket") as bucket:
+    with _Files(tmp_path / "bucket") as bucket:
         cache = make_cache(cache_dir, slots=2)
         try:
             # past register's check, as a caller that skips it would
@@ -160,7 +134,7 @@ def test_a_long_name_is_fetched_over_http(tmp_path):
     """A 253-character name (the longest Kubernetes name) fits its temporary folder too."""
     write_adapter(tmp_path / "bucket" / "sql", seed=2)
     name = "a" * MAX_ADAPTER_NAME_LENGTH
-    with _Bucket(tmp_path / "bucket") as bucket:
+    with _Files(tmp_path / "bucket") as bucket:
         cache = make_cache(tmp_path / "cache", slots=2)
         try:
             cache.register(name, source=f"{bucket.url}/sql")

@@ -128,10 +128,10 @@ def test_another_version_staged_under_the_name_meanwhile_fails_the_load(tmp_path
 def test_a_new_version_is_fetched_again_without_a_node_agent(tmp_path, versions):
     """The server's own http(s) fetch (no node agent) records the version it fetched, so a
     new sha256 in the plan fetches the new version instead of reading the old one."""
-    from .test_names import _Bucket
+    from .test_adapter_cache import _Files
 
     sha1, sha2 = versions["v1"][1], versions["v2"][1]
-    with _Bucket(tmp_path / "bucket") as bucket:
+    with _Files(tmp_path / "bucket") as bucket:
         cache = make_cache(tmp_path / "cache", slots=1)
         try:
             cache.apply_plan({"adapters": [{"name": "sql", "source": f"{bucket.url}/sql-v1", "sha256": sha1}]})
