@@ -13,6 +13,8 @@ For each layer and token count:
      - ``gemm_add_lora``: our GEMM, then ``add_lora``, one after the other;
      - ``lora_linear``: the shrink, our GEMM and the expand overlapped (PDL);
      - ``lora_linear_shrink4``: the same with the shrink cut into 4 K splits;
+     - ``lora_linear_term_first``: the shrink and the expand before the GEMM, which adds
+       their term as it writes y (``GemmConfig.term_first``);
   3. ``*_lora_us``: each path minus its own GEMM alone, and ``*_over_base``: that over cuBLAS
      alone (the issue's "LoRA term over its base GEMM", in a layer).
 With ``--grid``: the GEMM alone (no adapters) at every configuration of a grid around the
@@ -144,15 +146,20 @@ def run_shape(layer: str, tokens: int, timer, sweep: bool, rank: int = 16, issue
             gemm(x, weight, out, default)
             return add_lora(out, x, *args, output_slices=slices)
 
+        term_first = dataclasses.replace(default, term_first=True)
         paths = {
             "cublas_add_lora": cublas_add_lora,
             "lora_linear": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out, config=default),
+            "lora_linear_term_first": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out,
+                                                          config=term_first),
         } if issue_table else {
             "cublas_add_lora": cublas_add_lora,
             "gemm_add_lora": gemm_add_lora,
             "lora_linear": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out, config=default),
             "lora_linear_shrink4": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out,
                                                        config=dataclasses.replace(default, shrink_splits=4)),
+            "lora_linear_term_first": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out,
+                                                          config=term_first),
         }
         entry = {"errors": {}, "us": {}}
         for name, fn in paths.items():
