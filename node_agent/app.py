@@ -189,10 +189,7 @@ async def stage(request: web.Request) -> web.Response:
     ref = AdapterRef(body["name"], body["source"], body.get("sha256"), body.get("dtype"))
     try:
         ref.validate()
-        refusal = await agent.warmer.stage_refusal(ref)
-        if refusal is not None:
-            raise refusal
-        staged = await agent.store.stage(ref)
+        staged = await agent.warmer.stage_on_request(ref)
     except StoreError as e:
         return _store_error(e)
     return web.json_response({"adapter": staged.as_json()})

@@ -336,6 +336,19 @@ class Warmer:
         return StoreError("NotThePlansVersion", f"{ref.name} is in the plan of {plan.base_model} with {what}: "
                           "this node stages that version of it alone")
 
+    async def stage_on_request(self, ref: AdapterRef) -> StagedAdapter:
+        """Stage `ref` for a client (a server whose request found it missing): refused as
+        `stage_refusal` says, and for a plan adapter reported on its status.nodes as the plan's
+        own stagings are (most adapters of a pool are staged so, on their first request, not
+        ahead: without the report their LoRAAdapter said "not staged on any node" for good)."""
+        refusal = await self.stage_refusal(ref)
+        if refusal is not None:
+            raise refusal
+        plan = self.plan
+        if plan is not None and ref.name in plan.adapters:
+            return await self._stage(ref)
+        return await self.store.stage(ref)
+
     async def _read_plan_now(self) -> Plan | None:
         """The plan as its source holds it now, if it reads and parses; the watch is left as it
         is (the plan loop takes a new plan, and reconciles for it, on its next poll)."""

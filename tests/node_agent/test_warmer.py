@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from loraplex.node_agent.store import AdapterStore, StoreError
+from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 from loraplex.node_agent.tasks import TaskGuard
 from loraplex.node_agent.kube import KubeAPI, KubePods, PlanConfigMap, StatusReporter
 from loraplex.node_agent.warmer import PlanError, StaticServers, Warmer, parse_plan
@@ -409,3 +409,28 @@ async def test_a_planned_adapter_without_a_digest_is_staged(tmp_path, object_sto
         assert tasks.crashed == {}
     finally:
         await tasks.close()
+
+
+async def test_a_plan_adapter_staged_on_a_servers_request_is_reported(tmp_path, object_store, session, kube_api):
+    """Most adapters of a pool are staged on their first request (a server's POST /v1/stage),
+    not ahead; such a staging is reported on status.nodes as the plan's own are (it was not,
+    and the adapter's Staged condition said "not staged on any node" for good). A name the
+    plan does not list (another base's, on this node) is staged and not reported."""
+    object_store.add("c", tmp_path)
+    object_store.add("other", tmp_path, seed=1)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, others=["c"]))
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7")
+    warmer = Warmer(store, cm.path, session, reporter=reporter)
+    await warmer.check_plan()
+    await warmer.reconcile()
+    await reporter.flush()
+    assert kube_api.patches == []  # c is in no warm-up window: nothing staged ahead
+    asked = AdapterRef("c", object_store.source("c"), object_store.adapters["c"].sha256, "bfloat16")
+    staged = await warmer.stage_on_request(asked)
+    await warmer.stage_on_request(AdapterRef("other", object_store.source("other"), object_store.adapters["other"].sha256))
+    await reporter.flush()
+    reported = [(name, body["status"]["nodes"]["node-7"]) for _, name, body, _ in kube_api.patches]
+    assert reported == [("c", {"phase": "Staged", "message": "", "bytes": staged.bytes})]  # the latest state
+    assert store.get("other") is not None
