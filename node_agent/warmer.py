@@ -9,15 +9,17 @@ The plan file is the `plan.json` key of the ConfigMap `<base>-plan`, mounted rea
 
 The warmer polls the plan's identity every `poll_seconds` (a mounted file: inode, size and
 mtime, since a ConfigMap changes by a symlink swap; through the API: the resourceVersion)
-and re-reads it when that changes. On each plan (when a warm-up window opens, and after a
-backoff while a staging failure may pass) it reconciles: the store's pinned set; pinned
-adapters staged first, then prefetch entries whose window is open; adapters that left the
+and re-reads it when that changes. On each plan (and after a backoff while a staging failure
+may pass) it reconciles: the store's pinned set; pinned adapters staged first, then the
+prefetch entries (the operator lists a warm-up window `warmupLeadSeconds` before its start,
+and until its end: staged and prefetched from then on, so the campaign's first requests
+find it on the node and in the servers); adapters that left the
 plan removed from disk (at the first plan after a start, those that left it while the agent
 was down: the plan's adapter names are kept in `<cache>/.plan-adapters.json`). A bad plan is
 logged and the previous plan kept.
 
 Servers: when a server pod of the plan's base on this node turns ready, the warmer asks it
-to load the pinned set and the open prefetch entries from local disk:
+to load the pinned set and the prefetch entries from local disk:
 
     POST http://<pod>:8000/v1/adapters/{name}/prefetch?wait=false
     POST http://<pod>:8000/v1/adapters/{name}/pin              (pinned adapters only)
@@ -76,8 +78,11 @@ class PrefetchWindow:
     start: datetime.datetime
     end: datetime.datetime
 
-    def is_open(self, now: datetime.datetime) -> bool:
-        return self.start <= now < self.end
+    def is_due(self, now: datetime.datetime) -> bool:
+        """Whether to stage and prefetch it now: it is in the plan's prefetch list, which the
+        operator enters it `warmupLeadSeconds` before its start (so that the campaign's first
+        requests find it on the node and in the servers), and has not ended."""
+        return now < self.end
 
 
 @dataclass(frozen=True)
@@ -88,11 +93,8 @@ class Plan:
     adapters: dict[str, PlanAdapter]
     prefetch: tuple[PrefetchWindow, ...] = ()
 
-    def open_prefetch(self, now: datetime.datetime) -> list[str]:
-        return [w.name for w in self.prefetch if w.is_open(now) and w.name in self.adapters]
-
-    def next_window_start(self, now: datetime.datetime) -> datetime.datetime | None:
-        return min((w.start for w in self.prefetch if w.start > now), default=None)
+    def due_prefetch(self, now: datetime.datetime) -> list[str]:
+        return [w.name for w in self.prefetch if w.is_due(now) and w.name in self.adapters]
 
 
 def parse_plan(data: object) -> Plan:
@@ -432,8 +434,8 @@ class Warmer:
                     self.reporter.staged(name, staged.bytes)
         await self._stage_all([plan.adapters[n].ref for n in plan.pinned])
         now = self._now()
-        await self._stage_all([plan.adapters[n].ref for n in plan.open_prefetch(now)])
-        # Servers already warm get the new pins and open windows too (idempotent calls), side
+        await self._stage_all([plan.adapters[n].ref for n in plan.due_prefetch(now)])
+        # Servers already warm get the new pins and prefetches too (idempotent calls), side
         # by side: a server that hangs costs the plan loop one call timeout, not one per server.
         await asyncio.gather(*(self.warm_server(url) for url in list(self._ready.values())))
 
@@ -511,21 +513,18 @@ class Warmer:
             self.reporter.removed(name)
 
     async def run(self) -> None:
-        """The plan loop: poll the file; reconcile on a change, when a window opens, and
-        after a backoff (retry_seconds, doubling up to max_retry_seconds) while a plan
-        adapter's staging failed for a retryable reason."""
-        window_open: frozenset[str] = frozenset()
+        """The plan loop: poll the plan; reconcile on a change (the operator writes a new plan
+        when a warm-up window enters its prefetch list or leaves it), and after a backoff
+        (retry_seconds, doubling up to max_retry_seconds) while a plan adapter's staging
+        failed for a retryable reason."""
         loop = asyncio.get_running_loop()
         backoff = self.retry_seconds
         retry_at: float | None = None
         while True:
             previous = self._watch.plan
             changed = await self.check_plan()
-            plan = self._watch.plan
-            now = self._now()
-            opened = frozenset(plan.open_prefetch(now)) if plan else frozenset()
             retry = retry_at is not None and loop.time() >= retry_at
-            if changed or opened - window_open or retry:
+            if changed or retry:
                 if changed:
                     backoff = self.retry_seconds
                 await self.reconcile(previous if changed else None)
@@ -535,12 +534,8 @@ class Warmer:
                     backoff = min(2 * backoff, self.max_retry_seconds)
                 else:
                     retry_at, backoff = None, self.retry_seconds
-            window_open = opened
-            timeout = self.poll_seconds
-            if plan is not None and (start := plan.next_window_start(now)) is not None:
-                timeout = min(timeout, max((start - now).total_seconds(), 0.0))
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                await asyncio.wait_for(self._wake.wait(), self.poll_seconds)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
@@ -583,7 +578,7 @@ class Warmer:
 
     async def warm_server(self, url: str) -> list[WarmResult]:
         """Take back the pins an earlier plan made that this one does not, then ask the server
-        at `url` to load (and pin) the pinned set, then the open warm-up windows, in that
+        at `url` to load (and pin) the pinned set, then the plan's prefetch entries, in that
         order. A call it does not answer at all (refused, timed out) ends the warm-up: the
         calls left are reported skipped, not made one timeout each."""
         plan = self._watch.plan
@@ -596,7 +591,7 @@ class Warmer:
                 results.append(WarmResult(name, "prefetch", False, "not staged on this node"))
                 continue
             calls += [(name, "prefetch"), (name, "pin")]
-        for name in plan.open_prefetch(self._now()):
+        for name in plan.due_prefetch(self._now()):
             if name not in plan.pinned and self.store.get(name) is not None:
                 calls.append((name, "prefetch"))
         for i, (name, action) in enumerate(calls):

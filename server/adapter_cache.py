@@ -152,8 +152,9 @@ class AdapterCache:
                  sha256: str | None = None) -> None:
         """Make `name` known: a PEFT directory on disk, and/or a source to fetch it from.
         A new version (a new sha256; without one, a new source: CachedAdapter.version) drops
-        the host copy, so the next load reads the new files. AdapterError if `name` is not an
-        adapter name (`adapter_names`)."""
+        the host copy, so the next load reads the new files, and a slot holding the old one
+        is reloaded once its running requests finish (`SlotTable.refresh`). AdapterError if
+        `name` is not an adapter name (`adapter_names`)."""
         self._check_name(name)
         with self._lock:
             e = self.table.entries.get(name)
@@ -169,10 +170,18 @@ class AdapterCache:
                 e.source = source
             if sha256 is not None:
                 e.sha256 = sha256
+            stale = False
             if e.version != before and e.version[0] == before[0] and before[1] is not None:
                 self.host.discard(name)
-                log.info("adapter %s: new version %s (takes effect at its next load)", name,
-                         e.version[1] if e.sha256 is None else e.sha256[:12])
+                self.table.mark_stale(e)
+                stale = name in self.table.stale
+                log.info("adapter %s: new version %s%s", name, e.version[1] if e.sha256 is None else e.sha256[:12],
+                         " (its slot reloads once its running requests finish)" if stale else "")
+                # Held by no request: now (an idle engine takes no step that would); else at the
+                # engine's next step, which the wake-up below brings.
+                self.table.refresh(None)
+        if stale:
+            self.wake()
 
     def _lookup(self, name: str) -> CachedAdapter | None:
         """The entry for `name`, registering one found in --adapter-cache-dir (lazy discovery:
@@ -220,12 +229,12 @@ class AdapterCache:
             e.refs += 1
             e.expired = False
             self.policy.record_access(name)
-            tier = self._tier(e)
+            tier = self._tier(e, gpu=name not in self.table.stale)
             self.metrics.record_lookup(tier)
-            if e.ready:
+            if e.ready and name not in self.table.stale:
                 e.hits += 1
                 return e.slot
-            e.misses += 1
+            e.misses += 1  # (a slot of a replaced version admits it only once reloaded)
             e.prefetch = False
             self.table.want(e)
             return -1
@@ -288,7 +297,7 @@ class AdapterCache:
                 raise KeyError(name)
             fut: concurrent.futures.Future = concurrent.futures.Future()
             e.expired = False  # wanted again (a new window, a session)
-            if e.ready:
+            if e.ready and name not in self.table.stale:
                 if asked:  # about to be used, as a prefetch's load tells the policy (finish_load)
                     self.policy.record_insert(name, cost=1.0, prefetch=True)
                 fut.set_result(e.slot)
@@ -333,8 +342,10 @@ class AdapterCache:
         """Follow the operator's plan: register its adapters (source, sha256), pin its pinned set
         and unpin what left it; unload an adapter that left the plan (deleted, or moved to
         another base), once its requests finish, unless the admin API or --lora-modules loaded
-        it. An adapter that leaves the plan's prefetch list (its warm-up window ended: the
-        campaign is over) is evicted before any other until it is requested again, so an ended
+        it. An adapter that enters the plan's prefetch list (a warm-up window, which the
+        operator lists warmupLeadSeconds before its start) is loaded at once. One that leaves
+        it (its warm-up window ended: the campaign is over) is evicted before any other until
+        it is requested again, so an ended
         campaign does not hold slots until its counts age out (bench/results/cache_sim_notes.md,
         "The end of a campaign"). Plan format: operator/plan.py."""
         prefetch = {p["name"] for p in plan.get("prefetch") or [] if p.get("name")}
@@ -345,6 +356,7 @@ class AdapterCache:
             self._plan_adapters = frozenset(adapters)
             self._plan_names = frozenset(n for n in adapters | pinned | prefetch if isinstance(n, str))
             ended = self._plan_prefetch - prefetch
+            entered = prefetch - self._plan_prefetch
             self._plan_prefetch = prefetch
             for name in sorted(ended):
                 e = self.table.entries.get(name)
@@ -379,6 +391,15 @@ class AdapterCache:
                 self.pin(name, plan=True)
             except KeyError:
                 log.warning("plan pins %s, which is known nowhere (no source, not on disk)", name)
+        for name in sorted(entered - pinned):
+            # A warm-up window entered the list (the operator lists it warmupLeadSeconds before
+            # its start): load it now, so the campaign's first requests hit. The node agent asks
+            # for it too, but may ask before this server has read the plan (the kubelet updates
+            # a mounted ConfigMap up to a minute after the API has it): then it is unknown here.
+            try:
+                self.prefetch(name)
+            except KeyError:
+                log.warning("plan prefetches %s, which is known nowhere (no source, not on disk)", name)
         if pinned != before:
             log.info("plan: %d pinned (%s)", len(pinned), ", ".join(sorted(pinned)) or "none")
         for name in sorted(left):  # deleted, or moved to another base: no longer served here
@@ -552,8 +573,9 @@ class AdapterCache:
 
     # -- internals (under the lock) ---------------------------------------------------------------
 
-    def _tier(self, e: CachedAdapter) -> str:
-        if e.ready:
+    def _tier(self, e: CachedAdapter, gpu: bool = True) -> str:
+        """The fastest tier holding `e` (`gpu=False`: below its slot, which holds a replaced version)."""
+        if gpu and e.ready:
             return "gpu"
         if e.memory is not None or e.name in self.host:
             return "host"
@@ -582,6 +604,8 @@ class AdapterCache:
             waiters = self.table.finish_load(e, slot, tier, error, t0)
             e.failed_in_row = e.failed_in_row + 1 if error is not None else 0
             retry = error is not None and e.pinned and not e.unloading
+            if e.name in self.table.stale:  # a new version came during the load: reload now if unheld
+                self.table.refresh(None)
         self._tell(e, waiters, slot, error, retry)
 
     def _staged(self, e: CachedAdapter, version: tuple, fetched: Fetched | None,

@@ -16,6 +16,8 @@ One `CachedAdapter` row per known adapter. Its state, with the step that moves i
     staging --finish_stage, failed--> cold;  loading --finish_load, failed--> cold (slot freed)
     loading --unstage: the load found it must be fetched after all--> staging (slot freed)
     ready --release_slot (evicted by take_slot, evict, or drained)--> cold
+    ready, stale (a new version registered) --refresh, once none of its requests runs--> cold
+        --want, if pinned or requests wait for it--> pending: the new version loads
 
 Stage first: a fetch from the source (or the node agent) takes seconds, a load from host
 memory ~2 ms. A fetch runs before its load takes a slot and a load worker, on the loader's
@@ -140,6 +142,9 @@ class SlotTable:
         self.entries: dict[str, CachedAdapter] = {}
         self.ready: dict[str, int] = {}  # name -> slot of the resident adapters (read every step)
         self.draining: str | None = None  # the adapter giving up its slot to starved loads
+        # Rows whose slot holds (or whose load in flight may read) a version replaced since:
+        # they admit no new request, and reload once none of theirs runs (`refresh`).
+        self.stale: set[str] = set()
         self.drain_after = 2.0  # seconds a request's load waits for a slot before one drains
         self.free = list(range(num_slots))
         self.pending: deque[str] = deque()
@@ -240,6 +245,7 @@ class SlotTable:
         self.in_flight -= 1
         self.metrics.loads_in_flight.set(self.in_flight)
         e.state, e.slot = "cold", -1
+        self.stale.discard(e.name)  # its staging takes the version registered now
         self.free.append(slot)
         self.free.sort()
         log.info("adapter %s is not on local disk: its load gives slot %d back and stages it first", e.name, slot)
@@ -293,6 +299,7 @@ class SlotTable:
     def release_slot(self, v: CachedAdapter, free: bool = True) -> int:
         """Evict a resident adapter: its slot goes back to the free list (or to the caller)."""
         slot = v.slot
+        self.stale.discard(v.name)
         self.policy.record_evict(v.name)
         v.state, v.slot = "cold", -1
         del self.ready[v.name]
@@ -304,6 +311,7 @@ class SlotTable:
 
     def drop(self, e: CachedAdapter) -> None:
         """Forget `e`: its slot, its row, its host copy; a prefetch still waiting for it fails."""
+        self.stale.discard(e.name)
         if e.ready:
             self.policy.record_evict(e.name)
             self.free.append(e.slot)
@@ -320,12 +328,46 @@ class SlotTable:
     # -- which resident adapters admit requests ------------------------------------------------------
 
     def ready_slots(self, running: set[str] | None) -> dict[str, int]:
-        """{name: slot} of the resident adapters, less the one draining (see `drain`)."""
+        """{name: slot} of the resident adapters, less the one draining (see `drain`) and
+        those holding a replaced version (see `refresh`)."""
+        if self.stale:
+            self.refresh(running)
         if running is not None:
             self.drain(running)
-        if self.draining is None:
+        if self.draining is None and not self.stale:
             return dict(self.ready)
-        return {n: s for n, s in self.ready.items() if n != self.draining}
+        return {n: s for n, s in self.ready.items() if n != self.draining and n not in self.stale}
+
+    def mark_stale(self, e: CachedAdapter) -> None:
+        """A new version of `e` was registered: if its slot holds the old one, or a load of it
+        is under way (which may have read the old files), the slot is refreshed (`refresh`)."""
+        if e.state in ("ready", "loading"):
+            self.stale.add(e.name)
+
+    def refresh(self, running: set[str] | None) -> None:
+        """Reload the rows whose slot holds a replaced version (a rollout of a resident or
+        pinned adapter, which would otherwise serve the old version until it is evicted, and a
+        pin never is). Such a row admits no new request (`ready_slots`); once none of its
+        requests runs (`running`: the engine's batch; without it, once no request holds it)
+        its slot is released, and if it is pinned or requests (or prefetches) wait for it, it
+        loads again:
+        its new version, since `register` dropped the old host copy. Requests already
+        running finish on the version they started with."""
+        for name in sorted(self.stale):
+            e = self.entries.get(name)
+            if e is None or e.state not in ("ready", "loading"):
+                self.stale.discard(name)
+                continue
+            if e.state == "loading" or (name in running if running is not None else e.refs > 0):
+                continue
+            self.release_slot(e)
+            wanted = e.refs > 0 or e.pinned or bool(e.waiters)  # requests, a pin, or a prefetch waiting
+            log.info("adapter %s: its slot held a replaced version; %s", name,
+                     "loading the new one" if wanted else "the next request loads the new one")
+            if wanted:
+                self.want(e, check=False)  # (the engine thread: no look at the disk here)
+            else:
+                self.pump()
 
     def drain(self, running: set[str]) -> None:
         """Anti-starvation. Queued requests hold their adapter, so while every slot holds an
@@ -393,6 +435,7 @@ class SlotTable:
                 self.drop(e)
         else:
             e.state, e.slot = "cold", -1
+            self.stale.discard(e.name)
             self.free.append(slot)
             self.free.sort()
             self.fail(e, error)

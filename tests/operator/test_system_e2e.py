@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import hashlib
 import json
 import os
 import socket
 import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +58,10 @@ def _base_body() -> dict[str, Any]:
                      "serving": {"replicas": 1, "image": "loraplex/server:test"}}}
 
 
-def _adapter_body(name: str, path: Path, rank: int, targets: list[str], **spec: Any) -> dict[str, Any]:
+def _adapter_body(name: str, path: Path, **spec: Any) -> dict[str, Any]:
     return {"apiVersion": "loraplex.io/v1alpha1", "kind": "LoRAAdapter", "metadata": {"name": name, "namespace": NS},
             "spec": {"baseModel": BASE, "source": path.as_uri(), "sha256": _sha256(path / "adapter_model.safetensors"),
-                     "tenant": "acme", "priority": 10, "rank": rank, "targetModules": targets, **spec}}
+                     "tenant": "acme", "priority": 10, **spec}}
 
 
 async def _mount_plan(api: KubeClient, mount: Path, stop: asyncio.Event) -> None:
@@ -132,20 +135,58 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def test_applied_adapters_are_planned_staged_warmed_served_and_removed(api, emulator, operator, eventually_,
-                                                                            tmp_path):
+@dataclass
+class Cluster:
+    """One node of a pool, every part running: the operator (a fixture), the node agent and a
+    server of the BaseModel `tiny`; the demo's adapters as file:// sources."""
+
+    api: KubeClient
+    http: aiohttp.ClientSession
+    server_url: str
+    agent_url: str
+    cache_dir: Path
+    adapter_dirs: dict[str, Path]
+    plan_mount: Path
+
+    async def apply_adapter(self, name: str, directory: Path | None = None, **spec: Any) -> None:
+        from loraplex.server.demo import DEMO_ADAPTERS
+
+        r, _, targets, _ = DEMO_ADAPTERS.get(name, DEMO_ADAPTERS["sql-expert"])
+        body = _adapter_body(name, directory or self.adapter_dirs[name], **({"rank": r, "targetModules": targets} | spec))
+        if await self.api.get(ADAPTERS.path(NS, name)) is None:
+            await self.api.create(ADAPTERS.path(NS), body)
+        else:  # kubectl apply of a changed object
+            await self.api.merge_patch(ADAPTERS.path(NS, name), {"spec": body["spec"]})
+
+    async def plan(self) -> dict[str, Any] | None:
+        if not self.plan_mount.exists():
+            return None
+        return json.loads(await asyncio.to_thread(self.plan_mount.read_text))
+
+    async def node_state(self, name: str) -> dict[str, Any]:
+        a = await self.api.get(ADAPTERS.path(NS, name))
+        return (((a or {}).get("status") or {}).get("nodes") or {}).get(NODE) or {}
+
+    async def status(self, name: str) -> dict[str, Any]:
+        return ((await self.api.get(ADAPTERS.path(NS, name))) or {}).get("status") or {}
+
+    async def rows(self) -> dict[str, dict[str, Any]]:
+        status, body = await _get(self.http, f"{self.server_url}/v1/adapters")
+        return {row["name"]: row for row in body["data"]} if status == 200 else {}
+
+    async def complete(self, model: str) -> tuple[int, Any]:
+        return await _complete(self.http, self.server_url, model)
+
+
+@pytest.fixture()
+async def cluster(api, emulator, operator, eventually_, tmp_path) -> AsyncIterator[Cluster]:
     from loraplex.server.api.app import create_app as create_server_app
-    from loraplex.server.demo import DEMO_ADAPTERS, build_demo
+    from loraplex.server.demo import build_demo
     from loraplex.server.engine import LLMEngine
     from loraplex.server.settings import ServerSettings
 
     base_dir, adapter_dirs = build_demo(tmp_path / "demo")
-    pinned, cached = "sql-expert", "pirate"  # one pinned by its policy, one left to the cache
-    for name, policy in ((pinned, "Always"), (cached, "Never")):
-        r, _, targets, _ = DEMO_ADAPTERS[name]
-        await api.create(ADAPTERS.path(NS), _adapter_body(name, adapter_dirs[name], r, targets, pinPolicy=policy))
     await api.create(BASE_MODELS.path(NS), _base_body())
-
     plan_mount = tmp_path / "plan" / "plan.json"
     plan_mount.parent.mkdir()
     stop = asyncio.Event()
@@ -157,77 +198,162 @@ async def test_applied_adapters_are_planned_staged_warmed_served_and_removed(api
                                server_urls=(server_url,), node_name=NODE, namespace=NS,
                                kube_api_url=emulator.base_url, poll_seconds=0.1, server_poll_seconds=0.1)
     try:
-        async def mounted():
-            if not plan_mount.exists():
-                return None
-            plan = json.loads(await asyncio.to_thread(plan_mount.read_text))
-            return plan if len(plan["adapters"]) == 2 else None
-        plan = await eventually_(mounted, what="the plan of both adapters mounted")
-        assert plan["baseModel"] == BASE and plan["pinned"] == [pinned]
-        assert sorted(a["name"] for a in plan["adapters"]) == sorted([pinned, cached])
-
+        await eventually_(lambda: asyncio.to_thread(plan_mount.exists), what="the plan mounted")
+        # A DaemonSet's pod is on the node before a server's.
         async with aiohttp.ClientSession() as http, _node_agent(agent_config) as agent_url:
-            # A DaemonSet's pod is on the node before a server's: the pinned adapter is staged
-            # from its file:// source (its sha256 checked) and reported on its status.
-            async def staged_on_node(name):
-                a = await api.get(ADAPTERS.path(NS, name))
-                node = ((a.get("status") or {}).get("nodes") or {}).get(NODE) or {}
-                return node if node.get("phase") == "Staged" else None
-            node = await eventually_(lambda: staged_on_node(pinned), timeout=20, what="the pinned adapter staged")
-            assert node["bytes"] > 0 and (cache_dir / pinned / "adapter_model.safetensors").is_file()
-            assert not (cache_dir / cached).exists(), "an unpinned adapter outside a warm-up window is prestaged"
-
             settings = ServerSettings(model=str(base_dir), served_model_name=BASE, device="cpu", dtype="float32",
                                       max_num_seqs=4, max_model_len=128, max_loras=4, max_lora_rank=16,
                                       plan_file=str(plan_mount), adapter_cache_dir=str(cache_dir),
                                       node_agent_url=agent_url)
             engine = await asyncio.to_thread(LLMEngine.from_settings, settings)
             async with _Server(create_server_app(engine), int(server_url.rsplit(":", 1)[1])):
-                # The plan pins it, and the warmer, finding the server ready, loads and pins it too.
-                async def warmed():
-                    status, body = await _get(http, f"{server_url}/v1/adapters")
-                    rows = {row["name"]: row for row in body["data"]} if status == 200 else {}
-                    row = rows.get(pinned)
-                    return rows if row and row["tier"] == "gpu" and row["pinned"] else None
-                rows = await eventually_(warmed, timeout=30, what="the pinned adapter resident and pinned")
-                assert rows[cached]["tier"] == "source" and not rows[cached]["pinned"], rows[cached]
-
-                # Both adapters and the base answer; the cold one is staged through the agent
-                # on its first request.
-                outputs = {}
-                for model in (pinned, cached, BASE):
-                    status, body = await _complete(http, server_url, model)
-                    assert status == 200, body
-                    outputs[model] = body["choices"][0]["text"]
-                assert len(set(outputs.values())) == 3, f"an adapter changed nothing: {outputs}"
-                await eventually_(lambda: staged_on_node(cached), timeout=20, what="the cold adapter staged")
-
-                # The kubelet reports the Deployment's pod ready: the adapters turn Ready.
-                await api.patch_status(DEPLOYMENTS, NS, BASE, {"readyReplicas": 1, "replicas": 1})
-
-                async def ready(name):
-                    status = (await api.get(ADAPTERS.path(NS, name))).get("status") or {}
-                    return status if status.get("phase") == "Ready" else None
-                status = await eventually_(lambda: ready(pinned), timeout=20, what="the pinned adapter Ready")
-                assert status["pinned"] is True
-
-                # kubectl delete: the plan drops it, the server stops serving it, the node's
-                # disk lets it go, and the finalizer lets the object go.
-                await api._request("DELETE", ADAPTERS.path(NS, cached))
-
-                async def gone():
-                    return await api.get(ADAPTERS.path(NS, cached)) is None
-                await eventually_(gone, timeout=20, what="the deleted adapter's object gone")
-
-                async def unserved():
-                    status, body = await _complete(http, server_url, cached)
-                    return body if status == 404 else None
-                body = await eventually_(unserved, timeout=20, what="the deleted adapter no longer served")
-                assert body["error"]["code"] == "model_not_found"
-                await eventually_(lambda: asyncio.to_thread(lambda: not (cache_dir / cached).exists()),
-                                  timeout=20, what="the deleted adapter off the node's disk")
-                status, body = await _complete(http, server_url, pinned)
-                assert status == 200 and body["choices"][0]["text"] == outputs[pinned]
+                yield Cluster(api, http, server_url, agent_url, cache_dir, adapter_dirs, plan_mount)
     finally:
         stop.set()
         await kubelet
+
+
+async def test_applied_adapters_are_planned_staged_warmed_served_and_removed(cluster: Cluster, eventually_):
+    c = cluster
+    pinned, cached = "sql-expert", "pirate"  # one pinned by its policy, one left to the cache
+    await c.apply_adapter(pinned, pinPolicy="Always")
+    await c.apply_adapter(cached, pinPolicy="Never")
+
+    async def planned():
+        plan = await c.plan()
+        return plan if plan and len(plan["adapters"]) == 2 else None
+    plan = await eventually_(planned, what="the plan of both adapters mounted")
+    assert plan["baseModel"] == BASE and plan["pinned"] == [pinned]
+
+    # The agent stages the pinned adapter from its file:// source (its sha256 checked) and
+    # reports it; the plan pins it in the server, and the warmer has the server load and pin it.
+    async def staged(name):
+        node = await c.node_state(name)
+        return node if node.get("phase") == "Staged" else None
+    node = await eventually_(lambda: staged(pinned), timeout=20, what="the pinned adapter staged")
+    assert node["bytes"] > 0 and (c.cache_dir / pinned / "adapter_model.safetensors").is_file()
+    assert not (c.cache_dir / cached).exists(), "an unpinned adapter outside a warm-up window is prestaged"
+
+    async def warmed():
+        rows = await c.rows()
+        return rows if rows.get(pinned, {}).get("tier") == "gpu" and rows[pinned]["pinned"] else None
+    rows = await eventually_(warmed, timeout=30, what="the pinned adapter resident and pinned")
+    assert rows[cached]["tier"] == "source" and not rows[cached]["pinned"], rows[cached]
+
+    # Both adapters and the base answer; the cold one is staged through the agent on its first
+    # request, and reported as the plan's own stagings are.
+    outputs = {}
+    for model in (pinned, cached, BASE):
+        status, body = await c.complete(model)
+        assert status == 200, body
+        outputs[model] = body["choices"][0]["text"]
+    assert len(set(outputs.values())) == 3, f"an adapter changed nothing: {outputs}"
+    await eventually_(lambda: staged(cached), timeout=20, what="the cold adapter staged")
+
+    # The kubelet reports the Deployment's pod ready: the adapters turn Ready.
+    await c.api.patch_status(DEPLOYMENTS, NS, BASE, {"readyReplicas": 1, "replicas": 1})
+
+    async def ready(name):
+        status = await c.status(name)
+        return status if status.get("phase") == "Ready" else None
+    status = await eventually_(lambda: ready(pinned), timeout=20, what="the pinned adapter Ready")
+    assert status["pinned"] is True
+    await eventually_(lambda: ready(cached), timeout=20, what="the cold adapter Ready")
+
+    # kubectl delete: the plan drops it, the server stops serving it, the node's disk lets it
+    # go, and the finalizer lets the object go.
+    await c.api._request("DELETE", ADAPTERS.path(NS, cached))
+
+    async def gone():
+        return await c.api.get(ADAPTERS.path(NS, cached)) is None
+    await eventually_(gone, timeout=20, what="the deleted adapter's object gone")
+
+    async def unserved():
+        status, body = await c.complete(cached)
+        return body if status == 404 else None
+    body = await eventually_(unserved, timeout=20, what="the deleted adapter no longer served")
+    assert body["error"]["code"] == "model_not_found"
+    await eventually_(lambda: asyncio.to_thread(lambda: not (c.cache_dir / cached).exists()),
+                      timeout=20, what="the deleted adapter off the node's disk")
+    status, body = await c.complete(pinned)
+    assert status == 200 and body["choices"][0]["text"] == outputs[pinned]
+
+
+async def test_a_new_version_rolls_out_to_the_node_and_the_server(cluster: Cluster, eventually_, tmp_path):
+    """GitOps changes an adapter's source and digest: the node stages the new version under
+    the same name, the server serves it (its old copy in GPU and host memory dropped), and the
+    old version is not served again."""
+    from loraplex.server.config import named_shape
+    from loraplex.server.demo import DEMO_ADAPTERS, write_random_adapter
+
+    c = cluster
+    name = "sql-expert"
+    await c.apply_adapter(name, pinPolicy="Always")
+
+    async def served_by(expected_sha):
+        node = await c.node_state(name)
+        if node.get("phase") != "Staged":
+            return None
+        meta = json.loads((c.cache_dir / name / ".loraplex.json").read_text())
+        if meta["sha256"] != expected_sha:
+            return None
+        status, body = await c.complete(name)
+        return body["choices"][0]["text"] if status == 200 else None
+    old_sha = _sha256(c.adapter_dirs[name] / "adapter_model.safetensors")
+    old_text = await eventually_(lambda: served_by(old_sha), timeout=30, what="version 1 served")
+
+    r, alpha, targets, rslora = DEMO_ADAPTERS[name]
+    v2 = tmp_path / "v2" / name
+    write_random_adapter(v2, named_shape("tiny"), r=r, lora_alpha=alpha, target_modules=targets,
+                         use_rslora=rslora, seed=99)
+    await c.apply_adapter(name, v2, pinPolicy="Always")
+    new_sha = _sha256(v2 / "adapter_model.safetensors")
+
+    async def new_text():
+        text = await served_by(new_sha)
+        return text if text is not None and text != old_text else None
+    await eventually_(new_text, timeout=30, what="version 2 served")
+    rows = await c.rows()
+    assert rows[name]["pinned"] and rows[name]["tier"] == "gpu"
+
+
+async def test_a_warm_up_window_stages_and_loads_ahead_of_the_first_request(cluster: Cluster, eventually_):
+    """A campaign's adapter with an open warm-up window is staged on the node and loaded into
+    the server before anyone asks for it: its first request is a GPU hit."""
+    c = cluster
+    now = datetime.datetime.now(datetime.timezone.utc)
+    window = {"start": (now - datetime.timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "end": (now + datetime.timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    await c.apply_adapter("poet", pinPolicy="Never", warmup=window)
+
+    async def resident():
+        row = (await c.rows()).get("poet", {})
+        return row if row.get("tier") == "gpu" else None
+    row = await eventually_(resident, timeout=30, what="the campaign's adapter resident before any request")
+    assert not row["pinned"] and row["hits"] == 0
+    status, body = await c.complete("poet")
+    assert status == 200, body
+    assert (await c.rows())["poet"]["hits"] == 1
+
+
+async def test_a_rejected_adapter_is_never_served(cluster: Cluster, eventually_):
+    """An adapter of a rank above the base's maxLoraRank is rejected in its status, left out
+    of the plan, never staged, and a request for it is a 404 from the server."""
+    c = cluster
+    await c.apply_adapter("sql-expert")
+    await c.apply_adapter("too-big", c.adapter_dirs["poet"], rank=64)
+
+    async def rejected():
+        status = await c.status("too-big")
+        return status if status.get("phase") == "Rejected" else None
+    status = await eventually_(rejected, what="too-big rejected")
+    accepted = next(x for x in status["conditions"] if x["type"] == "Accepted")
+    assert accepted["reason"] == "RankTooLarge", accepted
+
+    async def planned():
+        plan = await c.plan()
+        return plan if plan and [a["name"] for a in plan["adapters"]] == ["sql-expert"] else None
+    await eventually_(planned, what="a plan without too-big")
+    status, body = await c.complete("too-big")
+    assert status == 404 and body["error"]["code"] == "model_not_found", body
+    assert not (c.cache_dir / "too-big").exists()

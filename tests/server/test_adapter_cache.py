@@ -77,6 +77,8 @@ def check_invariants(cache: AdapterCache) -> None:
         assert sorted(held + table.free) == list(range(cache.buffers.num_slots))
         assert table.ready == {n: e.slot for n, e in table.entries.items() if e.ready}
         assert all(e.refs >= 0 for e in table.entries.values())
+        # A row marked as holding a replaced version has a slot (or a load) to replace.
+        assert all(table.entries[n].state in ("ready", "loading") for n in table.stale), table.stale
 
 
 def use(cache: AdapterCache, name: str) -> int:
@@ -665,6 +667,23 @@ def test_an_ended_warm_up_window_is_evicted_first_until_requested(disk, policy):
     check_invariants(cache)
 
 
+def test_an_adapter_entering_the_plans_prefetch_list_is_loaded_at_once(disk):
+    """The operator lists a warm-up window warmupLeadSeconds before its start: the server
+    loads it then, on its own (the node agent's prefetch call may come before this server
+    has read the plan, and finds the adapter unknown), and not again at every later plan."""
+    cache = make_cache(disk, slots=3)
+    window = {"name": "a", "start": "2026-05-01T08:00:00Z", "end": "2026-05-02T08:00:00Z"}
+    cache.apply_plan({"adapters": [], "pinned": [], "prefetch": [window]})
+    wait_ready(cache, "a")
+    row = next(r for r in cache.describe() if r["name"] == "a")
+    assert row["hits"] == 0 and not row["pinned"]
+    cache.evict("a")
+    cache.apply_plan({"adapters": [], "pinned": [], "prefetch": [window]})  # the same list again
+    time.sleep(0.1)
+    assert "a" not in cache.ready_slots() and cache.in_flight == 0
+    check_invariants(cache)
+
+
 def test_plan_file_pins_follow_a_symlink_swap(disk, tmp_path, tmp_path_factory):
     cache = make_cache(disk, slots=3)
     mount = tmp_path / "mount"
@@ -1124,8 +1143,9 @@ def test_a_pin_whose_load_failed_is_loaded_again_on_its_own(disk, monkeypatch):
 
 def test_a_version_registered_during_a_load_keeps_the_old_copy_out_of_the_host_tier(disk, monkeypatch):
     """The plan registers a new sha256 for an adapter while its load reads the old files: the
-    slot gets what was read (a new version takes effect at the next load), but the host tier
-    must not keep that copy, or every later load would serve the old version from it."""
+    slot gets what was read, and gives it up as soon as nothing holds it (a slot of a replaced
+    version is reloaded: test_cache_rollout.py), but the host tier must not keep that copy, or
+    every later load would serve the old version from it."""
     import loraplex.server.adapter_loader as loader
 
     cache = make_cache(disk, slots=2)
@@ -1145,7 +1165,7 @@ def test_a_version_registered_during_a_load_keeps_the_old_copy_out_of_the_host_t
     assert fut.result(10) in (0, 1)
     assert "a" not in cache.host  # the next load reads the files again, not this copy
     monkeypatch.setattr(loader, "read_into_host", read_into_host)
-    assert cache.evict("a")
+    assert "a" not in cache.ready_slots()  # held by nothing: its slot of version 1 is given up
     assert cache.prefetch("b").result(10) in (0, 1) and cache.prefetch("a").result(10) in (0, 1)
     assert "a" in cache.host  # read at version 2: kept
     check_invariants(cache)
