@@ -357,3 +357,54 @@ async def test_a_rejected_adapter_is_never_served(cluster: Cluster, eventually_)
     status, body = await c.complete("too-big")
     assert status == 404 and body["error"]["code"] == "model_not_found", body
     assert not (c.cache_dir / "too-big").exists()
+
+
+async def test_a_session_start_at_the_node_agent_makes_the_first_request_a_hit(cluster: Cluster, eventually_):
+    """POST /v1/sessions on the node's agent (a client opening a conversation): the adapter
+    is staged on the node and loaded into the node's servers before its first request."""
+    c = cluster
+    await c.apply_adapter("poet", pinPolicy="Never")
+
+    async def planned():
+        plan = await c.plan()
+        return plan if plan and [a["name"] for a in plan["adapters"]] == ["poet"] else None
+    await eventually_(planned, what="poet planned")
+
+    async def warmed():  # the agent warms the server once it sees it ready (nothing to pin here)
+        status, _ = await _get(c.http, f"{c.agent_url}/v1/adapters")
+        return status == 200 and "poet" in await c.rows()
+    await eventually_(warmed, what="the server knows poet from its plan")
+    assert (await c.rows())["poet"]["tier"] == "source"
+    async with c.http.post(f"{c.agent_url}/v1/sessions", json={"model": "poet"}) as r:
+        body = await r.json()
+        assert r.status == 200, body
+    assert body["adapter"]["name"] == "poet" and [s["ok"] for s in body["servers"]] == [True]
+
+    async def resident():
+        row = (await c.rows()).get("poet", {})
+        return row if row.get("tier") == "gpu" else None
+    row = await eventually_(resident, what="poet resident after the session start")
+    assert row["hits"] == 0
+    status, _ = await c.complete("poet")
+    assert status == 200 and (await c.rows())["poet"]["hits"] == 1
+
+
+async def test_a_priority_change_moves_the_servers_pins(cluster: Cluster, eventually_):
+    """Two adapters compete for one pinned slot (pinnedPercent of the plan's slots): raising
+    one's priority moves the pin, in the plan and in the server, without a restart."""
+    c = cluster
+    await c.api.merge_patch(BASE_MODELS.path(NS, BASE), {"spec": {"pinnedPercent": 1}})  # 2 of 250 slots
+    await c.apply_adapter("sql-expert", priority=10)
+    await c.apply_adapter("poet", priority=5)
+    await c.apply_adapter("pirate", priority=1)
+
+    async def pinned_in_server(names):
+        plan = await c.plan()
+        rows = await c.rows()
+        pinned = {n for n, row in rows.items() if row["pinned"]}
+        return plan if plan and sorted(plan["pinned"]) == names and pinned == set(names) else None
+    await eventually_(lambda: pinned_in_server(["poet", "sql-expert"]), timeout=20, what="the first pins")
+    await c.apply_adapter("pirate", priority=50)
+    await eventually_(lambda: pinned_in_server(["pirate", "sql-expert"]), timeout=20, what="the pin moved")
+    rows = await c.rows()
+    assert rows["pirate"]["tier"] == "gpu" and not rows["poet"]["pinned"]
