@@ -1,10 +1,13 @@
 """The node agent's HTTP API (aiohttp) and the object that owns its parts.
 
-    POST /v1/stage     {"name", "source"[, "sha256"][, "dtype"]}  -> 200 {"adapter": {...}} once on disk
-                       (dtype: the server's; a copy of the adapter's F32 tensors in it is staged too)
+    POST /v1/stage     {"name", "source"[, "sha256"][, "dtype"][, "namespace"]}  -> 200 {"adapter": {...}}
+                       once on disk (dtype: the server's; a copy of the adapter's F32 tensors in it is
+                       staged too; namespace: the server's Kubernetes namespace: staged in the cache's
+                       folder for it, <cache>/.namespaces/<namespace>/<name>, apart from other
+                       namespaces' adapters of that name)
     POST /v1/sessions  {"model": name}               -> 200 {"adapter": {...}, "servers": [...]}
                         stages a plan adapter and prefetches it into this node's servers
-    GET  /v1/adapters  -> {"adapters": [{name, sha256, source, path, bytes, pinned, lastUsed}],
+    GET  /v1/adapters  -> {"adapters": [{name, namespace, sha256, source, path, bytes, pinned, lastUsed}],
                            "usedBytes", "budgetBytes", "errors": {name: "Reason: message"}}
     GET  /healthz      -> 200 while every background loop runs, 500 once one crashed
     GET  /metrics      -> Prometheus text
@@ -90,7 +93,7 @@ class Agent:
         elif api is not None and c.node_name:
             discovery = KubePods(api, c.node_name)
         self.warmer = Warmer(self.store, plan, self.session, discovery=discovery, reporter=reporter,
-                             metrics=self.metrics, poll_seconds=c.poll_seconds,
+                             metrics=self.metrics, namespace=c.namespace, poll_seconds=c.poll_seconds,
                              server_poll_seconds=c.server_poll_seconds)
         if plan is not None:
             self.tasks.spawn(self.warmer.run(), "plan-watch")
@@ -186,7 +189,7 @@ async def stage(request: web.Request) -> web.Response:
     if missing:
         return error("InvalidRequest", f"missing fields: {', '.join(missing)}", 400)
     agent = _agent(request)
-    ref = AdapterRef(body["name"], body["source"], body.get("sha256"), body.get("dtype"))
+    ref = AdapterRef(body["name"], body["source"], body.get("sha256"), body.get("dtype"), body.get("namespace"))
     try:
         ref.validate()
         staged = await agent.warmer.stage_on_request(ref)

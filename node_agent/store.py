@@ -11,6 +11,14 @@ Layout under the cache directory (the host path the server pods mount read-only)
         .loraplex.json                      {"name", "sha256", "source" (its secrets left out),
                                             "sourceSha256" (of the whole source)}: read back at start
     <root>/.tmp/…                           downloads in progress (removed at start)
+    <root>/.namespaces/ml/                  a Kubernetes namespace's adapters, laid out as <root>
+        sql-v2 -> .store/…                  is: the operator mounts this folder alone into the
+        .store/…                            namespace's serving pods, so two namespaces' adapters
+                                            of one name are two adapters, and no pod reads
+                                            another namespace's weights
+
+An adapter's identity in the store is its (namespace, name): namespace None for an
+adapter asked for without one (a server outside Kubernetes), kept at the top.
 
 Staging an adapter: stream both files into a fresh directory under .tmp (same filesystem),
 hashing the weights on the way; check the sha256 (digest of adapter_model.safetensors) and
@@ -73,7 +81,7 @@ from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.sources import Fetch, SourceError, open_source, redact, source_digest
 from loraplex.server.adapter_format import (SERVING_DTYPES, STAGED_META_FILE, read_safetensors_header,
                                             serving_weights_name)
-from loraplex.server.adapter_names import InvalidAdapterName, check_adapter_name
+from loraplex.server.adapter_names import InvalidAdapterName, check_adapter_name, is_namespace
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +120,22 @@ class StoreError(Exception):
         return REASON_STATUS.get(self.reason, 500)
 
 
+# Where a namespace's adapters live under the cache (a dot name: never an adapter's).
+NAMESPACES_DIR = ".namespaces"
+
+Key = tuple  # (namespace or None, name)
+
+
+def namespace_dir(root: Path, namespace: str | None) -> Path:
+    """The folder that holds `namespace`'s adapters (`<root>` itself for None)."""
+    return Path(root) if namespace is None else Path(root) / NAMESPACES_DIR / namespace
+
+
 @dataclass(frozen=True)
 class AdapterRef:
-    """An adapter's identity as the plan or a client gives it: name, source URI, digest; and
-    the dtype its servers hold adapters in (a copy of its F32 tensors in it is staged too).
+    """An adapter's identity as the plan or a client gives it: name (in a Kubernetes
+    namespace, or None), source URI, digest; and the dtype its servers hold adapters in (a
+    copy of its F32 tensors in it is staged too).
 
     The digest is optional, as in the LoRAAdapter CRD: with one, a download is checked against
     it and a different digest is a new version; without, the source is staged as found (its
@@ -125,12 +145,20 @@ class AdapterRef:
     source: str
     sha256: str | None
     dtype: str | None = None
+    namespace: str | None = None
+
+    @property
+    def key(self) -> Key:
+        return (self.namespace, self.name)
 
     def validate(self) -> None:
         try:  # the server's rule: every name it can ask for (Kubernetes object names among them)
             check_adapter_name(self.name)
         except InvalidAdapterName as e:
             raise StoreError("InvalidRequest", str(e)) from None
+        if self.namespace is not None and not is_namespace(self.namespace):
+            raise StoreError("InvalidRequest", f"namespace {self.namespace!r} is not a Kubernetes namespace name "
+                             "(a DNS-1123 label: 1-63 lowercase letters, digits and '-')")
         if self.sha256 is not None and (not isinstance(self.sha256, str) or not _SHA256.match(self.sha256)):
             raise StoreError("InvalidRequest", f"sha256 {self.sha256!r} is not 64 lowercase hex digits")
         if not isinstance(self.source, str) or not self.source:
@@ -149,6 +177,7 @@ def is_version(staged: "_Entry | StagedAdapter", ref: AdapterRef) -> bool:
 
 @dataclass
 class _Entry:
+    namespace: str | None
     name: str
     sha256: str
     source: str
@@ -158,6 +187,10 @@ class _Entry:
     source_digest: str  # of the whole source (`source` may be redacted: read back from disk)
     asked: int = 0  # the order of the request whose download staged it (0: found at start)
 
+    @property
+    def key(self) -> Key:
+        return (self.namespace, self.name)
+
 
 @dataclass(frozen=True)
 class StagedAdapter:
@@ -166,15 +199,16 @@ class StagedAdapter:
     name: str
     sha256: str
     source: str
-    path: str  # <root>/<name>: what a server on this node loads
+    path: str  # <root>/[.namespaces/<namespace>/]<name>: what a server on this node loads
     bytes: int
     pinned: bool
     last_used: float  # seconds since the epoch (the store's clock)
     source_digest: str = ""  # of the whole source: what tells digest-less versions apart
+    namespace: str | None = None
 
     def as_json(self) -> dict:
-        return {"name": self.name, "sha256": self.sha256, "source": redact(self.source), "path": self.path,
-                "bytes": self.bytes, "pinned": self.pinned, "lastUsed": self.last_used}
+        return {"name": self.name, "namespace": self.namespace, "sha256": self.sha256, "source": redact(self.source),
+                "path": self.path, "bytes": self.bytes, "pinned": self.pinned, "lastUsed": self.last_used}
 
 
 class AdapterStore:
@@ -200,20 +234,19 @@ class AdapterStore:
         for reason in REASON_STATUS:
             self.metrics.failures.labels(reason)
         self._clock = clock
-        # Called with the name of each adapter evicted to make room (the warmer reports it).
-        self.on_evict: Callable[[str], None] | None = None
-        self._store_dir = self.root / ".store"
-        self._tmp_dir = self.root / ".tmp"
-        self._entries: dict[str, _Entry] = {}
-        self._pinned: frozenset[str] = frozenset()
+        # Called with the (namespace, name) of each adapter evicted to make room (the warmer reports it).
+        self.on_evict: Callable[[Key], None] | None = None
+        self._tmp_dir = self.root / ".tmp"  # one for every namespace: renamed from there within one filesystem
+        self._entries: dict[Key, _Entry] = {}
+        self._pinned: frozenset[Key] = frozenset()
         self._reserved = 0  # bytes promised to downloads in flight
         self._holding: dict[int, int] = {}  # download (in start order) -> bytes it reserved
         self._started = itertools.count()
         self._asked = itertools.count(1)  # downloads in the order they were asked for
         self._released = asyncio.Event()  # set (and replaced) when a download gives bytes back
         self._semaphore = asyncio.Semaphore(max_concurrent_downloads)
-        self._inflight: dict[tuple[str, str, int], asyncio.Future] = {}
-        self._generation: dict[str, int] = {}  # name -> removals so far (a download started before one is void)
+        self._inflight: dict[tuple[Key, str, int], asyncio.Future] = {}
+        self._generation: dict[Key, int] = {}  # removals so far (a download started before one is void)
         self._copying: dict[tuple[str, str], asyncio.Future] = {}  # (version, dtype) -> the copy's writer
         self.downloads_started = 0
         self.metrics.budget_bytes.set(budget_bytes)
@@ -225,39 +258,40 @@ class AdapterStore:
     def used_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
-    def get(self, name: str) -> StagedAdapter | None:
-        e = self._entries.get(name)
+    def get(self, name: str, namespace: str | None = None) -> StagedAdapter | None:
+        e = self._entries.get((namespace, name))
         return None if e is None else self._info(e)
 
     def list(self) -> list[StagedAdapter]:
-        return [self._info(e) for e in sorted(self._entries.values(), key=lambda e: e.name)]
+        return [self._info(e) for e in sorted(self._entries.values(), key=lambda e: (e.namespace or "", e.name))]
 
-    def set_pinned(self, names: set[str] | frozenset[str]) -> None:
-        """The plan's pinned set: evicted last, and only to make room for another pinned one."""
-        self._pinned = frozenset(names)
+    def set_pinned(self, names: set[str] | frozenset[str], namespace: str | None = None) -> None:
+        """A plan's pinned set (its namespace's; other namespaces' pins stay): evicted last,
+        and only to make room for another pinned one."""
+        self._pinned = frozenset({k for k in self._pinned if k[0] != namespace} | {(namespace, n) for n in names})
         self._update_gauges()
 
-    def touch(self, name: str) -> None:
+    def touch(self, name: str, namespace: str | None = None) -> None:
         """A server (or a session) used `name`: it moves to the back of the eviction order."""
-        e = self._entries.get(name)
+        e = self._entries.get((namespace, name))
         if e is not None:
             e.last_used = self._clock()
             with contextlib.suppress(OSError):
-                os.utime(self._store_dir / e.blob, (e.last_used, e.last_used))
+                os.utime(self._blob_dir(e), (e.last_used, e.last_used))
 
     # -- staging ------------------------------------------------------------------------------
 
     async def stage(self, ref: AdapterRef) -> StagedAdapter:
         """Make `ref` present and verified on local disk; return it. Raises StoreError."""
         ref.validate()
-        e = self._entries.get(ref.name)
+        e = self._entries.get(ref.key)
         if e is not None and is_version(e, ref):
-            self.touch(ref.name)
-            if ref.dtype and not (self._store_dir / e.blob / serving_weights_name(ref.dtype)).exists():
+            self.touch(ref.name, ref.namespace)
+            if ref.dtype and not (self._blob_dir(e) / serving_weights_name(ref.dtype)).exists():
                 await self._add_serving_copy(e, ref)
             return self._info(e)
-        generation = self._generation.get(ref.name, 0)
-        key = (ref.name, ref.sha256 or ref.source, generation)
+        generation = self._generation.get(ref.key, 0)
+        key = (ref.key, ref.sha256 or ref.source, generation)
         fut = self._inflight.get(key)
         if fut is None:
             fut = asyncio.ensure_future(self._download(ref, generation, next(self._asked)))
@@ -266,23 +300,24 @@ class AdapterStore:
         # shield: a client that gives up does not cancel a download others wait for.
         staged = await asyncio.shield(fut)
         # A request that joined a download asked for without its dtype gets the copy now.
-        e = self._entries.get(ref.name)
+        e = self._entries.get(ref.key)
         if (ref.dtype and e is not None and is_version(e, ref)
-                and not (self._store_dir / e.blob / serving_weights_name(ref.dtype)).exists()):
+                and not (self._blob_dir(e) / serving_weights_name(ref.dtype)).exists()):
             await self._add_serving_copy(e, ref)
             return self._info(e)
         return staged
 
-    def _download_done(self, key: tuple[str, str, int], fut: asyncio.Future) -> None:
+    def _download_done(self, key: tuple[Key, str, int], fut: asyncio.Future) -> None:
         self._inflight.pop(key, None)
         if not fut.cancelled():
             fut.exception()  # retrieved here: waiters that left early must not leave it unseen
 
-    async def remove(self, name: str) -> bool:
+    async def remove(self, name: str, namespace: str | None = None) -> bool:
         """Remove `name` from disk (an adapter deleted from the plan). True if it was there.
         A download of it in flight is void: it ends with StoreError("Removed") and leaves nothing."""
-        self._generation[name] = self._generation.get(name, 0) + 1
-        e = self._entries.pop(name, None)
+        key = (namespace, name)
+        self._generation[key] = self._generation.get(key, 0) + 1
+        e = self._entries.pop(key, None)
         if e is None:
             return False
         await asyncio.to_thread(self._unlink_entry, e)
@@ -385,34 +420,36 @@ class AdapterStore:
                     "sourceSha256": source_digest(ref.source)}
             await asyncio.to_thread(_write_synced, tmp / META_FILE, json.dumps(meta).encode())
             blob = f"{digest[:16]}-{uuid.uuid4().hex[:8]}"
-            await asyncio.to_thread(self._store_blob, tmp, blob)
+            store_dir = namespace_dir(self.root, ref.namespace) / ".store"
+            await asyncio.to_thread(self._store_blob, tmp, store_dir, blob)
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, tmp, True)
             self._release(reserved, me)
             raise
-        if self._generation.get(ref.name, 0) != generation:  # removed while the directory moved
-            await asyncio.to_thread(shutil.rmtree, self._store_dir / blob, True)
+        if self._generation.get(ref.key, 0) != generation:  # removed while the directory moved
+            await asyncio.to_thread(shutil.rmtree, store_dir / blob, True)
             self._release(reserved, me)
             raise StoreError("Removed", f"{ref.name} was removed (it left the plan) while it downloaded")
         self._release(reserved, me)
-        old = self._entries.get(ref.name)
+        old = self._entries.get(ref.key)
         if old is not None and old.asked > asked:  # the later request wins, whichever ends first
-            await asyncio.to_thread(shutil.rmtree, self._store_dir / blob, True)
+            await asyncio.to_thread(shutil.rmtree, store_dir / blob, True)
             raise StoreError("Superseded", f"{ref.name}: version {digest[:12]} was dropped: version"
                              f" {old.sha256[:12]}, asked for after it, was staged first")
         # The name's symlink and its entry change together, with no await between them: two
         # versions of one name staged at once must not leave the link on one and the entry on
         # the other (whose cleanup then deletes the linked directory).
-        entry = _Entry(ref.name, digest, ref.source, blob, total, self._clock(), source_digest(ref.source), asked)
+        entry = _Entry(ref.namespace, ref.name, digest, ref.source, blob, total, self._clock(),
+                       source_digest(ref.source), asked)
         try:
-            self._link(ref.name, blob)
+            self._link(ref.namespace, ref.name, blob)
         except OSError:  # (a full disk): the version directory must not stay, unlinked and uncounted
-            await asyncio.to_thread(shutil.rmtree, self._store_dir / blob, True)
+            await asyncio.to_thread(shutil.rmtree, store_dir / blob, True)
             raise
-        self._entries[ref.name] = entry
-        await asyncio.to_thread(_fsync_dir, self.root)
+        self._entries[ref.key] = entry
+        await asyncio.to_thread(_fsync_dir, namespace_dir(self.root, ref.namespace))
         if old is not None:  # the previous version: its symlink points here no more
-            await asyncio.to_thread(shutil.rmtree, self._store_dir / old.blob, True)
+            await asyncio.to_thread(shutil.rmtree, self._blob_dir(old), True)
         self._update_gauges()
         return self._info(entry)
 
@@ -445,12 +482,12 @@ class AdapterStore:
         total = nbytes if total is None else total
         need = self.used_bytes + self._reserved + nbytes - self.budget_bytes
         if need > 0:
-            pinned = ref.name in self._pinned
+            pinned = ref.key in self._pinned
             # The name's current version stays until the new one replaces it.
             order = sorted(
                 (e for e in self._entries.values()
-                 if e.name != ref.name and (pinned or e.name not in self._pinned)),
-                key=lambda e: (e.name in self._pinned, e.last_used),
+                 if e.key != ref.key and (pinned or e.key not in self._pinned)),
+                key=lambda e: (e.key in self._pinned, e.last_used),
             )
             victims, freed = [], 0
             for e in order:
@@ -480,24 +517,48 @@ class AdapterStore:
         self._released = asyncio.Event()
 
     def _evict(self, e: _Entry) -> None:
-        log.info("evicting %s (%d bytes, last used %.0f) to make room", e.name, e.nbytes, e.last_used)
-        del self._entries[e.name]
+        log.info("evicting %s (%d bytes, last used %.0f) to make room", _label(e), e.nbytes, e.last_used)
+        del self._entries[e.key]
         self._unlink_entry(e)
         self.metrics.evictions.inc()
         self._update_gauges()
         if self.on_evict is not None:
-            self.on_evict(e.name)
+            self.on_evict(e.key)
 
     # -- disk ---------------------------------------------------------------------------------
 
     def _open(self) -> None:
-        """Create the layout; clear leftovers of a crash; read back what is staged."""
-        for d in (self.root, self._store_dir, self._tmp_dir):
+        """Create the layout; clear leftovers of a crash; read back what is staged, at the top
+        and in each namespace's folder."""
+        for d in (self.root, self.root / ".store", self._tmp_dir):
             d.mkdir(parents=True, exist_ok=True)
         for leftover in self._tmp_dir.iterdir():
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+        self._open_dir(None)
+        namespaces = self.root / NAMESPACES_DIR
+        for d in sorted(namespaces.iterdir()) if namespaces.is_dir() else ():
+            if d.is_dir() and not d.is_symlink() and is_namespace(d.name):
+                self._open_dir(d.name)
+            else:
+                log.warning("ignoring %s: not a namespace's folder the agent made", d)
+        if self._entries:
+            log.info("found %d staged adapters (%d bytes) in %s", len(self._entries), self.used_bytes, self.root)
+        if self.used_bytes > self.budget_bytes:  # a smaller budget than the last run's
+            log.warning("%d staged bytes are over the %d-byte budget: evicting the least recently used",
+                        self.used_bytes, self.budget_bytes)
+            for e in sorted(self._entries.values(), key=lambda e: e.last_used):  # (no pins known yet)
+                if self.used_bytes <= self.budget_bytes:
+                    break
+                self._evict(e)
+        self._update_gauges()
+
+    def _open_dir(self, namespace: str | None) -> None:
+        """Read back the adapters of one folder (the top, or a namespace's)."""
+        home = namespace_dir(self.root, namespace)
+        store_dir = home / ".store"
+        store_dir.mkdir(parents=True, exist_ok=True)
         used_blobs = set()
-        for link in self.root.iterdir():
+        for link in home.iterdir():
             if link.name.startswith("."):
                 if link.is_symlink():  # a symlink swap cut short
                     link.unlink()
@@ -506,7 +567,7 @@ class AdapterStore:
                 log.warning("ignoring %s: not a symlink the agent made", link)
                 continue
             target = Path(os.readlink(link))
-            blob_dir = self._store_dir / target.name
+            blob_dir = store_dir / target.name
             try:
                 meta = json.loads((blob_dir / META_FILE).read_text())
                 check_adapter_dir(blob_dir)  # both files there and whole, as when staged
@@ -538,36 +599,37 @@ class AdapterStore:
             used_blobs.add(target.name)
             # A version staged before sources were kept redacted has the whole source instead.
             kept = meta.get("sourceSha256")
-            self._entries[link.name] = _Entry(link.name, meta["sha256"], meta["source"], target.name, nbytes, mtime,
-                                              kept if isinstance(kept, str) else source_digest(meta["source"]))
-        for blob in self._store_dir.iterdir():
+            self._entries[(namespace, link.name)] = _Entry(
+                namespace, link.name, meta["sha256"], meta["source"], target.name, nbytes, mtime,
+                kept if isinstance(kept, str) else source_digest(meta["source"]))
+        for blob in store_dir.iterdir():
             if blob.name not in used_blobs:
                 shutil.rmtree(blob, ignore_errors=True)
-        if self._entries:
-            log.info("found %d staged adapters (%d bytes) in %s", len(self._entries), self.used_bytes, self.root)
-        if self.used_bytes > self.budget_bytes:  # a smaller budget than the last run's
-            log.warning("%d staged bytes are over the %d-byte budget: evicting the least recently used",
-                        self.used_bytes, self.budget_bytes)
-            for e in sorted(self._entries.values(), key=lambda e: e.last_used):  # (no pins known yet)
-                if self.used_bytes <= self.budget_bytes:
-                    break
-                self._evict(e)
-        self._update_gauges()
 
-    def _store_blob(self, tmp: Path, blob: str) -> None:
-        """Move a verified download into .store under its version's directory name (durably)."""
+    def _blob_dir(self, e: _Entry) -> Path:
+        return namespace_dir(self.root, e.namespace) / ".store" / e.blob
+
+    def _store_blob(self, tmp: Path, store_dir: Path, blob: str) -> None:
+        """Move a verified download into `store_dir` (its namespace's .store) under its
+        version's directory name (durably)."""
         _fsync_dir(tmp)
-        os.rename(tmp, self._store_dir / blob)
-        _fsync_dir(self._store_dir)
+        new = not store_dir.is_dir()
+        store_dir.mkdir(parents=True, exist_ok=True)
+        if new:  # a namespace's first adapter: its folders made durable too
+            _fsync_dir(store_dir.parent)
+            _fsync_dir(store_dir.parent.parent)
+        os.rename(tmp, store_dir / blob)
+        _fsync_dir(store_dir)
 
-    def _link(self, name: str, blob: str) -> None:
+    def _link(self, namespace: str | None, name: str, blob: str) -> None:
         """Point the name's symlink at `blob`: a new link renamed over the old, so a reader sees
         one version or the other. Two quick syscalls, run on the event loop (see the caller)."""
+        home = namespace_dir(self.root, namespace)
         # The name's first 64 characters only: a name may take 253 of a file name's 255 bytes.
-        link_tmp = self.root / f".{name[:64]}.{uuid.uuid4().hex[:8]}.link"
+        link_tmp = home / f".{name[:64]}.{uuid.uuid4().hex[:8]}.link"
         os.symlink(os.path.join(".store", blob), link_tmp)
         try:
-            os.replace(link_tmp, self.root / name)
+            os.replace(link_tmp, home / name)
         except OSError:
             link_tmp.unlink(missing_ok=True)
             raise
@@ -611,29 +673,35 @@ class AdapterStore:
         await asyncio.shield(task)
 
     async def _copy_into(self, e: _Entry, ref: AdapterRef) -> None:
-        extra = await self._write_serving_copy(self._store_dir / e.blob, ref)
+        extra = await self._write_serving_copy(self._blob_dir(e), ref)
         self._release(extra)
-        if extra and self._entries.get(e.name) is e:
+        if extra and self._entries.get(e.key) is e:
             e.nbytes += extra
             self._update_gauges()
             log.info("adapter %s: wrote its %s copy", e.name, ref.dtype)
 
     def _unlink_entry(self, e: _Entry) -> None:
-        link = self.root / e.name
+        home = namespace_dir(self.root, e.namespace)
+        link = home / e.name
         with contextlib.suppress(OSError):
             if link.is_symlink() and Path(os.readlink(link)).name == e.blob:
                 link.unlink()
-                _fsync_dir(self.root)
-        shutil.rmtree(self._store_dir / e.blob, ignore_errors=True)
+                _fsync_dir(home)
+        shutil.rmtree(self._blob_dir(e), ignore_errors=True)
 
     def _info(self, e: _Entry) -> StagedAdapter:
-        return StagedAdapter(e.name, e.sha256, e.source, str(self.root / e.name), e.nbytes,
-                             e.name in self._pinned, e.last_used, e.source_digest)
+        return StagedAdapter(e.name, e.sha256, e.source, str(namespace_dir(self.root, e.namespace) / e.name), e.nbytes,
+                             e.key in self._pinned, e.last_used, e.source_digest, e.namespace)
 
     def _update_gauges(self) -> None:
         self.metrics.disk_bytes.set(self.used_bytes)
         self.metrics.staged_adapters.set(len(self._entries))
-        self.metrics.pinned_adapters.set(sum(1 for n in self._entries if n in self._pinned))
+        self.metrics.pinned_adapters.set(sum(1 for k in self._entries if k in self._pinned))
+
+
+def _label(e: _Entry) -> str:
+    """How logs name an adapter: `name`, or `namespace/name`."""
+    return e.name if e.namespace is None else f"{e.namespace}/{e.name}"
 
 
 def _mkdtemp(parent: Path, name: str) -> str:

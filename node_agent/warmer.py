@@ -97,8 +97,9 @@ class Plan:
         return [w.name for w in self.prefetch if w.is_due(now) and w.name in self.adapters]
 
 
-def parse_plan(data: object) -> Plan:
-    """A Plan from the decoded plan.json; PlanError says what does not fit."""
+def parse_plan(data: object, namespace: str | None = None) -> Plan:
+    """A Plan from the decoded plan.json; PlanError says what does not fit. `namespace`: the
+    plan's (its LoRAAdapters'), which its adapters are staged under."""
     if not isinstance(data, dict):
         raise PlanError("plan is not a JSON object")
     try:
@@ -107,7 +108,7 @@ def parse_plan(data: object) -> Plan:
         if dtype is not None and dtype not in SERVING_DTYPES:
             raise PlanError(f"dtype {dtype!r} is not one of {sorted(SERVING_DTYPES)}")
         for a in data.get("adapters") or []:
-            ref = AdapterRef(_string(a["name"], "an adapter's name"), a["source"], a.get("sha256"), dtype)
+            ref = AdapterRef(_string(a["name"], "an adapter's name"), a["source"], a.get("sha256"), dtype, namespace)
             adapters[ref.name] = PlanAdapter(ref, a.get("tenant"), int(a.get("priority", 0)), bool(a.get("pinned")))
         pinned = tuple(data.get("pinned") or [n for n, a in adapters.items() if a.pinned])
         unknown = [n for n in pinned if n not in adapters]
@@ -133,9 +134,9 @@ def _same_version(planned: AdapterRef, asked: AdapterRef) -> bool:
             and asked.sha256 in (None, planned.sha256))
 
 
-def read_plan(path: Path) -> Plan:
+def read_plan(path: Path, namespace: str | None = None) -> Plan:
     try:
-        return parse_plan(read_plan_file(path))
+        return parse_plan(read_plan_file(path), namespace)
     except PlanFileError as e:
         raise PlanError(str(e)) from None
 
@@ -266,6 +267,7 @@ class Warmer:
         discovery: ServerDiscovery | None = None,
         reporter: StatusReporter | None = None,
         metrics: Metrics | None = None,
+        namespace: str | None = None,
         now: Callable[[], datetime.datetime] = utcnow,
         poll_seconds: float = 1.0,
         server_poll_seconds: float = 2.0,
@@ -278,6 +280,9 @@ class Warmer:
         self._session = session
         self.discovery = discovery
         self.reporter = reporter
+        # The plan's namespace (its LoRAAdapters'): its adapters are staged in the cache's
+        # folder for it, which the operator mounts into that namespace's servers alone.
+        self.namespace = namespace
         store.on_evict = self._evicted
         self.metrics = metrics or store.metrics
         self._now = now
@@ -325,7 +330,8 @@ class Warmer:
         wakes the plan loop to take it) before refusing. Names the plan does not list (another
         base's servers on this node, or no plan at all) are staged as asked."""
         plan = self.plan
-        if plan is None or ref.name not in plan.adapters or _same_version(plan.adapters[ref.name].ref, ref):
+        if (plan is None or ref.namespace != self.namespace or ref.name not in plan.adapters
+                or _same_version(plan.adapters[ref.name].ref, ref)):
             return None
         newer = await self._read_plan_now()
         if newer is not None:
@@ -347,7 +353,7 @@ class Warmer:
         if refusal is not None:
             raise refusal
         plan = self.plan
-        if plan is not None and ref.name in plan.adapters:
+        if plan is not None and ref.namespace == self.namespace and ref.name in plan.adapters:
             return await self._stage(ref)
         return await self.store.stage(ref)
 
@@ -358,7 +364,7 @@ class Warmer:
             return None
         try:
             identity, raw = await self.plan_source.read(None)
-            return parse_plan(decode_plan(raw)) if identity is not None and raw is not None else None
+            return parse_plan(decode_plan(raw), self.namespace) if identity is not None and raw is not None else None
         except (ValueError, PlanFileError, zlib.error, aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return None
 
@@ -387,7 +393,7 @@ class Warmer:
             return False
         self._watch.identity = identity
         try:
-            plan = parse_plan(decode_plan(raw))
+            plan = parse_plan(decode_plan(raw), self.namespace)
         except (PlanError, PlanFileError, zlib.error) as e:  # zlib.error: a broken deflate stream
             log.error("ignoring plan %s: %s", self.plan_source, e)
             return False
@@ -404,7 +410,7 @@ class Warmer:
         if plan is None:
             return
         self.reconciles += 1
-        self.store.set_pinned(set(plan.pinned))
+        self.store.set_pinned(set(plan.pinned), self.namespace)
         dropped: set[str] = set()
         was_pinned: set[str] = set()
         if previous is not None:
@@ -420,7 +426,7 @@ class Warmer:
         # A server keeps the pins the warmer made through its API until it is told otherwise.
         self._unpin = (self._unpin | was_pinned) - set(plan.pinned)
         for name in sorted(dropped):
-            if await self.store.remove(name):
+            if await self.store.remove(name, self.namespace):
                 log.info("removed %s from local disk: it left the plan", name)
                 self._report_removed(name)
             self._watch.errors.pop(name, None)
@@ -429,7 +435,7 @@ class Warmer:
         self._record({"adapters": sorted(plan.adapters), "pinned": sorted(plan.pinned)})
         if self.reporter is not None:  # what an earlier run (or a session) left on disk
             for name, a in plan.adapters.items():
-                staged = self.store.get(name)
+                staged = self.store.get(name, self.namespace)
                 if staged is not None and is_version(staged, a.ref):
                     self.reporter.staged(name, staged.bytes)
         await self._stage_all([plan.adapters[n].ref for n in plan.pinned])
@@ -450,7 +456,7 @@ class Warmer:
 
     async def _stage(self, ref: AdapterRef) -> StagedAdapter:
         """Stage one plan adapter, keeping its error and its status.nodes entry up to date."""
-        have = self.store.get(ref.name)
+        have = self.store.get(ref.name, ref.namespace)
         if self.reporter is not None and (have is None or not is_version(have, ref)):
             self.reporter.staging(ref.name)
         try:
@@ -503,9 +509,10 @@ class Warmer:
             return
         self._recorded = state
 
-    def _evicted(self, name: str) -> None:
+    def _evicted(self, key: tuple) -> None:
+        namespace, name = key
         plan = self._watch.plan
-        if plan is not None and name in plan.adapters:
+        if plan is not None and namespace == self.namespace and name in plan.adapters:
             self._report_removed(name)
 
     def _report_removed(self, name: str) -> None:
@@ -587,12 +594,12 @@ class Warmer:
         calls: list[tuple[str, str]] = [(name, "unpin") for name in sorted(self._unpin)]
         results = []
         for name in plan.pinned:
-            if self.store.get(name) is None:
+            if self.store.get(name, self.namespace) is None:
                 results.append(WarmResult(name, "prefetch", False, "not staged on this node"))
                 continue
             calls += [(name, "prefetch"), (name, "pin")]
         for name in plan.due_prefetch(self._now()):
-            if name not in plan.pinned and self.store.get(name) is not None:
+            if name not in plan.pinned and self.store.get(name, self.namespace) is not None:
                 calls.append((name, "prefetch"))
         for i, (name, action) in enumerate(calls):
             result = await self.call_server(url, name, action)
@@ -608,18 +615,24 @@ class Warmer:
         path = f"/v1/adapters/{urllib.parse.quote(name)}/{action}"
         if action == "prefetch":
             path += "?wait=false"
-        unreachable = False
+        unreachable = unknown = False
         try:
             async with self._session.post(url.rstrip("/") + path,
                                           timeout=aiohttp.ClientTimeout(total=self.server_timeout_seconds)) as r:
                 # (an unpin of an adapter the server does not know has nothing to undo)
                 ok = 200 <= r.status < 300 or (action == "unpin" and r.status == 404)
                 detail = "" if ok else f"{r.status}: {(await r.text())[:200]}"
+                unknown = r.status == 404
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             ok, detail = False, f"{type(e).__name__}: {str(e) or f'no answer in {self.server_timeout_seconds:g} s'}"
             unreachable = not isinstance(e, aiohttp.ClientResponseError)
         self.metrics.server_calls.labels(action, "ok" if ok else "error").inc()
-        if not ok:
+        if not ok and unknown:
+            # A server that follows the plan file loads and pins the plan's adapters itself; it
+            # may not have read the plan yet (the kubelet updates a mounted ConfigMap up to a
+            # minute after the API has it, where this agent reads it).
+            log.info("%s %s on %s: the server does not know it (yet): %s", action, name, url, detail)
+        elif not ok:
             log.warning("%s %s on %s failed: %s", action, name, url, detail)
         return WarmResult(name, action, ok, detail, unreachable)
 

@@ -157,7 +157,8 @@ EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu-aged", "wtinylfu")
 OPERATOR_FLAGS: frozenset[str] = frozenset({
     "--model", "--served-model-name", "--dummy-weights", "--demo", "--demo-dir", "--host", "--port",
     "--device", "--dtype", "--plan-file", "--max-loras", "--max-lora-rank", "--lora-target-modules",
-    "--lora-modules", "--adapter-cache-dir", "--node-agent-url", "--max-num-seqs", "--max-model-len",
+    "--lora-modules", "--adapter-cache-dir", "--adapter-namespace", "--node-agent-url", "--max-num-seqs",
+    "--max-model-len",
     "--max-prefill-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-cpu-loras",
     "--max-concurrent-loads", "--eviction-policy",
 })

@@ -34,6 +34,10 @@ PLAIN_PLAN_LIMIT = 900_000
 PLAN_DIR = "/etc/loraplex/plan"
 PLAN_FILE = f"{PLAN_DIR}/{PLAN_KEY}"
 ADAPTER_CACHE_DIR = "/var/lib/loraplex/adapters"
+# The node agent keeps each namespace's adapters in a folder of their own under its cache
+# (node_agent.store): a server pod mounts its namespace's alone, so two namespaces' adapters
+# of one name never meet, and no pod reads another namespace's weights.
+NAMESPACES_DIR = ".namespaces"
 # Triton's compiled kernels, kept on the node so that a restarted or rescheduled server
 # does not compile them again. Measured on an H200 (bench/results/
 # engine_h200_kv_buckets_notes.md): the start-up warm-up that compiles every kernel took
@@ -50,6 +54,11 @@ SERVER_PORT = 8000
 STARTUP_SECONDS = 900
 # The node agent's API on each node (the DaemonSet's hostPort), reached at the node's IP.
 NODE_AGENT_PORT = 8081
+
+
+def namespace_cache_dir(namespace: str) -> str:
+    """The host folder of a namespace's adapters in the node agent's cache."""
+    return f"{ADAPTER_CACHE_DIR}/{NAMESPACES_DIR}/{namespace}"
 
 
 def plan_config_map_name(base_name: str) -> str:
@@ -118,8 +127,9 @@ def model_path(base: BaseModelSpec) -> str:
 def server_args(base: BaseModelSpec, slots: int) -> list[str]:
     """The server listens on every address of both families (--host "": probes and the
     Service reach it at the pod IP, IPv4 or IPv6 as the cluster gives, and 0.0.0.0 would
-    leave an IPv6 pod unreachable), finds staged adapters in the node's cache and asks the
-    node's agent for the others (NODE_IP comes from the downward API; Kubernetes expands
+    leave an IPv6 pod unreachable), finds staged adapters in its namespace's folder of the
+    node's cache and asks the node's agent for the others, in that namespace (NODE_IP comes
+    from the downward API; Kubernetes expands
     $(NODE_IP) in args, with no brackets around an IPv6 address: the server's
     --node-agent-url reads `http://fd00::5:8081` as `http://[fd00::5]:8081`, so the one
     template serves IPv4 and IPv6 nodes)."""
@@ -134,6 +144,7 @@ def server_args(base: BaseModelSpec, slots: int) -> list[str]:
         "--lora-target-modules", *base.target_modules,
         "--dtype", base.dtype,
         "--adapter-cache-dir", ADAPTER_CACHE_DIR,
+        "--adapter-namespace", base.namespace,
         "--node-agent-url", f"http://$(NODE_IP):{NODE_AGENT_PORT}",
         # The engine's rows and lengths size the KV cache the packing math counted.
         *base.serving.engine.args(),
@@ -143,8 +154,9 @@ def server_args(base: BaseModelSpec, slots: int) -> list[str]:
 
 def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
     """The serving Deployment: the plan ConfigMap mounted read-only at /etc/loraplex/plan, the
-    node's adapter cache (where the node agent stages adapters) from the host, read-only, and
-    the node's compiled-kernel cache (TRITON_CACHE_DIR), read-write.
+    BaseModel's namespace's folder of the node's adapter cache (where the node agent stages
+    its adapters) from the host, read-only, and the node's compiled-kernel cache
+    (TRITON_CACHE_DIR), read-write.
     With no room for adapters (slots 0) the server still gets --max-loras 1; the BaseModel's
     status says Failed / NoRoom."""
     serving = base.serving
@@ -176,7 +188,8 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
         "containers": [container],
         "volumes": [
             {"name": "plan", "configMap": {"name": plan_config_map_name(base.name)}},
-            {"name": "adapters", "hostPath": {"path": ADAPTER_CACHE_DIR, "type": "DirectoryOrCreate"}},
+            {"name": "adapters", "hostPath": {"path": namespace_cache_dir(base.namespace),
+                                              "type": "DirectoryOrCreate"}},
             {"name": "kernel-cache", "hostPath": {"path": KERNEL_CACHE_DIR, "type": "DirectoryOrCreate"}},
             *copy.deepcopy(list(serving.volumes)),
         ],

@@ -85,7 +85,8 @@ class AdapterCache:
 
     def __init__(self, buffers: LoRABuffers, base: BaseSpec, *, policy: str = "lru", max_cpu_loras: int = 0,
                  max_concurrent_loads: int = 4, cache_dir: str | Path | None = None,
-                 node_agent_url: str | None = None, metrics: CacheMetrics | None = None,
+                 node_agent_url: str | None = None, namespace: str | None = None,
+                 metrics: CacheMetrics | None = None,
                  clock: Callable[[], float] = time.perf_counter, base_name: str | None = None,
                  plan_scoped: bool = False):
         self.buffers = buffers
@@ -113,7 +114,8 @@ class AdapterCache:
         self._closed = False
         self.loader = AdapterLoader(buffers, base, self.host, lock=self._lock, done=self._loaded,
                                     max_concurrent_loads=max_concurrent_loads, cache_dir=cache_dir,
-                                    node_agent_url=node_agent_url, clock=clock, staged=self._staged,
+                                    node_agent_url=node_agent_url, namespace=namespace, clock=clock,
+                                    staged=self._staged,
                                     unstaged=self._unstaged)
         self.table = SlotTable(buffers.num_slots, self.policy, self.host, self.metrics,
                                max_concurrent_loads=max_concurrent_loads, start_load=self.loader.start, clock=clock,
@@ -126,7 +128,8 @@ class AdapterCache:
                       base_name: str | None = None) -> "AdapterCache":
         return cls(buffers, base, policy=settings.eviction_policy, max_cpu_loras=settings.max_cpu_loras,
                    max_concurrent_loads=settings.max_concurrent_loads, cache_dir=settings.adapter_cache_dir,
-                   node_agent_url=settings.node_agent_url, metrics=metrics, base_name=base_name,
+                   node_agent_url=settings.node_agent_url, namespace=settings.adapter_namespace, metrics=metrics,
+                   base_name=base_name,
                    plan_scoped=bool(settings.plan_file))
 
     def close(self) -> None:

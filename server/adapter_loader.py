@@ -80,7 +80,8 @@ class AdapterLoader:
 
     def __init__(self, buffers: LoRABuffers, base: BaseSpec, host: HostTier, *, lock: threading.RLock,
                  done: LoadDone, max_concurrent_loads: int = 4, cache_dir: str | Path | None = None,
-                 node_agent_url: str | None = None, clock: Callable[[], float], read_threads: int | None = None,
+                 node_agent_url: str | None = None, namespace: str | None = None, clock: Callable[[], float],
+                 read_threads: int | None = None,
                  staged: StageDone | None = None, unstaged: Callable[[CachedAdapter, int], None] | None = None,
                  max_concurrent_fetches: int | None = None):
         self.buffers = buffers
@@ -92,6 +93,7 @@ class AdapterLoader:
         self.unstaged = unstaged  # the cache's: unstage (slot back, stage first); None: fetch in the load
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self.node_agent_url = node_agent_url.rstrip("/") if node_agent_url else None
+        self.namespace = namespace  # the server's Kubernetes namespace: the node agent's folder for it
         self.clock = clock
         self.pin_memory = buffers.device.type == "cuda"
         self.dtype_name = str(buffers.dtype).removeprefix("torch.")  # the slots' dtype, as files name it
@@ -178,7 +180,7 @@ class AdapterLoader:
         """Fetch adapter `name` (the version of sha256 `version` or of `source`) onto local
         disk: its folder there. `missing`: its registered folder, for the error message."""
         path = fetch_adapter(name, source, version, self.cache_dir, self.node_agent_url,
-                             missing=missing, dtype=self.dtype_name)
+                             missing=missing, dtype=self.dtype_name, namespace=self.namespace)
         if not admin and not _holds(path, version, source):  # replaced by another staging meanwhile
             raise AdapterLoadError(name, "fetch", f"{path} holds another version than the plan's "
                                    f"(another adapter of that name staged on this node?)")

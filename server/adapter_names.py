@@ -31,6 +31,15 @@ _NAME = re.compile(ADAPTER_NAME_PATTERN)
 _ALLOWED = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._@+-")
 
 
+# A Kubernetes namespace's name (a DNS-1123 label): the node's cache keeps each namespace's
+# adapters in a folder of that name (`<cache>/.namespaces/<namespace>/`).
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def is_namespace(name: object) -> bool:
+    return isinstance(name, str) and _NAMESPACE.fullmatch(name) is not None
+
+
 class InvalidAdapterName(ValueError):
     """A name that cannot be an adapter's; the message says which part and why."""
 

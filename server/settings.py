@@ -27,7 +27,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .adapter_names import InvalidAdapterName, check_adapter_name
+from .adapter_names import InvalidAdapterName, check_adapter_name, is_namespace
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The levels both `logging` and uvicorn's `log_level` take (in any case).
@@ -113,9 +113,9 @@ class ServerSettings:
     popularity shift) or wtinylfu (W-TinyLFU, adaptive window). Default: lru."""
 
     adapter_cache_dir: str | None = None
-    """Local disk tier: a folder of PEFT adapters, <dir>/<name>/ (the node agent's cache);
-    a request for a name found there loads it (with --plan-file, a name the plan lists: the
-    node's cache holds other bases' and namespaces' adapters too). Default: none."""
+    """Local disk tier: a folder of PEFT adapters, <dir>/<name>/ (the node agent's cache, or
+    its namespace's folder); a request for a name found there loads it (with --plan-file, a
+    name the plan lists: the folder holds other bases' adapters too). Default: none."""
 
     plan_file: str | None = None
     """The operator's plan (JSON, usually a mounted ConfigMap key): its adapters are
@@ -126,6 +126,12 @@ class ServerSettings:
     (e.g. http://127.0.0.1:8081); an IPv6 host may come without brackets, as Kubernetes expands
     http://$(NODE_IP):8081 (http://fd00::5:8081 is read as [fd00::5], port 8081); without it a
     plan source is fetched directly. Default: none."""
+
+    adapter_namespace: str | None = None
+    """The Kubernetes namespace of this server's adapters: the node agent stages those it is
+    asked for in its cache's folder for that namespace (<cache>/.namespaces/<namespace>/, which
+    the operator mounts as --adapter-cache-dir), apart from other namespaces' adapters of the
+    same names. Default: none (the cache's top folder)."""
 
     lora_target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
     """Projections that may carry LoRA (subset of q/k/v/o/gate/up/down_proj); adapters
@@ -212,6 +218,9 @@ class ServerSettings:
         if base in names:
             raise ValueError(f"--lora-modules: {base!r} is the base model's name in the API "
                              f"(--served-model-name, else the --model folder's name); name the adapter otherwise")
+        if self.adapter_namespace is not None and not is_namespace(self.adapter_namespace):
+            raise ValueError(f"--adapter-namespace {self.adapter_namespace!r} is not a Kubernetes namespace name "
+                             "(1-63 lowercase letters, digits and '-', starting and ending with a letter or digit)")
         if self.node_agent_url is not None:
             self.node_agent_url = http_url(self.node_agent_url, "--node-agent-url")
             if not self.adapter_cache_dir:  # the agent stages into its cache: the server reads it there

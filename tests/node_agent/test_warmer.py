@@ -269,7 +269,7 @@ async def test_status_reports_follow_staging(tmp_path, object_store, session, ku
     await warmer.reconcile()  # nothing changed: nothing sent
     await reporter.flush()
     assert len(kube_api.patches) == n
-    store.on_evict("p1")  # what the store calls after evicting p1 for room
+    store.on_evict((None, "p1"))  # what the store calls after evicting p1 (no namespace) for room
     await reporter.flush()
     assert kube_api.patches[-1][1:3] == ("p1", {"status": {"nodes": {"node-7": None}}})
 

@@ -36,7 +36,7 @@ from aiohttp import web
 
 from loraplex.node_agent.app import AgentConfig, create_app as create_agent_app
 from loraplex.operator.kube import ADAPTERS, BASE_MODELS, CONFIG_MAPS, DEPLOYMENTS, KubeClient
-from loraplex.operator.workloads import read_plan
+from loraplex.operator.workloads import ADAPTER_CACHE_DIR, namespace_cache_dir, read_plan
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +144,7 @@ class Cluster:
     http: aiohttp.ClientSession
     server_url: str
     agent_url: str
-    cache_dir: Path
+    cache_dir: Path  # the node's cache folder for the namespace: what the server pod mounts
     adapter_dirs: dict[str, Path]
     plan_mount: Path
 
@@ -191,10 +191,12 @@ async def cluster(api, emulator, operator, eventually_, tmp_path) -> AsyncIterat
     plan_mount.parent.mkdir()
     stop = asyncio.Event()
     kubelet = asyncio.create_task(_mount_plan(api, plan_mount, stop))
-    cache_dir = tmp_path / "node-cache"
+    node_cache = tmp_path / "node-cache"
+    # What the operator's Deployment mounts from the host: the namespace's folder of the cache.
+    cache_dir = Path(namespace_cache_dir(NS).replace(ADAPTER_CACHE_DIR, str(node_cache), 1))
     server_url = f"http://127.0.0.1:{_free_port()}"
     # The agent's --server-url stands in for finding the server pod on its node through the API.
-    agent_config = AgentConfig(cache_dir=cache_dir, budget_bytes=10**9, plan_configmap=f"{NS}/{BASE}-plan",
+    agent_config = AgentConfig(cache_dir=node_cache, budget_bytes=10**9, plan_configmap=f"{NS}/{BASE}-plan",
                                server_urls=(server_url,), node_name=NODE, namespace=NS,
                                kube_api_url=emulator.base_url, poll_seconds=0.1, server_poll_seconds=0.1)
     try:
@@ -204,7 +206,7 @@ async def cluster(api, emulator, operator, eventually_, tmp_path) -> AsyncIterat
             settings = ServerSettings(model=str(base_dir), served_model_name=BASE, device="cpu", dtype="float32",
                                       max_num_seqs=4, max_model_len=128, max_loras=4, max_lora_rank=16,
                                       plan_file=str(plan_mount), adapter_cache_dir=str(cache_dir),
-                                      node_agent_url=agent_url)
+                                      adapter_namespace=NS, node_agent_url=agent_url)
             engine = await asyncio.to_thread(LLMEngine.from_settings, settings)
             async with _Server(create_server_app(engine), int(server_url.rsplit(":", 1)[1])):
                 yield Cluster(api, http, server_url, agent_url, cache_dir, adapter_dirs, plan_mount)
@@ -408,3 +410,50 @@ async def test_a_priority_change_moves_the_servers_pins(cluster: Cluster, eventu
     await eventually_(lambda: pinned_in_server(["pirate", "sql-expert"]), timeout=20, what="the pin moved")
     rows = await c.rows()
     assert rows["pirate"]["tier"] == "gpu" and not rows["poet"]["pinned"]
+
+
+async def test_two_namespaces_serve_their_own_adapters_of_one_name(cluster: Cluster, eventually_, tmp_path):
+    """Another tenant's namespace on the same node has its own "sql-expert": its server asks
+    the same node agent for it, which stages it in that namespace's folder. Each server
+    serves its namespace's version, and neither folder holds the other's (before, the node's
+    cache was keyed by name: the two versions replaced each other)."""
+    from loraplex.server.api.app import create_app as create_server_app
+    from loraplex.server.config import named_shape
+    from loraplex.server.demo import DEMO_ADAPTERS, write_random_adapter
+    from loraplex.server.engine import LLMEngine
+    from loraplex.server.settings import ServerSettings
+
+    c = cluster
+    await c.apply_adapter("sql-expert")
+
+    async def served_here():
+        status, body = await c.complete("sql-expert")
+        return body["choices"][0]["text"] if status == 200 else None
+    ours = await eventually_(served_here, timeout=20, what="ml's sql-expert served")
+
+    # The other tenant: its own plan (written by hand here) and server, the same node agent.
+    r, alpha, targets, rslora = DEMO_ADAPTERS["sql-expert"]
+    theirs_dir = tmp_path / "other" / "sql-expert"
+    write_random_adapter(theirs_dir, named_shape("tiny"), r=r, lora_alpha=alpha, target_modules=targets,
+                         use_rslora=rslora, seed=1234)
+    plan = tmp_path / "other-plan.json"
+    plan.write_text(json.dumps({"baseModel": BASE, "pinned": [], "prefetch": [], "adapters": [
+        {"name": "sql-expert", "source": theirs_dir.as_uri(), "sha256": _sha256(theirs_dir / "adapter_model.safetensors")}]}))
+    node_cache = c.cache_dir.parent.parent
+    other_dir = node_cache / ".namespaces" / "other"
+    settings = ServerSettings(model=str(c.adapter_dirs["sql-expert"].parents[1] / "base"), served_model_name=BASE,
+                              device="cpu", dtype="float32", max_num_seqs=4, max_model_len=128, max_loras=4,
+                              max_lora_rank=16, plan_file=str(plan), adapter_cache_dir=str(other_dir),
+                              adapter_namespace="other", node_agent_url=c.agent_url)
+    engine = await asyncio.to_thread(LLMEngine.from_settings, settings)
+    port = _free_port()
+    async with _Server(create_server_app(engine), port):
+        status, body = await _complete(c.http, f"http://127.0.0.1:{port}", "sql-expert")
+        assert status == 200, body
+        theirs = body["choices"][0]["text"]
+    assert theirs != ours, "the other namespace was served ml's adapter"
+    assert (await served_here()) == ours
+    meta = {d.name: json.loads((d / "sql-expert" / ".loraplex.json").read_text())["sha256"]
+            for d in (c.cache_dir, other_dir)}
+    assert meta == {"ml": _sha256(c.adapter_dirs["sql-expert"] / "adapter_model.safetensors"),
+                    "other": _sha256(theirs_dir / "adapter_model.safetensors")}

@@ -36,7 +36,7 @@ def test_deployment_runs_the_server_with_the_plan_mounted():
                                  "--plan-file", "/etc/loraplex/plan/plan.json", "--max-loras", "250",
                                  "--max-lora-rank", "64", "--lora-target-modules", "q_proj", "k_proj", "v_proj",
                                  "o_proj", "--dtype", "bfloat16",
-                                 "--adapter-cache-dir", "/var/lib/loraplex/adapters",
+                                 "--adapter-cache-dir", "/var/lib/loraplex/adapters", "--adapter-namespace", "ml",
                                  "--node-agent-url", "http://$(NODE_IP):8081",
                                  "--max-num-seqs", "16", "--max-model-len", "2048"]
     # The server's own command line accepts them, with the meaning the operator intends
@@ -47,11 +47,16 @@ def test_deployment_runs_the_server_with_the_plan_mounted():
     settings = ServerSettings.from_env_and_args(args)
     assert (settings.host, settings.port, settings.max_loras, settings.max_lora_rank) == ("", 8000, 250, 64)
     assert settings.lora_target_modules == list(BASE.target_modules)
-    assert settings.adapter_cache_dir == "/var/lib/loraplex/adapters"
+    assert settings.adapter_cache_dir == "/var/lib/loraplex/adapters" and settings.adapter_namespace == "ml"
     assert settings.node_agent_url == "http://10.1.2.3:8081"
     assert settings.plan_file == "/etc/loraplex/plan/plan.json"
     assert {"name": "plan", "mountPath": "/etc/loraplex/plan", "readOnly": True} in container["volumeMounts"]
     assert {"name": "plan", "configMap": {"name": "llama-3-8b-plan"}} in pod["volumes"]
+    # The node's adapter cache: the namespace's folder alone (node_agent.store), read-only, where
+    # the server looks for its adapters; another namespace's adapters of one name are not there.
+    assert {"name": "adapters", "mountPath": "/var/lib/loraplex/adapters", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "adapters", "hostPath": {"path": "/var/lib/loraplex/adapters/.namespaces/ml",
+                                             "type": "DirectoryOrCreate"}} in pod["volumes"]
     # The port opens after the weights load and the warm-up: liveness waits for a startup
     # probe that allows minutes, not the liveness probe's one.
     startup, liveness = container["startupProbe"], container["livenessProbe"]
