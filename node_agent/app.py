@@ -91,7 +91,7 @@ class Agent:
         if c.server_urls:
             discovery = StaticServers(list(c.server_urls), self.session)
         elif api is not None and c.node_name:
-            discovery = KubePods(api, c.node_name)
+            discovery = KubePods(api, c.node_name, namespace=c.namespace)
         self.warmer = Warmer(self.store, plan, self.session, discovery=discovery, reporter=reporter,
                              metrics=self.metrics, namespace=c.namespace, poll_seconds=c.poll_seconds,
                              server_poll_seconds=c.server_poll_seconds)

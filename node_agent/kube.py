@@ -65,17 +65,23 @@ class KubeAPI:
 
 class KubePods:
     """Server pods on this node: GET /api/v1/pods?fieldSelector=spec.nodeName=<node>
-    &labelSelector=<server labels>,loraplex.io/base-model=<base>. Ready = the pod's Ready
-    condition is True (and it is not being deleted)."""
+    [,metadata.namespace=<namespace>]&labelSelector=<server labels>,loraplex.io/base-model=<base>.
+    Ready = the pod's Ready condition is True (and it is not being deleted). With a namespace
+    (the plan's), only its pods: another namespace's BaseModel of the same name runs other
+    tenants' servers, which this plan's pins and prefetches are not for."""
 
-    def __init__(self, api: KubeAPI, node_name: str, port: int = SERVER_PORT) -> None:
+    def __init__(self, api: KubeAPI, node_name: str, port: int = SERVER_PORT, namespace: str | None = None) -> None:
         self.api = api
         self.node_name = node_name
         self.port = port
+        self.namespace = namespace
 
     async def servers(self, base_model: str) -> dict[str, tuple[str, bool]]:
+        fields = f"spec.nodeName={self.node_name}"
+        if self.namespace is not None:
+            fields += f",metadata.namespace={self.namespace}"
         body = await self.api.get_json("/api/v1/pods", {
-            "fieldSelector": f"spec.nodeName={self.node_name}",
+            "fieldSelector": fields,
             "labelSelector": f"{SERVER_LABELS},{BASE_LABEL}={base_model}",
         })
         out = {}
@@ -84,6 +90,8 @@ class KubePods:
             ip = status.get("podIP")
             if not ip or meta.get("deletionTimestamp"):
                 continue
+            if self.namespace is not None and meta.get("namespace") != self.namespace:
+                continue  # (a field selector an API server did not apply)
             ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
             host = f"[{ip}]" if ":" in ip else ip
             out[meta.get("uid") or meta.get("name")] = (f"http://{host}:{self.port}", ready)

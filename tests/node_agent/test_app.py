@@ -120,7 +120,7 @@ async def test_in_cluster_agent_warms_pods_and_reports_status(tmp_path, object_s
     cm.write(plan_json(object_store, pinned=["p1"]))
     host, port = fake_server.url.rsplit(":", 1)
     fake_server.ready = True
-    kube_api.pods = [{"metadata": {"uid": "u1", "name": "srv"},
+    kube_api.pods = [{"metadata": {"uid": "u1", "name": "srv", "namespace": "ml"},
                       "status": {"podIP": host.removeprefix("http://"),
                                  "conditions": [{"type": "Ready", "status": "True"}]}}]
     client = await client_factory(AgentConfig(

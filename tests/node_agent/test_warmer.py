@@ -245,6 +245,18 @@ async def test_kube_pods_lists_this_nodes_servers(tmp_path, session, kube_api):
     assert kube_api.requests[1][1] == "Bearer tok-2"
 
 
+async def test_kube_pods_of_a_plans_namespace_only(session, kube_api):
+    """Two namespaces each run a BaseModel "llama-3-8b" on the node: the agent following ml's
+    plan warms ml's servers alone (it pinned the plan's adapters in the other tenant's servers
+    too, where a name of the plan could be another adapter)."""
+    mine, theirs = pod("u1", "10.0.0.5", True), pod("u2", "10.0.0.6", True)
+    mine["metadata"]["namespace"], theirs["metadata"]["namespace"] = "ml", "other"
+    kube_api.pods = [mine, theirs]  # (this stub applies no field selector: the agent filters too)
+    pods = KubePods(KubeAPI(kube_api.url, session), "node-7", namespace="ml")
+    assert await pods.servers("llama-3-8b") == {"u1": ("http://10.0.0.5:8000", True)}
+    assert kube_api.requests[0][0]["fieldSelector"] == "spec.nodeName=node-7,metadata.namespace=ml"
+
+
 async def test_status_reports_follow_staging(tmp_path, object_store, session, kube_api):
     """status.nodes.<node> of each plan adapter: Staging, then Staged with bytes or Failed
     with the reason; an eviction deletes the node's key; unchanged states are not resent."""
