@@ -457,3 +457,30 @@ async def test_two_namespaces_serve_their_own_adapters_of_one_name(cluster: Clus
             for d in (c.cache_dir, other_dir)}
     assert meta == {"ml": _sha256(c.adapter_dirs["sql-expert"] / "adapter_model.safetensors"),
                     "other": _sha256(theirs_dir / "adapter_model.safetensors")}
+
+
+async def test_an_adapter_whose_files_do_not_match_its_digest_fails_clearly_everywhere(cluster: Cluster,
+                                                                                     eventually_):
+    """A LoRAAdapter whose sha256 is not its weights' (a wrong digest in GitOps, or a source
+    changed under it): the node refuses to stage it and says why on the adapter's status; a
+    request for it fails with that reason in the OpenAI error shape; the other adapters are
+    served on."""
+    c = cluster
+    await c.apply_adapter("sql-expert")
+    await c.apply_adapter("poet", sha256="0" * 64, pinPolicy="Always")
+
+    async def failed_on_node():
+        node = await c.node_state("poet")
+        return node if node.get("phase") == "Failed" else None
+    node = await eventually_(failed_on_node, timeout=20, what="poet failed on the node")
+    assert node["message"].startswith("DigestMismatch: ")
+
+    async def answered():  # once the server has read the plan (its mount lags the API)
+        status, body = await c.complete("poet")
+        return (status, body) if status != 404 else None
+    status, body = await eventually_(answered, what="the server's answer for poet")
+    assert status == 500 and body["error"]["code"] == "adapter_load_failed", body
+    assert "sha256" in body["error"]["message"]
+    assert not (c.cache_dir / "poet").exists()
+    status, body = await c.complete("sql-expert")
+    assert status == 200, body
