@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -26,7 +27,7 @@ import os
 import socket
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +80,10 @@ async def _mount_plan(api: KubeClient, mount: Path, stop: asyncio.Event) -> None
 
 
 @contextlib.asynccontextmanager
-async def _node_agent(config: AgentConfig):
+async def _node_agent(config: AgentConfig, port: int):
     runner = web.AppRunner(create_agent_app(config))
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -129,6 +128,10 @@ class _Server:
         await asyncio.to_thread(self.thread.join, 10)
 
 
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,7 +141,9 @@ def _free_port() -> int:
 @dataclass
 class Cluster:
     """One node of a pool, every part running: the operator (a fixture), the node agent and a
-    server of the BaseModel `tiny`; the demo's adapters as file:// sources."""
+    server of the BaseModel `tiny`; the demo's adapters as file:// sources. `restart_agent`
+    and `restart_server` stop one and start a new process's worth of it on the same port,
+    over the same node cache."""
 
     api: KubeClient
     http: aiohttp.ClientSession
@@ -147,6 +152,34 @@ class Cluster:
     cache_dir: Path  # the node's cache folder for the namespace: what the server pod mounts
     adapter_dirs: dict[str, Path]
     plan_mount: Path
+    agent_config: AgentConfig
+    server_settings: Any  # ServerSettings
+    parts: dict[str, contextlib.AsyncExitStack] = field(default_factory=dict)
+
+    async def start_agent(self) -> None:
+        self.parts["agent"] = stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(_node_agent(self.agent_config, _port(self.agent_url)))
+
+    async def start_server(self) -> None:
+        from loraplex.server.api.app import create_app as create_server_app
+        from loraplex.server.engine import LLMEngine
+
+        self.parts["server"] = stack = contextlib.AsyncExitStack()
+        engine = await asyncio.to_thread(LLMEngine.from_settings, self.server_settings)
+        await stack.enter_async_context(_Server(create_server_app(engine), _port(self.server_url)))
+
+    async def restart_agent(self) -> None:
+        await self.parts.pop("agent").aclose()
+        await self.start_agent()
+
+    async def restart_server(self) -> None:
+        await self.parts.pop("server").aclose()
+        await self.start_server()
+
+    async def stop(self) -> None:
+        for name in ("server", "agent"):
+            if name in self.parts:
+                await self.parts.pop(name).aclose()
 
     async def apply_adapter(self, name: str, directory: Path | None = None, **spec: Any) -> None:
         from loraplex.server.demo import DEMO_ADAPTERS
@@ -180,9 +213,7 @@ class Cluster:
 
 @pytest.fixture()
 async def cluster(api, emulator, operator, eventually_, tmp_path) -> AsyncIterator[Cluster]:
-    from loraplex.server.api.app import create_app as create_server_app
     from loraplex.server.demo import build_demo
-    from loraplex.server.engine import LLMEngine
     from loraplex.server.settings import ServerSettings
 
     base_dir, adapter_dirs = build_demo(tmp_path / "demo")
@@ -194,25 +225,26 @@ async def cluster(api, emulator, operator, eventually_, tmp_path) -> AsyncIterat
     node_cache = tmp_path / "node-cache"
     # What the operator's Deployment mounts from the host: the namespace's folder of the cache.
     cache_dir = Path(namespace_cache_dir(NS).replace(ADAPTER_CACHE_DIR, str(node_cache), 1))
-    server_url = f"http://127.0.0.1:{_free_port()}"
+    server_url, agent_url = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
     # The agent's --server-url stands in for finding the server pod on its node through the API.
     agent_config = AgentConfig(cache_dir=node_cache, budget_bytes=10**9, plan_configmap=f"{NS}/{BASE}-plan",
                                server_urls=(server_url,), node_name=NODE, namespace=NS,
                                kube_api_url=emulator.base_url, poll_seconds=0.1, server_poll_seconds=0.1)
-    try:
-        await eventually_(lambda: asyncio.to_thread(plan_mount.exists), what="the plan mounted")
-        # A DaemonSet's pod is on the node before a server's.
-        async with aiohttp.ClientSession() as http, _node_agent(agent_config) as agent_url:
-            settings = ServerSettings(model=str(base_dir), served_model_name=BASE, device="cpu", dtype="float32",
-                                      max_num_seqs=4, max_model_len=128, max_loras=4, max_lora_rank=16,
-                                      plan_file=str(plan_mount), adapter_cache_dir=str(cache_dir),
-                                      adapter_namespace=NS, node_agent_url=agent_url)
-            engine = await asyncio.to_thread(LLMEngine.from_settings, settings)
-            async with _Server(create_server_app(engine), int(server_url.rsplit(":", 1)[1])):
-                yield Cluster(api, http, server_url, agent_url, cache_dir, adapter_dirs, plan_mount)
-    finally:
-        stop.set()
-        await kubelet
+    settings = ServerSettings(model=str(base_dir), served_model_name=BASE, device="cpu", dtype="float32",
+                              max_num_seqs=4, max_model_len=128, max_loras=4, max_lora_rank=16,
+                              plan_file=str(plan_mount), adapter_cache_dir=str(cache_dir),
+                              adapter_namespace=NS, node_agent_url=agent_url)
+    async with aiohttp.ClientSession() as http:
+        c = Cluster(api, http, server_url, agent_url, cache_dir, adapter_dirs, plan_mount, agent_config, settings)
+        try:
+            await eventually_(lambda: asyncio.to_thread(plan_mount.exists), what="the plan mounted")
+            await c.start_agent()  # a DaemonSet's pod is on the node before a server's
+            await c.start_server()
+            yield c
+        finally:
+            await c.stop()
+            stop.set()
+            await kubelet
 
 
 async def test_applied_adapters_are_planned_staged_warmed_served_and_removed(cluster: Cluster, eventually_):
@@ -421,7 +453,6 @@ async def test_two_namespaces_serve_their_own_adapters_of_one_name(cluster: Clus
     from loraplex.server.config import named_shape
     from loraplex.server.demo import DEMO_ADAPTERS, write_random_adapter
     from loraplex.server.engine import LLMEngine
-    from loraplex.server.settings import ServerSettings
 
     c = cluster
     await c.apply_adapter("sql-expert")
@@ -441,10 +472,8 @@ async def test_two_namespaces_serve_their_own_adapters_of_one_name(cluster: Clus
         {"name": "sql-expert", "source": theirs_dir.as_uri(), "sha256": _sha256(theirs_dir / "adapter_model.safetensors")}]}))
     node_cache = c.cache_dir.parent.parent
     other_dir = node_cache / ".namespaces" / "other"
-    settings = ServerSettings(model=str(c.adapter_dirs["sql-expert"].parents[1] / "base"), served_model_name=BASE,
-                              device="cpu", dtype="float32", max_num_seqs=4, max_model_len=128, max_loras=4,
-                              max_lora_rank=16, plan_file=str(plan), adapter_cache_dir=str(other_dir),
-                              adapter_namespace="other", node_agent_url=c.agent_url)
+    settings = dataclasses.replace(c.server_settings, plan_file=str(plan), adapter_cache_dir=str(other_dir),
+                                   adapter_namespace="other")
     engine = await asyncio.to_thread(LLMEngine.from_settings, settings)
     port = _free_port()
     async with _Server(create_server_app(engine), port):
@@ -484,3 +513,33 @@ async def test_an_adapter_whose_files_do_not_match_its_digest_fails_clearly_ever
     assert not (c.cache_dir / "poet").exists()
     status, body = await c.complete("sql-expert")
     assert status == 200, body
+
+
+async def test_a_restarted_server_and_node_agent_pick_up_where_they_were(cluster: Cluster, eventually_):
+    """The server pod restarts (a new process: nothing in memory) and so does the node agent:
+    the pinned adapter is loaded again from the node's disk, not downloaded again, and a cold
+    adapter staged before the restart is served from disk too."""
+    c = cluster
+    await c.apply_adapter("sql-expert", pinPolicy="Always")
+    await c.apply_adapter("pirate", pinPolicy="Never")
+
+    async def pinned_resident():
+        row = (await c.rows()).get("sql-expert", {})
+        return row if row.get("tier") == "gpu" and row.get("pinned") else None
+    await eventually_(pinned_resident, timeout=30, what="the pin resident")
+    status, body = await c.complete("pirate")
+    assert status == 200, body
+    before = {n: (c.cache_dir / n / ".loraplex.json").stat().st_ino for n in ("sql-expert", "pirate")}
+
+    await c.restart_agent()
+    await c.restart_server()
+    await eventually_(pinned_resident, timeout=30, what="the pin resident again")
+    rows = await c.rows()
+    assert rows["pirate"]["tier"] == "disk", rows["pirate"]  # found on the node's disk, not fetched
+    status, body = await c.complete("pirate")
+    assert status == 200, body
+    after = {n: (c.cache_dir / n / ".loraplex.json").stat().st_ino for n in ("sql-expert", "pirate")}
+    assert after == before, "a restart staged the node's adapters again"
+    status, agent = await _get(c.http, f"{c.agent_url}/v1/adapters")
+    assert status == 200 and {(a["namespace"], a["name"]) for a in agent["adapters"]} == {
+        (NS, "sql-expert"), (NS, "pirate")} and agent["errors"] == {}
