@@ -5,10 +5,12 @@
                        staged too; namespace: the server's Kubernetes namespace: staged in the cache's
                        folder for it, <cache>/.namespaces/<namespace>/<name>, apart from other
                        namespaces' adapters of that name)
-    POST /v1/sessions  {"model": name}               -> 200 {"adapter": {...}, "servers": [...]}
+    POST /v1/sessions  {"model": name[, "namespace"]}  -> 200 {"adapter": {...}, "servers": [...]}
                         stages a plan adapter and prefetches it into this node's servers
+                        (namespace: needed only where two followed plans list the name)
     GET  /v1/adapters  -> {"adapters": [{name, namespace, sha256, source, path, bytes, pinned, lastUsed}],
                            "usedBytes", "budgetBytes", "errors": {name: "Reason: message"}}
+                           (following several plans, errors are keyed "namespace/name")
     GET  /healthz      -> 200 while every background loop runs, 500 once one crashed
     GET  /metrics      -> Prometheus text
 
@@ -46,7 +48,7 @@ class AgentConfig:
     budget_bytes: int
     max_concurrent_downloads: int = 4
     plan_file: Path | None = None
-    plan_configmap: str | None = None  # "namespace/name", read through the API
+    plan_configmaps: tuple[str, ...] = ()  # "namespace/name" of each plan followed, read through the API
     server_urls: tuple[str, ...] = ()
     node_name: str | None = None
     namespace: str | None = None  # of the plan's LoRAAdapters, for status.nodes reports
@@ -58,7 +60,8 @@ class AgentConfig:
 
 
 class Agent:
-    """The store, the warmer and their background loops, started and stopped together."""
+    """The store, one warmer per plan followed (one with no plan when none is) and their
+    background loops, started and stopped together."""
 
     def __init__(self, config: AgentConfig, metrics: Metrics | None = None) -> None:
         self.config = config
@@ -66,7 +69,24 @@ class Agent:
         self.tasks = TaskGuard(self.metrics)
         self.session: aiohttp.ClientSession | None = None
         self.store: AdapterStore | None = None
-        self.warmer: Warmer | None = None
+        self.warmers: list[Warmer] = []
+
+    @property
+    def warmer(self) -> Warmer:
+        """The first plan's warmer (the only one, following one plan or none)."""
+        return self.warmers[0]
+
+    def warmer_for(self, namespace: str | None, name: str) -> Warmer:
+        """The warmer whose plan lists `name` in `namespace`, else one of that namespace's,
+        else the first: its rules (the plan guard, status reports) are the ones that apply."""
+        ours = [w for w in self.warmers if w.namespace == namespace]
+        listed = [w for w in ours if w.plan is not None and name in w.plan.adapters]
+        return (listed or ours or self.warmers)[0]
+
+    def errors(self) -> dict[str, str]:
+        if len(self.warmers) == 1:
+            return self.warmer.errors
+        return {(f"{w.namespace}/{k}" if w.namespace else k): v for w in self.warmers for k, v in w.errors.items()}
 
     async def start(self) -> None:
         c = self.config
@@ -78,29 +98,42 @@ class Agent:
         api = None
         if c.kube_api_url:
             api = KubeAPI(c.kube_api_url, self.session, token_file=c.kube_token_file, ca_file=c.kube_ca_file)
-        plan: PlanSource | None = PlanFile(c.plan_file) if c.plan_file else None
-        if c.plan_configmap:
-            if api is None:
-                raise ValueError("plan_configmap needs kube_api_url")
-            namespace, name = c.plan_configmap.split("/", 1)
-            plan = PlanConfigMap(api, namespace, name)
-        reporter = None
-        if api is not None and c.node_name and c.namespace:
-            reporter = StatusReporter(api, c.namespace, c.node_name)
-        discovery: ServerDiscovery | None = None
-        if c.server_urls:
-            discovery = StaticServers(list(c.server_urls), self.session)
-        elif api is not None and c.node_name:
-            discovery = KubePods(api, c.node_name, namespace=c.namespace)
-        self.warmer = Warmer(self.store, plan, self.session, discovery=discovery, reporter=reporter,
-                             metrics=self.metrics, namespace=c.namespace, poll_seconds=c.poll_seconds,
-                             server_poll_seconds=c.server_poll_seconds)
-        if plan is not None:
-            self.tasks.spawn(self.warmer.run(), "plan-watch")
-        if discovery is not None:
-            self.tasks.spawn(self.warmer.run_servers(), "server-watch")
-        if reporter is not None:
-            self.tasks.spawn(reporter.run(), "status-report")
+        # (plan source, its namespace, its record of adapters under the cache, a name for its loops)
+        plans: list[tuple[PlanSource | None, str | None, str, str]] = []
+        if c.plan_file:
+            plans.append((PlanFile(c.plan_file), c.namespace, Warmer.PLAN_ADAPTERS_FILE, ""))
+        if c.plan_configmaps and api is None:
+            raise ValueError("plan_configmaps needs kube_api_url")
+        for item in c.plan_configmaps:
+            namespace, name = item.split("/", 1)
+            several = len(c.plan_configmaps) > 1
+            plans.append((PlanConfigMap(api, namespace, name), namespace,
+                          f".plan-adapters.{namespace}.{name}.json" if several else Warmer.PLAN_ADAPTERS_FILE,
+                          f" {item}" if several else ""))
+        if not plans:  # stage on request only; the node's servers still get warmed (nothing to warm)
+            plans.append((None, c.namespace, Warmer.PLAN_ADAPTERS_FILE, ""))
+        reporters: dict[str, StatusReporter] = {}
+        for plan, namespace, record, label in plans:
+            reporter = None
+            if api is not None and c.node_name and namespace:
+                reporter = reporters.setdefault(namespace, StatusReporter(api, namespace, c.node_name))
+            discovery: ServerDiscovery | None = None
+            if c.server_urls:
+                discovery = StaticServers(list(c.server_urls), self.session)
+            elif api is not None and c.node_name:
+                discovery = KubePods(api, c.node_name, namespace=namespace)
+            warmer = Warmer(self.store, plan, self.session, discovery=discovery, reporter=reporter,
+                            metrics=self.metrics, namespace=namespace, record_file=record,
+                            poll_seconds=c.poll_seconds, server_poll_seconds=c.server_poll_seconds)
+            self.warmers.append(warmer)
+            if plan is not None:
+                self.tasks.spawn(warmer.run(), f"plan-watch{label}")
+            if discovery is not None:
+                self.tasks.spawn(warmer.run_servers(), f"server-watch{label}")
+        # Every plan's warmer hears of an eviction (each reports the adapters of its plan).
+        self.store.on_evict = lambda key: [w._evicted(key) for w in self.warmers]
+        for namespace, reporter in reporters.items():
+            self.tasks.spawn(reporter.run(), "status-report" if len(reporters) == 1 else f"status-report {namespace}")
 
     async def stop(self) -> None:
         await self.tasks.close()
@@ -192,7 +225,7 @@ async def stage(request: web.Request) -> web.Response:
     ref = AdapterRef(body["name"], body["source"], body.get("sha256"), body.get("dtype"), body.get("namespace"))
     try:
         ref.validate()
-        staged = await agent.warmer.stage_on_request(ref)
+        staged = await agent.warmer_for(ref.namespace, ref.name).stage_on_request(ref)
     except StoreError as e:
         return _store_error(e)
     return web.json_response({"adapter": staged.as_json()})
@@ -200,11 +233,17 @@ async def stage(request: web.Request) -> web.Response:
 
 async def start_session(request: web.Request) -> web.Response:
     body = await _json_body(request)
-    name = body.get("model")
+    name, namespace = body.get("model"), body.get("namespace")
     if not isinstance(name, str) or not name:
         return error("InvalidRequest", "field 'model' (the adapter name) is required", 400)
+    agent = _agent(request)
+    listing = {w.namespace for w in agent.warmers if w.plan is not None and name in w.plan.adapters
+               and (namespace is None or w.namespace == namespace)}
+    if len(listing) > 1:
+        return error("InvalidRequest", f"{name!r} is in the plans of namespaces {sorted(listing)}: give 'namespace'",
+                     400)
     try:
-        staged, results = await _agent(request).warmer.start_session(name)
+        staged, results = await agent.warmer_for(next(iter(listing), namespace), name).start_session(name)
     except StoreError as e:
         return _store_error(e)
     return web.json_response({"adapter": staged.as_json(), "servers": [r.as_json() for r in results]})
@@ -217,7 +256,7 @@ async def list_adapters(request: web.Request) -> web.Response:
         "adapters": [a.as_json() for a in store.list()],
         "usedBytes": store.used_bytes,
         "budgetBytes": store.budget_bytes,
-        "errors": agent.warmer.errors,
+        "errors": agent.errors(),
     })
 
 

@@ -48,10 +48,10 @@ class Settings:
     """The operator's plan (the ConfigMap <base>-plan, key plan.json, mounted), e.g.
     /etc/loraplex/plan/plan.json. Default: none (stage on request only)."""
 
-    plan_configmap: str | None = None
-    """NAMESPACE/NAME of the plan ConfigMap (<base>-plan), read through the Kubernetes API
-    instead of --plan-file: a DaemonSet cannot mount a ConfigMap of another namespace.
-    Default: none."""
+    plan_configmap: list[str] = field(default_factory=list)
+    """NAMESPACE/NAME of a plan ConfigMap (<base>-plan), read through the Kubernetes API
+    instead of --plan-file (a DaemonSet cannot mount a ConfigMap of another namespace);
+    repeatable, one for each BaseModel whose plan the agent follows. Default: none."""
 
     port: int = 8081
     """TCP port of the agent's HTTP API. Default: 8081."""
@@ -65,8 +65,9 @@ class Settings:
     """This node's name, to find the server pods on it. Default: $NODE_NAME."""
 
     namespace: str | None = None
-    """Namespace of the plan's LoRAAdapters, whose status.nodes.<node> this agent reports
-    (the plan ConfigMap's namespace). Default: $POD_NAMESPACE."""
+    """Namespace of the plan's LoRAAdapters, whose status.nodes.<node> this agent reports,
+    and whose folder of the cache it stages them in (with --plan-configmap, each plan's
+    ConfigMap's namespace). Default: $POD_NAMESPACE."""
 
     server_url: list[str] = field(default_factory=list)
     """Server base URLs to warm instead of finding pods through the API, e.g.
@@ -94,14 +95,16 @@ class Settings:
             raise ValueError(f"--port must be 1..65535, got {self.port}")
         if not (0 < self.poll_seconds < math.inf and 0 < self.server_poll_seconds < math.inf):  # nan too
             raise ValueError("--poll-seconds and --server-poll-seconds must be positive and finite")
-        if self.plan_file is not None and self.plan_configmap is not None:
+        if self.plan_file is not None and self.plan_configmap:
             raise ValueError("give --plan-file or --plan-configmap, not both")
-        if self.plan_configmap is not None:
-            ns, _, name = self.plan_configmap.partition("/")
+        for item in self.plan_configmap:
+            ns, _, name = item.partition("/")
             if not ns or not name or "/" in name:
-                raise ValueError(f"--plan-configmap must be NAMESPACE/NAME, got {self.plan_configmap!r}")
-            if self.kube_api_url is None:
-                raise ValueError("--plan-configmap needs the Kubernetes API (--kube-api-url, or run in a pod)")
+                raise ValueError(f"--plan-configmap must be NAMESPACE/NAME, got {item!r}")
+        if len(set(self.plan_configmap)) != len(self.plan_configmap):
+            raise ValueError("--plan-configmap names one plan twice")
+        if self.plan_configmap and self.kube_api_url is None:
+            raise ValueError("--plan-configmap needs the Kubernetes API (--kube-api-url, or run in a pod)")
         for url in self.server_url:
             _check_http_url("--server-url", url)
         if self.kube_api_url is not None:
@@ -116,8 +119,8 @@ class Settings:
         settings = cls(**{k: v for k, v in args.items() if v is not None})
         if settings.node_name is None:
             settings.node_name = env.get("NODE_NAME") or None
-        if settings.namespace is None and settings.plan_configmap and "/" in settings.plan_configmap:
-            settings.namespace = settings.plan_configmap.split("/", 1)[0]
+        if settings.namespace is None and len(settings.plan_configmap) == 1 and "/" in settings.plan_configmap[0]:
+            settings.namespace = settings.plan_configmap[0].split("/", 1)[0]
         if settings.namespace is None:
             settings.namespace = env.get("POD_NAMESPACE") or None
         if settings.kube_api_url is None and env.get("KUBERNETES_SERVICE_HOST"):
@@ -134,7 +137,7 @@ class Settings:
             budget_bytes=self.budget_bytes,
             max_concurrent_downloads=self.max_concurrent_downloads,
             plan_file=self.plan_file,
-            plan_configmap=self.plan_configmap,
+            plan_configmaps=tuple(self.plan_configmap),
             server_urls=tuple(self.server_url),
             node_name=self.node_name,
             namespace=self.namespace,

@@ -238,7 +238,8 @@ class AdapterStore:
         self.on_evict: Callable[[Key], None] | None = None
         self._tmp_dir = self.root / ".tmp"  # one for every namespace: renamed from there within one filesystem
         self._entries: dict[Key, _Entry] = {}
-        self._pinned: frozenset[Key] = frozenset()
+        self._pinned: frozenset[Key] = frozenset()  # every plan's pins
+        self._pins: dict[object, frozenset[Key]] = {}  # each plan's (by its owner's key)
         self._reserved = 0  # bytes promised to downloads in flight
         self._holding: dict[int, int] = {}  # download (in start order) -> bytes it reserved
         self._started = itertools.count()
@@ -265,10 +266,13 @@ class AdapterStore:
     def list(self) -> list[StagedAdapter]:
         return [self._info(e) for e in sorted(self._entries.values(), key=lambda e: (e.namespace or "", e.name))]
 
-    def set_pinned(self, names: set[str] | frozenset[str], namespace: str | None = None) -> None:
-        """A plan's pinned set (its namespace's; other namespaces' pins stay): evicted last,
-        and only to make room for another pinned one."""
-        self._pinned = frozenset({k for k in self._pinned if k[0] != namespace} | {(namespace, n) for n in names})
+    def set_pinned(self, names: set[str] | frozenset[str], namespace: str | None = None,
+                   owner: object = None) -> None:
+        """A plan's pinned set, adapters of `namespace`: evicted last, and only to make room for
+        another pinned one. Each plan sets its own (`owner`, by default the namespace); the
+        other plans' pins stay."""
+        self._pins[namespace if owner is None else owner] = frozenset((namespace, n) for n in names)
+        self._pinned = frozenset().union(*self._pins.values())
         self._update_gauges()
 
     def touch(self, name: str, namespace: str | None = None) -> None:

@@ -268,6 +268,7 @@ class Warmer:
         reporter: StatusReporter | None = None,
         metrics: Metrics | None = None,
         namespace: str | None = None,
+        record_file: str | None = None,
         now: Callable[[], datetime.datetime] = utcnow,
         poll_seconds: float = 1.0,
         server_poll_seconds: float = 2.0,
@@ -283,6 +284,7 @@ class Warmer:
         # The plan's namespace (its LoRAAdapters'): its adapters are staged in the cache's
         # folder for it, which the operator mounts into that namespace's servers alone.
         self.namespace = namespace
+        self.record_file = record_file or self.PLAN_ADAPTERS_FILE  # its plan's adapters, under the cache
         store.on_evict = self._evicted
         self.metrics = metrics or store.metrics
         self._now = now
@@ -410,7 +412,7 @@ class Warmer:
         if plan is None:
             return
         self.reconciles += 1
-        self.store.set_pinned(set(plan.pinned), self.namespace)
+        self.store.set_pinned(set(plan.pinned), self.namespace, owner=self.record_file)
         dropped: set[str] = set()
         was_pinned: set[str] = set()
         if previous is not None:
@@ -488,7 +490,7 @@ class Warmer:
 
     def _last_run(self) -> dict[str, list[str]]:
         try:
-            last = json.loads((self.store.root / self.PLAN_ADAPTERS_FILE).read_text())
+            last = json.loads((self.store.root / self.record_file).read_text())
         except (OSError, ValueError):
             last = None
         if not isinstance(last, dict):
@@ -499,7 +501,7 @@ class Warmer:
     def _record(self, state: dict) -> None:
         if state == self._recorded:
             return
-        path = self.store.root / self.PLAN_ADAPTERS_FILE
+        path = self.store.root / self.record_file
         tmp = path.with_name(f"{path.name}.tmp")
         try:
             tmp.write_text(json.dumps(state))

@@ -179,7 +179,11 @@ SETTINGS = [
     ([], {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443", "POD_NAMESPACE": "ml"},
      {"kube_api_url": "https://10.96.0.1:443", "namespace": "ml"}),
     (["--plan-configmap", "ml/llama-plan"], {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "POD_NAMESPACE": "loraplex"},
-     {"plan_configmap": "ml/llama-plan", "namespace": "ml"}),
+     {"plan_configmap": ["ml/llama-plan"], "namespace": "ml"}),
+    # Two plans: each its own namespace; --namespace (POD_NAMESPACE) is the --plan-file's.
+    (["--plan-configmap", "ml/llama-plan", "--plan-configmap", "team-b/mistral-plan"],
+     {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "POD_NAMESPACE": "loraplex"},
+     {"plan_configmap": ["ml/llama-plan", "team-b/mistral-plan"], "namespace": "loraplex"}),
 ]
 
 
@@ -194,7 +198,8 @@ def test_settings_from_flags_and_env(argv, env, want):
                                   ["--port", "70000"], ["--log-level", "LOUD"],
                                   ["--plan-configmap", "ml/p"],  # no API to read it from
                                   ["--plan-configmap", "p", "--kube-api-url", "http://x"],
-                                  ["--plan-configmap", "ml/p", "--plan-file", "/p", "--kube-api-url", "http://x"]])
+                                  ["--plan-configmap", "ml/p", "--plan-file", "/p", "--kube-api-url", "http://x"],
+                                  ["--plan-configmap", "ml/p", "--plan-configmap", "ml/p", "--kube-api-url", "http://x"]])
 def test_bad_settings_exit_2(argv, capsys, monkeypatch):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert main(argv) == 2

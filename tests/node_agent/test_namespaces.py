@@ -10,6 +10,7 @@ serving pod could read every namespace's weights from the node's host path.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 
@@ -134,3 +135,44 @@ async def test_the_plan_guards_its_own_namespace_only(tmp_path, object_store, cl
     assert r.status == 400 and (await r.json())["error"]["reason"] == "InvalidRequest"
     listed = (await (await client.get("/v1/adapters")).json())["adapters"]
     assert [(a["namespace"], a["name"]) for a in listed] == [("team-b", "support-bot")]
+
+
+async def test_an_agent_follows_several_plans_each_in_its_namespace(tmp_path, object_store, client_factory, kube_api):
+    """Two BaseModels in two namespaces, each with a pinned "support-bot" of its own: one agent
+    following both plans stages each in its namespace's folder, reports each on its own
+    LoRAAdapter, and a session start names the namespace where the name is ambiguous."""
+    from loraplex.node_agent.app import AGENT, AgentConfig
+
+    object_store.add("a-bot", tmp_path, seed=1)
+    object_store.add("b-bot", tmp_path, seed=2)
+    for ns, served in (("team-a", "a-bot"), ("team-b", "b-bot")):
+        plan = plan_json(object_store, pinned=[served], base=f"{ns}-base")
+        plan["adapters"][0]["name"], plan["pinned"] = "support-bot", ["support-bot"]
+        kube_api.put_configmap(ns, f"{ns}-base-plan", {"plan.json": json.dumps(plan)})
+    config = AgentConfig(tmp_path / "cache", 10**9, plan_configmaps=("team-a/team-a-base-plan", "team-b/team-b-base-plan"),
+                         node_name="node-7", kube_api_url=kube_api.url, poll_seconds=0.05)
+    client = await client_factory(config)
+    agent = client.server.app[AGENT]
+    store = agent.store
+    for _ in range(400):
+        if all(store.get("support-bot", ns) for ns in ("team-a", "team-b")) and len(kube_api.patches) >= 2:
+            break
+        await asyncio.sleep(0.02)
+    for ns, served in (("team-a", "a-bot"), ("team-b", "b-bot")):
+        assert store.get("support-bot", ns).sha256 == object_store.adapters[served].sha256
+        assert store.get("support-bot", ns).pinned
+    reported = {(ns, name): body["status"]["nodes"]["node-7"]["phase"] for ns, name, body, _ in kube_api.patches}
+    assert reported == {("team-a", "support-bot"): "Staged", ("team-b", "support-bot"): "Staged"}
+    assert {t for t in (await (await client.get("/healthz")).json())["tasks"]} >= {
+        "plan-watch team-a/team-a-base-plan", "plan-watch team-b/team-b-base-plan"}
+
+    r = await client.post("/v1/sessions", json={"model": "support-bot"})
+    assert r.status == 400 and "namespace" in (await r.json())["error"]["message"]
+    r = await client.post("/v1/sessions", json={"model": "support-bot", "namespace": "team-b"})
+    assert r.status == 200, await r.text()
+    assert (await r.json())["adapter"]["namespace"] == "team-b"
+    # A server of team-a asking for another version of team-a's plan adapter is refused; team-b's
+    # plan guards team-b's name, with team-b's version.
+    other = {"name": "support-bot", "source": object_store.source("b-bot"), "sha256": object_store.adapters["b-bot"].sha256}
+    assert (await client.post("/v1/stage", json=other | {"namespace": "team-a"})).status == 409
+    assert (await client.post("/v1/stage", json=other | {"namespace": "team-b"})).status == 200

@@ -2,7 +2,7 @@
 
 A small renderer below covers the subset of Go templates the chart uses (include/define,
 if/with/range, and the pipes quote, nindent, toYaml, trunc, trimSuffix, default, printf,
-splitList, last), so the rendered manifests can be parsed and checked: RBAC covers what the
+splitList, last, or), so the rendered manifests can be parsed and checked: RBAC covers what the
 operator and the node agent call, the node agent runs with its cache dir, the CRDs are the
 repository's.
 Helm itself (and its Sprig functions beyond these) is not exercised here.
@@ -146,6 +146,8 @@ class Renderer:
             return self._str(args[1]).split(args[0])
         if fn == "last":
             return args[0][-1] if args[0] else None
+        if fn == "or":
+            return next((a for a in args if a), args[-1])
         raise NotImplementedError(f"template function {fn!r} is not in the test renderer")
 
     @staticmethod
@@ -292,6 +294,21 @@ def test_node_agent_may_read_its_plan_configmap_and_no_other():
     assert not [key for key in docs if key[0] in ("Role", "RoleBinding")]
 
 
+def test_node_agents_follow_several_plans_and_read_those_alone():
+    """One plan per BaseModel: each named plan ConfigMap on the agent's command line, and in
+    its role by name."""
+    values = copy.deepcopy(VALUES)
+    values["nodeAgent"]["planConfigMap"] = "ml/llama-3-8b-plan"
+    values["nodeAgent"]["planConfigMaps"] = ["team-b/mistral-plan"]
+    docs = render_all(values)
+    (rule,) = [r for r in docs[("ClusterRole", "lp-loraplex-node-agent")]["rules"] if "configmaps" in r["resources"]]
+    assert rule["resourceNames"] == ["llama-3-8b-plan", "mistral-plan"] and rule["verbs"] == ["get"]
+    (container,) = docs[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+    in_pod = {"NODE_NAME": "n1", "KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    settings = AgentSettings.from_env_and_args(container["args"], env=in_pod)
+    assert settings.plan_configmap == ["ml/llama-3-8b-plan", "team-b/mistral-plan"]
+
+
 def test_node_agent_daemonset_contract():
     ds = render_all()[("DaemonSet", "lp-loraplex-node-agent")]
     pod = ds["spec"]["template"]["spec"]
@@ -301,7 +318,7 @@ def test_node_agent_daemonset_contract():
     # The rendered arguments are ones the agent's own command line accepts, with the values' meaning.
     settings = AgentSettings.from_env_and_args(container["args"], env={"NODE_NAME": "n1", "POD_NAMESPACE": "ml"})
     assert (settings.budget_bytes, settings.max_concurrent_downloads, settings.port) == (53687091200, 4, 8081)
-    assert settings.plan_configmap is None
+    assert settings.plan_configmap == []
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     # The serving pods the operator runs call the agent at <node IP>:NODE_AGENT_PORT.
     assert container["ports"] == [{"name": "http", "containerPort": NODE_AGENT_PORT, "hostPort": NODE_AGENT_PORT}]
@@ -309,7 +326,7 @@ def test_node_agent_daemonset_contract():
     values["nodeAgent"]["planConfigMap"] = "ml/llama-3-8b-plan"
     (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
     in_pod = {"NODE_NAME": "n1", "KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
-    assert AgentSettings.from_env_and_args(container["args"], env=in_pod).plan_configmap == "ml/llama-3-8b-plan"
+    assert AgentSettings.from_env_and_args(container["args"], env=in_pod).plan_configmap == ["ml/llama-3-8b-plan"]
     assert {"name": "adapters", "mountPath": "/var/lib/loraplex/adapters"} in container["volumeMounts"]
     assert pod["volumes"][0]["hostPath"]["path"] == "/var/lib/loraplex/adapters"
     assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"

@@ -227,7 +227,7 @@ async def cluster(api, emulator, operator, eventually_, tmp_path) -> AsyncIterat
     cache_dir = Path(namespace_cache_dir(NS).replace(ADAPTER_CACHE_DIR, str(node_cache), 1))
     server_url, agent_url = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
     # The agent's --server-url stands in for finding the server pod on its node through the API.
-    agent_config = AgentConfig(cache_dir=node_cache, budget_bytes=10**9, plan_configmap=f"{NS}/{BASE}-plan",
+    agent_config = AgentConfig(cache_dir=node_cache, budget_bytes=10**9, plan_configmaps=(f"{NS}/{BASE}-plan",),
                                server_urls=(server_url,), node_name=NODE, namespace=NS,
                                kube_api_url=emulator.base_url, poll_seconds=0.1, server_poll_seconds=0.1)
     settings = ServerSettings(model=str(base_dir), served_model_name=BASE, device="cpu", dtype="float32",
