@@ -116,7 +116,9 @@ class Agent:
         for plan, namespace, record, label in plans:
             reporter = None
             if api is not None and c.node_name and namespace:
-                reporter = reporters.setdefault(namespace, StatusReporter(api, namespace, c.node_name))
+                if namespace not in reporters:
+                    reporters[namespace] = StatusReporter(api, namespace, c.node_name)
+                reporter = reporters[namespace]
             discovery: ServerDiscovery | None = None
             if c.server_urls:
                 discovery = StaticServers(list(c.server_urls), self.session)
@@ -237,13 +239,16 @@ async def start_session(request: web.Request) -> web.Response:
     if not isinstance(name, str) or not name:
         return error("InvalidRequest", "field 'model' (the adapter name) is required", 400)
     agent = _agent(request)
-    listing = {w.namespace for w in agent.warmers if w.plan is not None and name in w.plan.adapters
-               and (namespace is None or w.namespace == namespace)}
-    if len(listing) > 1:
-        return error("InvalidRequest", f"{name!r} is in the plans of namespaces {sorted(listing)}: give 'namespace'",
-                     400)
+    listing = [w for w in agent.warmers if w.plan is not None and name in w.plan.adapters
+               and (namespace is None or w.namespace == namespace)]
+    if len({w.namespace for w in listing}) > 1:
+        namespaces = sorted(str(w.namespace) for w in listing)
+        return error("InvalidRequest", f"{name!r} is in the plans of namespaces {namespaces}: give 'namespace'", 400)
+    if not listing and namespace is not None:
+        return error("UnknownAdapter", f"adapter {name!r} is in no plan of namespace {namespace!r} this node follows",
+                     404)
     try:
-        staged, results = await agent.warmer_for(next(iter(listing), namespace), name).start_session(name)
+        staged, results = await (listing[0] if listing else agent.warmer).start_session(name)
     except StoreError as e:
         return _store_error(e)
     return web.json_response({"adapter": staged.as_json(), "servers": [r.as_json() for r in results]})

@@ -15,8 +15,9 @@ prefetch entries (the operator lists a warm-up window `warmupLeadSeconds` before
 and until its end: staged and prefetched from then on, so the campaign's first requests
 find it on the node and in the servers); adapters that left the
 plan removed from disk (at the first plan after a start, those that left it while the agent
-was down: the plan's adapter names are kept in `<cache>/.plan-adapters.json`). A bad plan is
-logged and the previous plan kept.
+was down: the plan's adapter names are kept in `<cache>/.plan-adapters.json`, one such file
+a plan, `.plan-adapters.<namespace>.<name>.json`, where an agent follows several). A bad
+plan is logged and the previous plan kept.
 
 Servers: when a server pod of the plan's base on this node turns ready, the warmer asks it
 to load the pinned set and the prefetch entries from local disk:

@@ -350,15 +350,15 @@ class SlotTable:
         pin never is). Such a row admits no new request (`ready_slots`); once none of its
         requests runs (`running`: the engine's batch; without it, once no request holds it)
         its slot is released, and if it is pinned or requests (or prefetches) wait for it, it
-        loads again:
-        its new version, since `register` dropped the old host copy. Requests already
-        running finish on the version they started with."""
+        loads again: its new version, since `register` dropped the old host copy. Requests
+        already running finish on the version they started with. A row being unloaded is left
+        to its unload."""
         for name in sorted(self.stale):
             e = self.entries.get(name)
             if e is None or e.state not in ("ready", "loading"):
                 self.stale.discard(name)
                 continue
-            if e.state == "loading" or (name in running if running is not None else e.refs > 0):
+            if e.state == "loading" or e.unloading or (name in running if running is not None else e.refs > 0):
                 continue
             self.release_slot(e)
             wanted = e.refs > 0 or e.pinned or bool(e.waiters)  # requests, a pin, or a prefetch waiting

@@ -171,6 +171,8 @@ async def test_an_agent_follows_several_plans_each_in_its_namespace(tmp_path, ob
     r = await client.post("/v1/sessions", json={"model": "support-bot", "namespace": "team-b"})
     assert r.status == 200, await r.text()
     assert (await r.json())["adapter"]["namespace"] == "team-b"
+    r = await client.post("/v1/sessions", json={"model": "support-bot", "namespace": "team-c"})  # followed by none
+    assert r.status == 404 and (await r.json())["error"]["reason"] == "UnknownAdapter"
     # A server of team-a asking for another version of team-a's plan adapter is refused; team-b's
     # plan guards team-b's name, with team-b's version.
     other = {"name": "support-bot", "source": object_store.source("b-bot"), "sha256": object_store.adapters["b-bot"].sha256}

@@ -257,20 +257,28 @@ async def test_kube_pods_of_a_plans_namespace_only(session, kube_api):
     assert kube_api.requests[0][0]["fieldSelector"] == "spec.nodeName=node-7,metadata.namespace=ml"
 
 
-async def test_status_reports_follow_staging(tmp_path, object_store, session, kube_api):
-    """status.nodes.<node> of each plan adapter: Staging, then Staged with bytes or Failed
-    with the reason; an eviction deletes the node's key; unchanged states are not resent."""
-    object_store.add("p1", tmp_path)
-    object_store.add("bad", tmp_path, seed=1, mode="cut")
-    object_store.add("c", tmp_path, seed=2)
+async def _reporting_warmer(tmp_path, session, kube_api, plan: dict):
+    """A warmer of `plan` for namespace ml on node-7, reporting to `kube_api`: reconciled once,
+    its reports sent. Returns (store, reporter, warmer)."""
     cm = ConfigMapDir(tmp_path / "plan")
-    cm.write(plan_json(object_store, pinned=["p1", "bad"], others=["c"]))
+    cm.write(plan)
     store = AdapterStore(tmp_path / "cache", 10**9, session=session)
     reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7")
     warmer = Warmer(store, cm.path, session, reporter=reporter)
     await warmer.check_plan()
     await warmer.reconcile()
     await reporter.flush()
+    return store, reporter, warmer
+
+
+async def test_status_reports_follow_staging(tmp_path, object_store, session, kube_api):
+    """status.nodes.<node> of each plan adapter: Staging, then Staged with bytes or Failed
+    with the reason; an eviction deletes the node's key; unchanged states are not resent."""
+    object_store.add("p1", tmp_path)
+    object_store.add("bad", tmp_path, seed=1, mode="cut")
+    object_store.add("c", tmp_path, seed=2)
+    store, reporter, warmer = await _reporting_warmer(tmp_path, session, kube_api,
+                                                      plan_json(object_store, pinned=["p1", "bad"], others=["c"]))
     got = {name: body["status"]["nodes"]["node-7"] for ns, name, body, _ in kube_api.patches}
     assert {ns for ns, *_ in kube_api.patches} == {"ml"}
     assert got["p1"] == {"phase": "Staged", "message": "", "bytes": store.get("p1").bytes}
@@ -430,14 +438,7 @@ async def test_a_plan_adapter_staged_on_a_servers_request_is_reported(tmp_path, 
     plan does not list (another base's, on this node) is staged and not reported."""
     object_store.add("c", tmp_path)
     object_store.add("other", tmp_path, seed=1)
-    cm = ConfigMapDir(tmp_path / "plan")
-    cm.write(plan_json(object_store, others=["c"]))
-    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
-    reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7")
-    warmer = Warmer(store, cm.path, session, reporter=reporter)
-    await warmer.check_plan()
-    await warmer.reconcile()
-    await reporter.flush()
+    store, reporter, warmer = await _reporting_warmer(tmp_path, session, kube_api, plan_json(object_store, others=["c"]))
     assert kube_api.patches == []  # c is in no warm-up window: nothing staged ahead
     asked = AdapterRef("c", object_store.source("c"), object_store.adapters["c"].sha256, "bfloat16")
     staged = await warmer.stage_on_request(asked)
