@@ -23,6 +23,7 @@ download or failed), 507 (disk budget, or the disk itself full).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,10 @@ class Agent:
         listed = [w for w in ours if w.plan is not None and name in w.plan.adapters]
         return (listed or ours or self.warmers)[0]
 
+    def _listed_elsewhere(self, warmer: Warmer, name: str) -> bool:
+        return any(w is not warmer and w.namespace == warmer.namespace and w.plan is not None
+                   and name in w.plan.adapters for w in self.warmers)
+
     def errors(self) -> dict[str, str]:
         if len(self.warmers) == 1:
             return self.warmer.errors
@@ -132,8 +137,11 @@ class Agent:
                 self.tasks.spawn(warmer.run(), f"plan-watch{label}")
             if discovery is not None:
                 self.tasks.spawn(warmer.run_servers(), f"server-watch{label}")
-        # Every plan's warmer hears of an eviction (each reports the adapters of its plan).
+        # Every plan's warmer hears of an eviction (each reports the adapters of its plan), and
+        # none removes from disk an adapter that moved to another plan it follows.
         self.store.on_evict = lambda key: [w._evicted(key) for w in self.warmers]
+        for warmer in self.warmers:
+            warmer.listed_elsewhere = functools.partial(self._listed_elsewhere, warmer)
         for namespace, reporter in reporters.items():
             self.tasks.spawn(reporter.run(), "status-report" if len(reporters) == 1 else f"status-report {namespace}")
 

@@ -286,6 +286,9 @@ class Warmer:
         # folder for it, which the operator mounts into that namespace's servers alone.
         self.namespace = namespace
         self.record_file = record_file or self.PLAN_ADAPTERS_FILE  # its plan's adapters, under the cache
+        # Whether another plan this agent follows lists a name of this namespace (set by the
+        # agent): an adapter that moved there (another BaseModel) is that plan's to keep.
+        self.listed_elsewhere: Callable[[str], bool] = lambda name: False
         store.on_evict = self._evicted
         self.metrics = metrics or store.metrics
         self._now = now
@@ -429,6 +432,8 @@ class Warmer:
         # A server keeps the pins the warmer made through its API until it is told otherwise.
         self._unpin = (self._unpin | was_pinned) - set(plan.pinned)
         for name in sorted(dropped):
+            if self.listed_elsewhere(name):  # moved to another followed plan of the namespace: it stays
+                continue
             if await self.store.remove(name, self.namespace):
                 log.info("removed %s from local disk: it left the plan", name)
                 self._report_removed(name)

@@ -181,3 +181,40 @@ async def test_an_agent_follows_several_plans_each_in_its_namespace(tmp_path, ob
     other = {"name": "support-bot", "source": object_store.source("b-bot"), "sha256": object_store.adapters["b-bot"].sha256}
     assert (await client.post("/v1/stage", json=other | {"namespace": "team-a"})).status == 409
     assert (await client.post("/v1/stage", json=other | {"namespace": "team-b"})).status == 200
+
+
+async def test_an_adapter_moved_to_another_followed_plan_of_its_namespace_stays_on_disk(
+        tmp_path, object_store, client_factory, kube_api):
+    """Two BaseModels of one namespace, both followed: an adapter that moves from the first's
+    plan to the second's is the second's to keep, not removed by the first as "left the plan"."""
+    from loraplex.node_agent.app import AGENT, AgentConfig
+
+    object_store.add("x", tmp_path, seed=3)
+    first = plan_json(object_store, pinned=["x"], base="one")
+    kube_api.put_configmap("ml", "one-plan", {"plan.json": json.dumps(first)})
+    kube_api.put_configmap("ml", "two-plan", {"plan.json": json.dumps(plan_json(object_store, base="two"))})
+    client = await client_factory(AgentConfig(tmp_path / "cache", 10**9, plan_configmaps=("ml/one-plan", "ml/two-plan"),
+                                              kube_api_url=kube_api.url, poll_seconds=0.05))
+    agent = client.server.app[AGENT]
+    for _ in range(400):
+        if agent.store.get("x", "ml") is not None:
+            break
+        await asyncio.sleep(0.02)
+    staged = agent.store.get("x", "ml")
+    assert staged is not None
+    # x moves: the second plan lists it first (as the operator writes it), then the first drops it.
+    kube_api.put_configmap("ml", "two-plan", {"plan.json": json.dumps(plan_json(object_store, pinned=["x"], base="two"))})
+    second = agent.warmers[1]
+    for _ in range(400):
+        if second.plan is not None and "x" in second.plan.adapters:
+            break
+        await asyncio.sleep(0.02)
+    kube_api.put_configmap("ml", "one-plan", {"plan.json": json.dumps(plan_json(object_store, base="one"))})
+    first_warmer = agent.warmers[0]
+    for _ in range(400):
+        if first_warmer.plan is not None and "x" not in first_warmer.plan.adapters and first_warmer.reconciles >= 2:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.2)
+    assert agent.store.get("x", "ml") is not None and agent.store.get("x", "ml").sha256 == staged.sha256
+    assert object_store.gets["x/adapter_model.safetensors"] == 1  # never removed and fetched again
