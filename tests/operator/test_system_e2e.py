@@ -313,16 +313,18 @@ async def test_applied_adapters_are_planned_staged_warmed_served_and_removed(clu
     assert status == 200 and body["choices"][0]["text"] == outputs[pinned]
 
 
-async def test_a_new_version_rolls_out_to_the_node_and_the_server(cluster: Cluster, eventually_, tmp_path):
-    """GitOps changes an adapter's source and digest: the node stages the new version under
-    the same name, the server serves it (its old copy in GPU and host memory dropped), and the
-    old version is not served again."""
+@pytest.mark.parametrize("digest", [True, False], ids=["sha256", "no-sha256"])
+async def test_a_new_version_rolls_out_to_the_node_and_the_server(cluster: Cluster, eventually_, tmp_path, digest):
+    """GitOps changes an adapter's source and digest (or, for an adapter that gives none, its
+    source alone): the node stages the new version under the same name, the server serves it
+    (its old copy in GPU and host memory dropped), and the old version is not served again."""
     from loraplex.server.config import named_shape
     from loraplex.server.demo import DEMO_ADAPTERS, write_random_adapter
 
     c = cluster
     name = "sql-expert"
-    await c.apply_adapter(name, pinPolicy="Always")
+    spec = {"pinPolicy": "Always"} if digest else {"pinPolicy": "Always", "sha256": None}
+    await c.apply_adapter(name, **spec)
 
     async def served_by(expected_sha):
         node = await c.node_state(name)
@@ -340,7 +342,7 @@ async def test_a_new_version_rolls_out_to_the_node_and_the_server(cluster: Clust
     v2 = tmp_path / "v2" / name
     write_random_adapter(v2, named_shape("tiny"), r=r, lora_alpha=alpha, target_modules=targets,
                          use_rslora=rslora, seed=99)
-    await c.apply_adapter(name, v2, pinPolicy="Always")
+    await c.apply_adapter(name, v2, **spec)
     new_sha = _sha256(v2 / "adapter_model.safetensors")
 
     async def new_text():
