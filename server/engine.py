@@ -510,6 +510,9 @@ class AsyncEngine:
         self._commands.put(lambda: None)
         if self._thread is not None:
             self._thread.join(timeout=30)
+        # Its loads, stagings and pin retries end with the engine (a pin whose load failed was
+        # retried on a timer, for ever, after the server stopped).
+        self.engine.adapters.close()
 
     def _loop(self) -> None:
         eng = self.engine
