@@ -545,3 +545,37 @@ async def test_a_restarted_server_and_node_agent_pick_up_where_they_were(cluster
     status, agent = await _get(c.http, f"{c.agent_url}/v1/adapters")
     assert status == 200 and {(a["namespace"], a["name"]) for a in agent["adapters"]} == {
         (NS, "sql-expert"), (NS, "pirate")} and agent["errors"] == {}
+
+
+async def test_a_full_node_disk_evicts_the_least_recently_used_and_keeps_the_pin(cluster: Cluster, eventually_):
+    """The node's disk budget holds the pinned adapter and one other: staging a third evicts
+    the least recently used unpinned one from disk (its status entry for the node goes), the
+    pin stays, and the server still answers for all three (the evicted one from its own
+    memory tiers)."""
+    c = cluster
+    size = {n: sum(f.stat().st_size for f in c.adapter_dirs[n].iterdir()) for n in ("poet", "sql-expert", "pirate")}
+    c.agent_config = dataclasses.replace(c.agent_config, budget_bytes=sum(size.values()) - 1)  # not all three
+    await c.restart_agent()
+    await c.apply_adapter("poet", pinPolicy="Always")
+    await c.apply_adapter("sql-expert", pinPolicy="Never")
+    await c.apply_adapter("pirate", pinPolicy="Never")
+
+    async def staged(name):
+        node = await c.node_state(name)
+        return node if node.get("phase") == "Staged" else None
+    await eventually_(lambda: staged("poet"), timeout=20, what="the pin staged")
+
+    async def answered(name):
+        status, body = await c.complete(name)
+        return body if status == 200 else None
+    await eventually_(lambda: answered("sql-expert"), timeout=20, what="sql-expert served")
+    await eventually_(lambda: staged("sql-expert"), timeout=20, what="sql-expert staged")
+    await eventually_(lambda: answered("pirate"), timeout=20, what="pirate served")
+    await eventually_(lambda: staged("pirate"), timeout=20, what="pirate staged")
+
+    async def evicted():
+        return (not (c.cache_dir / "sql-expert").exists() and await c.node_state("sql-expert") == {}) or None
+    await eventually_(evicted, timeout=20, what="sql-expert evicted from the node's disk and its status")
+    assert (c.cache_dir / "poet").exists() and (c.cache_dir / "pirate").exists()
+    for name in ("poet", "sql-expert", "pirate"):
+        assert await answered(name) is not None, name
