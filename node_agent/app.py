@@ -109,9 +109,9 @@ class Agent:
             plans.append((PlanFile(c.plan_file), c.namespace, Warmer.PLAN_ADAPTERS_FILE, ""))
         if c.plan_configmaps and api is None:
             raise ValueError("plan_configmaps needs kube_api_url")
+        several = len(c.plan_configmaps) > 1
         for item in c.plan_configmaps:
             namespace, name = item.split("/", 1)
-            several = len(c.plan_configmaps) > 1
             plans.append((PlanConfigMap(api, namespace, name), namespace,
                           f".plan-adapters.{namespace}.{name}.json" if several else Warmer.PLAN_ADAPTERS_FILE,
                           f" {item}" if several else ""))

@@ -200,6 +200,11 @@ class Cluster:
         a = await self.api.get(ADAPTERS.path(NS, name))
         return (((a or {}).get("status") or {}).get("nodes") or {}).get(NODE) or {}
 
+    async def staged(self, name: str) -> dict[str, Any] | None:
+        """This node's status entry for `name` once it says Staged, else None."""
+        node = await self.node_state(name)
+        return node if node.get("phase") == "Staged" else None
+
     async def status(self, name: str) -> dict[str, Any]:
         return ((await self.api.get(ADAPTERS.path(NS, name))) or {}).get("status") or {}
 
@@ -261,9 +266,7 @@ async def test_applied_adapters_are_planned_staged_warmed_served_and_removed(clu
 
     # The agent stages the pinned adapter from its file:// source (its sha256 checked) and
     # reports it; the plan pins it in the server, and the warmer has the server load and pin it.
-    async def staged(name):
-        node = await c.node_state(name)
-        return node if node.get("phase") == "Staged" else None
+    staged = c.staged
     node = await eventually_(lambda: staged(pinned), timeout=20, what="the pinned adapter staged")
     assert node["bytes"] > 0 and (c.cache_dir / pinned / "adapter_model.safetensors").is_file()
     assert not (c.cache_dir / cached).exists(), "an unpinned adapter outside a warm-up window is prestaged"
@@ -559,10 +562,7 @@ async def test_a_full_node_disk_evicts_the_least_recently_used_and_keeps_the_pin
     await c.apply_adapter("poet", pinPolicy="Always")
     await c.apply_adapter("sql-expert", pinPolicy="Never")
     await c.apply_adapter("pirate", pinPolicy="Never")
-
-    async def staged(name):
-        node = await c.node_state(name)
-        return node if node.get("phase") == "Staged" else None
+    staged = c.staged
     await eventually_(lambda: staged("poet"), timeout=20, what="the pin staged")
 
     async def answered(name):
