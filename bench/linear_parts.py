@@ -12,17 +12,14 @@ Per layer, row count and adapters (rank 16, rows assigned as kernels_bench.py as
     adding into y again and again);
   - ``lora_linear``: all three (checked against the float32 reference), and
     ``lora_linear_span{S}``: the same with the expand's columns per program set to S;
-  - the term-first order (``GemmConfig.term_first``): ``expand_store``, the expand alone
-    writing the term into a buffer of its own; ``lora_term``, the shrink then that expand
-    chained by PDL, the LoRA work alone; ``gemm_delta``, our GEMM adding a finished term as
-    it writes y, launched plainly (checked): the GEMM's share of the term; and
-    ``lora_linear_term_first``, all three chained (checked);
   - with ``--variants``, the expand with one tile a program (``expand_bn{N}_w{W}``: N columns
     in one load, W warps), alone and in the chain (``chain_...``), and the shrink's K splits,
     step and stages (``chain_shrink_s{S}_k{K}_st{T}``).
 Commit 50989c7's version also timed the LoRA term in the GEMM's epilogue, b6da366's B
-prefetched into L2 by the shrink and W's loads marked evict-first, and c0e68c1's
-the GEMM and the expand slice by slice (all three dropped).
+prefetched into L2 by the shrink and W's loads marked evict-first, c0e68c1's
+the GEMM and the expand slice by slice, and 2209403's the term-first order (shrink and
+expand before the GEMM, which added their term as it wrote y) part by part (all four
+dropped).
 Then ``lm_head`` (4096 -> 128,256): cuBLAS against ``gemm`` at its default configuration and
 around it.
 Timing as kernels_bench.py: CUDA-graph replay, L2 flushed before each, median.
@@ -115,22 +112,6 @@ def run_case(layer: str, tokens: int, adapters: int, timer, variants: bool = Fal
     errors["lora_linear"], us["lora_linear"] = checked(
         lambda: lora_linear(x, weight, lora_a, lora_b, scaling, batch, output_slices=slices, out=out, config=config),
         expected, timer)
-
-    delta = torch.empty_like(out)
-
-    def expand_store(planes, pdl=False):
-        sgmv_expand(delta, planes, lora_b, scaling, batch, None, slices, sgmv.span, sgmv.block_n, sgmv.num_warps,
-                    sgmv.num_stages, pdl=pdl, store=True, trigger=pdl)
-        return delta
-
-    us["expand_store"] = timer(lambda: expand_store(partial))
-    us["lora_term"] = timer(lambda: expand_store(shrink(trigger=1 if config.pdl else 0), pdl=config.pdl))
-    errors["gemm_delta"], us["gemm_delta"] = checked(
-        lambda: gemm(x, weight, out, config, delta=delta, slots=batch.token_slots), expected, timer)
-    term_first = dataclasses.replace(config, term_first=True)
-    errors["lora_linear_term_first"], us["lora_linear_term_first"] = checked(
-        lambda: lora_linear(x, weight, lora_a, lora_b, scaling, batch, output_slices=slices, out=out,
-                            config=term_first), expected, timer)
     for span in SPANS:
         if span != sgmv.span:
             errors[f"lora_linear_span{span}"], us[f"lora_linear_span{span}"] = checked(

@@ -13,8 +13,6 @@ For each layer and token count:
      - ``gemm_add_lora``: our GEMM, then ``add_lora``, one after the other;
      - ``lora_linear``: the shrink, our GEMM and the expand overlapped (PDL);
      - ``lora_linear_shrink4``: the same with the shrink cut into 4 K splits;
-     - ``lora_linear_term_first``: the shrink and the expand before the GEMM, which adds
-       their term as it writes y (``GemmConfig.term_first``);
   3. ``*_lora_us``: each path minus its own GEMM alone, and ``*_over_base``: that over cuBLAS
      alone (the issue's "LoRA term over its base GEMM", in a layer).
 With ``--grid``: the GEMM alone (no adapters) at every configuration of a grid around the
@@ -25,7 +23,8 @@ With ``--issue-table``: issue 2's decode table where the engine runs ``lora_line
 ``lora_linear``'s default was a dropped design, calls the engine's path ``lora_linear_unfused``).
 Timing as kernels_bench.py: CUDA-graph replay, L2 flushed before each, median.
 Commit 1975db0's version of this script swept the configurations of the GEMM that the
-defaults come from (``linear_h200_lora_programs.json``).
+defaults come from (``linear_h200_lora_programs.json``), and 2209403's also timed the
+dropped term-first order (``lora_linear_term_first``, ``linear_h200_sweep_term_first.json``).
 """
 
 from __future__ import annotations
@@ -146,20 +145,15 @@ def run_shape(layer: str, tokens: int, timer, sweep: bool, rank: int = 16, issue
             gemm(x, weight, out, default)
             return add_lora(out, x, *args, output_slices=slices)
 
-        term_first = dataclasses.replace(default, term_first=True)
         paths = {
             "cublas_add_lora": cublas_add_lora,
             "lora_linear": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out, config=default),
-            "lora_linear_term_first": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out,
-                                                          config=term_first),
         } if issue_table else {
             "cublas_add_lora": cublas_add_lora,
             "gemm_add_lora": gemm_add_lora,
             "lora_linear": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out, config=default),
             "lora_linear_shrink4": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out,
                                                        config=dataclasses.replace(default, shrink_splits=4)),
-            "lora_linear_term_first": lambda: lora_linear(x, weight, *args, output_slices=slices, out=out,
-                                                          config=term_first),
         }
         entry = {"errors": {}, "us": {}}
         for name, fn in paths.items():

@@ -69,14 +69,6 @@ def supports_pdl(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def lora_term_first() -> bool:
-    """``lora_linear``'s order (``linear.GemmConfig.term_first``): the LoRA term before the
-    GEMM, which adds it as it writes y, with ``LORAPLEX_LORA_TERM_FIRST=1``; else the expand
-    after the GEMM, the order measured on an H200 (bench/results/linear_h200_notes.md)."""
-    return os.environ.get("LORAPLEX_LORA_TERM_FIRST", "0") == "1"
-
-
-@functools.lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_SMS

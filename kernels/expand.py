@@ -14,11 +14,6 @@ Two ways to walk the span, chosen by the batch (configs.make_config):
   of y;
 - prefill (dense rows, long spans): read-modify-write of y, each y tile read one step
   ahead, B's tiles pipelined by the compiler.
-
-``store=True`` walks as decode does but stores the term itself (rounded to the output's
-dtype) instead of adding it: ``lora_linear`` has the term written into a buffer of its own
-while the base GEMM runs, and the GEMM adds it as it writes y. Every column of every row of
-an adapter block is written then, zeros where the slot's slice has rank 0.
 """
 
 from __future__ import annotations
@@ -62,9 +57,7 @@ def _expand_kernel(
     # meta-parameters
     HAS_RANKS: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent of the shrink
-    TRIGGER: tl.constexpr,  # lets the kernel after it (lora_linear's GEMM) launch at once (PDL)
     ADD_IN_MEMORY: tl.constexpr,  # y += delta as a reduction in memory, not a load and a store
-    STORE: tl.constexpr,  # y = delta (y is a buffer of the term alone), walked as ADD_IN_MEMORY walks
     K_SPLITS: tl.constexpr,  # partial planes to add up
     B_ALIGN: tl.constexpr,  # a power of two that divides stride_bn (so B's rows load as vectors)
     P_ALIGN: tl.constexpr,  # a power of two that divides stride_pt
@@ -80,14 +73,10 @@ def _expand_kernel(
             s = block_slot[b]; r = ranks[s, i] (ranks[s]: [S]); skip if s == -1 or r == 0
             rows = block_rows[b] without its -1 padding
             v = partial[:, rows, i*RANK : i*RANK + r].sum(0) * scaling[s, i]
-            y[rows, cols] += v @ lora_b[s, cols, :r].T    # STORE: y[rows, cols] = ..., and 0 where r == 0
+            y[rows, cols] += v @ lora_b[s, cols, :r].T
     """
     pid_span = tl.program_id(0)
     pid_block = tl.program_id(1)
-    if TRIGGER:
-        # The GEMM after this grid may launch now; it reads y (here the term) only after a
-        # wait for this grid's end.
-        tl.extra.cuda.gdc_launch_dependents()
     # The block's slot and rows are loaded before the exit test: both loads in flight at once.
     slot = tl.load(block_slot_ptr + pid_block)
     rows, m_mask = load_block_rows(block_rows_ptr, pid_block, BLOCK_M)
@@ -106,17 +95,9 @@ def _expand_kernel(
     col_lo = (pid_span - tl.where(in2, spans01, tl.where(in1, spans0, 0))) * SPAN
     col_hi = tl.minimum(col_lo + SPAN, width)
 
-    y_rows = y_ptr + rows[:, None] * stride_yt + slice_col
     rank = slot_rank(ranks_ptr + slice_idx * stride_rank_n, slot, stride_rank, RANK, HAS_RANKS)
     if rank <= 0:
-        # No weights in this slice (a projection the adapter does not target): y stays as it
-        # is, or, when y holds the term alone, is zero.
-        if STORE:
-            for n0 in range(col_lo, col_hi, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                tl.store(y_rows + offs_n[None, :], tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty),
-                         mask=m_mask[:, None] & (offs_n < col_hi)[None, :])
-        return
+        return  # no weights in this slice (a projection the adapter does not target): y stays as it is
     offs_r = tl.arange(0, BLOCK_R)
     # Loads are masked to whole 32-byte sectors of the slot's rank (so they vectorise and
     # bytes a sector past the rank are never read); columns past the rank are zeroed in
@@ -125,7 +106,7 @@ def _expand_kernel(
     r_load = (offs_r < RANK) & ((offs_r // 16) < tl.cdiv(rank, 16))
     scale = tl.load(scaling_ptr + slot * stride_scale_s + slice_idx * stride_scale_n)
     b_cols = b_ptr + slot * stride_bs + slice_col * stride_bn
-    if ADD_IN_MEMORY or STORE:
+    if ADD_IN_MEMORY:
         # Decode: a span is a tile or a few. B is a weight, not the shrink's output, so its
         # first tile is read before the wait, then each next tile one step ahead.
         b_next = _load_b_tile(b_cols, col_lo + tl.arange(0, BLOCK_N), col_hi, offs_r, r_load, r_mask, stride_bn,
@@ -146,20 +127,18 @@ def _expand_kernel(
     acc = tl.where(r_mask[None, :], acc, 0.0)
     v = (acc * scale).to(y_ptr.dtype.element_ty)
 
-    if ADD_IN_MEMORY or STORE:
+    y_rows = y_ptr + rows[:, None] * stride_yt + slice_col
+    if ADD_IN_MEMORY:
         for n0 in range(col_lo, col_hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             bb = b_next
             b_next = _load_b_tile(b_cols, offs_n + BLOCK_N, col_hi, offs_r, r_load, r_mask, stride_bn, B_ALIGN)
             delta = tl.dot(v, bb, input_precision=DOT_PRECISION)
+            # A fire-and-forget reduction: the loop never waits on a read of y. Each element
+            # has one writer, so the result is deterministic: y + delta rounded to y's dtype
+            # first, as PEFT adds lora_B's output.
             y_mask = m_mask[:, None] & (offs_n < col_hi)[None, :]
-            if STORE:
-                tl.store(y_rows + offs_n[None, :], delta.to(y_ptr.dtype.element_ty), mask=y_mask)
-            else:
-                # A fire-and-forget reduction: the loop never waits on a read of y. Each
-                # element has one writer, so the result is deterministic: y + delta rounded
-                # to y's dtype first, as PEFT adds lora_B's output.
-                tl.atomic_add(y_rows + offs_n[None, :], delta.to(y_ptr.dtype.element_ty), mask=y_mask, sem="relaxed")
+            tl.atomic_add(y_rows + offs_n[None, :], delta.to(y_ptr.dtype.element_ty), mask=y_mask, sem="relaxed")
     else:
         # Prefill: y is dense. Read-modify-write, each y tile read one step ahead so its read
         # is in flight while the tile before it is added and stored; B's tiles are pipelined
@@ -202,12 +181,8 @@ def sgmv_expand(
     num_stages: int = 3,
     pdl: bool = False,
     add_in_memory: bool = False,
-    store: bool = False,
-    trigger: bool = False,
 ) -> None:
-    """Adds the expanded LoRA term into y (``store``: writes the term alone into the rows of
-    y that have an adapter; ``trigger``: lets a programmatic dependent launched after it
-    start at once)."""
+    """Adds the expanded LoRA term into y."""
     if len(output_slices) > MAX_SLICES:
         raise ValueError(f"at most {MAX_SLICES} output slices in one launch, got {len(output_slices)}")
     widths = tuple(output_slices) + (0,) * (MAX_SLICES - len(output_slices))
@@ -236,9 +211,7 @@ def sgmv_expand(
         *rank_strides(ranks),
         HAS_RANKS=ranks is not None,
         USE_PDL=pdl,
-        TRIGGER=trigger,
         ADD_IN_MEMORY=add_in_memory,
-        STORE=store,
         K_SPLITS=partial.shape[0],
         B_ALIGN=alignment(lora_b.stride(1)),
         P_ALIGN=alignment(partial.stride(1)),

@@ -1,37 +1,24 @@
-"""``lora_linear``: a decode step's base matmul with its rows' LoRA terms, the LoRA work
-overlapping the GEMM.
+"""``lora_linear``: a decode step's base matmul with its rows' LoRA terms, the shrink hidden
+under the GEMM.
 
 After a cuBLAS GEMM, ``add_lora`` is a chain of two short launches (kernels_h200_notes.md):
 the shrink cannot start before the GEMM ends, though it needs only x. Here the base GEMM is
 our own (``_gemm_kernel``, a split-K Triton GEMM that matches cuBLAS at decode sizes, see
 bench/results/linear_h200_notes.md), so the three launches can overlap on Hopper and later
-through programmatic dependent launch (PDL). Two orders (``GemmConfig.term_first``):
+through programmatic dependent launch (PDL):
 
-- expand after (the default, measured: linear_h200_notes.md):
-  1. the shrink (``sgmv_shrink``) computes v = x @ A^T into its float32 planes, and lets the
-     GEMM launch at once;
-  2. the GEMM writes y = x @ W^T, running beside the shrink (it does not need v); it lets the
-     expand launch at once, and its last programs wait for the shrink before they end, so
-     the GEMM's end means the shrink's end too;
-  3. the expand (``sgmv_expand``) reads its first tiles of B while the GEMM runs, waits for
-     the GEMM, then adds v @ B^T into y, as ``add_lora`` does.
-- term first (``LORAPLEX_LORA_TERM_FIRST=1``; not yet timed on a GPU):
-  1. the shrink, letting the expand launch at once;
-  2. the expand (``store=True``) reads its first tiles of B while the shrink runs, waits for
-     it, and writes each adapter row's term v @ B^T, rounded to y's dtype, into a buffer of
-     its own (``delta``); it lets the GEMM launch at once;
-  3. the GEMM runs beside both (it needs neither); the program that writes a tile of y waits
-     for the expand (normally over by then) and adds the tile's delta to its adapter rows.
-  No LoRA work follows the GEMM then: what the layer adds is the read of delta in the GEMM's
-  epilogue and what the LoRA programs take from the GEMM's beside it.
+1. the shrink (``sgmv_shrink``) computes v = x @ A^T into its float32 planes, and lets the
+   GEMM launch at once;
+2. the GEMM writes y = x @ W^T, running beside the shrink (it does not need v); it lets the
+   expand launch at once, and its last programs wait for the shrink before they end, so the
+   GEMM's end means the shrink's end too;
+3. the expand (``sgmv_expand``) reads its first tiles of B while the GEMM runs, waits for the
+   GEMM, then adds v @ B^T into y, as ``add_lora`` does.
 
 Without PDL (older GPUs, the interpreter, ``LORAPLEX_PDL=0``) the three run one after the
-other, with the same bits. Either way the result is that of ``y = gemm(x, W);
-add_lora(y, x, ...)`` at decode (y's dtype rounds the GEMM's tile and the term apart, then
-their sum), up to the order in which the shrink adds its K splits
-(``GemmConfig.shrink_splits``; with 0, the same bits). At prefill's 32 rows a block
-add_lora's expand rounds once (it reads y and adds the unrounded term); the term-first
-order still rounds the term first, as PEFT adds lora_B's output: one rounding apart.
+other, with the same bits. The result is that of ``y = gemm(x, W); add_lora(y, ...)``, up to
+the order in which the shrink adds its K splits (``GemmConfig.shrink_splits``; with 0, the
+same bits).
 
 Split K: several programs share a tile of y; each stores its float32 partial tile in a
 workspace and counts itself in the tile's counter; the last one to count adds the partials
@@ -51,7 +38,7 @@ import triton.language as tl
 
 from .add_lora import SUPPORTED_DTYPES, _check, _check_triton, _overlaps, check_interpreter
 from .batch import LoRABatch
-from .configs import lora_term_first, multiprocessors, sgmv_config, supports_pdl
+from .configs import multiprocessors, sgmv_config, supports_pdl
 from .expand import sgmv_expand
 from .shrink import sgmv_shrink
 
@@ -64,10 +51,7 @@ class GemmConfig:
     splits: int  # K splits per tile (1: no workspace)
     num_warps: int = 4
     num_stages: int = 3
-    pdl: bool = False  # in lora_linear: shrink, expand and GEMM overlapped (Hopper and later)
-    # lora_linear's order: the shrink and the expand before the GEMM, which adds their term as
-    # it writes y (False: the expand adds into y after the GEMM). See the module's docstring.
-    term_first: bool = False
+    pdl: bool = False  # launched between a shrink and an expand, overlapping both (Hopper and later)
     # The shrink's K splits in lora_linear (0: as add_lora picks them, up to 16 at decode).
     # Measured on an H200 (linear_h200_overlap.json): 4 beats add_lora's choice in 27 of 28
     # cases (down, 64 rows, 32 adapters: 50.7 vs 53.2 us): fewer shrink programs leave room
@@ -82,8 +66,6 @@ def _gemm_kernel(
     w_ptr,  # [N, K]
     ws_ptr,  # float32 [SPLITS, T, N] (read only when SPLITS > 1)
     count_ptr,  # int32 [row tiles * column tiles], zero between calls (SPLITS > 1)
-    delta_ptr,  # [T, N]: the rows' LoRA terms, y's dtype (read only when ADD_DELTA)
-    slots_ptr,  # int32 [T]: each row's slot, -1 = base only (read only when ADD_DELTA)
     M,
     N,
     K,
@@ -91,10 +73,7 @@ def _gemm_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
-    stride_dm,
-    TRIGGER: tl.constexpr,  # lets the kernel after it (an expand) launch at once (PDL)
-    WAIT: tl.constexpr,  # a programmatic dependent: the writers of y wait for the kernel before
-    ADD_DELTA: tl.constexpr,  # rows with a slot >= 0 add their delta (after the wait, with WAIT)
+    PDL: tl.constexpr,  # a dependent of the shrink before it, and the expand after it is ours
     SPLITS: tl.constexpr,
     EVEN_K: tl.constexpr,  # every K split is a whole number of BLOCK_K steps
     BLOCK_M: tl.constexpr,
@@ -104,12 +83,11 @@ def _gemm_kernel(
 ):
     """y[m, n] = round(x[m] @ W[n].T) per (row tile m, column tile n); grid (row tiles,
     column tiles, SPLITS), each split one K chunk, the last split of a tile to finish adding
-    them up in split order. With ADD_DELTA, rows m with slots[m] >= 0 take
-    round(round(x[m] @ W[n].T) + delta[m, n]) instead."""
+    them up in split order."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if TRIGGER:
+    if PDL:
         # The expand may launch now: it reads its weights, then waits for this grid's end.
         tl.extra.cuda.gdc_launch_dependents()
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -149,29 +127,17 @@ def _gemm_kernel(
         for s in tl.static_range(SPLITS):
             acc += tl.load(ws_ptr + s * plane + ws_tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
         tl.store(counter, 0)
-    out = acc.to(y_ptr.dtype.element_ty)
-    if ADD_DELTA:
-        if WAIT:
-            # Only now, with the tile computed: the shrink and expand ran beside the main
-            # loop, so this wait is normally over at once.
-            tl.extra.cuda.gdc_wait()
-        lora_rows = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1) >= 0
-        add_mask = tile_mask & lora_rows[:, None]
-        delta = tl.load(delta_ptr + offs_m.to(tl.int64)[:, None] * stride_dm + offs_n[None, :], mask=add_mask,
-                        other=0.0)
-        # As add_lora adds into y: the base tile and the term each rounded to y's dtype.
-        out = tl.where(add_mask, (out.to(tl.float32) + delta.to(tl.float32)).to(y_ptr.dtype.element_ty), out)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=tile_mask)
-    if WAIT and not ADD_DELTA:
-        # This grid ends only after the shrink before it has: the expand, which waits for
-        # this grid, then reads complete planes. The shrink is short and started first, so
-        # this wait is normally over at once.
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=tile_mask)
+    if PDL:
+        # This grid ends only after the shrink has: the expand, which waits for this grid,
+        # then reads complete planes. The shrink is short and started first, so this wait
+        # is normally over at once.
         tl.extra.cuda.gdc_wait()
 
 
 @functools.lru_cache(maxsize=1024)
 def make_gemm_config(num_tokens: int, in_features: int, out_features: int, sms: int, itemsize: int = 2,
-                     device_pdl: bool = False, term_first: bool = False) -> GemmConfig:
+                     device_pdl: bool = False) -> GemmConfig:
     """The default configuration of one call shape. Chosen by the sweeps of
     bench/results/linear_h200_lora_programs.json (Llama-3-8B layers, 1, 16 and 64 rows) and
     linear_h200_grid.json (8, 17, 32 and 48 rows): tiles of 64 columns, K split until the
@@ -192,13 +158,13 @@ def make_gemm_config(num_tokens: int, in_features: int, out_features: int, sms: 
         splits *= 2
     stages = 5 if block_m >= 64 and tiles < sms else 3
     return GemmConfig(block_m=block_m, block_n=block_n, block_k=256 // itemsize, splits=splits, num_stages=stages,
-                      pdl=device_pdl, term_first=term_first)
+                      pdl=device_pdl)
 
 
 def gemm_config(num_tokens: int, weight: torch.Tensor) -> GemmConfig:
     """The default configuration of `x @ weight.T` for `num_tokens` rows of x."""
     return make_gemm_config(num_tokens, weight.shape[1], weight.shape[0], multiprocessors(weight.device),
-                            weight.element_size(), supports_pdl(weight.device), lora_term_first())
+                            weight.element_size(), supports_pdl(weight.device))
 
 
 class _Workspace:
@@ -242,14 +208,11 @@ def _check_gemm_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, config: GemmConfig | None = None,
-         delta: torch.Tensor | None = None, slots: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+         pdl: bool = False) -> torch.Tensor:
     """``x @ weight.T`` (a decode-sized GEMM; CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
-    ``lora_linear`` only: ``delta`` [T, out] (y's dtype, contiguous rows) is added to the rows
-    whose ``slots`` (int32 [T]) are >= 0, each rounded to y's dtype first. ``pdl``: launched
-    as a programmatic dependent of the kernel before it; with ``delta`` it waits for that
-    kernel (which writes delta) only before the add; without, it lets the kernel after it
-    launch at once and ends only after the one before it."""
+    ``pdl``: launched as a programmatic dependent of the kernel before it, letting the one
+    after it launch at once (``lora_linear`` only)."""
     _check_gemm_inputs(x, weight)
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
@@ -263,10 +226,6 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     for name, t in (("x", x), ("weight", weight)):
         if _overlaps(y, t):
             raise ValueError(f"out shares memory with {name}: its tiles are written while {name} is read")
-    if delta is not None and (tuple(delta.shape) != tuple(y.shape) or delta.dtype != y.dtype
-                              or (out_features > 1 and delta.stride(-1) != 1) or slots is None
-                              or tuple(slots.shape) != (num_tokens,)):
-        raise ValueError("delta must be like out, contiguous along its last dimension, with slots int32 [T]")
     check_interpreter(x)
     if num_tokens == 0:
         return y
@@ -281,12 +240,10 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     else:
         ws, counters = y, y  # not read
     _gemm_kernel[(row_tiles, col_tiles, splits)](
-        y, x, weight, ws, counters, delta if delta is not None else y, slots if slots is not None else counters,
+        y, x, weight, ws, counters,
         num_tokens, out_features, in_features, k_chunk,
-        x.stride(0), weight.stride(0), y.stride(0), delta.stride(0) if delta is not None else 0,
-        TRIGGER=pdl and delta is None,
-        WAIT=pdl,
-        ADD_DELTA=delta is not None,
+        x.stride(0), weight.stride(0), y.stride(0),
+        PDL=pdl,
         SPLITS=splits,
         EVEN_K=in_features % k_chunk == 0,
         BLOCK_M=config.block_m,
@@ -314,7 +271,7 @@ def lora_linear(
 ) -> torch.Tensor:
     """``x @ weight.T`` plus each row's LoRA term: ``y = gemm(x, weight); add_lora(y, x, ...)``
     with the arguments of ``add_lora`` (its shrink's K cut per ``config.shrink_splits``), the
-    shrink (and with ``config.term_first`` the expand) overlapping the GEMM.
+    shrink overlapping the GEMM.
     CUDA tensors, or CPU under ``TRITON_INTERPRET=1``; no host synchronisation."""
     _check_gemm_inputs(x, weight)  # before the shrink runs, and before the weight sizes y and the GEMM
     y = out if out is not None else torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
@@ -327,11 +284,6 @@ def lora_linear(
     sgmv = sgmv_config(batch.num_blocks, batch.block_m, x.shape[1], slices, rank, x.dtype, x.device)
     partial = sgmv_shrink(x, lora_a, batch, ranks, rank, config.shrink_splits or sgmv.k_splits, sgmv.block_k,
                           sgmv.num_warps, sgmv.num_stages, trigger=1 if config.pdl else 0)
-    if config.term_first:
-        delta = torch.empty(y.shape, dtype=y.dtype, device=y.device)  # [T, out]: written for the adapter rows
-        sgmv_expand(delta, partial, lora_b, scaling, batch, ranks, slices, sgmv.span, sgmv.block_n, sgmv.num_warps,
-                    sgmv.num_stages, pdl=config.pdl, store=True, trigger=config.pdl)
-        return gemm(x, weight, y, config, delta=delta, slots=batch.token_slots, pdl=config.pdl)
     gemm(x, weight, y, config, pdl=config.pdl)
     sgmv_expand(y, partial, lora_b, scaling, batch, ranks, slices, sgmv.span, sgmv.block_n, sgmv.num_warps,
                 sgmv.num_stages, pdl=config.pdl, add_in_memory=sgmv.add_in_memory)

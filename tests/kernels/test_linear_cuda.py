@@ -27,11 +27,10 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-3}
 SHAPES = {"qkv": (512, (512, 128, 128)), "gate_up": (512, (1792, 1792)), "down": (1792, (512,))}
 
 
-@pytest.mark.parametrize("term_first", [False, True], ids=["expand-after", "term-first"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("num_tokens,num_slots", [(1, 4), (16, 8), (32, 8), (64, 32), (100, 8)])
-def test_lora_linear_on_gpu(num_tokens, num_slots, shape, dtype, term_first):
+def test_lora_linear_on_gpu(num_tokens, num_slots, shape, dtype):
     gen = torch.Generator().manual_seed(num_tokens + num_slots)
     in_features, slices = SHAPES[shape]
     token_slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen).to(torch.int32).cuda()
@@ -54,7 +53,7 @@ def test_lora_linear_on_gpu(num_tokens, num_slots, shape, dtype, term_first):
     batch = LoRABatch.build(token_slots, num_slots)
     args = (lora_a, lora_b, scaling, batch, ranks, slices)
 
-    config = dataclasses.replace(gemm_config(num_tokens, weight), term_first=term_first)
+    config = gemm_config(num_tokens, weight)
     y = lora_linear(x, weight, *args, config=config)
     # The same kernels one after the other (on a GPU without PDL, the only way): the same bits.
     serial = lora_linear(x, weight, *args, config=dataclasses.replace(config, pdl=False))
@@ -76,7 +75,7 @@ def test_lora_linear_on_gpu(num_tokens, num_slots, shape, dtype, term_first):
     with torch.cuda.stream(stream):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            lora_linear(x, weight, *args, out=out, config=config)
+            lora_linear(x, weight, *args, out=out)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(3):  # the split counters must be back at zero after each replay
         out.fill_(float("nan"))
