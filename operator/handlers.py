@@ -3,13 +3,17 @@
     LoRAAdapter  create / update / resume / delete (finalizer)  -> reconcile its base
     LoRAAdapter  any event (node agents patch status.nodes)     -> reconcile if Staged / Ready move
     BaseModel    create / update / resume                      -> Deployment + Service, reconcile
+    BaseModel    delete (finalizer)                            -> its plan's mirror deleted
     BaseModel    deleted                                        -> its adapters go Pending
     BaseModel    daemon                                         -> reconcile when a warm-up window opens or ends;
                                                                    every RESYNC_SECONDS also repair its workloads
     Deployment   readiness (ours, by label)                    -> reconcile its base; deleted: recreated
 
+    startup      with a mirror namespace, then every RESYNC_SECONDS -> mirrors of BaseModels gone deleted
+
 The indices hold every BaseModel and LoRAAdapter as small parsed records, so a handler
-never lists objects. Run with `kopf run -m loraplex.operator` or `loraplex-operator`.
+never lists objects (the mirror sweep lists the mirrors, and the BaseModels they name).
+Run with `kopf run -m loraplex.operator` or `loraplex-operator`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import kopf
 
 from loraplex.operator import kube, liveness, status as statuses, workloads
+from loraplex.operator.cli import mirror_namespace_from_env
 from loraplex.operator.packing import pack
 from loraplex.operator.reconciler import AdapterRecord, BaseRecord, Planner, utcnow
 from loraplex.operator.specs import GROUP, VERSION, AdapterSpec, BaseModelSpec, SpecError
@@ -51,8 +56,18 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATIONS_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATIONS_PREFIX, key="last-handled-configuration")
+    if "plan_mirror_namespace" not in memo:  # `kopf run -m loraplex.operator`: not through cli.main
+        try:
+            memo.plan_mirror_namespace = mirror_namespace_from_env()
+        except ValueError as exc:
+            raise kopf.PermanentError(str(exc)) from exc
     if "planner" not in memo:
-        memo.planner = Planner(kube.KubeClient(kube.login(settings), relogin=lambda: kube.login(settings)))
+        memo.planner = Planner(kube.KubeClient(kube.login(settings), relogin=lambda: kube.login(settings)),
+                               mirror_namespace=memo.get("plan_mirror_namespace"))
+    if memo.planner.mirror_namespace is not None and "mirror_sweep" not in memo:
+        memo.mirror_sweep = asyncio.get_running_loop().create_task(
+            _sweep_mirrors(memo.planner, float(memo.get("mirror_sweep_seconds") or RESYNC_SECONDS)),
+            name="plan mirror sweep")
 
 
 @kopf.on.login()
@@ -71,6 +86,9 @@ async def serve_liveness(memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
+    if "mirror_sweep" in memo:
+        memo.mirror_sweep.cancel()
+        await asyncio.gather(memo.mirror_sweep, return_exceptions=True)
     if "planner" in memo:
         await memo.planner.client.close()
     if "liveness_runner" in memo:
@@ -176,6 +194,17 @@ async def basemodel_changed(body: kopf.Body, namespace: str, name: str, memo: ko
         raise kopf.PermanentError(problem[1])
 
 
+@kopf.on.delete(*BASEMODELS)
+async def basemodel_deleted(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """The finalizer: its plan's mirror goes with it (an owner reference cannot name an owner in
+    another namespace, so the garbage collector would not delete it); its other objects are
+    the garbage collector's."""
+    try:
+        await memo.planner.delete_mirror((namespace, name))
+    except kube.KubeError as exc:
+        raise kopf.TemporaryError(f"deleting the mirror of its plan: {exc}", delay=5) from exc
+
+
 @kopf.on.event(*BASEMODELS)
 async def basemodel_gone(event: kopf.RawEvent, namespace: str, name: str, memo: kopf.Memo,
                          basemodels: kopf.Index, adapters_by_base: kopf.Index, **_: Any) -> None:
@@ -252,6 +281,21 @@ async def _repair_workloads(planner: Planner, key: tuple[str, str], basemodels: 
     if problem != state.workload_error:
         state.workload_error = problem
         planner.forget_written(key)  # the base's status changes with it
+
+
+async def _sweep_mirrors(planner: Planner, every: float) -> None:
+    """Planner.sweep_mirrors at start and then every `every` seconds, for as long as the
+    operator runs; a failed sweep is logged and the next one tries again."""
+    while True:
+        try:
+            await planner.sweep_mirrors()
+        except kube.KubeError as exc:
+            logger.warning("sweeping the plan mirrors in %s: %s (tried again in %.0fs)",
+                           planner.mirror_namespace, exc, every)
+        except Exception:
+            logger.exception("sweeping the plan mirrors in %s failed (tried again in %.0fs)",
+                             planner.mirror_namespace, every)
+        await asyncio.sleep(every)
 
 
 async def _sleep(delay: float, wake: asyncio.Event, stopped: kopf.DaemonStopped) -> bool:

@@ -1,14 +1,17 @@
 """A small async Kubernetes API client for the objects kopf does not patch for us.
 
 kopf patches the object a handler runs for; the operator also writes other objects: the
-plan ConfigMap, the serving Deployment and Service, and the status of adapters whose
-pinning moved because another adapter changed. This client does just that: GET, POST,
-merge-PATCH, with the same credentials kopf uses (service account in a pod, kubeconfig
+plan ConfigMap, the serving Deployment and Service, the status of adapters whose
+pinning moved because another adapter changed, and the plans' mirrors (listed and deleted
+in the mirror namespace alone). This client does just that: GET, list, POST, merge-PATCH,
+DELETE, with the same credentials kopf uses (service account in a pod, kubeconfig
 outside), over aiohttp, which kopf already depends on.
 
     kube = KubeClient(login(settings))
     await kube.ensure(desired_config_map)                    # create, patch, or leave alone
     await kube.patch_status(ADAPTERS, "ml", "a", {"pinned": True})
+    await kube.list_objects(CONFIG_MAPS, "loraplex-system", "loraplex.io/plan-mirror=true")
+    await kube.delete(CONFIG_MAPS.path("loraplex-system", "ml.llama-3-8b-plan"))
 """
 
 from __future__ import annotations
@@ -110,6 +113,23 @@ class KubeClient:
             if exc.status == 404:
                 return None
             raise
+
+    async def list_objects(self, resource: Resource, namespace: str | None,
+                   label_selector: str | None = None) -> list[dict[str, Any]]:
+        """The objects of a collection (`namespace` None: every namespace), by label if asked."""
+        params = {"labelSelector": label_selector} if label_selector else {}
+        body = await self._request("GET", resource.path(namespace), params=params)
+        return list(body.get("items") or ())
+
+    async def delete(self, path: str) -> bool:
+        """Delete the object at `path`; False when it was gone already."""
+        try:
+            await self._request("DELETE", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     async def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return await self._request("POST", path, json=body)

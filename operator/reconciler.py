@@ -6,8 +6,9 @@ changed; a Deployment's readiness; a warm-up window opening) asks for the same t
 the kopf indices as they are when it starts, so every request made before that moment is
 served by it, and 10,000 adapters resumed at start-up cost one plan, not 10,000.
 
-A run writes only what differs: the ConfigMap when the plan's JSON changed, an adapter's
-status when its pinning or verdict changed, the BaseModel's status when its summary did.
+A run writes only what differs: the ConfigMap when the plan's JSON changed (and its mirror,
+with a mirror namespace), an adapter's status when its pinning or verdict changed, the
+BaseModel's status when its summary did.
 The fan-out goes through `KubeClient`, not each handler's `patch`: one run writes the
 status of many objects, most of which are not the object the handler runs for.
 """
@@ -27,6 +28,8 @@ from loraplex.operator import kube, status as statuses, workloads
 from loraplex.operator.plan import Plan, build_plan, next_wakeup
 from loraplex.operator.specs import API_VERSION, AdapterSpec, BaseModelSpec, SpecError
 from loraplex.operator.validation import read_adapter_config
+from loraplex.server.plan_file import (PLAN_BASE_ANNOTATION, PLAN_MIRROR_LABEL, PLAN_NAMESPACE_ANNOTATION,
+                                       PLAN_OF_ANNOTATION)
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +107,7 @@ class _BaseState:
     runs: int = 0  # how many times the plan was computed (for logs and tests)
     plan: Plan | None = None
     written_json: str | None = None  # the plan JSON known to be in the ConfigMap
+    mirrored_json: str | None = None  # the plan JSON known to be in its mirror (with a mirror namespace)
     # Statuses this process wrote, by object uid: the index may not have seen them yet.
     written_status: dict[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     ready_replicas: int = 0
@@ -123,11 +127,15 @@ def utcnow() -> datetime.datetime:
 
 
 class Planner:
-    """Coalesced reconciles per base; state survives only in memory (a restart recomputes)."""
+    """Coalesced reconciles per base; state survives only in memory (a restart recomputes).
 
-    def __init__(self, client: kube.KubeClient, clock: Clock = utcnow) -> None:
+    `mirror_namespace`: where each plan is also written as a mirror (workloads.plan_mirror)
+    for the node agents to find by label; None writes none."""
+
+    def __init__(self, client: kube.KubeClient, clock: Clock = utcnow, mirror_namespace: str | None = None) -> None:
         self.client = client
         self.clock = clock
+        self.mirror_namespace = mirror_namespace
         self._states: dict[BaseKey, _BaseState] = {}
 
     def state(self, key: BaseKey) -> _BaseState:
@@ -149,6 +157,7 @@ class Planner:
         """Drop what we know we wrote, so the next run compares with the API's state again."""
         state = self.state(key)
         state.written_json = None
+        state.mirrored_json = None
         state.written_status.clear()
 
     def forget_status(self, uid: str) -> None:
@@ -237,7 +246,7 @@ class Planner:
         logger.debug("planned %s/%s: %d adapters in %.3fs", namespace, name, len(plan.adapters),
                      (self.clock() - started).total_seconds())
         state.plan = plan  # before the writes: events they cause must see this plan
-        plan_error, plan_error_reason = await self._write_config_map(base, plan, state)
+        plan_error, plan_error_reason = await self._write_config_map(base, plan, state, failed)
 
         for record in adapter_records:
             assert record.spec is not None
@@ -264,30 +273,106 @@ class Planner:
             state.wake.set()
         return failed
 
-    async def _write_config_map(self, base: BaseRecord, plan: Plan,
-                                state: _BaseState) -> tuple[str | None, str]:
-        """Write the plan if it changed; returns why it could not be written, if so, and a reason."""
+    async def _write_config_map(self, base: BaseRecord, plan: Plan, state: _BaseState,
+                                failed: list[str]) -> tuple[str | None, str]:
+        """Write the plan if it changed, and its mirror (a failure of which is added to
+        `failed`, to be tried again); returns why the plan could not be written, if so, and a reason."""
         assert base.spec is not None
         text = plan.to_json()
-        if state.written_json == text:
+        mirror = self.mirror_namespace is not None and not base.deleting  # (a BaseModel going: its mirror goes)
+        if state.written_json == text and (not mirror or state.mirrored_json == text):
             return None, ""
         try:
             desired = workloads.plan_config_map(base.spec, text)
         except workloads.PlanTooLarge as exc:
             logger.error("plan %s/%s not written: %s", base.namespace, base.name, exc)
             return str(exc), "PlanTooLarge"  # the ConfigMap keeps the last plan that fit; the status says why
-        kopf.adopt(desired, owner=base.owner())  # type: ignore[arg-type]
-        try:
-            outcome = await self.client.ensure(desired)
-        except kube.NotOwned as exc:
-            logger.error("plan %s/%s not written: %s", base.namespace, base.name, exc)
-            return str(exc), "NameConflict"  # tried again at every run until the name is free
-        if outcome != "unchanged":
-            logger.info("plan %s/%s %s: %d adapters, %d pinned, %d slots", base.namespace,
-                        desired["metadata"]["name"], outcome, len(plan.adapters),
-                        len(plan.pinning.pinned), plan.slots)
-        state.written_json = text
+        mirrored = workloads.plan_mirror(desired, base.name, self.mirror_namespace) if mirror else None
+        if state.written_json != text:
+            kopf.adopt(desired, owner=base.owner())  # type: ignore[arg-type]
+            try:
+                outcome = await self.client.ensure(desired)
+            except kube.NotOwned as exc:
+                logger.error("plan %s/%s not written: %s", base.namespace, base.name, exc)
+                return str(exc), "NameConflict"  # tried again at every run until the name is free
+            if outcome != "unchanged":
+                logger.info("plan %s/%s %s: %d adapters, %d pinned, %d slots", base.namespace,
+                            desired["metadata"]["name"], outcome, len(plan.adapters),
+                            len(plan.pinning.pinned), plan.slots)
+            state.written_json = text
+        if mirrored is not None and state.mirrored_json != text:
+            where = f"{mirrored['metadata']['namespace']}/{mirrored['metadata']['name']}"
+            try:
+                outcome = await self.client.ensure(mirrored)
+            except kube.NotOwned as exc:
+                # Another object has its name: left alone, tried again at the next resync.
+                logger.error("the mirror %s of plan %s/%s not written: %s", where, base.namespace, base.name, exc)
+                state.mirrored_json = text
+                return None, ""
+            except kube.KubeError as exc:
+                failed.append(f"the plan's mirror {where}: {exc}")
+                return None, ""
+            if outcome != "unchanged":
+                logger.info("plan mirror %s %s", where, outcome)
+            state.mirrored_json = text
         return None, ""
+
+    async def delete_mirror(self, key: BaseKey) -> bool:
+        """Delete the mirror of `key`'s plan (its BaseModel is being deleted); True if there was
+        one. An object under its name that is not that plan's mirror is left alone."""
+        if self.mirror_namespace is None:
+            return False
+        self.state(key).mirrored_json = None
+        path = kube.CONFIG_MAPS.path(self.mirror_namespace, workloads.plan_mirror_name(*key))
+        existing = await self.client.get(path)
+        source = f"{key[0]}/{workloads.plan_config_map_name(key[1])}"
+        if existing is None or ((existing.get("metadata") or {}).get("annotations") or {}).get(
+                PLAN_OF_ANNOTATION) != source:
+            return False
+        deleted = await self.client.delete(path)
+        if deleted:
+            logger.info("plan mirror %s/%s deleted with its BaseModel %s/%s", self.mirror_namespace,
+                        workloads.plan_mirror_name(*key), *key)
+        return deleted
+
+    async def sweep_mirrors(self) -> list[str]:
+        """Delete the mirrors in the mirror namespace whose BaseModel is gone (or going), or
+        that are not under the name the operator writes for their plan; returns their names.
+
+        A BaseModel's deletion deletes its mirror (its finalizer waits for it), so what this
+        finds is what that missed: a finalizer removed by hand, a mirror namespace changed
+        back and forth, a mirror of an older naming. Whether a BaseModel exists is asked of
+        the API (a list per source namespace), not of this process's indices, which need
+        not hold the namespaces of every mirror (an operator serving some namespaces)."""
+        if self.mirror_namespace is None:
+            return []
+        mirrors = await self.client.list_objects(kube.CONFIG_MAPS, self.mirror_namespace,
+                                                 f"{PLAN_MIRROR_LABEL}=true")
+        by_namespace: dict[str, list[tuple[str, str]]] = {}  # source namespace -> [(base, mirror name)]
+        for cm in mirrors:
+            meta = cm.get("metadata") or {}
+            annotations = meta.get("annotations") or {}
+            namespace, base = annotations.get(PLAN_NAMESPACE_ANNOTATION), annotations.get(PLAN_BASE_ANNOTATION)
+            if (meta.get("labels") or {}).get("app.kubernetes.io/managed-by") != workloads.MANAGED_BY \
+                    or not namespace or not base:
+                continue  # not one the operator wrote
+            by_namespace.setdefault(str(namespace), []).append((str(base), str(meta.get("name"))))
+        deleted: list[str] = []
+        for namespace, entries in sorted(by_namespace.items()):
+            live = {str((b.get("metadata") or {}).get("name"))
+                    for b in await self.client.list_objects(kube.BASE_MODELS, namespace)
+                    if not (b.get("metadata") or {}).get("deletionTimestamp")}
+            for base, name in entries:
+                if base in live and name == workloads.plan_mirror_name(namespace, base):
+                    continue
+                if await self.client.delete(kube.CONFIG_MAPS.path(self.mirror_namespace, name)):
+                    logger.info("plan mirror %s/%s deleted: %s", self.mirror_namespace, name,
+                                f"its BaseModel {namespace}/{base} is gone" if base not in live
+                                else "not the name of its plan's mirror")
+                    deleted.append(name)
+                if (namespace, base) in self._states:  # written again by the next run, if it is live
+                    self._states[(namespace, base)].mirrored_json = None
+        return deleted
 
     async def _patch_adapter(self, state: _BaseState, record: AdapterRecord, desired: Mapping[str, Any],
                              failed: list[str]) -> None:

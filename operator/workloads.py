@@ -6,6 +6,12 @@ For a BaseModel `llama-3-8b` in namespace `ml`:
     Deployment ml/llama-3-8b        loraplex-server --model ... --plan-file /etc/loraplex/plan/plan.json
     Service    ml/llama-3-8b        port 8000, named http
 
+and, with a mirror namespace (`loraplex-operator --plan-mirror-namespace loraplex-system`),
+a copy of the plan where the node agents find every plan by one label selector:
+
+    ConfigMap  loraplex-system/ml.llama-3-8b-plan   the plan's data; labelled
+               loraplex.io/plan-mirror=true, annotated loraplex.io/plan-of: ml/llama-3-8b-plan
+
 The handlers adopt them (`kopf.adopt`: owner reference, namespace) and write them only
 when `needs_update` says the part we own differs from what is there, so an adapter change
 touches the ConfigMap and never the Deployment.
@@ -16,12 +22,14 @@ from __future__ import annotations
 import base64
 import copy
 import gzip
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
 from loraplex.operator.specs import BaseModelSpec
 from loraplex.operator.validation import local_path
-from loraplex.server.plan_file import config_map_plan_bytes, decode_plan
+from loraplex.server.plan_file import (PLAN_BASE_ANNOTATION, PLAN_MIRROR_LABEL, PLAN_NAMESPACE_ANNOTATION,
+                                       PLAN_OF_ANNOTATION, config_map_plan_bytes, decode_plan)
 
 MANAGED_BY = "loraplex-operator"
 BASE_LABEL = "loraplex.io/base-model"
@@ -63,6 +71,45 @@ def namespace_cache_dir(namespace: str) -> str:
 
 def plan_config_map_name(base_name: str) -> str:
     return f"{base_name}-plan"
+
+
+# The longest object name the API server takes (a DNS subdomain, RFC 1123).
+MAX_NAME_LENGTH = 253
+
+
+def plan_mirror_name(namespace: str, base_name: str) -> str:
+    """The name of a plan's mirror in the mirror namespace: `<namespace>.<base>-plan`
+    (`ml.llama-3-8b-plan`). One per plan of the cluster: a namespace has no dot, so the first
+    dot tells namespace from name. A name past 253 characters is cut and ends in a hash of
+    the whole (`<head>-<10 hex digits>`), so two long names that share a head stay two."""
+    name = f"{namespace}.{plan_config_map_name(base_name)}"
+    if len(name) <= MAX_NAME_LENGTH:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:10]
+    head = name[:MAX_NAME_LENGTH - len(digest) - 1].rstrip(".-")  # a label ends alphanumeric
+    return f"{head}-{digest}"
+
+
+def plan_mirror(plan_map: Mapping[str, Any], base_name: str, mirror_namespace: str) -> dict[str, Any]:
+    """The mirror of a plan ConfigMap (`plan_config_map`'s, before adoption) in
+    `mirror_namespace`: the same data (and encoding), labelled as a mirror and annotated with
+    the plan it copies. No owner reference: one cannot name an owner in another namespace, so
+    the operator deletes it when the BaseModel goes (handlers.basemodel_deleted), and its sweep
+    deletes one whose BaseModel is gone anyway (Planner.sweep_mirrors)."""
+    meta = plan_map["metadata"]
+    namespace = meta["namespace"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": plan_mirror_name(namespace, base_name),
+            "namespace": mirror_namespace,
+            "labels": {"app.kubernetes.io/managed-by": MANAGED_BY, PLAN_MIRROR_LABEL: "true"},
+            "annotations": {**meta.get("annotations", {}), PLAN_OF_ANNOTATION: f"{namespace}/{meta['name']}",
+                            PLAN_NAMESPACE_ANNOTATION: namespace, PLAN_BASE_ANNOTATION: base_name},
+        },
+        **{key: copy.deepcopy(plan_map[key]) for key in ("data", "binaryData") if key in plan_map},
+    }
 
 
 def labels(base_name: str) -> dict[str, str]:
@@ -250,13 +297,22 @@ def foreign_owner(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> st
 
     Ours: its controller is a BaseModel of the name `desired` is adopted by (any uid: a
     BaseModel deleted and created again under its name takes its objects back), or it has no
-    controller and our labels for that base. Anything else belongs to someone else: patched,
-    it would be taken over, and garbage-collected with the BaseModel.
+    controller and our labels for that base. A plan mirror (no owner reference can cross
+    namespaces) is ours when it is labelled a mirror and annotated with the same plan.
+    Anything else belongs to someone else: patched, it would be taken over, and
+    garbage-collected with the BaseModel (or, a mirror, deleted with it).
     """
+    meta = existing.get("metadata") or {}
+    if (desired.get("metadata", {}).get("labels") or {}).get(PLAN_MIRROR_LABEL):
+        # A plan mirror: ours if it mirrors the same plan (owner references cannot say so).
+        source = desired["metadata"]["annotations"][PLAN_OF_ANNOTATION]
+        have_source = (meta.get("annotations") or {}).get(PLAN_OF_ANNOTATION)
+        if have_source == source and (meta.get("labels") or {}).get(PLAN_MIRROR_LABEL):
+            return None
+        return f"the mirror of {have_source}" if have_source else "not a plan mirror of the loraplex operator"
     want = next((r for r in desired.get("metadata", {}).get("ownerReferences") or () if r.get("controller")), None)
     if want is None:
         return None
-    meta = existing.get("metadata") or {}
     have = next((r for r in meta.get("ownerReferences") or () if r.get("controller")), None)
     if have is not None:
         same_group = str(have.get("apiVersion", "")).split("/")[0] == str(want["apiVersion"]).split("/")[0]

@@ -18,6 +18,19 @@ from typing import Any
 PLAN_KEY = "plan.json"
 GZIP_MAGIC = b"\x1f\x8b"
 
+# A plan mirror: the operator's copy of a BaseModel's plan ConfigMap in one namespace (the
+# node agent's, `loraplex-operator --plan-mirror-namespace`), where an agent finds every plan
+# with one label selector instead of being told each one's name. Its annotations name the
+# plan it copies, whose namespace its adapters (LoRAAdapters, servers, cache folder) belong to:
+#     labels:      loraplex.io/plan-mirror: "true"
+#     annotations: loraplex.io/plan-of: ml/llama-3-8b-plan
+#                  loraplex.io/plan-namespace: ml
+#                  loraplex.io/base-model: llama-3-8b
+PLAN_MIRROR_LABEL = "loraplex.io/plan-mirror"
+PLAN_OF_ANNOTATION = "loraplex.io/plan-of"
+PLAN_NAMESPACE_ANNOTATION = "loraplex.io/plan-namespace"
+PLAN_BASE_ANNOTATION = "loraplex.io/base-model"
+
 
 class PlanFileError(ValueError):
     """The plan's bytes are not a plan: the message says why."""

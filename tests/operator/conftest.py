@@ -125,9 +125,11 @@ async def settle(emulator: Any, quiet: float = 0.3, timeout: float = 3.0) -> Non
 
 
 @contextlib.asynccontextmanager
-async def running_operator(emulator: Any, namespaces: tuple[str, ...] = ()) -> AsyncIterator[None]:
+async def running_operator(emulator: Any, namespaces: tuple[str, ...] = (), *, mirror_namespace: str | None = None,
+                           mirror_sweep_seconds: float | None = None) -> AsyncIterator[None]:
     """kopf in its own thread and event loop, as `kopf.operator(...)`: the whole cluster, or
-    only `namespaces` (as `loraplex-operator --namespace`).
+    only `namespaces` (as `loraplex-operator --namespace`); plans mirrored into
+    `mirror_namespace` (`--plan-mirror-namespace`), swept every `mirror_sweep_seconds`.
 
     Not in the test's loop: on exit kopf cancels every task of its loop that it did not
     find at start, which would include the emulator's request handlers.
@@ -141,7 +143,8 @@ async def running_operator(emulator: Any, namespaces: tuple[str, ...] = ()) -> A
         try:
             asyncio.run(kopf.operator(clusterwide=not namespaces, namespaces=namespaces, standalone=True,
                                       settings=operator_settings(), stop_flag=stop, ready_flag=ready,
-                                      memo=kopf.Memo()))
+                                      memo=kopf.Memo(plan_mirror_namespace=mirror_namespace,
+                                                     mirror_sweep_seconds=mirror_sweep_seconds)))
         except BaseException as exc:  # surfaced to the test below
             errors.append(exc)
 
@@ -168,8 +171,9 @@ def settled(emulator: Any) -> Callable[[], Awaitable[None]]:
 @pytest.fixture()
 def operator_runner(emulator: Any) -> Callable[[], contextlib.AbstractAsyncContextManager[None]]:
     """Start (and restart) the operator within a test: `async with operator_runner(): ...`,
-    or `operator_runner(("ml",))` for one namespace."""
-    return lambda namespaces=(): running_operator(emulator, namespaces)
+    `operator_runner(("ml",))` for one namespace, `operator_runner(mirror_namespace="lp")`
+    to mirror the plans."""
+    return lambda namespaces=(), **kwargs: running_operator(emulator, namespaces, **kwargs)
 
 
 @pytest.fixture()
