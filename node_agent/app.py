@@ -10,7 +10,8 @@
                         (namespace: needed only where two followed plans list the name)
     GET  /v1/adapters  -> {"adapters": [{name, namespace, sha256, source, path, bytes, pinned, lastUsed}],
                            "usedBytes", "budgetBytes", "errors": {name: "Reason: message"}}
-                           (following several plans, errors are keyed "namespace/name")
+                           (following several plans, or discovering plans, errors are keyed
+                           "namespace/name")
     GET  /healthz      -> 200 while every background loop runs, 500 once one crashed
     GET  /metrics      -> Prometheus text
 
@@ -23,9 +24,10 @@ download or failed), 507 (disk budget, or the disk itself full).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -35,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 from loraplex.node_agent.tasks import TaskGuard
-from loraplex.node_agent.kube import KubeAPI, KubePods, PlanConfigMap, StatusReporter
+from loraplex.node_agent.kube import FoundPlan, KubeAPI, KubePods, ListedPlan, PlanConfigMap, PlanMirrors, StatusReporter
 from loraplex.node_agent.warmer import PlanFile, PlanSource, ServerDiscovery, StaticServers, Warmer
 
 log = logging.getLogger(__name__)
@@ -58,11 +60,30 @@ class AgentConfig:
     kube_ca_file: Path | None = None
     poll_seconds: float = 1.0
     server_poll_seconds: float = 2.0
+    plan_selector: str | None = None  # label selector of plan ConfigMaps to follow, found in plan_namespace
+    plan_namespace: str | None = None
+
+
+@dataclass
+class _Discovered:
+    """A plan followed because `plan_selector` found it: its warmer and that warmer's loops."""
+
+    source: ListedPlan
+    warmer: Warmer
+    loops: list[asyncio.Task] = field(default_factory=list)
 
 
 class Agent:
-    """The store, one warmer per plan followed (one with no plan when none is) and their
-    background loops, started and stopped together."""
+    """The store, one warmer per plan followed (one with no plan when none is named) and their
+    background loops, started and stopped together.
+
+    Plans named (--plan-file, --plan-configmap) are followed from start to stop. With a
+    plan selector, the plans it finds are followed from when they appear to when they go,
+    each as a --plan-configmap of the plan it mirrors (its namespace the plan's: staging
+    folder, status reports, servers). A discovered plan always keeps its adapters' record
+    in `.plan-adapters.<namespace>.<name>.json`, however many plans are followed, so its
+    record is the same file from one run to the next as plans come and go; the named plans
+    keep theirs as before (`.plan-adapters.json` for a lone one)."""
 
     def __init__(self, config: AgentConfig, metrics: Metrics | None = None) -> None:
         self.config = config
@@ -71,6 +92,12 @@ class Agent:
         self.session: aiohttp.ClientSession | None = None
         self.store: AdapterStore | None = None
         self.warmers: list[Warmer] = []
+        self.discovered: dict[str, _Discovered] = {}  # "namespace/name" of a found plan -> it
+        self._api: KubeAPI | None = None
+        self._mirrors: PlanMirrors | None = None
+        self._reporters: dict[str, StatusReporter] = {}
+        self._keyed = False  # errors keyed "namespace/name", task names suffixed (several plans, or discovery)
+        self._list_error: str | None = None  # the last failed listing, logged once while it lasts
 
     @property
     def warmer(self) -> Warmer:
@@ -89,7 +116,7 @@ class Agent:
                    and name in w.plan.adapters for w in self.warmers)
 
     def errors(self) -> dict[str, str]:
-        if len(self.warmers) == 1:
+        if len(self.warmers) == 1 and not self._keyed:
             return self.warmer.errors
         return {(f"{w.namespace}/{k}" if w.namespace else k): v for w in self.warmers for k, v in w.errors.items()}
 
@@ -100,50 +127,135 @@ class Agent:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=15, sock_read=60))
         self.store = AdapterStore(c.cache_dir, c.budget_bytes, c.max_concurrent_downloads,
                                   session=self.session, metrics=self.metrics)
-        api = None
         if c.kube_api_url:
-            api = KubeAPI(c.kube_api_url, self.session, token_file=c.kube_token_file, ca_file=c.kube_ca_file)
+            self._api = KubeAPI(c.kube_api_url, self.session, token_file=c.kube_token_file, ca_file=c.kube_ca_file)
+        if (c.plan_configmaps or c.plan_selector) and self._api is None:
+            raise ValueError("plan_configmaps and plan_selector need kube_api_url")
+        if c.plan_selector and not c.plan_namespace:
+            raise ValueError("plan_selector needs plan_namespace")
         # (plan source, its namespace, its record of adapters under the cache, a name for its loops)
         plans: list[tuple[PlanSource | None, str | None, str, str]] = []
         if c.plan_file:
             plans.append((PlanFile(c.plan_file), c.namespace, Warmer.PLAN_ADAPTERS_FILE, ""))
-        if c.plan_configmaps and api is None:
-            raise ValueError("plan_configmaps needs kube_api_url")
         several = len(c.plan_configmaps) > 1
+        self._keyed = several or bool(c.plan_selector)
         for item in c.plan_configmaps:
             namespace, name = item.split("/", 1)
-            plans.append((PlanConfigMap(api, namespace, name), namespace,
-                          f".plan-adapters.{namespace}.{name}.json" if several else Warmer.PLAN_ADAPTERS_FILE,
-                          f" {item}" if several else ""))
+            plans.append((PlanConfigMap(self._api, namespace, name), namespace,
+                          self.record_file(namespace, name) if several else Warmer.PLAN_ADAPTERS_FILE,
+                          f" {item}" if self._keyed else ""))
         if not plans:  # stage on request only; the node's servers still get warmed (nothing to warm)
             plans.append((None, c.namespace, Warmer.PLAN_ADAPTERS_FILE, ""))
-        reporters: dict[str, StatusReporter] = {}
+        static_reporters = not c.plan_selector  # their loops named as before: one is "status-report"
         for plan, namespace, record, label in plans:
-            reporter = None
-            if api is not None and c.node_name and namespace:
-                if namespace not in reporters:
-                    reporters[namespace] = StatusReporter(api, namespace, c.node_name)
-                reporter = reporters[namespace]
-            discovery: ServerDiscovery | None = None
-            if c.server_urls:
-                discovery = StaticServers(list(c.server_urls), self.session)
-            elif api is not None and c.node_name:
-                discovery = KubePods(api, c.node_name, namespace=namespace)
-            warmer = Warmer(self.store, plan, self.session, discovery=discovery, reporter=reporter,
-                            metrics=self.metrics, namespace=namespace, record_file=record,
-                            poll_seconds=c.poll_seconds, server_poll_seconds=c.server_poll_seconds)
+            warmer, loops = self._follow(plan, namespace, record, label, spawn_reporter=not static_reporters)
             self.warmers.append(warmer)
-            if plan is not None:
-                self.tasks.spawn(warmer.run(), f"plan-watch{label}")
-            if discovery is not None:
-                self.tasks.spawn(warmer.run_servers(), f"server-watch{label}")
-        # Every plan's warmer hears of an eviction (each reports the adapters of its plan), and
-        # none removes from disk an adapter that moved to another plan it follows.
-        self.store.on_evict = lambda key: [w._evicted(key) for w in self.warmers]
+        self._wire()
+        if static_reporters:
+            for namespace, reporter in self._reporters.items():
+                self.tasks.spawn(reporter.run(),
+                                 "status-report" if len(self._reporters) == 1 else f"status-report {namespace}")
+        if c.plan_selector:
+            assert self._api is not None and c.plan_namespace
+            self._mirrors = PlanMirrors(self._api, c.plan_namespace, c.plan_selector)
+            self.tasks.spawn(self._discover_plans(), "plan-discovery")
+
+    @staticmethod
+    def record_file(namespace: str, name: str) -> str:
+        """The record of a plan's adapters, under the cache, where it is one of several."""
+        return f".plan-adapters.{namespace}.{name}.json"
+
+    def _follow(self, plan: PlanSource | None, namespace: str | None, record: str, label: str, *,
+                spawn_reporter: bool) -> tuple[Warmer, list[asyncio.Task]]:
+        """A warmer for one plan, its loops started: the plan's, and its servers'."""
+        c = self.config
+        assert self.store is not None and self.session is not None
+        reporter = None
+        if self._api is not None and c.node_name and namespace:
+            if namespace not in self._reporters:
+                self._reporters[namespace] = StatusReporter(self._api, namespace, c.node_name)
+                if spawn_reporter:
+                    self.tasks.spawn(self._reporters[namespace].run(), f"status-report {namespace}")
+            reporter = self._reporters[namespace]
+        discovery: ServerDiscovery | None = None
+        if c.server_urls:
+            discovery = StaticServers(list(c.server_urls), self.session)
+        elif self._api is not None and c.node_name:
+            discovery = KubePods(self._api, c.node_name, namespace=namespace)
+        warmer = Warmer(self.store, plan, self.session, discovery=discovery, reporter=reporter,
+                        metrics=self.metrics, namespace=namespace, record_file=record,
+                        poll_seconds=c.poll_seconds, server_poll_seconds=c.server_poll_seconds)
+        loops = []
+        if plan is not None:
+            loops.append(self.tasks.spawn(warmer.run(), f"plan-watch{label}"))
+        if discovery is not None:
+            loops.append(self.tasks.spawn(warmer.run_servers(), f"server-watch{label}"))
+        return warmer, loops
+
+    def _wire(self) -> None:
+        """Every plan's warmer hears of an eviction (each reports the adapters of its plan), and
+        none removes from disk an adapter that moved to another plan it follows. (A new Warmer
+        takes the store's eviction callback for itself: wired again after each.)"""
+        assert self.store is not None
+        self.store.on_evict = lambda key: [w._evicted(key) for w in list(self.warmers)]
         for warmer in self.warmers:
             warmer.listed_elsewhere = functools.partial(self._listed_elsewhere, warmer)
-        for namespace, reporter in reporters.items():
-            self.tasks.spawn(reporter.run(), "status-report" if len(reporters) == 1 else f"status-report {namespace}")
+
+    # -- plans found by label -----------------------------------------------------------------
+
+    async def _discover_plans(self) -> None:
+        """The discovery loop: list the plans the selector finds every poll_seconds."""
+        while True:
+            await self.discover()
+            await asyncio.sleep(self.config.poll_seconds)
+
+    async def discover(self) -> None:
+        """Follow the plans found that are not followed yet, feed the followed ones their
+        ConfigMap as listed, and stop following those no longer found. A failed listing
+        changes nothing (a plan is let go only when a listing does not have it)."""
+        assert self._mirrors is not None
+        try:
+            found = await self._mirrors.list()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            if str(e) != self._list_error:
+                log.error("cannot list the plans (%s): %s", self._mirrors, e)
+            self._list_error = str(e)
+            return
+        if self._list_error is not None:
+            log.info("listing the plans (%s) again", self._mirrors)
+            self._list_error = None
+        named = set(self.config.plan_configmaps)  # followed already, by name: not twice
+        for key in [k for k in self.discovered if k not in found]:
+            await self._let_go(key)
+        for key, plan in found.items():
+            if key in named:
+                continue
+            if key in self.discovered:
+                self.discovered[key].source.update(plan)
+            else:
+                self._take(plan)
+
+    def _take(self, plan: FoundPlan) -> None:
+        source = ListedPlan(plan)
+        warmer, loops = self._follow(source, plan.namespace, self.record_file(plan.namespace, plan.name),
+                                     f" {plan.key}", spawn_reporter=True)
+        self.warmers.append(warmer)
+        self._wire()
+        self.discovered[plan.key] = _Discovered(source, warmer, loops)
+        log.info("following the plan %s, found as %s/%s", plan.key, plan.where, plan.mirror)
+
+    async def _let_go(self, key: str) -> None:
+        """Stop following a plan no longer found: its loops stopped, then its adapters left
+        as adapters that leave a plan are (those another followed plan of the namespace lists
+        stay on disk), its pins released (Warmer.retire)."""
+        gone = self.discovered.pop(key)
+        for task in gone.loops:
+            task.cancel()
+        await asyncio.gather(*gone.loops, return_exceptions=True)
+        self.warmers.remove(gone.warmer)
+        self._wire()
+        await gone.warmer.retire()
+        log.info("not following the plan %s any more: it is no longer found", key)
 
     async def stop(self) -> None:
         await self.tasks.close()

@@ -3,11 +3,13 @@
 One dataclass holds every setting; each field's docstring (the string under it) gives its
 unit and default and is the flag's help, so flags and fields map one to one
 (`cache_dir` <-> `--cache-dir`). The environment is read only in `Settings.from_env_and_args`:
-NODE_NAME for --node-name, POD_NAMESPACE for --namespace, and the in-cluster API address
-(KUBERNETES_SERVICE_HOST/PORT) for finding this node's server pods and reporting staging.
+NODE_NAME for --node-name, POD_NAMESPACE for --namespace and --plan-namespace, and the
+in-cluster API address (KUBERNETES_SERVICE_HOST/PORT) for finding this node's server pods and
+reporting staging.
 
     loraplex-node-agent --cache-dir /var/lib/loraplex/adapters --budget-bytes 200000000000 \\
         --plan-file /etc/loraplex/plan/plan.json --port 8081
+    loraplex-node-agent --plan-selector loraplex.io/plan-mirror=true   # every BaseModel's plan, found
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from aiohttp import web
 
 from loraplex.node_agent.app import AgentConfig, create_app
+from loraplex.server.adapter_names import is_namespace
 from loraplex.server.settings import field_docs  # stdlib only: shared with the server's flags
 
 log = logging.getLogger("loraplex.node_agent")
@@ -53,6 +56,18 @@ class Settings:
     instead of --plan-file (a DaemonSet cannot mount a ConfigMap of another namespace);
     repeatable, one for each BaseModel whose plan the agent follows. Default: none."""
 
+    plan_selector: str | None = None
+    """A label selector, e.g. loraplex.io/plan-mirror=true: every ConfigMap of --plan-namespace
+    it finds is a plan followed, from when it appears until it goes, as a --plan-configmap of
+    the plan its annotation loraplex.io/plan-of names (NAMESPACE/NAME: the operator's mirrors
+    of its BaseModels' plans, which it writes into its mirror namespace); listed every
+    --poll-seconds. A plan that goes leaves as its adapters would leave it: off the disk (but
+    what another followed plan of its namespace lists), its pins released. Beside
+    --plan-configmap (a plan named there is not followed twice). Default: none."""
+
+    plan_namespace: str | None = None
+    """The namespace where --plan-selector finds plans. Default: $POD_NAMESPACE (the agent's own)."""
+
     port: int = 8081
     """TCP port of the agent's HTTP API. Default: 8081."""
 
@@ -67,7 +82,8 @@ class Settings:
     namespace: str | None = None
     """Namespace of the plan's LoRAAdapters, whose status.nodes.<node> this agent reports,
     and whose folder of the cache it stages them in (with --plan-configmap, each plan's
-    ConfigMap's namespace). Default: $POD_NAMESPACE."""
+    ConfigMap's namespace; with --plan-selector, each found plan's, from its annotation).
+    Default: $POD_NAMESPACE."""
 
     server_url: list[str] = field(default_factory=list)
     """Server base URLs to warm instead of finding pods through the API, e.g.
@@ -95,8 +111,8 @@ class Settings:
             raise ValueError(f"--port must be 1..65535, got {self.port}")
         if not (0 < self.poll_seconds < math.inf and 0 < self.server_poll_seconds < math.inf):  # nan too
             raise ValueError("--poll-seconds and --server-poll-seconds must be positive and finite")
-        if self.plan_file is not None and self.plan_configmap:
-            raise ValueError("give --plan-file or --plan-configmap, not both")
+        if self.plan_file is not None and (self.plan_configmap or self.plan_selector is not None):
+            raise ValueError("give --plan-file or the plans of the API (--plan-configmap, --plan-selector), not both")
         for item in self.plan_configmap:
             ns, _, name = item.partition("/")
             if not ns or not name or "/" in name:
@@ -105,6 +121,15 @@ class Settings:
             raise ValueError("--plan-configmap names one plan twice")
         if self.plan_configmap and self.kube_api_url is None:
             raise ValueError("--plan-configmap needs the Kubernetes API (--kube-api-url, or run in a pod)")
+        if self.plan_selector is not None:
+            if not self.plan_selector.strip() or any(ch.isspace() for ch in self.plan_selector.strip()):
+                raise ValueError(f"--plan-selector must be a label selector such as key=value, got {self.plan_selector!r}")
+            if self.kube_api_url is None:
+                raise ValueError("--plan-selector needs the Kubernetes API (--kube-api-url, or run in a pod)")
+            if self.plan_namespace is None:
+                raise ValueError("--plan-selector needs --plan-namespace (or $POD_NAMESPACE)")
+        if self.plan_namespace is not None and not is_namespace(self.plan_namespace):
+            raise ValueError(f"--plan-namespace {self.plan_namespace!r} is not a Kubernetes namespace name")
         for url in self.server_url:
             _check_http_url("--server-url", url)
         if self.kube_api_url is not None:
@@ -123,6 +148,8 @@ class Settings:
             settings.namespace = settings.plan_configmap[0].split("/", 1)[0]
         if settings.namespace is None:
             settings.namespace = env.get("POD_NAMESPACE") or None
+        if settings.plan_selector is not None and settings.plan_namespace is None:
+            settings.plan_namespace = env.get("POD_NAMESPACE") or None
         if settings.kube_api_url is None and env.get("KUBERNETES_SERVICE_HOST"):
             host = env["KUBERNETES_SERVICE_HOST"]
             host = f"[{host}]" if ":" in host else host
@@ -146,6 +173,8 @@ class Settings:
             kube_ca_file=SERVICE_ACCOUNT / "ca.crt" if in_cluster else None,
             poll_seconds=self.poll_seconds,
             server_poll_seconds=self.server_poll_seconds,
+            plan_selector=self.plan_selector.strip() if self.plan_selector is not None else None,
+            plan_namespace=self.plan_namespace,
         )
 
 

@@ -3,11 +3,14 @@
     KubeAPI        GET JSON / merge-patch with the pod's service-account token and CA
     KubePods       the server pods of a base on this node, and whether they are ready
     PlanConfigMap  the operator's plan ConfigMap, when it cannot be mounted
+    PlanMirrors    the plan ConfigMaps of one namespace that a label selector finds (the
+                   operator's mirrors of its BaseModels' plans), each naming the plan it copies
+    ListedPlan     one of those as a plan source, read from the last listing
     StatusReporter this node's entry under LoRAAdapter status.nodes, e.g.
                    {"status": {"nodes": {"gpu-node-3": {"phase": "Staged", "message": "", "bytes": 41943040}}}}
 
-RBAC (the chart's node-agent ClusterRole): list pods; get configmaps; get/patch
-loraadapters/status.
+RBAC (the chart's node-agent ClusterRole): list pods; get the named plan ConfigMaps; get/patch
+loraadapters/status; and (a Role in the agent's namespace) get/list/watch configmaps there.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import asyncio
 import logging
 import ssl
 import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from loraplex.server.plan_file import config_map_plan_bytes
+from loraplex.server.adapter_names import is_namespace
+from loraplex.server.plan_file import PLAN_NAMESPACE_ANNOTATION, PLAN_OF_ANNOTATION, config_map_plan_bytes
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +124,101 @@ class PlanConfigMap:
             if e.status == 404:
                 return None, None
             raise
-        identity = (body.get("metadata") or {}).get("resourceVersion")
-        if identity is not None and identity == known:
-            return identity, None
-        try:
-            raw = config_map_plan_bytes(body, self.key)
-        except ValueError as e:  # binascii.Error
-            raise ValueError(f"its binaryData {self.key!r} is not base64 ({e})") from None
-        return (identity, raw) if raw is not None else (None, None)
+        return _plan_in(body, known, self.key)
+
+
+def _plan_in(body: dict, known: object, key: str) -> tuple[object, bytes | None]:
+    """(identity, plan bytes) of a plan ConfigMap's body, as PlanSource.read answers: bytes None
+    when its resourceVersion is `known`, (None, None) when it holds no plan under `key`."""
+    identity = (body.get("metadata") or {}).get("resourceVersion")
+    if identity is not None and identity == known:
+        return identity, None
+    try:
+        raw = config_map_plan_bytes(body, key)
+    except ValueError as e:  # binascii.Error
+        raise ValueError(f"its binaryData {key!r} is not base64 ({e})") from None
+    return (identity, raw) if raw is not None else (None, None)
+
+
+@dataclass(frozen=True)
+class FoundPlan:
+    """A plan ConfigMap `PlanMirrors` found: the plan it copies (`namespace`/`name`: a BaseModel's
+    `<base>-plan`, whose namespace its adapters belong to) and the ConfigMap itself."""
+
+    namespace: str
+    name: str
+    where: str  # the found ConfigMap's namespace
+    mirror: str  # and name
+    body: dict
+
+    @property
+    def key(self) -> str:
+        """The plan followed, as --plan-configmap names it."""
+        return f"{self.namespace}/{self.name}"
+
+
+class PlanMirrors:
+    """The plans of one namespace that a label selector finds:
+    GET /api/v1/namespaces/<namespace>/configmaps?labelSelector=<selector>.
+
+    Each ConfigMap found is a copy of a plan (the operator's mirror, `loraplex-operator
+    --plan-mirror-namespace`), which its annotation loraplex.io/plan-of names as NAMESPACE/NAME:
+    that namespace is the plan's, its adapters', its servers'. One without that annotation
+    (or with a namespace that is not a Kubernetes namespace name) is skipped, logged once."""
+
+    def __init__(self, api: KubeAPI, namespace: str, selector: str) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.selector = selector
+        self._skipped: set[str] = set()  # ConfigMaps logged as not plans, while they stay so
+
+    def __str__(self) -> str:
+        return f"configmaps in {self.namespace} labelled {self.selector}"
+
+    async def list(self) -> dict[str, FoundPlan]:
+        """{"namespace/name" of the plan: what was found}. Raises what the API call raises."""
+        body = await self.api.get_json(f"/api/v1/namespaces/{self.namespace}/configmaps",
+                                       {"labelSelector": self.selector})
+        found: dict[str, FoundPlan] = {}
+        skipped: set[str] = set()
+        for cm in sorted(body.get("items") or [], key=lambda c: str((c.get("metadata") or {}).get("name"))):
+            meta = cm.get("metadata") or {}
+            mirror = str(meta.get("name"))
+            annotations = meta.get("annotations") or {}
+            namespace, _, name = str(annotations.get(PLAN_OF_ANNOTATION) or "").partition("/")
+            why = None
+            if not is_namespace(namespace) or not name or "/" in name:
+                why = f"its annotation {PLAN_OF_ANNOTATION} is not NAMESPACE/NAME"
+            elif annotations.get(PLAN_NAMESPACE_ANNOTATION, namespace) != namespace:
+                why = f"its annotations {PLAN_OF_ANNOTATION} and {PLAN_NAMESPACE_ANNOTATION} disagree"
+            elif f"{namespace}/{name}" in found:
+                why = f"{found[f'{namespace}/{name}'].mirror} is the plan {namespace}/{name} already"
+            if why is not None:
+                if mirror not in self._skipped:
+                    log.warning("configmap %s/%s is not followed as a plan: %s", self.namespace, mirror, why)
+                skipped.add(mirror)
+                continue
+            found[f"{namespace}/{name}"] = FoundPlan(namespace, name, self.namespace, mirror, cm)
+        self._skipped = skipped
+        return found
+
+
+class ListedPlan:
+    """A found plan as a PlanSource: its ConfigMap as the latest listing gave it (`update`), so
+    one LIST a poll serves every found plan, with no GET of each. Identity: resourceVersion."""
+
+    def __init__(self, found: FoundPlan, key: str = "plan.json") -> None:
+        self.found = found
+        self.key = key
+
+    def update(self, found: FoundPlan) -> None:
+        self.found = found
+
+    def __str__(self) -> str:
+        return f"configmap {self.found.where}/{self.found.mirror} (the plan {self.found.key})"
+
+    async def read(self, known: object) -> tuple[object, bytes | None]:
+        return _plan_in(self.found.body, known, self.key)
 
 
 class StatusReporter:

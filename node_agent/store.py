@@ -270,8 +270,12 @@ class AdapterStore:
                    owner: object = None) -> None:
         """A plan's pinned set, adapters of `namespace`: evicted last, and only to make room for
         another pinned one. Each plan sets its own (`owner`, by default the namespace); the
-        other plans' pins stay."""
-        self._pins[namespace if owner is None else owner] = frozenset((namespace, n) for n in names)
+        other plans' pins stay; an empty set releases the plan's pins."""
+        key = namespace if owner is None else owner
+        if names:
+            self._pins[key] = frozenset((namespace, n) for n in names)
+        else:
+            self._pins.pop(key, None)
         self._pinned = frozenset().union(*self._pins.values())
         self._update_gauges()
 

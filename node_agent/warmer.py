@@ -16,8 +16,9 @@ and until its end: staged and prefetched from then on, so the campaign's first r
 find it on the node and in the servers); adapters that left the
 plan removed from disk (at the first plan after a start, those that left it while the agent
 was down: the plan's adapter names are kept in `<cache>/.plan-adapters.json`, one such file
-a plan, `.plan-adapters.<namespace>.<name>.json`, where an agent follows several). A bad
-plan is logged and the previous plan kept.
+a plan, `.plan-adapters.<namespace>.<name>.json`, where an agent follows several or found
+the plan by label). A bad plan is logged and the previous plan kept. A plan no longer
+followed (found by label, and gone) is retired: its adapters leave it as dropped ones do.
 
 Servers: when a server pod of the plan's base on this node turns ready, the warmer asks it
 to load the pinned set and the prefetch entries from local disk:
@@ -431,15 +432,7 @@ class Warmer:
             was_pinned = set(last["pinned"])
         # A server keeps the pins the warmer made through its API until it is told otherwise.
         self._unpin = (self._unpin | was_pinned) - set(plan.pinned)
-        for name in sorted(dropped):
-            if self.listed_elsewhere(name):  # moved to another followed plan of the namespace: it stays
-                continue
-            if await self.store.remove(name, self.namespace):
-                log.info("removed %s from local disk: it left the plan", name)
-                self._report_removed(name)
-            self._watch.errors.pop(name, None)
-            self._watch.reasons.pop(name, None)
-            self._watch.failed_for_good.pop(name, None)
+        await self._drop(dropped)
         self._record({"adapters": sorted(plan.adapters), "pinned": sorted(plan.pinned)})
         if self.reporter is not None:  # what an earlier run (or a session) left on disk
             for name, a in plan.adapters.items():
@@ -452,6 +445,37 @@ class Warmer:
         # Servers already warm get the new pins and prefetches too (idempotent calls), side
         # by side: a server that hangs costs the plan loop one call timeout, not one per server.
         await asyncio.gather(*(self.warm_server(url) for url in list(self._ready.values())))
+
+    async def _drop(self, names: set[str]) -> None:
+        """Adapters that left the plan: removed from disk (their status entry for this node
+        too), unless another followed plan of the namespace lists them; their errors forgotten."""
+        for name in sorted(names):
+            if self.listed_elsewhere(name):  # moved to another followed plan of the namespace: it stays
+                continue
+            if await self.store.remove(name, self.namespace):
+                log.info("removed %s from local disk: it left the plan", name)
+                self._report_removed(name)
+            self._watch.errors.pop(name, None)
+            self._watch.reasons.pop(name, None)
+            self._watch.failed_for_good.pop(name, None)
+
+    async def retire(self) -> None:
+        """The plan is followed no more (its ConfigMap is gone: its BaseModel was deleted): each
+        of its adapters leaves it as an adapter leaving a plan does (`_drop`), its pins are
+        released and its record file removed. The caller has stopped its loops first."""
+        plan = self._watch.plan
+        names = set(plan.adapters) if plan is not None else set()
+        if self._recorded is None:  # not reconciled in this process: what the last run recorded
+            names |= set(self._last_run()["adapters"])
+        self._watch = _Watch()
+        self._unpin.clear()
+        self.store.set_pinned(set(), self.namespace, owner=self.record_file)
+        await self._drop(names)
+        try:
+            (self.store.root / self.record_file).unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("cannot remove the record %s of a plan no longer followed: %s", self.record_file, e)
+        self._recorded = None
 
     async def _stage_all(self, refs: list[AdapterRef]) -> None:
         # An adapter that failed for good (wrong digest, bad file) is tried again only when

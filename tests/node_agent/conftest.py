@@ -135,7 +135,8 @@ async def object_store():
 
 @dataclass
 class FakeKubeAPI:
-    """GET /api/v1/pods and PATCH of LoRAAdapter status, as the node agent uses them."""
+    """GET /api/v1/pods, GET of a ConfigMap, a list of ConfigMaps by label (equality terms
+    alone, `a=b,c=d`) and PATCH of LoRAAdapter status, as the node agent uses them."""
 
     url: str = ""
     pods: list = field(default_factory=list)
@@ -145,18 +146,38 @@ class FakeKubeAPI:
     fail_next: int = 0  # answer 500 to this many PATCHes first
     missing: set = field(default_factory=set)  # adapters that answer 404
     configmaps: dict = field(default_factory=dict)  # (namespace, name) -> ConfigMap
+    lists: list = field(default_factory=list)  # (namespace, query) of ConfigMap lists
+    fail_lists: int = 0  # answer 500 to this many ConfigMap lists first
+    rv: int = 0
 
-    def put_configmap(self, ns: str, name: str, data: dict, binary: dict | None = None) -> None:
-        old = self.configmaps.get((ns, name))
-        rv = str(int(old["metadata"]["resourceVersion"]) + 1) if old else "1"
-        self.configmaps[(ns, name)] = {"metadata": {"namespace": ns, "name": name, "resourceVersion": rv},
-                                       "data": data, "binaryData": binary or {}}
+    def put_configmap(self, ns: str, name: str, data: dict, binary: dict | None = None, *,
+                      labels: dict | None = None, annotations: dict | None = None) -> None:
+        self.rv += 1
+        meta = {"namespace": ns, "name": name, "resourceVersion": str(self.rv)}
+        if labels:
+            meta["labels"] = labels
+        if annotations:
+            meta["annotations"] = annotations
+        self.configmaps[(ns, name)] = {"metadata": meta, "data": data, "binaryData": binary or {}}
 
     async def get_configmap(self, request):
         cm = self.configmaps.get((request.match_info["ns"], request.match_info["name"]))
         if cm is None:
             return web.json_response({"kind": "Status", "code": 404}, status=404)
         return web.json_response(cm)
+
+    async def list_configmaps(self, request):
+        ns = request.match_info["ns"]
+        self.lists.append((ns, dict(request.query)))
+        if self.fail_lists:
+            self.fail_lists -= 1
+            return web.json_response({"kind": "Status", "code": 500}, status=500)
+        terms = [t.split("=", 1) for t in request.query.get("labelSelector", "").split(",") if t]
+        items = [cm for (cm_ns, _), cm in sorted(self.configmaps.items()) if cm_ns == ns
+                 and all((cm["metadata"].get("labels") or {}).get(k) == v for k, v in terms)]
+        return web.json_response({"kind": "ConfigMapList", "metadata": {"resourceVersion": str(self.rv)},
+                                  "items": items})
+
 
     async def list_pods(self, request):
         self.requests.append((dict(request.query), request.headers.get("Authorization")))
@@ -183,6 +204,7 @@ async def kube_api():
     app = web.Application()
     app.router.add_get("/api/v1/pods", api.list_pods)
     app.router.add_get("/api/v1/namespaces/{ns}/configmaps/{name}", api.get_configmap)
+    app.router.add_get("/api/v1/namespaces/{ns}/configmaps", api.list_configmaps)
     app.router.add_patch("/apis/loraplex.io/v1alpha1/namespaces/{ns}/loraadapters/{name}/status", api.patch_status)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
