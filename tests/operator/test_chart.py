@@ -2,7 +2,7 @@
 
 A small renderer below covers the subset of Go templates the chart uses (include/define,
 if/with/range, and the pipes quote, nindent, toYaml, trunc, trimSuffix, default, printf,
-splitList, last, or), so the rendered manifests can be parsed and checked: RBAC covers what the
+splitList, last, or, and), so the rendered manifests can be parsed and checked: RBAC covers what the
 operator and the node agent call, the node agent runs with its cache dir, the CRDs are the
 repository's.
 Helm itself (and its Sprig functions beyond these) is not exercised here.
@@ -22,9 +22,13 @@ import pytest
 import yaml
 
 from loraplex.node_agent.cli import Settings as AgentSettings
+from loraplex.operator.cli import parse_args as operator_args
 from loraplex.operator.workloads import NODE_AGENT_PORT
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+RELEASE_NS = "loraplex-system"  # the renderer's .Release.Namespace
+IN_POD = {"NODE_NAME": "n1", "POD_NAMESPACE": RELEASE_NS, "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+          "KUBERNETES_SERVICE_PORT": "443"}  # what a node agent's pod has
 CHART = ROOT / "charts" / "loraplex"
 ACTION = re.compile(r"{{(-?)\s*(.*?)\s*(-?)}}", re.S)
 
@@ -68,7 +72,7 @@ def _parse(tokens: list[tuple[str, str]], i: int = 0) -> tuple[list[Any], int]:
 class Renderer:
     def __init__(self, values: dict[str, Any]) -> None:
         chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-        self.root = {"Values": values, "Release": {"Name": "lp", "Namespace": "loraplex-system", "Service": "Helm"},
+        self.root = {"Values": values, "Release": {"Name": "lp", "Namespace": RELEASE_NS, "Service": "Helm"},
                      "Chart": {"Name": chart["name"], "Version": chart["version"], "AppVersion": chart["appVersion"]}}
         self.defines: dict[str, list[Any]] = {}
         helpers, _ = _parse(_tokens((CHART / "templates" / "_helpers.tpl").read_text()))
@@ -148,6 +152,8 @@ class Renderer:
             return args[0][-1] if args[0] else None
         if fn == "or":
             return next((a for a in args if a), args[-1])
+        if fn == "and":
+            return next((a for a in args if not a), args[-1])
         raise NotImplementedError(f"template function {fn!r} is not in the test renderer")
 
     @staticmethod
@@ -204,6 +210,9 @@ def test_every_template_renders_to_kubernetes_objects():
         ("ClusterRoleBinding", "lp-loraplex-operator"), ("Deployment", "lp-loraplex-operator"),
         ("ServiceAccount", "lp-loraplex-node-agent"), ("ClusterRole", "lp-loraplex-node-agent"),
         ("ClusterRoleBinding", "lp-loraplex-node-agent"), ("DaemonSet", "lp-loraplex-node-agent"),
+        # nodeAgent.discoverPlans: the plans' mirrors in the release namespace
+        ("Role", "lp-loraplex-operator-plan-mirrors"), ("RoleBinding", "lp-loraplex-operator-plan-mirrors"),
+        ("Role", "lp-loraplex-node-agent-plans"), ("RoleBinding", "lp-loraplex-node-agent-plans"),
     }
     for doc in docs.values():
         assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == "lp"
@@ -286,6 +295,7 @@ def test_node_agent_may_read_its_plan_configmap_and_no_other():
     into a namespace that need not exist yet (the README installs the chart first)."""
     values = copy.deepcopy(VALUES)
     values["nodeAgent"]["planConfigMap"] = "ml/llama-3-8b-plan"
+    values["nodeAgent"]["discoverPlans"] = False
     docs = render_all(values)
     role = docs[("ClusterRole", "lp-loraplex-node-agent")]
     (rule,) = [r for r in role["rules"] if "configmaps" in r["resources"]]
@@ -304,8 +314,7 @@ def test_node_agents_follow_several_plans_and_read_those_alone():
     (rule,) = [r for r in docs[("ClusterRole", "lp-loraplex-node-agent")]["rules"] if "configmaps" in r["resources"]]
     assert rule["resourceNames"] == ["llama-3-8b-plan", "mistral-plan"] and rule["verbs"] == ["get"]
     (container,) = docs[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
-    in_pod = {"NODE_NAME": "n1", "KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
-    settings = AgentSettings.from_env_and_args(container["args"], env=in_pod)
+    settings = AgentSettings.from_env_and_args(container["args"], env=IN_POD)
     assert settings.plan_configmap == ["ml/llama-3-8b-plan", "team-b/mistral-plan"]
 
 
@@ -316,17 +325,17 @@ def test_node_agent_daemonset_contract():
     assert container["command"] == ["loraplex-node-agent"]
     assert container["args"][:2] == ["--cache-dir", "/var/lib/loraplex/adapters"]
     # The rendered arguments are ones the agent's own command line accepts, with the values' meaning.
-    settings = AgentSettings.from_env_and_args(container["args"], env={"NODE_NAME": "n1", "POD_NAMESPACE": "ml"})
+    settings = AgentSettings.from_env_and_args(container["args"], env=IN_POD)
     assert (settings.budget_bytes, settings.max_concurrent_downloads, settings.port) == (53687091200, 4, 8081)
     assert settings.plan_configmap == []
+    assert (settings.plan_selector, settings.plan_namespace) == ("loraplex.io/plan-mirror=true", RELEASE_NS)
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     # The serving pods the operator runs call the agent at <node IP>:NODE_AGENT_PORT.
     assert container["ports"] == [{"name": "http", "containerPort": NODE_AGENT_PORT, "hostPort": NODE_AGENT_PORT}]
     values = copy.deepcopy(VALUES)
     values["nodeAgent"]["planConfigMap"] = "ml/llama-3-8b-plan"
     (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
-    in_pod = {"NODE_NAME": "n1", "KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
-    assert AgentSettings.from_env_and_args(container["args"], env=in_pod).plan_configmap == ["ml/llama-3-8b-plan"]
+    assert AgentSettings.from_env_and_args(container["args"], env=IN_POD).plan_configmap == ["ml/llama-3-8b-plan"]
     assert {"name": "adapters", "mountPath": "/var/lib/loraplex/adapters"} in container["volumeMounts"]
     assert pod["volumes"][0]["hostPath"]["path"] == "/var/lib/loraplex/adapters"
     assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
@@ -342,7 +351,7 @@ def test_node_agent_extra_args_stay_strings():
     values["nodeAgent"]["extraArgs"] = ["--poll-seconds", "0.5", "--server-poll-seconds", "2", "--log-level", "DEBUG"]
     (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
     assert container["args"][-6:] == values["nodeAgent"]["extraArgs"]
-    settings = AgentSettings.from_env_and_args(container["args"], env={"NODE_NAME": "n1", "POD_NAMESPACE": "ml"})
+    settings = AgentSettings.from_env_and_args(container["args"], env=IN_POD)
     assert (settings.poll_seconds, settings.server_poll_seconds, settings.log_level) == (0.5, 2.0, "DEBUG")
 
 
@@ -358,8 +367,74 @@ def test_operator_deployment_follows_values():
     assert container["command"] == ["loraplex-operator"]
     assert container["args"] == ["--liveness=http://:8080/healthz", "--namespace=ml", "--namespace=research",
                                  "--verbose"]
+    assert "env" not in container  # no node agents: no plans mirrored for them
+    assert not [key for key in docs if key[0] in ("Role", "RoleBinding")]
     assert container["image"] == "loraplex/operator:dev"
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "lp-loraplex-operator"
     binding = docs[("ClusterRoleBinding", "lp-loraplex-operator")]
     assert binding["subjects"][0]["name"] == "lp-loraplex-operator"
+
+
+def _env(container: dict[str, Any], namespace: str) -> dict[str, str]:
+    """The container's environment as the kubelet gives it, in a pod of `namespace`."""
+    out = {}
+    for var in container.get("env") or []:
+        if "value" in var:
+            out[var["name"]] = var["value"]
+        else:
+            assert var["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}, var
+            out[var["name"]] = namespace
+    return out
+
+
+def test_the_operator_mirrors_plans_where_the_agents_look_for_them():
+    """nodeAgent.discoverPlans (the default): the operator writes each plan's mirror into the
+    release namespace, and the agents list that namespace with the mirrors' label."""
+    docs = render_all()
+    (operator,) = docs[("Deployment", "lp-loraplex-operator")]["spec"]["template"]["spec"]["containers"]
+    mirrors = operator_args(operator["args"], env=_env(operator, RELEASE_NS)).plan_mirror_namespace
+    (agent,) = docs[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+    settings = AgentSettings.from_env_and_args(agent["args"], env=IN_POD)
+    assert mirrors == settings.plan_namespace == RELEASE_NS
+    assert settings.plan_selector == "loraplex.io/plan-mirror=true"
+
+    values = copy.deepcopy(VALUES)
+    values["nodeAgent"]["discoverPlans"] = False
+    docs = render_all(values)
+    (operator,) = docs[("Deployment", "lp-loraplex-operator")]["spec"]["template"]["spec"]["containers"]
+    assert operator_args(operator["args"], env=_env(operator, RELEASE_NS)).plan_mirror_namespace is None
+    (agent,) = docs[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+    assert AgentSettings.from_env_and_args(agent["args"], env=IN_POD).plan_selector is None
+    assert not [key for key in docs if key[0] in ("Role", "RoleBinding")]
+
+
+def _bound(docs: dict, role: str, account: str) -> dict[str, Any]:
+    """The Role `role`, checked to be in the release namespace and bound there to `account` alone."""
+    doc = docs[("Role", role)]
+    binding = docs[("RoleBinding", role)]
+    assert doc["metadata"]["namespace"] == binding["metadata"]["namespace"] == RELEASE_NS
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": RELEASE_NS}]
+    return doc
+
+
+def test_the_node_agent_may_list_the_configmaps_of_its_namespace_alone():
+    """Discovery lists the mirrors (the listing holds their data; the agent neither gets nor
+    watches them): a Role in the release namespace, not a cluster-wide read of ConfigMaps."""
+    docs = render_all()
+    role = _bound(docs, "lp-loraplex-node-agent-plans", "lp-loraplex-node-agent")
+    assert _granted(role) == {("", "configmaps", "list")}
+    assert not _allows(docs[("ClusterRole", "lp-loraplex-node-agent")], "", "configmaps", "list")
+
+
+def test_the_operator_may_list_and_delete_the_mirrors_in_the_release_namespace_alone():
+    """Its ClusterRole writes ConfigMaps by name (the mirrors too); listing (the sweep) and
+    deleting (a mirror has no owner reference) it may in the release namespace only."""
+    docs = render_all()
+    role = _bound(docs, "lp-loraplex-operator-plan-mirrors", "lp-loraplex-operator")
+    assert _granted(role) == {("", "configmaps", "list"), ("", "configmaps", "delete")}
+    cluster = docs[("ClusterRole", "lp-loraplex-operator")]
+    assert not _allows(cluster, "", "configmaps", "list") and not _allows(cluster, "", "configmaps", "delete")
+    for verb in ("get", "create", "patch"):
+        assert _allows(cluster, "", "configmaps", verb)

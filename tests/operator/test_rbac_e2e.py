@@ -1,7 +1,8 @@
-"""The operator's ClusterRole, derived from what the operator does: every API call it makes
-in a run through its paths (kopf's watches, finalizers, annotations and events; its own
-client's plan ConfigMap, Deployment, Service and status writes) is granted, and nothing is
-granted that no call uses, so a leaked operator token can do no more than the operator.
+"""The operator's ClusterRole (and, mirroring plans, its Role in the release namespace),
+derived from what the operator does: every API call it makes in a run through its paths
+(kopf's watches, finalizers, annotations and events; its own client's plan ConfigMap, mirror,
+Deployment, Service and status writes; the mirrors' sweep and deletion) is granted, and
+nothing is granted that no call uses, so a leaked operator token can do no more than the operator.
 
 The emulator checks no RBAC: it records each request, and the requests that carry the
 operator's kubeconfig token are turned into (API group, resource, verb) the way the API
@@ -18,7 +19,7 @@ import pytest
 
 from loraplex.operator.kube import ADAPTERS, BASE_MODELS, DEPLOYMENTS, SERVICES, Resource
 
-from .test_chart import VALUES, render_all
+from .test_chart import RELEASE_NS, VALUES, render_all
 from .test_operator_e2e import NS, adapter_body, base_body, plan_of
 
 NAMESPACES = Resource("", "v1", "namespaces")
@@ -41,6 +42,11 @@ def _verb(request: Any) -> str:
 
 
 def operator_calls(emulator: Any) -> set[tuple[str, str, str]]:
+    return {call[:3] for call in operator_calls_in(emulator)}
+
+
+def operator_calls_in(emulator: Any) -> set[tuple[str, str, str, str | None]]:
+    """(group, resource, verb, namespace) of each call (namespace None: a cluster-wide one)."""
     calls = set()
     for request in list(emulator._requests):
         headers = {k.lower(): v for k, v in request.headers.items()}
@@ -50,13 +56,14 @@ def operator_calls(emulator: Any) -> set[tuple[str, str, str]]:
         if resource is None or resource.plural is None:
             continue  # discovery (/api, /apis, /version): non-resource URLs every account may read
         plural = str(resource.plural) + (f"/{request.subresource}" if request.subresource else "")
-        calls.add((str(resource.group or ""), plural, _verb(request)))
+        calls.add((str(resource.group or ""), plural, _verb(request), request.namespace))
     return calls
 
 
-def granted(values: dict[str, Any]) -> set[tuple[str, str, str]]:
-    role = render_all(values)[("ClusterRole", "lp-loraplex-operator")]
-    return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+def granted(values: dict[str, Any], kind: str = "ClusterRole",
+            name: str = "lp-loraplex-operator") -> set[tuple[str, str, str]]:
+    role = render_all(values).get((kind, name))
+    return {(group, resource, verb) for rule in (role or {"rules": []})["rules"] for group in rule["apiGroups"]
             for resource in rule["resources"] for verb in rule["verbs"]}
 
 
@@ -102,16 +109,27 @@ async def _drive(api: Any, eventually: Any) -> None:
     await eventually(parked, what="b Pending without its base")
 
 
-@pytest.mark.parametrize("namespaces", [(), (NS,)], ids=["clusterwide", "one-namespace"])
-async def test_operator_role_grants_exactly_what_the_operator_calls(namespaces, api, emulator, kubeconfig, crds,
-                                                                   operator_runner, eventually_):
+@pytest.mark.parametrize("namespaces, mirrors", [((), True), ((NS,), True), ((), False)],
+                         ids=["clusterwide", "one-namespace", "no-mirrors"])
+async def test_operator_role_grants_exactly_what_the_operator_calls(namespaces, mirrors, api, emulator, kubeconfig,
+                                                                   crds, operator_runner, eventually_):
+    """The operator runs as the chart runs it: with nodeAgent.discoverPlans (the default) it
+    mirrors the plans into the release namespace, and what it calls there beyond its
+    ClusterRole (listing and deleting the mirrors) its Role there grants, and no more."""
     values = copy.deepcopy(VALUES)
     values["operator"]["watchNamespaces"] = list(namespaces)
+    values["nodeAgent"]["discoverPlans"] = mirrors
     if namespaces:  # kopf serves a listed namespace once it has seen it exist
         await api.create(NAMESPACES.path(None), {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
-    async with operator_runner(namespaces):
+    async with operator_runner(namespaces, mirror_namespace=RELEASE_NS if mirrors else None):
         await _drive(api, eventually_)
-    calls = operator_calls(emulator)
+        if mirrors:  # the mirror was written, and deleted with its BaseModel
+            assert any(k[1] == RELEASE_NS and k[2] == f"{NS}.llama-3-8b-plan" for k in emulator.objects)
+    calls = operator_calls_in(emulator)
     role = granted(values)
-    assert calls - role == set(), "called but not granted"
-    assert role - calls - FOR_ADMISSION == set(), "granted but never called"
+    local = granted(values, "Role", "lp-loraplex-operator-plan-mirrors")
+    beyond = {call for call in calls if call[:3] not in role}
+    assert {call[:3] for call in beyond} - local == set(), "called but not granted"
+    assert {call[3] for call in beyond} <= {RELEASE_NS}, "the Role's calls outside its namespace"
+    assert role - {call[:3] for call in calls} - FOR_ADMISSION == set(), "granted but never called"
+    assert local - {call[:3] for call in beyond} == set(), "granted in the release namespace but never called"
