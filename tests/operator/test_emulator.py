@@ -80,6 +80,24 @@ async def test_watch_replays_from_a_version_and_ends_on_timeout(http):
     assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("MODIFIED", "a")]
 
 
+async def test_a_list_by_label_selector_has_the_namespaces_matching_objects_alone(http):
+    """What the node agent's plan discovery and the operator's mirror sweep ask: a list of one
+    namespace's ConfigMaps by a label with a prefixed key, then a delete by name."""
+    mirror = {"loraplex.io/plan-mirror": "true"}
+    for path, name, labels in ((CMS, "ml.a-plan", mirror), (CMS, "ml.b-plan", mirror), (CMS, "plain", {}),
+                               (CMS, "other-value", {"loraplex.io/plan-mirror": "false"}),
+                               ("/api/v1/namespaces/elsewhere/configmaps", "ml.c-plan", mirror)):
+        assert (await call(http, "POST", path, {"metadata": {"name": name, "labels": labels}}))[0] == 201
+    status, body = await call(http, "GET", f"{CMS}?labelSelector=loraplex.io%2Fplan-mirror%3Dtrue")
+    assert status == 200 and body["kind"] == "ConfigMapList"
+    assert [o["metadata"]["name"] for o in body["items"]] == ["ml.a-plan", "ml.b-plan"]
+    assert (await call(http, "DELETE", f"{CMS}/ml.a-plan"))[0] == 200
+    _, body = await call(http, "GET", f"{CMS}?labelSelector=loraplex.io/plan-mirror=true")
+    assert [o["metadata"]["name"] for o in body["items"]] == ["ml.b-plan"]
+    _, body = await call(http, "GET", "/api/v1/configmaps?labelSelector=loraplex.io/plan-mirror=true")
+    assert sorted(o["metadata"]["name"] for o in body["items"]) == ["ml.b-plan", "ml.c-plan"]
+
+
 async def test_owned_objects_are_collected(http):
     _, owner = await call(http, "POST", CMS, {"metadata": {"name": "owner"}})
     ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner["metadata"]["uid"]}

@@ -579,3 +579,96 @@ async def test_a_full_node_disk_evicts_the_least_recently_used_and_keeps_the_pin
     assert (c.cache_dir / "poet").exists() and (c.cache_dir / "pirate").exists()
     for name in ("poet", "sql-expert", "pirate"):
         assert await answered(name) is not None, name
+
+
+AGENT_NS = "loraplex-system"  # the chart's release namespace: the node agents' and the mirrors'
+
+
+async def test_an_agent_that_discovers_plans_follows_a_base_applied_after_it_started(
+        api, emulator, kubeconfig, crds, operator_runner, eventually_, tmp_path):
+    """The chart's default: the operator mirrors each plan into the agents' namespace and the
+    agent, started with --plan-selector alone (no plan named, no helm upgrade), finds the plan
+    of a BaseModel applied after it started: its pin is staged ahead and reported Staged on the
+    LoRAAdapter in the BaseModel's namespace, a cold adapter staged on its first request is
+    reported too (the found plan guards and reports its namespace's adapters), both are served.
+    Deleting the BaseModel deletes the mirror; the agent lets the plan go and its adapters leave
+    the node's disk and their status as adapters that leave a plan do."""
+    from loraplex.server.demo import build_demo
+    from loraplex.server.settings import ServerSettings
+
+    base_dir, adapter_dirs = build_demo(tmp_path / "demo")
+    plan_mount = tmp_path / "plan" / "plan.json"
+    plan_mount.parent.mkdir()
+    node_cache = tmp_path / "node-cache"
+    cache_dir = Path(namespace_cache_dir(NS).replace(ADAPTER_CACHE_DIR, str(node_cache), 1))
+    server_url, agent_url = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
+    agent_config = AgentConfig(cache_dir=node_cache, budget_bytes=10**9, server_urls=(server_url,), node_name=NODE,
+                               namespace=AGENT_NS, kube_api_url=emulator.base_url,
+                               plan_selector="loraplex.io/plan-mirror=true", plan_namespace=AGENT_NS,
+                               poll_seconds=0.1, server_poll_seconds=0.1)
+    settings = ServerSettings(model=str(base_dir), served_model_name=BASE, device="cpu", dtype="float32",
+                              max_num_seqs=4, max_model_len=128, max_loras=4, max_lora_rank=16,
+                              plan_file=str(plan_mount), adapter_cache_dir=str(cache_dir),
+                              adapter_namespace=NS, node_agent_url=agent_url)
+    mirror = CONFIG_MAPS.path(AGENT_NS, f"{NS}.{BASE}-plan")
+    record = node_cache / f".plan-adapters.{NS}.{BASE}-plan.json"
+    stop = asyncio.Event()
+    async with operator_runner(mirror_namespace=AGENT_NS), aiohttp.ClientSession() as http:
+        c = Cluster(api, http, server_url, agent_url, cache_dir, adapter_dirs, plan_mount, agent_config, settings)
+        kubelet = asyncio.create_task(_mount_plan(api, plan_mount, stop))
+        try:
+            await c.start_agent()
+            status, body = await _get(http, f"{agent_url}/healthz")
+            assert status == 200 and "plan-discovery" in body["tasks"], body
+            # kubectl apply, after the agent started: no plan named on its command line.
+            await api.create(BASE_MODELS.path(NS), _base_body())
+            pinned, cold = "sql-expert", "pirate"
+            await c.apply_adapter(pinned, pinPolicy="Always")
+            await c.apply_adapter(cold, pinPolicy="Never")
+
+            async def mirrored():
+                cm = await api.get(mirror)
+                return cm if cm and len(read_plan(cm)["adapters"]) == 2 else None
+            cm = await eventually_(mirrored, what="the plan mirrored into the agents' namespace")
+            assert cm["metadata"]["annotations"]["loraplex.io/plan-of"] == f"{NS}/{BASE}-plan"
+
+            async def planned():
+                plan = await c.plan()
+                return plan if plan and len(plan["adapters"]) == 2 else None
+            await eventually_(planned, what="the plan mounted")
+            await c.start_server()
+
+            node = await eventually_(lambda: c.staged(pinned), timeout=20, what="the pin staged and reported")
+            assert node["bytes"] > 0 and (cache_dir / pinned / "adapter_model.safetensors").is_file()
+            assert json.loads(record.read_text())["pinned"] == [pinned]
+
+            async def warmed():
+                row = (await c.rows()).get(pinned, {})
+                return row if row.get("tier") == "gpu" and row.get("pinned") else None
+            await eventually_(warmed, timeout=30, what="the pin resident and pinned in the server")
+            for model in (pinned, cold):
+                status, body = await c.complete(model)
+                assert status == 200, body
+            await eventually_(lambda: c.staged(cold), timeout=20, what="the cold adapter staged and reported")
+            status, agent = await _get(http, f"{agent_url}/v1/adapters")
+            assert agent["errors"] == {} and {(a["namespace"], a["name"]) for a in agent["adapters"]} == {
+                (NS, pinned), (NS, cold)}
+
+            # kubectl delete basemodel: the mirror goes with it, and the agent lets the plan go.
+            await api._request("DELETE", BASE_MODELS.path(NS, BASE))
+
+            async def unmirrored():
+                return await api.get(mirror) is None and await api.get(BASE_MODELS.path(NS, BASE)) is None
+            await eventually_(unmirrored, timeout=20, what="the mirror deleted with its BaseModel")
+
+            async def let_go():
+                on_disk = await asyncio.to_thread(lambda: [n for n in (pinned, cold) if (cache_dir / n).exists()])
+                return not on_disk and await c.node_state(pinned) == {} and await c.node_state(cold) == {}
+            await eventually_(let_go, timeout=20, what="the plan's adapters off the node and their status")
+            assert not record.exists()
+            status, body = await _get(http, f"{agent_url}/healthz")
+            assert status == 200 and f"plan-watch {NS}/{BASE}-plan" not in body["tasks"], body
+        finally:
+            await c.stop()
+            stop.set()
+            await kubelet
