@@ -245,11 +245,14 @@ def test_readme_server_example_command_parses():
 def test_environment_variables_the_readme_names_are_read(monkeypatch):
     from loraplex.server.settings import ServerSettings
 
+    from loraplex.operator.cli import MIRROR_NAMESPACE_ENV, mirror_namespace_from_env
+
     fields = {f.name.upper() for f in dataclasses.fields(ServerSettings)}
     pdl_readers = (ROOT / "kernels" / "configs.py").read_text()
     for var in set(re.findall(r"LORAPLEX_[A-Z_<>]+", README)):
         suffix = var.removeprefix("LORAPLEX_")
-        assert suffix == "<FIELD>" or suffix in fields or f'"{var}"' in pdl_readers, var
+        assert suffix == "<FIELD>" or suffix in fields or f'"{var}"' in pdl_readers or var == MIRROR_NAMESPACE_ENV, var
+    assert mirror_namespace_from_env({MIRROR_NAMESPACE_ENV: "loraplex-system"}) == "loraplex-system"  # the operator's
     # What the README says of LORAPLEX_<FIELD>: a default's override, the flag wins, lists split.
     monkeypatch.setenv("LORAPLEX_MAX_LORAS", "32")
     monkeypatch.setenv("LORAPLEX_EVICTION_POLICY", "lfu-aged")
@@ -349,8 +352,10 @@ def test_helm_and_kubectl_commands_point_at_what_exists():
             assert c[c.index("-n") + 1] == namespace, c
         if c[:3] == ["kubectl", "get", "configmap"]:
             assert c[3].removesuffix("-plan") in bases and c[3].endswith("-plan"), c
-    plan_cm = dict(a.split("=", 1) for a in helm[helm.index("--set") + 1:] if "=" in a)["nodeAgent.planConfigMap"]
-    assert plan_cm in {f"{namespace}/{b}-plan" for b in bases}
+    # No plan named: the chart's agents follow the plans the operator mirrors into its namespace.
+    assert "--set" not in helm and values_yaml()["nodeAgent"]["discoverPlans"] is True
+    assert helm[helm.index("-n") + 1] == "loraplex-system"  # the namespace the README lists the copies in
+    assert "kubectl get configmaps -n loraplex-system -l loraplex.io/plan-mirror=true" in README
     # "Without Helm: `kubectl apply -f crds/`"
     assert sorted(p.name for p in (ROOT / "crds").glob("*.yaml")) == [
         "basemodels.loraplex.io.yaml", "loraadapters.loraplex.io.yaml"]
