@@ -307,6 +307,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="a few cases only")
     parser.add_argument("--sweep", action="store_true", help="time configurations around the default")
+    parser.add_argument("--sweep-ranks", default="16", help="ranks whose sweep cases --sweep times (default 16)")
     parser.add_argument("--layers", default=",".join(LAYERS))
     parser.add_argument("--prev", type=Path, help="another kernels/ folder to time beside ours")
     parser.add_argument("--ranks", default=",".join(map(str, RANKS)), help="ranks to run (default 8,16,64)")
@@ -340,6 +341,7 @@ def main(argv=None) -> int:
     cases = [c for c in cases if c["phase"] in args.phases.split(",")]
     if args.quick:
         cases = [c for c in cases if c["rank"] == 16 and c["tokens"] in (1, 64, 4096)]
+    sweep_ranks = {int(r) for r in args.sweep_ranks.split(",")}
     sweep_keys = {("decode", 1, 1), ("decode", 64, 16), ("decode", 64, 32), ("decode", 256, "per-token"), ("prefill", 4096, 8)}
 
     results = []
@@ -348,7 +350,7 @@ def main(argv=None) -> int:
         try:
             c = make_case(spec["layer"], spec["tokens"], spec["adapters"], spec["rank"],
                           seqs=PREFILL[0] if spec["phase"] == "prefill" else None, gen=gen, slots=args.slots)
-            sweep = args.sweep and spec["rank"] == 16 and (spec["phase"], spec["tokens"], spec["adapters"]) in sweep_keys
+            sweep = args.sweep and spec["rank"] in sweep_ranks and (spec["phase"], spec["tokens"], spec["adapters"]) in sweep_keys
             row = {**spec, **run_case(c, timer, bandwidth, sweep, prev, not args.no_variants)}
             del c
         except Exception as exc:  # record and carry on: one broken case must not lose the run
