@@ -308,6 +308,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few cases only")
     parser.add_argument("--sweep", action="store_true", help="time configurations around the default")
     parser.add_argument("--sweep-ranks", default="16", help="ranks whose sweep cases --sweep times (default 16)")
+    parser.add_argument("--sweep-cases", default=None,
+                        help="decode cases --sweep times, as TOKENS:ADAPTERS,... (default 1:1,64:16,64:32,"
+                             "256:per-token and prefill with 8 adapters)")
     parser.add_argument("--layers", default=",".join(LAYERS))
     parser.add_argument("--prev", type=Path, help="another kernels/ folder to time beside ours")
     parser.add_argument("--ranks", default=",".join(map(str, RANKS)), help="ranks to run (default 8,16,64)")
@@ -343,6 +346,9 @@ def main(argv=None) -> int:
         cases = [c for c in cases if c["rank"] == 16 and c["tokens"] in (1, 64, 4096)]
     sweep_ranks = {int(r) for r in args.sweep_ranks.split(",")}
     sweep_keys = {("decode", 1, 1), ("decode", 64, 16), ("decode", 64, 32), ("decode", 256, "per-token"), ("prefill", 4096, 8)}
+    if args.sweep_cases:
+        sweep_keys = {("decode", int(t), a if a == "per-token" else int(a))
+                      for t, a in (item.split(":") for item in args.sweep_cases.split(","))}
 
     results = []
     started = time.time()
