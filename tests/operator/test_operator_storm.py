@@ -46,26 +46,37 @@ async def burst(api, rng: random.Random, ops: int) -> None:
         await asyncio.sleep(rng.random() * 0.02)
 
 
-async def converged(api) -> tuple | None:
+class Unsettled(str):
+    """What is not settled yet: false, so `eventually` polls on, and shown in its timeout."""
+
+    def __bool__(self) -> bool:
+        return False
+
+
+async def converged(api) -> tuple | Unsettled:
     """(plan ConfigMap, expected plan) once what the operator wrote matches `build_plan` over
-    the objects as they are now; None while it does not."""
+    the objects as they are now; else what differs."""
     objects = (await api._request("GET", ADAPTERS.path(NS)))["items"]
-    if any(o["metadata"].get("deletionTimestamp") for o in objects):
-        return None  # a finalizer still holds one: not settled yet
+    held = {o["metadata"]["name"]: o["metadata"].get("finalizers") for o in objects
+            if o["metadata"].get("deletionTimestamp")}
+    if held:
+        return Unsettled(f"deleted adapters still held by their finalizers: {held}")
     base = await api.get(BASE_MODELS.path(NS, "llama-3-8b"))
     want = build_plan(BaseModelSpec.from_body(base), [AdapterSpec.from_body(o) for o in objects], utcnow())
     plan = await plan_of(api)
     if plan is None:
-        return None
+        return Unsettled("no plan ConfigMap")
     names = [a.name for a in want.adapters]
     pinned = sorted(want.pinning.pinned)
     if [a["name"] for a in plan["adapters"]] != names or sorted(plan["pinned"]) != pinned:
-        return None
+        return Unsettled(f"plan adapters {[a['name'] for a in plan['adapters']]} pinned {sorted(plan['pinned'])}, "
+                         f"want {names} pinned {pinned}")
     statuses = {o["metadata"]["name"]: (o.get("status") or {}) for o in objects}
-    if any(statuses[n].get("pinned") is not (n in pinned) for n in names):
-        return None
+    wrong = {n: statuses[n].get("pinned") for n in names if statuses[n].get("pinned") is not (n in pinned)}
+    if wrong:
+        return Unsettled(f"status.pinned of {wrong}, want pinned {pinned}")
     if sorted((base.get("status") or {}).get("pinned") or []) != pinned:
-        return None
+        return Unsettled(f"the base's status.pinned {(base.get('status') or {}).get('pinned')}, want {pinned}")
     return plan, want
 
 
