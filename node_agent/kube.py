@@ -10,7 +10,7 @@
                    {"status": {"nodes": {"gpu-node-3": {"phase": "Staged", "message": "", "bytes": 41943040}}}}
 
 RBAC (the chart's node-agent ClusterRole): list pods; get the named plan ConfigMaps; get/patch
-loraadapters/status; and (a Role in the agent's namespace) get/list/watch configmaps there.
+loraadapters/status; and (a Role in the agent's namespace, with plan discovery) list configmaps there.
 """
 
 from __future__ import annotations
