@@ -2,6 +2,7 @@
 
     bench/fetch_peers.sh                      # once, where pip can download: fills .peers/
     python3 bench/peer_kernels.py --out peers.json [--quick] [--ranks 16] [--phases decode,prefill]
+    python3 bench/peer_kernels.py --out peers.json --phases decode --layer   # and the layer measure
     python3 bench/peer_kernels.py --smoke     # CPU, Triton's interpreter: every path checked, none timed
 
 The peers are the op files of vLLM and SGLang, extracted from their wheels into `.peers/`
@@ -21,7 +22,8 @@ the rest of their packages are shim modules defined below (no peer file is edite
                   chunk (its heuristic: 32 from 64 tokens, 128 from 256);
   sglang_v2       the "triton_v2" backend: DenseLoraRunner's shrink then expand (routing, grouped /
                   per-row / all-slots families, tiles and split-K from its sm90 plan table), as
-                  run_a then run_b, i.e. without the side-stream overlap its plans may ask for.
+                  run_a then run_b, i.e. without the side-stream overlap its plans may ask for
+                  (--layer times that overlap, in the layer: below).
 
 Every path adds the same LoRA term into y: ours with its float32 [S, n] scaling; the peers
 take one scale (vLLM) or one per slot (SGLang), so each slice's scaling is folded into their
@@ -32,6 +34,29 @@ float32 reference first (relative error of the term, bf16 under 2e-2); a path th
 the check or raises is recorded and not timed. Then each is timed as kernels_bench.py times
 ours: CUDA-graph replays, L2 flushed before each, the median of --reps; beside the base GEMM.
 Per case: us per path, the best peer, ours / best peer and the fastest path.
+
+--layer (JSON key `layer_results`, beside `results`, which it leaves as they were): the whole
+decode layer y = x W^T + LoRA term, on the decode cases up to the rows where the engine runs
+lora_linear (server/model.py's TRITON_GEMM_MAX_TOKENS; --layer-tokens all: every decode case),
+on the same case tensors, each path writing the whole output into a buffer:
+  ours_layer          what the engine runs for that many rows: lora_linear (our GEMM with the
+                      shrink beside it and the expand after it, chained by PDL) up to the rule's
+                      rows, torch.matmul then add_lora above;
+  cublas_then_ours    torch.matmul (cuBLAS) then add_lora;
+  cublas_then_<peer>  torch.matmul then that peer path's LoRA term, one after the other, one stream;
+  sglang_v2_overlap   SGLang's own DenseLoraRunner.apply (what TritonV2LoRABackend.forward_with_base
+                      calls for a linear layer) with its table's plan: with overlap "a" (every sm90
+                      decode plan) the shrink on a side stream beside the base GEMM, the expand after
+                      it on the caller's stream, through LoraWorkspace.run_parallel's two events;
+                      captured in the same CUDA graph as the rest (the events fork the side stream
+                      into the capture and join it back); a plan with no overlap runs, and is
+                      timed, in apply's sequential order; the note records the plan's overlap.
+Each is checked against the float32 x W^T + term (relative error of the whole output, under
+2e-2) before timing and again on what the timed replays left; timed as above (CUDA-graph
+replays, L2 flushed; a path whose capture fails is timed by CUDA events over eager launches,
+and `timers` says which). Per case the base GEMM alone (and our GEMM alone where ours runs
+lora_linear), ours_layer over the best peer layer, SGLang's overlap over its sequential layer;
+a short table at the end. --layer-only skips the LoRA-term table.
 """
 
 from __future__ import annotations
@@ -50,6 +75,7 @@ import importlib.util  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 import types  # noqa: E402
 import typing  # noqa: E402
@@ -64,6 +90,7 @@ from kernels_bench import (  # noqa: E402  (bench/ is sys.path[0]; it maps the c
     rel_error, timing_meta,
 )
 from loraplex.kernels import LoRABatch, add_lora  # noqa: E402
+from loraplex.kernels.linear import gemm, gemm_config, lora_linear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = Path(os.environ.get("LORAPLEX_PEERS", ROOT / ".peers"))
@@ -534,7 +561,29 @@ class Peers:
             def _caller(device):
                 return 0
 
+        class SideStreamWorkspace(OneStreamWorkspace):
+            """For runner.apply's overlap (--layer): scratch and routes shared by every stream as
+            above, but the side stream and its two events keyed by the calling stream, as
+            LoraWorkspace.side_stream / .event key them. Its side stream is then never the
+            stream it serves (side_stream's own check), the capturing one included: with one
+            side stream for every caller, the stream pool could hand back the stream that
+            later captures, and the overlap would silently be one stream."""
+
+            def side_stream(self, device):
+                return self._keyed_by_caller(workspace.LoraWorkspace.side_stream, device)
+
+            def event(self, device, name):
+                return self._keyed_by_caller(workspace.LoraWorkspace.event, device, name)
+
+            def _keyed_by_caller(self, method, *args):
+                self._caller = workspace.LoraWorkspace._caller  # shadows the override for this call
+                try:
+                    return method(self, *args)
+                finally:
+                    del self._caller
+
         self.V2Workspace = OneStreamWorkspace
+        self.V2SideStreamWorkspace = SideStreamWorkspace
 
 
 # --------------------------------------------------------------------------------------
@@ -706,20 +755,28 @@ def v2_plan_note(plan) -> dict:
             "a_split_mode": plan.a_tiles.get("SPLIT_MODE", "serial") if plan.a_tiles.get("SPLIT_K", 1) > 1 else None}
 
 
-def sglang_v2_path(c, P, plan=None, architecture=None):
-    x, slices, n, r = c["x"], c["slices"], len(c["slices"]), c["rank"]
+def _sglang_v2_runner(c, P, workspace, plan=None, architecture=None):
+    """A DenseLoraRunner bound to the case's batch, its weights (B folded), the slice offsets
+    and the plan (by default the one its table picks for a linear layer)."""
+    slices, r = c["slices"], c["rank"]
     slots, S = c["token_slots"], c["num_slots"]
-    dev, T = x.device, x.shape[0]
+    dev, T = c["x"].device, c["x"].shape[0]
     a, b = c["lora_a"].contiguous(), folded_b(c)
     ranks = torch.full((S,), r, dtype=torch.int32, device=dev)
     scalings = torch.ones(S, dtype=torch.float32, device=dev)  # folded into B
-    runner = P.v2_runner.DenseLoraRunner(P.V2Workspace(), max_loras=S, device=dev, architecture=architecture)
+    runner = P.v2_runner.DenseLoraRunner(workspace, max_loras=S, device=dev, architecture=architecture)
     phase = SGLangPhase.PREFILL if c["phase"] == "prefill" else SGLangPhase.DECODE
     runner.begin_batch(token_slots=slots.to(torch.int32), lora_ranks=ranks, scalings=scalings, num_tokens=T,
                        phase=phase, graph_mode=False)
     offsets = tuple(slice_offsets(slices))
     if plan is None:  # what TritonV2LoRABackend.forward_with_base asks for a linear layer
         plan = runner.plan_for(P.v2_plan.DenseLoraKind.LINEAR, b.shape[-1], a.shape[-1], offsets[-1], num_tokens=T)
+    return runner, a, b, offsets, plan
+
+
+def sglang_v2_path(c, P, plan=None, architecture=None):
+    x, n = c["x"], len(c["slices"])
+    runner, a, b, offsets, plan = _sglang_v2_runner(c, P, P.V2Workspace(), plan, architecture)
 
     def fn(y):
         bridge = runner.run_a(x, a, stack=n, plan=plan)
@@ -753,11 +810,12 @@ def peer_paths(c, P, wanted):
 # One case: reference, checks, timings.
 # --------------------------------------------------------------------------------------
 
-def reference(c) -> torch.Tensor:
+def reference(c, start: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `start` (by default y) plus the LoRA term."""
     slots, S = c["token_slots"], c["num_slots"]
     groups = [(s, torch.nonzero(slots == s).flatten()) for s in range(S)]
     groups = [(s, rows) for s, rows in groups if rows.numel()]
-    expected = c["y"].float()
+    expected = c["y"].float() if start is None else start
     loop_per_adapter(expected, c["x"].float(), c["lora_a"].float(), c["lora_b"].float(), c["scaling"], groups,
                      c["slices"], c["rank"])
     return expected
@@ -822,6 +880,308 @@ def run_case(c, P, timer, bandwidth, wanted) -> dict:
         if name and row["us"].get(name):
             row[f"{key}_bandwidth_fraction"] = nbytes / (row["us"][name] * 1e-6) / bandwidth
     return row
+
+
+# --------------------------------------------------------------------------------------
+# The layer measure (--layer): the whole decode layer y = x W^T + LoRA term per path.
+# --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class EngineRule:
+    """What the engine runs a decode projection as (server/model.py, LlamaModel._linear and
+    _uses_gemm): kernels.linear's lora_linear up to TRITON_GEMM_MAX_TOKENS rows where its
+    triton_gemm is on (CUDA, a Triton backend, a device with PDL: model._overlaps), cuBLAS
+    then add_lora above."""
+
+    max_tokens: int
+    source: str
+    gemm_device: typing.Callable[[torch.device], bool]
+
+    def runs_lora_linear(self, device: torch.device, num_tokens: int) -> bool:
+        return self.gemm_device(device) and num_tokens <= self.max_tokens
+
+    def meta(self) -> dict:
+        return {"triton_gemm_max_tokens": self.max_tokens, "source": self.source}
+
+
+def engine_rule(smoke: bool = False) -> EngineRule:
+    """The rule read from server/model.py: imported (loraplex.server.model), or where that
+    package will not import here, its constant read from the source and the device check
+    restated (compute capability 9.0 and later). `smoke`: the GPU rule on the CPU (the
+    interpreter runs lora_linear's three kernels one after the other)."""
+    try:
+        from loraplex.server.model import TRITON_GEMM_MAX_TOKENS as max_tokens, _overlaps as gemm_device
+        source = "loraplex.server.model"
+    except ImportError as exc:
+        found = re.search(r"^TRITON_GEMM_MAX_TOKENS = (\d+)", (ROOT / "server" / "model.py").read_text(), re.M)
+        if found is None:
+            raise
+        max_tokens = int(found.group(1))
+        gemm_device = lambda d: d.type == "cuda" and torch.cuda.get_device_capability(d)[0] >= 9  # noqa: E731
+        source = f"server/model.py read as text ({exc!r:.120})"
+    if smoke:
+        return EngineRule(max_tokens, source + "; smoke: as on a GPU with PDL", lambda d: True)
+    return EngineRule(max_tokens, source, gemm_device)
+
+
+def layer_reference(c) -> torch.Tensor:
+    """The whole float32 output: x W^T plus the LoRA term."""
+    return reference(c, start=c["x"].float() @ c["weight"].float().T)
+
+
+# Layer paths: builders as above, returning fn(out), which writes the whole layer output into
+# `out` (and returns it), and a note.
+
+def ours_layer_path(c, P, rule: EngineRule, backend="auto"):
+    """Exactly what the engine runs for this many rows: lora_linear (its GEMM configuration
+    for the shape, as _linear leaves it to gemm_config) or cuBLAS then add_lora; output
+    slices only for a fused projection, as _linear passes them."""
+    x, w, a, b, sc, slices = c["x"], c["weight"], c["lora_a"], c["lora_b"], c["scaling"], c["slices"]
+    S, slots, T = c["num_slots"], c["token_slots"], c["x"].shape[0]
+    distinct = int(torch.unique(slots[slots >= 0]).numel())
+    batch = LoRABatch.build(slots, S, max_adapters=max(distinct, 1))
+    out_slices = slices if len(slices) > 1 else None
+    if rule.runs_lora_linear(x.device, T):
+        config = gemm_config(T, w)
+
+        def fn(out):
+            return lora_linear(x, w, a, b, sc, batch, output_slices=out_slices, out=out, config=config)
+
+        return fn, {"runs": "lora_linear", "gemm_config": dataclasses.asdict(config)}
+
+    def fn(out):
+        torch.matmul(x, w.T, out=out)
+        return add_lora(out, x, a, b, sc, batch, backend=backend, output_slices=out_slices)
+
+    return fn, {"runs": "cublas then add_lora", "backend": backend}
+
+
+def cublas_then(build):
+    """A LoRA-term builder as a layer: torch.matmul (cuBLAS) into out, then the term added
+    into it, one after the other on one stream."""
+
+    def layer(c, P):
+        term, note = build(c, P)
+        x, w = c["x"], c["weight"]
+
+        def fn(out):
+            torch.matmul(x, w.T, out=out)
+            term(out)
+            return out
+
+        return fn, {"runs": "cublas then the term", **note}
+
+    return layer
+
+
+V2_SCHEDULES = {  # runner.apply, per plan.overlap
+    "a": "shrink (run_a) on the side stream beside the base GEMM; the caller waits for it, then runs the expand "
+         "(run_b) into the base output",
+    "ab_delta": "shrink and expand on the side stream into a zeroed delta beside the base GEMM; the caller waits, "
+                "then adds the delta",
+    "none": "the plan asks no overlap: base GEMM, shrink, expand on one stream (timed so)",
+}
+
+
+def sglang_v2_overlap_path(c, P, plan=None, architecture=None):
+    """SGLang's triton_v2 layer as TritonV2LoRABackend.forward_with_base runs it: the plan its
+    table picks for a linear layer, then DenseLoraRunner.apply with the base GEMM as
+    base_fn (SGLang's is quant_method.apply, F.linear: cuBLAS; here torch.matmul into the
+    output buffer, as the other layer paths). apply runs the plan's overlap through
+    LoraWorkspace.run_parallel (side stream and events: SideStreamWorkspace); on the CPU
+    run_parallel runs the side part, then the base, on one stream."""
+    x, w = c["x"], c["weight"]
+    ws = P.V2SideStreamWorkspace()
+    runner, a, b, offsets, plan = _sglang_v2_runner(c, P, ws, plan, architecture)
+
+    def fn(out):
+        return runner.apply(x, lambda: torch.matmul(x, w.T, out=out), plan, a=a, b=b, offsets=offsets)
+
+    def streams():  # after timing: the side streams apply used, one per calling stream
+        pairs = [(caller, side.cuda_stream) for (_, caller), side in ws._streams.items()]
+        return {"side_streams": len(pairs), "side_stream_never_its_caller": all(c != s for c, s in pairs) if pairs
+                else None}
+
+    schedule = V2_SCHEDULES[plan.overlap.value]
+    if x.device.type != "cuda" and plan.overlap.value != "none":
+        schedule += " (on the CPU run_parallel runs the side part, then the base GEMM, on one stream)"
+    return fn, {"plan": v2_plan_note(plan), "architecture": runner.architecture, "overlap": plan.overlap.value,
+                "schedule": schedule, "after_timing": streams}
+
+
+def layer_paths(c, P, wanted, rule: EngineRule, backend="auto"):
+    out = [("ours_layer", lambda c, P: ours_layer_path(c, P, rule, backend)),
+           ("cublas_then_ours", cublas_then(lambda c, P: ours_path(c, P, backend=backend)))]
+    out += [(f"cublas_then_{name}", cublas_then(build)) for name, build in peer_paths(c, P, wanted)]
+    if P.has("sglang_v2") and "sglang_v2" in wanted:
+        out.append(("sglang_v2_overlap", sglang_v2_overlap_path))
+    return out
+
+
+def event_timer(timer, fn) -> float:
+    """Without a graph: launches timed by CUDA events, L2 flushed before each (the flush's own
+    time lets the host queue the launches ahead of the start event), the median of at least
+    100. Host launch cost can still show where the launches outlast the flush."""
+    reps = max(timer.reps, 100)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        timer.clear_l2()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+    return times[len(times) // 2]
+
+
+def time_layer(timer, fn) -> tuple[float, str]:
+    """CUDA-graph replays (GraphTimer, as every other number here); where capture fails, CUDA
+    events over eager launches. Returns us and the timer used."""
+    try:
+        return timer(fn), "cuda_graph"
+    except Exception as exc:  # noqa: BLE001  (recorded with the timer that replaced it)
+        torch.cuda.synchronize()
+        return event_timer(timer, fn), f"cuda_events (graph capture failed: {exc!r:.200})"
+
+
+def check_and_time_layer(c, paths, P, timer, expected) -> dict:
+    """Each layer path built, checked (relative error of the whole output against the float32
+    x W^T + term, its output filled with NaN first), timed (timer None: checks only), and
+    checked again on what the timed replays left in its output."""
+    row = {"errors": {}, "layer_us": {}, "timers": {}, "errors_after_timing": {}, "failures": {}, "notes": {}}
+    zero = torch.zeros_like(expected)
+    for name, build in paths:
+        fn = None
+        try:
+            fn, note = build(c, P)
+            after = note.pop("after_timing", None)
+            row["notes"][name] = note
+            out = torch.full_like(c["y"], float("nan"))
+            fn(out)
+            if out.is_cuda:
+                torch.cuda.synchronize()
+            err = rel_error(out, zero, expected)
+            row["errors"][name] = err
+            if not err < TOLERANCE:
+                row["failures"][name] = f"relative error {err:.3g} >= {TOLERANCE}"
+                row["layer_us"][name] = None
+                continue
+            if timer is not None:
+                out.fill_(float("nan"))
+                row["layer_us"][name], row["timers"][name] = time_layer(timer, lambda: fn(out))
+                err = rel_error(out, zero, expected)
+                row["errors_after_timing"][name] = err
+                if not err < TOLERANCE:
+                    row["failures"][name] = f"after timing: relative error {err:.3g} >= {TOLERANCE}"
+                    row["layer_us"][name] = None
+            if after is not None:
+                note.update(after())
+        except Exception as exc:  # record and go on, as check_and_time does
+            row["failures"][name] = repr(exc)[:500]
+            row["layer_us"][name] = None
+        finally:
+            fn = None  # noqa: F841
+    return row
+
+
+OURS_LAYER = ("ours_layer", "cublas_then_ours")
+
+
+def summarize_layer(row: dict) -> None:
+    us = row["layer_us"]
+    peers = {k: v for k, v in us.items() if k not in OURS_LAYER and v}
+    timed = {k: v for k, v in us.items() if v}
+    if peers:
+        best = min(peers, key=peers.get)
+        row["best_peer_layer"], row["best_peer_layer_us"] = best, peers[best]
+        if us.get("ours_layer"):
+            row["ours_layer_over_best_peer"] = us["ours_layer"] / peers[best]
+    if timed:
+        row["fastest_layer"] = min(timed, key=timed.get)
+    base = row.get("base_gemm_us")
+    if base:
+        row["layer_over_base_gemm"] = {k: v / base for k, v in timed.items()}
+    if us.get("sglang_v2_overlap") and us.get("cublas_then_sglang_v2"):
+        row["sglang_v2_overlap_over_sequential"] = us["sglang_v2_overlap"] / us["cublas_then_sglang_v2"]
+
+
+def run_layer_case(c, P, timer, wanted, rule: EngineRule) -> dict:
+    row = check_and_time_layer(c, layer_paths(c, P, wanted, rule), P, timer, layer_reference(c))
+    x, w, T = c["x"], c["weight"], c["x"].shape[0]
+    out = torch.empty_like(c["y"])
+    row["base_gemm_us"] = timer(lambda: torch.matmul(x, w.T, out=out))
+    if row["notes"].get("ours_layer", {}).get("runs") == "lora_linear":  # its own GEMM alone, for scale
+        config = gemm_config(T, w)
+        try:
+            row["ours_gemm_us"] = timer(lambda: gemm(x, w, out, config))
+        except Exception as exc:  # noqa: BLE001
+            row["ours_gemm_us"] = None
+            row["failures"]["ours_gemm"] = repr(exc)[:500]
+    row["peer_load_errors"] = {k: v for k, v in P.errors.items() if k in wanted}
+    summarize_layer(row)
+    return row
+
+
+def in_layer_table(spec, args, rule: EngineRule) -> bool:
+    """Decode cases, up to the rows where the engine runs lora_linear (--layer-tokens all: every
+    decode token count)."""
+    return spec["phase"] == "decode" and (args.layer_tokens == "all" or spec["tokens"] <= rule.max_tokens)
+
+
+LAYER_SHORT = {"ours_layer": "ours", "cublas_then_ours": "cub+ours", "sglang_v2_overlap": "v2_ovl"}
+
+
+def layer_short(name: str) -> str:
+    return LAYER_SHORT.get(name) or short(name.removeprefix("cublas_then_"))
+
+
+def print_layer_row(spec, row):
+    fmt = lambda v: f"{v:6.1f}" if isinstance(v, (int, float)) else "     -"  # noqa: E731
+    cols = " ".join(f"{layer_short(k)} {fmt(v)}" for k, v in row.get("layer_us", {}).items())
+    ratio = row.get("ours_layer_over_best_peer")
+    tail = f"ours/best {ratio:5.2f} ({layer_short(row['best_peer_layer'])})" if ratio else ""
+    ovl = row.get("notes", {}).get("sglang_v2_overlap", {}).get("overlap")
+    failed = ", ".join(f"{k}: {v[:80]}" for k, v in row.get("failures", {}).items())
+    print(f"layer {spec['layer']:7s} T={spec['tokens']:3d} A={str(spec['adapters']):9s} r={spec['rank']:2d} | "
+          f"base {fmt(row.get('base_gemm_us'))} | {cols} | {tail} v2 overlap {ovl} {row.get('failure', '')}"
+          f"{' FAILED ' + failed if failed else ''}", flush=True)
+
+
+def print_layer_summary(rows) -> dict:
+    """The short table: per case the base GEMM, ours, the best peer layer, their ratio, and
+    SGLang's overlapped layer over its sequential one."""
+    num = lambda v, w=6, p=1: f"{v:{w}.{p}f}" if isinstance(v, (int, float)) else " " * (w - 1) + "-"  # noqa: E731
+    print(f"{'layer':7s} {'T':>3s} {'A':>9s} {'r':>2s} | {'base':>6s} {'ours':>6s} {'ours runs':12s} | "
+          f"{'best peer':>14s} {'us':>6s} | {'ours/best':>9s} | {'v2 ovl/seq':>10s}", flush=True)
+    ratios = []
+    for r in rows:
+        us, q = r.get("layer_us", {}), r.get("ours_layer_over_best_peer")
+        if q:
+            ratios.append((q, r))
+        runs = r.get("notes", {}).get("ours_layer", {}).get("runs", "-")[:12]
+        print(f"{r['layer']:7s} {r['tokens']:3d} {str(r['adapters']):>9s} {r['rank']:2d} | "
+              f"{num(r.get('base_gemm_us'))} {num(us.get('ours_layer'))} {runs:12s} | "
+              f"{layer_short(r.get('best_peer_layer', '-')):>14s} {num(r.get('best_peer_layer_us'))} | "
+              f"{num(q, 9, 2)} | {num(r.get('sglang_v2_overlap_over_sequential'), 10, 2)}", flush=True)
+    summary = {"cases": len(rows), "compared": len(ratios), "ours_not_slower": sum(1 for q, _ in ratios if q <= 1.0),
+               "failures": sum(len(r.get("failures", {})) + ("failure" in r) for r in rows)}
+    if ratios:
+        worst, w = max(ratios, key=lambda p: p[0])
+        summary["worst_ratio"] = worst
+        summary["worst_case"] = {k: w[k] for k in ("layer", "tokens", "adapters", "rank", "best_peer_layer")}
+        summary["geomean_ratio"] = math.exp(sum(math.log(q) for q, _ in ratios) / len(ratios))
+        best_counts = {}
+        for _, r in ratios:
+            best_counts[r["best_peer_layer"]] = best_counts.get(r["best_peer_layer"], 0) + 1
+        summary["best_peer_counts"] = best_counts
+    print(f"layer: ours <= best peer layer on {summary['ours_not_slower']}/{summary['compared']} cases"
+          + (f"; worst ours/best {summary['worst_ratio']:.2f} at {summary['worst_case']}; geomean "
+             f"{summary['geomean_ratio']:.2f}; best peer: {summary['best_peer_counts']}" if ratios else ""), flush=True)
+    return summary
 
 
 # --------------------------------------------------------------------------------------
@@ -1004,6 +1364,23 @@ def check_plan_shim(P) -> dict:
     return {"checked": True, "plans_compared": compared}
 
 
+def smoke_layer(c, P, wanted, rule, forced) -> dict:
+    """The --layer paths on one smoke case, checked (whole output), none timed; SGLang's
+    overlap path on the sm90 table (its decode plans ask "a"), and on a forced plan with each
+    of the three overlaps so every branch of runner.apply runs (on the CPU run_parallel runs
+    the side part, then the base)."""
+    paths = layer_paths(c, P, wanted, rule, backend="triton")
+    if P.has("sglang_v2") and "sglang_v2" in wanted:
+        paths.append(("sglang_v2_overlap[sm90 table]",
+                      lambda c, P: sglang_v2_overlap_path(c, P, architecture="sm90")))
+        overlap = P.v2_plan.Overlap
+        for mode in (overlap.A, overlap.AB_DELTA, overlap.NONE):
+            plan = dataclasses.replace(forced["grouped"], overlap=mode)
+            paths.append((f"sglang_v2_overlap[grouped, {mode.value}]",
+                          lambda c, P, plan=plan: sglang_v2_overlap_path(c, P, plan=plan)))
+    return check_and_time_layer(c, paths, P, None, layer_reference(c))
+
+
 def smoke(args) -> int:
     """Every path on small decode and prefill cases on the CPU (Triton's interpreter, float16),
     each checked against the float32 reference; nothing timed."""
@@ -1015,17 +1392,18 @@ def smoke(args) -> int:
     _interpreter_bool_masks()
     gen = torch.Generator().manual_seed(0)
     wanted = [p for p in args.peers.split(",") if p]
-    specs = [
-        dict(layer="qkv", phase="decode", tokens=8, adapters=3, base_rows=2),
-        dict(layer="o", phase="decode", tokens=5, adapters="per-token"),
+    specs = [  # with_layer: the --layer paths too, on the same case
+        dict(layer="qkv", phase="decode", tokens=8, adapters=3, base_rows=2, with_layer=True),
+        dict(layer="o", phase="decode", tokens=5, adapters="per-token", with_layer=True),
         dict(layer="gate_up", phase="decode", tokens=6, adapters=2, base_rows=1),
-        dict(layer="down", phase="decode", tokens=1, adapters=1),
+        dict(layer="down", phase="decode", tokens=1, adapters=1, with_layer=True),
         dict(layer="qkv", phase="prefill", tokens=512, adapters=2, seqs=2),
         dict(layer="gate_up", phase="prefill", tokens=64, adapters=1, seqs=2),
         dict(layer="down", phase="prefill", tokens=96, adapters=2, seqs=3, base_rows=1),
     ]
     forced = _forced_v2_plans(P) if P.has("sglang_v2") and "sglang_v2" in wanted else {}
-    results, bad = [], 0
+    rule = engine_rule(smoke=True)
+    results, layer_results, bad = [], [], 0
     started = time.time()
     for spec in specs:
         spec = {"rank": 16, **spec}
@@ -1048,18 +1426,31 @@ def smoke(args) -> int:
               f"base rows {spec.get('base_rows', 0)} | {errs} | {time.time() - t0:.0f}s", flush=True)
         for k, v in row["failures"].items():
             print(f"    FAILED {k}: {v}", flush=True)
+        if spec.get("with_layer"):
+            t0 = time.time()
+            lrow = smoke_layer(c, P, wanted, rule, forced)
+            lrow.update(spec)
+            layer_results.append(lrow)
+            bad += len(lrow["failures"])
+            errs = " ".join(f"{layer_short(k)} {v:.1e}" for k, v in lrow["errors"].items())
+            ovl = {k: n.get("overlap") for k, n in lrow["notes"].items() if "overlap" in n}
+            print(f"  layer: {errs} | overlap {ovl} | {time.time() - t0:.0f}s", flush=True)
+            for k, v in lrow["failures"].items():
+                print(f"    FAILED {k}: {v}", flush=True)
     missing = [p for p in wanted if not P.has(p)]
     for p in missing:
         print(f"peer {p} not loaded: {P.errors[p]}", flush=True)
     shim = check_plan_shim(P)
     print(f"plan-table shim check: {shim}", flush=True)
     out = {"meta": {"mode": "smoke", "device": "cpu (TRITON_INTERPRET)", "dtype": "float16", "peers": P.versions,
-                    "third_party": P.third_party, "plan_shim_check": shim,
-                    "seconds": time.time() - started}, "results": results}
+                    "third_party": P.third_party, "plan_shim_check": shim, "layer_engine_rule": rule.meta(),
+                    "seconds": time.time() - started}, "results": results, "layer_results": layer_results}
     if args.out:
         args.out.write_text(json.dumps(out, indent=1, default=str))
-    print(f"smoke: {sum(len(r['errors']) for r in results)} checks, {bad} failed, {len(missing)} peers not loaded "
-          f"({time.time() - started:.0f}s)", flush=True)
+    term_checks = sum(len(r["errors"]) for r in results)
+    layer_checks = sum(len(r["errors"]) for r in layer_results)
+    print(f"smoke: {term_checks + layer_checks} checks ({term_checks} LoRA term, {layer_checks} layer), {bad} failed, "
+          f"{len(missing)} peers not loaded ({time.time() - started:.0f}s)", flush=True)
     return 1 if bad or missing else 0
 
 
@@ -1075,7 +1466,16 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the --smoke run")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, Triton's interpreter, small shapes: check every path, time none")
+    parser.add_argument("--layer", action="store_true",
+                        help="also time the whole decode layer (base GEMM + LoRA term) per path, SGLang's "
+                             "triton_v2 with its side-stream overlap too: JSON key layer_results")
+    parser.add_argument("--layer-tokens", default="engine", choices=("engine", "all"),
+                        help="--layer cases: decode up to the rows where the engine runs lora_linear "
+                             "(server/model.py's TRITON_GEMM_MAX_TOKENS, the default) or every decode case")
+    parser.add_argument("--layer-only", action="store_true", help="with --layer: skip the LoRA-term table")
     args = parser.parse_args(argv)
+    if args.layer_only:
+        args.layer = True
     logging.basicConfig(level=logging.WARNING)
     if args.smoke or args.device == "cpu":
         return smoke(args)
@@ -1094,28 +1494,65 @@ def main(argv=None) -> int:
                        conventions="peers' B carries each slice's scaling (bf16), their scale is 1; weight copies "
                                    "and routing built outside the timed region; vLLM default grid (max_loras+1); "
                                    "csgmv chunk 16 (SGLang's default) and its 128 cap where that differs; "
-                                   "triton_v2 as run_a + run_b with its table's plan (no side-stream overlap)")
+                                   "triton_v2 as run_a + run_b with its table's plan (no side-stream overlap; --layer "
+                                   "times that overlap in its layer)")
     meta["launch_floor"] = launch_floor(timer)
-    print(f"peers {P.versions}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; launch floor {meta['launch_floor']}",
-          flush=True)
+    rule = engine_rule()
+    if args.layer:
+        meta["layer"] = {
+            "engine_rule": rule.meta(), "tokens": args.layer_tokens, "lora_term_table": not args.layer_only,
+            "conventions": "whole output y = x W^T + term into a preallocated buffer, checked against float32 "
+                           "(relative error of the whole output) before and after timing; base GEMM torch.matmul "
+                           "(cuBLAS); ours_layer as the engine runs the rows (lora_linear up to the rule's rows, "
+                           "cuBLAS then add_lora above); cublas_then_<path>: cuBLAS then that LoRA-term path, one "
+                           "stream; sglang_v2_overlap: DenseLoraRunner.apply with its table's plan (side stream "
+                           "per plan.overlap, captured in the same CUDA graph through its events); timer per path "
+                           "in 'timers'"}
+    print(f"peers {P.versions}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; launch floor {meta['launch_floor']}"
+          + (f"; engine rule {rule.meta()}" if args.layer else ""), flush=True)
 
-    results = []
+    results, layer_results = [], []
+
+    def write():
+        payload = {"meta": meta, "results": results}
+        if args.layer:
+            payload["layer_results"] = layer_results
+        args.out.write_text(json.dumps(payload, indent=1, default=str))
+
     started = time.time()
     for spec in table(args):
+        layer_case = args.layer and in_layer_table(spec, args, rule)
+        if args.layer_only and not layer_case:
+            continue
+        c = None
         try:
             seqs = PREFILL[0] if spec["phase"] == "prefill" else None
             c = make_case(spec["layer"], spec["tokens"], spec["adapters"], spec["rank"], seqs=seqs, gen=gen)
             c["phase"], c["seqs"] = spec["phase"], seqs
-            row = {**spec, **run_case(c, P, timer, bandwidth, wanted)}
-            del c
+            if not args.layer_only:
+                row = {**spec, **run_case(c, P, timer, bandwidth, wanted)}
         except Exception as exc:  # record and carry on: one broken case must not lose the run
             row = {**spec, "failure": repr(exc)[:500]}
-        results.append(row)
-        print_row(spec, row)
-        args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+        if not args.layer_only:
+            results.append(row)
+            print_row(spec, row)
+        if layer_case:
+            try:
+                if c is None:
+                    raise RuntimeError(row.get("failure", "the case was not built"))
+                lrow = {**spec, **run_layer_case(c, P, timer, wanted, rule)}
+            except Exception as exc:  # noqa: BLE001
+                lrow = {**spec, "failure": repr(exc)[:500]}
+            layer_results.append(lrow)
+            print_layer_row(spec, lrow)
+        del c
+        write()
     meta["seconds"] = time.time() - started
-    meta["summary"] = print_summary(results)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    if not args.layer_only:
+        meta["summary"] = print_summary(results)
+    if args.layer:
+        meta["layer_summary"] = print_layer_summary(layer_results)
+    write()
     return 0
 
 
