@@ -187,3 +187,16 @@ def test_cache_policy_headline():
     assert (head["s"], head["n_adapters"], head["slots"]) == (1.0, 1000, 100)
     for got in claims(r"policy hits ([\d.]+)% where LRU hits ([\d.]+)% \(Zipf 1.0, 1,000 adapters, 100 slots"):
         assert list(got) == [f1(head["hit_rate"]["lfu-aged"] * 100), f1(head["hit_rate"]["lru"] * 100)]
+
+
+def test_peer_headline_is_its_json():
+    run = load("peer_kernels_h200.json")
+    rows = [r for r in run["results"] if r["rank"] == 16]
+    ratios = [r["ours_over_best_peer"] for r in rows]
+    wins = sum(r["fastest"] == "ours" for r in rows)
+    want = [str(wins), str(len(rows)), f2(min(ratios)), f2(max(ratios)), f2(statistics.geometric_mean(ratios))]
+    versions = run["meta"]["peers"]
+    assert (versions["vllm"], versions["sglang"]) == ("0.33.0", "0.5.23")
+    for got in claims(r"`add_lora` is the fastest on (\d+) of (\d+) rank-16 cases of the Llama-3-8B decode and "
+                      r"prefill table, at ([\d.]+)x-([\d.]+)x the best peer's time \(geomean ([\d.]+)x;"):
+        assert list(got) == want, (got, want)
