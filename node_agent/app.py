@@ -98,6 +98,10 @@ class Agent:
         self._reporters: dict[str, StatusReporter] = {}
         self._keyed = False  # errors keyed "namespace/name", task names suffixed (several plans, or discovery)
         self._list_error: str | None = None  # the last failed listing, logged once while it lasts
+        # Records of plans an earlier run followed, not yet checked for plans gone meanwhile
+        # (with a selector: Agent.retire_orphans), and the listings since the first one.
+        self._orphans_pending = False
+        self._listings = 0
 
     @property
     def warmer(self) -> Warmer:
@@ -157,6 +161,7 @@ class Agent:
                                  "status-report" if len(self._reporters) == 1 else f"status-report {namespace}")
         if c.plan_selector:
             assert self._api is not None and c.plan_namespace
+            self._orphans_pending = True
             self._mirrors = PlanMirrors(self._api, c.plan_namespace, c.plan_selector)
             self.tasks.spawn(self._discover_plans(), "plan-discovery")
 
@@ -234,6 +239,47 @@ class Agent:
                 self.discovered[key].source.update(plan)
             else:
                 self._take(plan)
+        self._listings += 1
+        # Once every followed plan has been read (or after ORPHAN_WAIT_LISTINGS listings, for a
+        # named plan that never is): an adapter that moved to a plan not read yet stays.
+        if self._orphans_pending and (self._listings > self.ORPHAN_WAIT_LISTINGS or all(
+                w.plan is not None for w in self.warmers if w.plan_source is not None)):
+            self._orphans_pending = False
+            await self.retire_orphans()
+
+    # Listings after the first before the orphans are retired even if a followed plan was never read.
+    ORPHAN_WAIT_LISTINGS = 30
+
+    def orphan_records(self) -> list[tuple[str, str]]:
+        """(namespace, record file) of each plan record under the cache that no followed plan
+        keeps: a plan this agent followed in an earlier run, found by label or named among
+        several (`.plan-adapters.<namespace>.<name>.json`), and followed no more."""
+        assert self.store is not None
+        kept = {w.record_file for w in self.warmers}
+        out = []
+        for path in sorted(self.store.root.glob(".plan-adapters.*.json")):
+            namespace = path.name[len(".plan-adapters."):-len(".json")].partition(".")[0]
+            if path.name not in kept and path.name != Warmer.PLAN_ADAPTERS_FILE and namespace:
+                out.append((namespace, path.name))
+        return out
+
+    async def retire_orphans(self) -> None:
+        """Plans gone while the agent was down (a BaseModel deleted then): each is retired as
+        one that goes while it runs is (Warmer.retire), from the record an earlier run left:
+        its adapters off the disk (but those a followed plan of the namespace lists) and their
+        status entries, its record removed."""
+        for namespace, record in self.orphan_records():
+            reporter = self._reporters.get(namespace)
+            if reporter is None and self._api is not None and self.config.node_name:
+                reporter = self._reporters[namespace] = StatusReporter(self._api, namespace, self.config.node_name)
+                self.tasks.spawn(reporter.run(), f"status-report {namespace}")
+            assert self.store is not None and self.session is not None
+            warmer = Warmer(self.store, None, self.session, reporter=reporter, metrics=self.metrics,
+                            namespace=namespace, record_file=record)
+            warmer.listed_elsewhere = functools.partial(self._listed_elsewhere, warmer)
+            self._wire()  # a new Warmer takes the store's eviction callback for itself
+            await warmer.retire()
+            log.info("let go of the plan recorded in %s: not followed any more (gone while the agent was down)", record)
 
     def _take(self, plan: FoundPlan) -> None:
         source = ListedPlan(plan)

@@ -91,12 +91,12 @@ async def test_a_plan_that_appears_is_followed_and_one_that_goes_is_let_go(tmp_p
     assert len(agent.warmers) == 3 and set(agent.discovered) == {"team-a/one-plan", "team-a/two-plan"}
 
     drop_mirror(kube_api, "team-a", "one")
-    await until(lambda: "team-a/one-plan" not in agent.discovered and store.get("x", "team-a") is None,
-                "the first plan let go")
+    # (The store forgets x before its folder is gone; the record goes after that.)
+    await until(lambda: "team-a/one-plan" not in agent.discovered and store.get("x", "team-a") is None
+                and not record.exists(), "the first plan let go, its record removed")
     shared = store.get("shared", "team-a")
     assert shared is not None and not shared.pinned, "the adapter the second plan lists left the disk, or kept its pin"
     assert store.get("y", "team-a").pinned
-    assert not record.exists()
     await until(lambda: reported(kube_api).get(("team-a", "x"), "") is None, "x's status entry removed")
     assert reported(kube_api)[("team-a", "shared")] == "Staged"
     tasks = (await (await client.get("/healthz")).json())["tasks"]
@@ -240,3 +240,32 @@ def test_the_plan_namespace_defaults_to_the_agents_own():
     assert (config.plan_selector, config.plan_namespace, config.plan_configmaps) == (
         SELECTOR, "loraplex-system", ("ml/x-plan",))
     assert Settings.from_env_and_args([], env=env).plan_namespace is None  # no selector, no plan namespace
+
+
+async def test_a_plan_gone_while_the_agent_was_down_is_let_go_at_its_next_start(tmp_path, object_store,
+                                                                                client_factory, kube_api):
+    """A BaseModel deleted while the agent was down: its mirror is gone when the agent starts
+    again, and only the record the last run left says what it had. Once the plans found have
+    been read, that plan is let go as a plan that goes while the agent runs is: its adapter off
+    the disk and its status entry removed, its record removed; the adapter that moved to a
+    plan still found stays, pinned by that plan."""
+    for seed, name in enumerate(("gone", "moved")):
+        object_store.add(name, tmp_path, seed=seed)
+    put_mirror(kube_api, "ml", "one", plan_json(object_store, pinned=["gone", "moved"], base="one"))
+    client = await client_factory(config(tmp_path, kube_api))
+    agent = client.server.app[AGENT]
+    await until(lambda: agent.store.get("gone", "ml") and agent.store.get("moved", "ml"), "both pins staged")
+    record = tmp_path / "cache" / ".plan-adapters.ml.one-plan.json"
+    assert record.exists()
+    await client.close()
+
+    drop_mirror(kube_api, "ml", "one")  # deleted with its BaseModel, the agent down
+    put_mirror(kube_api, "ml", "two", plan_json(object_store, pinned=["moved"], base="two"))
+    client = await client_factory(config(tmp_path, kube_api))
+    agent = client.server.app[AGENT]
+    await until(lambda: agent.store.get("gone", "ml") is None and not record.exists(),
+                "the gone plan's adapter and record removed at start")
+    assert agent.store.get("moved", "ml").pinned, "the adapter another found plan lists left the disk or its pin"
+    assert object_store.gets["moved/adapter_model.safetensors"] == 1  # kept, never fetched again
+    await until(lambda: reported(kube_api).get(("ml", "gone"), "") is None, "gone's status entry removed")
+    assert agent.orphan_records() == []
