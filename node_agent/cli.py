@@ -62,7 +62,8 @@ class Settings:
     the plan its annotation loraplex.io/plan-of names (NAMESPACE/NAME: the operator's mirrors
     of its BaseModels' plans, which it writes into its mirror namespace); listed every
     --poll-seconds. A plan that goes leaves as its adapters would leave it: off the disk (but
-    what another followed plan of its namespace lists), its pins released. Beside
+    what another followed plan of its namespace lists), its pins released (one gone while
+    the agent was down: at its next start). Beside
     --plan-configmap (a plan named there is not followed twice). Default: none."""
 
     plan_namespace: str | None = None
