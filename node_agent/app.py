@@ -175,13 +175,7 @@ class Agent:
         """A warmer for one plan, its loops started: the plan's, and its servers'."""
         c = self.config
         assert self.store is not None and self.session is not None
-        reporter = None
-        if self._api is not None and c.node_name and namespace:
-            if namespace not in self._reporters:
-                self._reporters[namespace] = StatusReporter(self._api, namespace, c.node_name)
-                if spawn_reporter:
-                    self.tasks.spawn(self._reporters[namespace].run(), f"status-report {namespace}")
-            reporter = self._reporters[namespace]
+        reporter = self._reporter(namespace, spawn=spawn_reporter)
         discovery: ServerDiscovery | None = None
         if c.server_urls:
             discovery = StaticServers(list(c.server_urls), self.session)
@@ -196,6 +190,17 @@ class Agent:
         if discovery is not None:
             loops.append(self.tasks.spawn(warmer.run_servers(), f"server-watch{label}"))
         return warmer, loops
+
+    def _reporter(self, namespace: str | None, *, spawn: bool) -> StatusReporter | None:
+        """The status reporter of `namespace` (made on first use, its loop started if `spawn`);
+        None without the API, a node name or a namespace."""
+        if self._api is None or not self.config.node_name or not namespace:
+            return None
+        if namespace not in self._reporters:
+            self._reporters[namespace] = StatusReporter(self._api, namespace, self.config.node_name)
+            if spawn:
+                self.tasks.spawn(self._reporters[namespace].run(), f"status-report {namespace}")
+        return self._reporters[namespace]
 
     def _wire(self) -> None:
         """Every plan's warmer hears of an eviction (each reports the adapters of its plan), and
@@ -269,10 +274,7 @@ class Agent:
         its adapters off the disk (but those a followed plan of the namespace lists) and their
         status entries, its record removed."""
         for namespace, record in self.orphan_records():
-            reporter = self._reporters.get(namespace)
-            if reporter is None and self._api is not None and self.config.node_name:
-                reporter = self._reporters[namespace] = StatusReporter(self._api, namespace, self.config.node_name)
-                self.tasks.spawn(reporter.run(), f"status-report {namespace}")
+            reporter = self._reporter(namespace, spawn=True)
             assert self.store is not None and self.session is not None
             warmer = Warmer(self.store, None, self.session, reporter=reporter, metrics=self.metrics,
                             namespace=namespace, record_file=record)
