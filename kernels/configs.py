@@ -35,6 +35,9 @@ PROGRAMS_PER_SM = 4
 # everywhere (twice the programs) lost up to 40% where blocks hold many rows: each span's
 # program re-reads its rows' split-K partials (kernels_h200_expand_x2_vs_prev.json).
 MAX_DECODE_SPAN = 1024
+# Rank 64's decode expand takes 256 columns a step where its grid holds at most this many
+# programs per multiprocessor, 64 where it holds more (make_config).
+WIDE_STEP_PROGRAMS_PER_SM = 6
 # At prefill the expand adds into y with reductions from this rank up (below it, it reads y).
 PREFILL_ADD_IN_MEMORY_RANK = 64
 # Multiprocessor count assumed where there is no CUDA device (the Triton interpreter).
@@ -95,6 +98,7 @@ def make_config(
 ) -> SGMVConfig:
     """A configuration from the problem size; the keyword arguments override the defaults."""
     wanted = programs_per_sm * sms
+    decode = block_m <= DECODE_BLOCK_M
     block_nr = max(16, triton.next_power_of_2(len(output_slices) * rank))
     # Keep the [BLOCK_K, n*R] tile of A near 16 KB, but BLOCK_K 64 at least in 16-bit dtypes
     # (of the Llama-3-8B layers at ranks up to 64, only q/k/v's 3 x 64 came under it): measured
@@ -104,30 +108,29 @@ def make_config(
     block_k = block_k or max(64 if itemsize <= 2 else 16, min(128, 16384 // (block_nr * itemsize)))
     if not k_splits:
         k_splits = max(1, min(triton.cdiv(wanted, num_blocks), triton.cdiv(in_features, MIN_K_CHUNK)))
-        if block_m > DECODE_BLOCK_M:
+        if not decode:
             # Prefill: a power of two, so the chunks are even and the grid a whole number of
             # waves. Measured on an H200 (kernels_h200_prefill_split.json): q/k/v, 4096
             # tokens, one adapter: the shrink in 19.1 us with 4 splits against 24.0 with 5.
             k_splits = 1 << (k_splits.bit_length() - 1)
-    block_n = block_n or (64 if rank >= 64 else 128)
-    column_tiles = sum(triton.cdiv(w, block_n) for w in output_slices)
-    spans = max(len(output_slices), min(column_tiles, triton.cdiv(wanted, num_blocks)))
-    if block_m <= DECODE_BLOCK_M:
-        spans = max(spans, triton.cdiv(sum(output_slices), MAX_DECODE_SPAN))
-    else:
-        # Prefill: a power of two, as for the K splits. One adapter's 4096 rows make 129
-        # blocks, 4.09 programs per SM asked 5 spans, and gate/up's 5 spans of 5,760 columns
-        # cut its slices mid-span. Measured on an H200 (kernels_h200_prefill_spans.json, one
-        # adapter): gate/up 167.5 -> 141.1 us at rank 16 and 189.5 -> 146.0 at rank 32, o and
-        # down at rank 32 1.17x and 1.10x faster; 8 adapters (136 blocks) had 4 already.
-        spans = max(len(output_slices), 1 << (spans.bit_length() - 1))
-    span = triton.cdiv(triton.cdiv(sum(output_slices), spans), block_n) * block_n
-    span = max(block_n, min(span, triton.cdiv(max(output_slices), block_n) * block_n))
+    if not block_n and rank >= 64 and decode:
+        # Rank 64 at decode walks its spans in steps of 256 columns, unless that grid holds
+        # more than WIDE_STEP_PROGRAMS_PER_SM programs per multiprocessor. Measured on an
+        # H200 (kernels_h200_r64_block_n.json, 256 against 64 everywhere): 0.75x-0.92x the
+        # time on most of the table (down at 64 tokens of one adapter 18.0 -> 13.4 us, gate/up
+        # at 128 tokens with 8 adapters 31.6 -> 25.6), but 1.07x-1.13x on gate/up's grids of
+        # 952 programs and more (32 adapters, one adapter per token) and 1.03x on q/k/v's 816
+        # (128 tokens of one adapter each), while o's 544 and q/k/v's 680 gained.
+        wide = _expand_span(num_blocks, output_slices, 256, wanted, decode)
+        if num_blocks * sum(triton.cdiv(w, wide) for w in output_slices) <= WIDE_STEP_PROGRAMS_PER_SM * sms:
+            block_n = 256
+    block_n = block_n or (128 if rank < 64 else 64)
+    span = _expand_span(num_blocks, output_slices, block_n, wanted, decode)
     # Measured on an H200: PDL with the expand launched at the shrink's start saves ~1 us a
     # call at decode, and costs up to 21% at prefill (gate/up 4096 tokens: 173 vs 143 us),
     # where the expand's early programs hold SM resources the shrink's last wave wants. At
     # prefill the expand launches once the shrink's programs are past their loops.
-    pdl_early = block_m <= DECODE_BLOCK_M
+    pdl_early = decode
     if pdl is None:
         pdl = device_pdl
     if add_in_memory is None:
@@ -139,9 +142,27 @@ def make_config(
         # 101.8 us, o 43.5 vs 48.5, down 70.6 vs 77.4; kernels_h200_prefill_one_launch.json,
         # 7 of 8 rank-64 cases faster, gate/up 8 adapters 1.4% slower. At rank 32 it is mixed
         # (q/k/v and down faster, gate/up up to 1.26x slower), so the line stays at 64.
-        add_in_memory = block_m <= DECODE_BLOCK_M or rank >= PREFILL_ADD_IN_MEMORY_RANK
+        add_in_memory = decode or rank >= PREFILL_ADD_IN_MEMORY_RANK
     return SGMVConfig(k_splits=k_splits, block_k=block_k, span=span, block_n=block_n, num_warps=num_warps,
                       num_stages=num_stages, pdl=pdl, pdl_early=pdl_early, add_in_memory=add_in_memory)
+
+
+def _expand_span(num_blocks: int, output_slices: tuple[int, ...], block_n: int, wanted: int, decode: bool) -> int:
+    """Output columns per expand program: the slices cut until the grid has about ``wanted``
+    programs, a multiple of ``block_n`` and no wider than the widest slice."""
+    column_tiles = sum(triton.cdiv(w, block_n) for w in output_slices)
+    spans = max(len(output_slices), min(column_tiles, triton.cdiv(wanted, num_blocks)))
+    if decode:
+        spans = max(spans, triton.cdiv(sum(output_slices), MAX_DECODE_SPAN))
+    else:
+        # Prefill: a power of two, as for the K splits. One adapter's 4096 rows make 129
+        # blocks, 4.09 programs per SM asked 5 spans, and gate/up's 5 spans of 5,760 columns
+        # cut its slices mid-span. Measured on an H200 (kernels_h200_prefill_spans.json, one
+        # adapter): gate/up 167.5 -> 141.1 us at rank 16 and 189.5 -> 146.0 at rank 32, o and
+        # down at rank 32 1.17x and 1.10x faster; 8 adapters (136 blocks) had 4 already.
+        spans = max(len(output_slices), 1 << (spans.bit_length() - 1))
+    span = triton.cdiv(triton.cdiv(sum(output_slices), spans), block_n) * block_n
+    return max(block_n, min(span, triton.cdiv(max(output_slices), block_n) * block_n))
 
 
 _cached_config = functools.lru_cache(maxsize=1024)(make_config)

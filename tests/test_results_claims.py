@@ -200,3 +200,17 @@ def test_peer_headline_is_its_json():
     for got in claims(r"`add_lora` is the fastest on (\d+) of (\d+) rank-16 cases of the Llama-3-8B decode and "
                       r"prefill table, at ([\d.]+)x-([\d.]+)x the best peer's time \(geomean ([\d.]+)x;"):
         assert list(got) == want, (got, want)
+
+
+def test_peer_rank_64_headline_is_its_json():
+    """Decode from the run at the committed rank-64 expand steps; prefill, which that change
+    left alone, from the run before it."""
+    decode = load("peer_kernels_h200_r64_block_n_rule.json")["results"]
+    prefill = [r for r in load("peer_kernels_h200_r64_block_n.json")["results"] if r["phase"] == "prefill"]
+    rows = [r for r in decode + prefill if r["rank"] == 64]
+    assert sorted({r["phase"] for r in decode}) == ["decode"] and len(prefill) == 8
+    ratios = [r["ours_over_best_peer"] for r in rows]
+    wins = sum(r["fastest"] == "ours" for r in rows)
+    want = [str(wins), str(len(rows)), f2(min(ratios)), f2(max(ratios)), f2(statistics.geometric_mean(ratios))]
+    for got in claims(r"and on (\d+) of (\d+) rank-64 cases, at ([\d.]+)x-([\d.]+)x \(geomean ([\d.]+)x;"):
+        assert list(got) == want, (got, want)
