@@ -214,3 +214,16 @@ def test_peer_rank_64_headline_is_its_json():
     want = [str(wins), str(len(rows)), f2(min(ratios)), f2(max(ratios)), f2(statistics.geometric_mean(ratios))]
     for got in claims(r"and on (\d+) of (\d+) rank-64 cases, at ([\d.]+)x-([\d.]+)x \(geomean ([\d.]+)x;"):
         assert list(got) == want, (got, want)
+
+
+def test_peer_layer_headline_is_its_json():
+    run = load("peer_kernels_h200_layer.json")
+    rows = run["layer_results"]
+    assert {r["rank"] for r in rows} == {16} and all("sglang_v2_overlap" in r["layer_us"] for r in rows)
+    ratios = [r["ours_layer_over_best_peer"] for r in rows]
+    wins = sum(r <= 1 for r in ratios)
+    want = [str(wins), str(len(rows)), f2(min(ratios)), f2(max(ratios)), f2(statistics.geometric_mean(ratios))]
+    for got in claims(r"ours is the fastest on (\d+) of (\d+) rank-16 cases against each peer's term after cuBLAS and "
+                      r"triton_v2 with its own side-stream overlap, at ([\d.]+)x-([\d.]+)x the best peer's layer "
+                      r"\(geomean ([\d.]+)x;"):
+        assert list(got) == want, (got, want)
