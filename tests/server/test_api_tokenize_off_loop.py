@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-TEXT = "The quick brown fox jumps over the lazy dog. " * 50_000  # 2.25 million characters: ~2.5 s to encode
+TEXT = "The quick brown fox jumps over the lazy dog. " * 80_000  # 3.6 million characters: 2-4 s to encode
 
 
 @pytest.mark.parametrize("path, body", [
@@ -44,7 +44,9 @@ def test_others_are_served_while_a_long_prompt_is_tokenized(served, path, body):
         t.join()
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert answer["status"] == 400 and "maximum context length" in answer["error"]
-    assert answer["seconds"] > 2.0, answer  # long enough for the check to mean something
+    # Long enough for the check below to mean something; not a timing target: 2.25 million
+    # characters took 1.69-1.93 s on 2-core machines, under a guard of 2 s.
+    assert answer["seconds"] > 1.5, answer
     # Stalled, the others are served only once the long prompt is tokenized (served_in about
     # as long as its whole request); served alongside, well before (1 s on a loaded machine).
     assert served_in < answer["seconds"] - 1.0, (served_in, answer)
