@@ -177,7 +177,7 @@ def load_kernels(path: Path):
     return module
 
 
-def run_case(c, timer, bandwidth, sweep, prev=None, variants_too=True):
+def run_case(c, timer, bandwidth, sweep, prev=None, variants_too=True, baselines=True):
     x, y0, lora_a, lora_b, scaling, slots = c["x"], c["y"], c["lora_a"], c["lora_b"], c["scaling"], c["token_slots"]
     slices, rank, S = c["slices"], c["rank"], c["num_slots"]
     groups = [(s, torch.nonzero(slots == s).flatten()) for s in range(S)]
@@ -194,6 +194,8 @@ def run_case(c, timer, bandwidth, sweep, prev=None, variants_too=True):
         "gather_bmm": lambda y: add_lora_torch(y, x, lora_a, lora_b, scaling, slots, None, slices),
         "loop": lambda y: loop_per_adapter(y, x, lora_a, lora_b, scaling, groups, slices, rank),
     }
+    if not baselines:  # ours (and prev) against the base GEMM only: a before/after run in less time
+        del variants["gather_bmm"], variants["loop"]
     default = sgmv_config(batch.num_blocks, batch.block_m, x.shape[1], slices, rank, x.dtype, x.device)
     if supports_pdl(x.device) and variants_too:
         other = dataclasses.replace(default, pdl=not default.pdl)
@@ -316,6 +318,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", default=",".join(map(str, RANKS)), help="ranks to run (default 8,16,64)")
     parser.add_argument("--phases", default="decode,prefill", help="decode, prefill or both (default both)")
     parser.add_argument("--no-variants", action="store_true", help="time ours without its no-PDL / other-add variants")
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="skip the torch gather-then-bmm and the loop per adapter (the base GEMM stays)")
     parser.add_argument("--slots", type=int, default=0,
                         help="adapter slots in the buffers when more than the adapters in use (an engine's --max-loras)")
     args = parser.parse_args(argv)
@@ -357,7 +361,7 @@ def main(argv=None) -> int:
             c = make_case(spec["layer"], spec["tokens"], spec["adapters"], spec["rank"],
                           seqs=PREFILL[0] if spec["phase"] == "prefill" else None, gen=gen, slots=args.slots)
             sweep = args.sweep and spec["rank"] in sweep_ranks and (spec["phase"], spec["tokens"], spec["adapters"]) in sweep_keys
-            row = {**spec, **run_case(c, timer, bandwidth, sweep, prev, not args.no_variants)}
+            row = {**spec, **run_case(c, timer, bandwidth, sweep, prev, not args.no_variants, not args.no_baselines)}
             del c
         except Exception as exc:  # record and carry on: one broken case must not lose the run
             row = {**spec, "failure": repr(exc)[:500]}

@@ -35,8 +35,8 @@ PROGRAMS_PER_SM = 4
 # everywhere (twice the programs) lost up to 40% where blocks hold many rows: each span's
 # program re-reads its rows' split-K partials (kernels_h200_expand_x2_vs_prev.json).
 MAX_DECODE_SPAN = 1024
-# Rank 64's decode expand takes 256 columns a step where its grid holds at most this many
-# programs per multiprocessor, 64 where it holds more (make_config).
+# The decode expand takes 256 columns a step where its grid holds at most this many programs
+# per multiprocessor; more, and it takes 128 below rank 64, 64 at 64 and up (make_config).
 WIDE_STEP_PROGRAMS_PER_SM = 6
 # At prefill the expand adds into y with reductions from this rank up (below it, it reads y).
 PREFILL_ADD_IN_MEMORY_RANK = 64
@@ -113,14 +113,18 @@ def make_config(
             # waves. Measured on an H200 (kernels_h200_prefill_split.json): q/k/v, 4096
             # tokens, one adapter: the shrink in 19.1 us with 4 splits against 24.0 with 5.
             k_splits = 1 << (k_splits.bit_length() - 1)
-    if not block_n and rank >= 64 and decode:
-        # Rank 64 at decode walks its spans in steps of 256 columns, unless that grid holds
-        # more than WIDE_STEP_PROGRAMS_PER_SM programs per multiprocessor. Measured on an
-        # H200 (kernels_h200_r64_block_n.json, 256 against 64 everywhere): 0.75x-0.92x the
-        # time on most of the table (down at 64 tokens of one adapter 18.0 -> 13.4 us, gate/up
-        # at 128 tokens with 8 adapters 31.6 -> 25.6), but 1.07x-1.13x on gate/up's grids of
-        # 952 programs and more (32 adapters, one adapter per token) and 1.03x on q/k/v's 816
-        # (128 tokens of one adapter each), while o's 544 and q/k/v's 680 gained.
+    if not block_n and decode:
+        # At decode the expand walks its spans in steps of 256 columns, unless that grid
+        # holds more than WIDE_STEP_PROGRAMS_PER_SM programs per multiprocessor. Measured on
+        # an H200 against the steps before (128 columns below rank 64, 64 at 64), each rule in
+        # one run: rank 64 (kernels_h200_r64_block_n*.json) 256 everywhere took 0.75x-0.92x
+        # the time on most of the table (down at 64 tokens of one adapter 18.0 -> 13.4 us,
+        # gate/up at 128 tokens with 8 adapters 31.6 -> 25.6), but 1.07x-1.13x on gate/up's
+        # grids of 952 programs and more, 1.03x on q/k/v's 816, while o's 544 and q/k/v's 680
+        # gained; with this rule 0.74x-1.04x (geomean 0.92x). Ranks 8 and 16
+        # (kernels_h200_r8_r16_block_n_*.json): this rule 0.87x-1.08x (geomean 0.97x, 3 of 192
+        # cases slower by more than 2%), 256 everywhere 0.88x-1.05x (12 slower, gate/up's
+        # large grids again).
         wide = _expand_span(num_blocks, output_slices, 256, wanted, decode)
         if num_blocks * sum(triton.cdiv(w, wide) for w in output_slices) <= WIDE_STEP_PROGRAMS_PER_SM * sms:
             block_n = 256

@@ -190,7 +190,7 @@ def test_cache_policy_headline():
 
 
 def test_peer_headline_is_its_json():
-    run = load("peer_kernels_h200.json")
+    run = load("peer_kernels_h200_wide_steps.json")
     rows = [r for r in run["results"] if r["rank"] == 16]
     ratios = [r["ours_over_best_peer"] for r in rows]
     wins = sum(r["fastest"] == "ours" for r in rows)

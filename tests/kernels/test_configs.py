@@ -84,14 +84,17 @@ def test_prefill_splits_k_into_a_power_of_two_of_even_chunks(num_adapters):
     assert config(4096, 1).k_splits == 4  # 129 blocks: 5 splits before, the uneven 896-column chunks
 
 
-def test_rank_64_decode_takes_wide_steps_where_the_grid_is_small():
-    """kernels_h200_r64_block_n.json: 256 columns a step beat 64 at rank 64 decode, but not on
-    grids of more than six programs per multiprocessor, nor at prefill."""
+def test_decode_takes_wide_steps_where_the_grid_is_small():
+    """kernels_h200_r64_block_n*.json, kernels_h200_r8_r16_block_n_*.json: 256 columns a step
+    beat 64 (rank 64) and 128 (below) at decode, but not on grids of more than six programs per
+    multiprocessor, nor at prefill."""
     gate_up = (4096, (14336, 14336))
     few = make_config(max_blocks(128, 8, DECODE_BLOCK_M), *gate_up, 64, 2, SMS)
     assert few.block_n == 256 and few.span % 256 == 0
     many = make_config(max_blocks(64, 32, DECODE_BLOCK_M), *gate_up, 64, 2, SMS)
     assert many.block_n == 64
     assert make_config(max_blocks(4096, 8, PREFILL_BLOCK_M), *gate_up, 64, 2, SMS, block_m=PREFILL_BLOCK_M).block_n == 64
-    assert make_config(max_blocks(128, 8, DECODE_BLOCK_M), *gate_up, 16, 2, SMS).block_n == 128
+    assert make_config(max_blocks(128, 8, DECODE_BLOCK_M), *gate_up, 16, 2, SMS).block_n == 256
+    assert make_config(max_blocks(64, 32, DECODE_BLOCK_M), *gate_up, 16, 2, SMS).block_n == 128
+    assert make_config(max_blocks(4096, 8, PREFILL_BLOCK_M), *gate_up, 16, 2, SMS, block_m=PREFILL_BLOCK_M).block_n == 128
     assert make_config(max_blocks(128, 8, DECODE_BLOCK_M), *gate_up, 64, 2, SMS, block_n=128).block_n == 128
