@@ -31,6 +31,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     eng = engine.engine
     if eng.tokenizer is None:
         raise APIError(400, "this server has no tokenizer: use /v1/completions with token ids")
+    refusal = body.prompt_refusal(eng.tokenizer.chat_template)
+    if refusal:
+        raise APIError(400, refusal[0], param=refusal[1])
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:  # off the event loop, which serves every stream: a long conversation takes seconds
         prompt = await asyncio.to_thread(eng.tokenizer.apply_chat_template, messages)

@@ -51,7 +51,7 @@ def _prompts(engine: AsyncEngine, body: CompletionRequest) -> tuple[list[list[in
         return ids, [tok.decode(i) if tok is not None and body.echo else "" for i in ids]
     if tok is None:
         raise APIError(400, "this server has no tokenizer: send the prompt as token ids", param="prompt")
-    return [tok.encode(t) for t in texts], texts
+    return [tok.encode(t, add_special_tokens=body.add_special_tokens) for t in texts], texts
 
 
 @router.post("/v1/completions")

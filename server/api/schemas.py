@@ -190,6 +190,7 @@ class _SamplingFields(RequestBody):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    add_special_tokens: bool = True  # vLLM's: false tokenizes a text prompt without BOS
     max_tokens: int | None = Field(default=16, ge=0)  # 0 only with echo: score the prompt
     echo: bool = False  # the text starts with the prompt, and with logprobs so do the logprobs
     suffix: str | None = None
@@ -232,9 +233,45 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = None  # alternatives per token; needs logprobs: true
+    # vLLM's fields that shape the chat prompt. The tokenizer renders its own template with
+    # the generation prompt and nothing else; other values are refused (prompt_refusal).
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    add_special_tokens: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    documents: list | None = None
 
     def top_logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def prompt_refusal(self, template: str | None) -> tuple[str, str] | None:
+        """(why, parameter) when the prompt these fields ask for is not the one the tokenizer
+        renders (`template`: its chat template; None, the plain "role: content" prompt, which
+        always ends with the assistant's opening). A value that the template never reads
+        changes nothing and is served: a name that does not occur in its text cannot be read."""
+        def reads(name: str) -> bool:
+            return template is not None and name in template
+
+        if self.add_generation_prompt is False and (template is None or reads("add_generation_prompt")):
+            return "add_generation_prompt: false is not supported (the prompt always opens the assistant's turn)", \
+                "add_generation_prompt"
+        if self.continue_final_message:
+            return "continue_final_message is not supported", "continue_final_message"
+        if self.add_special_tokens:
+            return "add_special_tokens: true is not supported on chat (the chat template adds them)", \
+                "add_special_tokens"
+        if self.chat_template and self.chat_template != template:
+            return "chat_template is not supported (the model's own chat template renders the prompt)", \
+                "chat_template"
+        read = sorted(k for k in self.chat_template_kwargs or {} if reads(k))
+        if read:
+            one = len(read) == 1
+            return f"chat_template_kwargs {', '.join(map(repr, read))} {'is' if one else 'are'} not supported " \
+                   f"(the chat template reads {'it' if one else 'them'})", "chat_template_kwargs"
+        if self.documents and reads("documents"):
+            return "documents are not supported (the chat template reads them)", "documents"
+        return None
 
     def max_tokens_asked(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -1,0 +1,94 @@
+"""vLLM's request fields that shape the prompt: served as vLLM serves them, or refused with a
+400 naming the field when this server cannot build that prompt. They were all accepted and
+silently dropped, so a client asking to continue an assistant message, to render without the
+generation prompt, or to pass `chat_template_kwargs` (Qwen3's `enable_thinking`, say) got an
+answer to another prompt than the one it asked for, with no sign of it.
+
+The test server's tokenizer has the demo chat template, which reads `messages`,
+`add_generation_prompt`, `bos_token` and `eos_token`."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from loraplex.server.tokenizer import Tokenizer
+
+from .test_http import error_of
+
+CHAT = {"model": "qv-r8", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}],
+        "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("add_generation_prompt", False),
+    ("continue_final_message", True),
+    ("add_special_tokens", True),
+    ("chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"),
+    ("chat_template_kwargs", {"bos_token": "<|user|>"}),  # a name the template reads
+    ("documents", [{"title": "t", "text": "x"}]),  # the demo template reads none: see below
+])
+def test_chat_prompt_options_that_change_the_prompt_are_refused_by_name(served, field, value):
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        before = c.post("/v1/chat/completions", json=CHAT)
+        assert before.status_code == 200, before.text
+        if field == "documents":  # neutral on a template that never reads them
+            r = c.post("/v1/chat/completions", json=CHAT | {field: value})
+            assert r.status_code == 200 and r.json()["choices"] == before.json()["choices"], r.text
+            return
+        for stream in (False, True):
+            r = c.post("/v1/chat/completions", json=CHAT | {field: value, "stream": stream})
+            assert r.status_code == 400, (field, r.text)
+            assert error_of(r)["param"] == field and field in error_of(r)["message"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("add_generation_prompt", True), ("continue_final_message", False), ("add_special_tokens", False),
+    ("chat_template", None), ("chat_template_kwargs", {}), ("chat_template_kwargs", None),
+    ("chat_template_kwargs", {"enable_thinking": False}),  # the demo template never reads it
+    ("documents", None), ("documents", []),
+])
+def test_chat_prompt_options_with_their_neutral_values_are_served(served, field, value):
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        want = c.post("/v1/chat/completions", json=CHAT).json()
+        r = c.post("/v1/chat/completions", json=CHAT | {field: value})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"] == want["choices"] and r.json()["usage"] == want["usage"]
+
+
+def test_the_tokenizers_own_chat_template_sent_back_is_served(served, hf_llama):
+    template = Tokenizer(hf_llama).chat_template
+    assert template and "add_generation_prompt" in template
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        want = c.post("/v1/chat/completions", json=CHAT).json()
+        r = c.post("/v1/chat/completions", json=CHAT | {"chat_template": template})
+        assert r.status_code == 200 and r.json()["choices"] == want["choices"], r.text
+
+
+def test_completions_add_special_tokens_false_leaves_bos_out(served, hf_llama):
+    # vLLM's completions take add_special_tokens (default true); false tokenizes the prompt
+    # without BOS. It was ignored: the model saw a BOS the client had asked to leave out.
+    tok = Tokenizer(hf_llama)
+    text = "The quick brown fox"
+    with_bos, without = tok.encode(text), tok.encode(text, add_special_tokens=False)
+    assert with_bos == [tok.bos_token_id] + without
+    body = {"model": "qv-r8", "prompt": text, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "echo": True}
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        def run(**extra):
+            r = c.post("/v1/completions", json=body | extra)
+            assert r.status_code == 200, r.text
+            return r.json()
+        plain, explicit, off = run(), run(add_special_tokens=True), run(add_special_tokens=False)
+        ids_off = run(prompt=without)
+        assert plain["choices"] == explicit["choices"]
+        assert plain["usage"]["prompt_tokens"] == len(with_bos)
+        assert off["usage"]["prompt_tokens"] == len(without)
+        # The same tokens as the prompt sent as ids without BOS (logprobs: the same model input).
+        assert off["choices"][0]["logprobs"] == ids_off["choices"][0]["logprobs"]
+        assert off["choices"][0]["logprobs"]["tokens"][0] != plain["choices"][0]["logprobs"]["tokens"][0]
+        # Streamed too.
+        with c.stream("POST", "/v1/completions", json=body | {"add_special_tokens": False, "stream": True,
+                                                             "stream_options": {"include_usage": True}}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+        assert '"prompt_tokens":%d' % len(without) in lines[-1]
