@@ -66,7 +66,9 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
     streams = open_choices(engine, prompts, body, params, adapter)
     n, rid, created = body.n, new_id("cmpl"), now()
     want_logprobs = params.logprobs is not None
-    builders = [CompletionLogprobs(engine.engine.tokenizer) for _ in streams]
+    # With return_tokens_as_token_ids, the tokens are named as on a server without a tokenizer.
+    lp_tokenizer = None if body.return_tokens_as_token_ids else engine.engine.tokenizer
+    builders = [CompletionLogprobs(lp_tokenizer) for _ in streams]
     echoed = [not body.echo] * len(streams)
 
     def delta(k: int, out) -> tuple[str, list[int], list]:

@@ -74,6 +74,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "structural_tag": (None, ""), "prompt_embeds": (None,),
 }
 
 
@@ -102,6 +103,8 @@ class _SamplingFields(RequestBody):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's: > 0, 1 = off, over the prompt and the output
     user: str | None = None
+    # vLLM's: logprob tokens spelled "token_id:N" (tokens that decode alike stay apart)
+    return_tokens_as_token_ids: bool | None = None
     # Parts of the OpenAI API this server does not implement: refused when they would change
     # the output (a 400 naming them), accepted when neutral (empty, or plain text), never
     # silently dropped.

@@ -92,3 +92,55 @@ def test_completions_add_special_tokens_false_leaves_bos_out(served, hf_llama):
                                                              "stream_options": {"include_usage": True}}) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: {")]
         assert '"prompt_tokens":%d' % len(without) in lines[-1]
+
+
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(served):
+    # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N", so tokens that
+    # decode alike (pieces of a UTF-8 character, all "\ufffd") stay apart. It was ignored: the
+    # client parsing "token_id:N" got decoded text.
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        body = {"model": "qv-r8", "prompt": [1, 40, 41], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "logprobs": 2, "echo": True}
+        plain = c.post("/v1/completions", json=body).json()["choices"][0]
+        r = c.post("/v1/completions", json=body | {"return_tokens_as_token_ids": True})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert r.json()["choices"][0]["text"] == plain["text"]
+        assert lp["tokens"][:3] == ["token_id:1", "token_id:40", "token_id:41"]
+        assert all(t.startswith("token_id:") for t in lp["tokens"])
+        assert lp["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+        assert all(k.startswith("token_id:") for top in lp["top_logprobs"][1:] for k in top)
+        assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+
+        chat = {"model": "qv-r8", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+        for stream in (False, True):
+            r = c.post("/v1/chat/completions", json=chat | {"return_tokens_as_token_ids": True, "stream": stream})
+            assert r.status_code == 200, r.text
+            if stream:
+                import json
+                contents = [e for line in r.text.splitlines() if line.startswith("data: {")
+                            for e in ((json.loads(line[6:])["choices"] or [{}])[0].get("logprobs") or {})
+                            .get("content", [])]
+            else:
+                contents = r.json()["choices"][0]["logprobs"]["content"]
+            assert len(contents) == 3
+            for e in contents:
+                assert e["token"].startswith("token_id:") and e["bytes"] == list(e["token"].encode())
+                assert len(e["top_logprobs"]) == 2 and all(t["token"].startswith("token_id:") for t in e["top_logprobs"])
+        plain = c.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+        assert not plain[0]["token"].startswith("token_id:")
+
+
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/chat/completions", "structural_tag", '{"type": "structural_tag"}'),
+    ("/v1/completions", "structural_tag", '{"type": "structural_tag"}'),
+    ("/v1/completions", "prompt_embeds", "AAAA"),
+])
+def test_other_vllm_fields_that_change_the_output_are_refused(served, path, field, value):
+    body = {"model": "qv-r8", "max_tokens": 2, field: value}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        r = c.post(path, json=body)
+        assert r.status_code == 400 and error_of(r)["param"] == field, r.text
+        assert c.post(path, json=body | {field: None}).status_code == 200
