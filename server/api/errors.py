@@ -70,7 +70,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        # Body that is not JSON at all: 400; JSON with wrong or missing fields: 422.
+        # Body that is not JSON at all, or JSON with wrong or missing fields: 400, as OpenAI
+        # and vLLM answer both (FastAPI's 422 is, for the official client, no BadRequestError).
         if any(e.get("type") == "json_invalid" for e in errors):
             return JSONResponse(error_body(400, "The request body is not valid JSON.", code="invalid_json"),
                                 status_code=400)
@@ -87,8 +88,8 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                         for e in errors)
-        return JSONResponse(error_body(422, msg, param=".".join(loc) or None, code="invalid_value"),
-                            status_code=422)
+        return JSONResponse(error_body(400, msg, param=".".join(loc) or None, code="invalid_value"),
+                            status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

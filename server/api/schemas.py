@@ -53,7 +53,7 @@ class RequestBody(BaseModel):
     """A JSON request body of text. JSON may escape half of a UTF-16 surrogate pair alone
     ("\\ud800"), which decodes to a Python str that is no Unicode text: the tokenizer refuses
     it and a response that quotes it (an echo, a 404 naming the model) cannot be written as
-    UTF-8, each a 500. Such a body is refused here (422), naming the field that holds it."""
+    UTF-8, each a 500. Such a body is refused here (400), naming the field that holds it."""
 
     @model_validator(mode="before")
     @classmethod

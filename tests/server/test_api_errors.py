@@ -1,6 +1,6 @@
 """A body sent without a JSON content type (curl's -d alone sends
 application/x-www-form-urlencoded) is named for what it is: a 415 saying the body must be
-JSON, not a 422 about "a valid dictionary or object to extract fields from"."""
+JSON, not a 400 about "a valid dictionary or object to extract fields from"."""
 
 from __future__ import annotations
 
@@ -29,6 +29,6 @@ def test_json_bodies_keep_their_answers(served):
             r = c.post("/v1/completions", content=BODY, headers={"content-type": content_type})
             assert r.status_code == 200, r.text
         r = c.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
-        assert r.status_code == 422  # JSON, but not an object: the fields are what is wrong
+        assert r.status_code == 400  # JSON, but not an object: the fields are what is wrong
         r = c.post("/v1/completions", json={"prompt": "hi"})
-        assert r.status_code == 422 and error_of(r)["param"] == "model"
+        assert r.status_code == 400 and error_of(r)["param"] == "model"

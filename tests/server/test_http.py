@@ -113,9 +113,9 @@ def test_error_shapes(served):
         r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400 and error_of(r)["type"] == "invalid_request_error"
         r = c.post("/v1/completions", json={"prompt": "no model"})
-        assert r.status_code == 422 and "model" in error_of(r)["message"]
+        assert r.status_code == 400 and "model" in error_of(r)["message"]
         r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x", "temperature": 7})
-        assert r.status_code == 422 and error_of(r)["param"] == "temperature"
+        assert r.status_code == 400 and error_of(r)["param"] == "temperature"
         r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": [5] * 600})
         assert r.status_code == 400 and "maximum context length" in error_of(r)["message"]
         r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": [5] * 10, "max_tokens": 509})
@@ -183,12 +183,12 @@ def test_a_huge_top_k_is_served_and_the_engine_keeps_running(served):
     ("/v1/load_lora_adapter", '{"lora_name": "x\\ud800", "lora_path": "/nowhere"}', "lora_name"),
     ("/v1/sessions", '{"model": "\\ud800"}', "model"),
 ])
-def test_an_unpaired_surrogate_is_a_422_not_a_500(served, path, body, where):
+def test_an_unpaired_surrogate_is_a_400_not_a_500(served, path, body, where):
     # JSON may escape half a surrogate pair alone; decoded, it is a str no tokenizer takes and
     # no UTF-8 response can quote (the 404 for an unknown model names it): each was a 500.
     with httpx.Client(base_url=served.url, timeout=30) as c:
         r = c.post(path, content=body.encode(), headers={"content-type": "application/json"})
-        assert r.status_code == 422, r.text
+        assert r.status_code == 400, r.text
         assert where in error_of(r)["message"] and "surrogate" in error_of(r)["message"]
         # A pair that makes one character is text, and served.
         ok = c.post("/v1/completions", content=b'{"model": "tiny-llama", "prompt": "\\ud83d\\ude00", "max_tokens": 2}',

@@ -186,7 +186,7 @@ def test_n_above_the_cap_and_best_of_are_refused(served):
             r = c.post(path, json={"model": "tiny-llama", "n": 2, "best_of": 3, **body})
             assert r.status_code == 400 and error_of(r)["param"] == "best_of"
             r = c.post(path, json={"model": "tiny-llama", "n": 0, **body})
-            assert r.status_code == 422 and error_of(r)["param"] == "n"
+            assert r.status_code == 400 and error_of(r)["param"] == "n"
         r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": [1, 5], "n": 2, "best_of": 2,
                                             "max_tokens": 2})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
