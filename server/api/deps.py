@@ -58,6 +58,30 @@ def open_streams(engine: AsyncEngine, prompts: list[list[int]], params: Sampling
     return streams
 
 
+def check_context(engine: AsyncEngine, prompts: list[list[int]], body: CompletionRequest | ChatCompletionRequest,
+                  max_tokens: int) -> None:
+    """A 400 `context_length_exceeded` naming the parameter to shorten, in OpenAI's and vLLM's
+    words, when a prompt (with room for one token at least) or a prompt plus `max_tokens` is
+    past the context: tools that trim a conversation and retry know the overflow by that code
+    or that sentence. The engine checks the same (its message is for its other callers)."""
+    limit = engine.engine.max_model_len
+    chat = isinstance(body, ChatCompletionRequest)
+    where = "messages" if chat else "prompt"
+    for ids in prompts:
+        n = len(ids)
+        if n and n >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your {where} "
+                                f"{'resulted in' if chat else 'has'} {n} tokens, which leaves no room for the "
+                                f"completion. Please reduce the length of the {where}.",
+                           param=where, code="context_length_exceeded")
+        if n + max_tokens > limit:
+            asked = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{n + max_tokens} tokens ({n} in the {where}, {max_tokens} in the completion). "
+                                f"Please reduce the length of the {where} or completion.",
+                           param=asked, code="context_length_exceeded")
+
+
 def open_choices(engine: AsyncEngine, prompts: list[list[int]], body: CompletionRequest | ChatCompletionRequest,
                  params: SamplingParams, adapter: str | None) -> list[RequestStream]:
     """Queue `body.n` requests per prompt and return their streams prompt-major: stream k is
@@ -65,6 +89,7 @@ def open_choices(engine: AsyncEngine, prompts: list[list[int]], body: Completion
     of its own (its own batch row, its own seed; see `choice_params`); the n copies of a
     prompt share no prefix and each prefills it (no prefix sharing yet). On any error,
     abort the ones already queued."""
+    check_context(engine, prompts, body, params.max_tokens)
     per_choice: list[list[RequestStream]] = []  # [n][prompts]
     try:
         for p in body.choice_params(params):

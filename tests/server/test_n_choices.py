@@ -190,11 +190,15 @@ def test_n_above_the_cap_and_best_of_are_refused(served):
         r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": [1, 5], "n": 2, "best_of": 2,
                                             "max_tokens": 2})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
-        # A bad prompt among several queues nothing: the choice already queued (the first
-        # prompt's) is aborted. Its queueing and its abort reach the engine thread as commands,
-        # after the response: wait for the abort's count, or the next test would see it.
+        # A prompt past the context among several is refused before any is queued.
         r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": [[1, 5], [5] * 300], "n": 3})
-        assert r.status_code == 400
+        assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded"
+        # A bad prompt the engine refuses (empty) among several queues nothing: the choice
+        # already queued (the first prompt's) is aborted. Its queueing and its abort reach the
+        # engine thread as commands, after the response: wait for the abort's count, or the
+        # next test would see it.
+        r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": [[1, 5], []], "n": 3})
+        assert r.status_code == 400 and "empty" in error_of(r)["message"], r.text
     assert wait_until(lambda: aborted(served.engine) == before + 1 and not served.engine.has_work(), timeout=5)
 
 
