@@ -74,7 +74,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
-    "structural_tag": (None, ""), "prompt_embeds": (None,),
+    "structural_tag": (None, ""), "prompt_embeds": (None,), "tool_choice": (None, "none", "auto"),
 }
 
 

@@ -144,3 +144,14 @@ def test_other_vllm_fields_that_change_the_output_are_refused(served, path, fiel
         r = c.post(path, json=body)
         assert r.status_code == 400 and error_of(r)["param"] == field, r.text
         assert c.post(path, json=body | {field: None}).status_code == 200
+
+
+def test_tool_choice_that_asks_for_a_tool_call_is_refused(served):
+    # tools are refused; tool_choice "required" or a named function without them was ignored,
+    # and the client that demanded a tool call got plain text back.
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+            r = c.post("/v1/chat/completions", json=CHAT | {"tool_choice": choice})
+            assert r.status_code == 400 and error_of(r)["param"] == "tool_choice", r.text
+        for choice in (None, "none", "auto"):
+            assert c.post("/v1/chat/completions", json=CHAT | {"tool_choice": choice, "tools": []}).status_code == 200
