@@ -2,7 +2,10 @@
 "role: content" template when it has none), `n` choices (index 0..n-1), SSE when streaming.
 
 Streamed, each choice first gets a chunk with its role, then the chunks of all choices
-interleave, each naming its `index`; each choice ends with its own finish_reason."""
+interleave, each naming its `index`; each choice ends with its own finish_reason.
+
+vLLM's `echo: true`: a reply starts with the last message's content when that message is
+the assistant's (streamed, a chunk of its own after the role's), as vLLM answers it."""
 
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     params = body.sampling(max_tokens)
     streams = open_choices(engine, [prompt], body, params, adapter)
     rid, created = new_id("chatcmpl"), now()
+    echoed = body.echoed()
     want_logprobs = params.logprobs is not None
     # With return_tokens_as_token_ids, the tokens are named as on a server without a tokenizer.
     lp_tokenizer = None if body.return_tokens_as_token_ids else eng.tokenizer
@@ -63,6 +67,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
             for j in range(len(streams)):
                 yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}], "chat.completion.chunk")
+            if echoed:
+                for j in range(len(streams)):
+                    yield chunk([{"index": j, "delta": {"content": echoed}, "logprobs": None,
+                                  "finish_reason": None}], "chat.completion.chunk")
             counts = [0] * len(streams)
             async for j, out in merged(streams):
                 counts[j] = out.completion_tokens
@@ -78,7 +86,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         return sse_response(events())
 
     async def collect() -> dict:
-        texts = [""] * len(streams)
+        texts = [echoed] * len(streams)
         reasons: list[str | None] = [None] * len(streams)
         counts = [0] * len(streams)
         ids: list[list[int]] = [[] for _ in streams]

@@ -244,6 +244,13 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
     documents: list | None = None
+    echo: bool = False  # vLLM's: the reply starts with a final assistant message's content
+
+    def echoed(self) -> str:
+        """What echo puts before each reply: the last message's content when it is the
+        assistant's (the reply's role), as vLLM does; otherwise nothing."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def top_logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

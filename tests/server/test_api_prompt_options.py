@@ -155,3 +155,26 @@ def test_tool_choice_that_asks_for_a_tool_call_is_refused(served):
             assert r.status_code == 400 and error_of(r)["param"] == "tool_choice", r.text
         for choice in (None, "none", "auto"):
             assert c.post("/v1/chat/completions", json=CHAT | {"tool_choice": choice, "tools": []}).status_code == 200
+
+
+def test_chat_echo_prepends_a_final_assistant_message_as_vllm_does(served):
+    # vLLM's chat echo: the reply starts with the last message's content when that message
+    # is the assistant's (the reply's role); otherwise it changes nothing. It was ignored.
+    import json
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        want = c.post("/v1/chat/completions", json=CHAT | {"n": 2}).json()
+        r = c.post("/v1/chat/completions", json=CHAT | {"n": 2, "echo": True})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert [ch["message"]["content"] for ch in got["choices"]] == \
+            ["Sure" + ch["message"]["content"] for ch in want["choices"]]
+        assert got["usage"] == want["usage"]
+        with c.stream("POST", "/v1/chat/completions", json=CHAT | {"n": 2, "echo": True, "stream": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        for j in range(2):
+            parts = [ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"][0]["index"] == j]
+            assert parts[:2] == ["", "Sure"] and "".join(parts) == got["choices"][j]["message"]["content"]
+        # The last message the user's: nothing to echo.
+        user_last = CHAT | {"messages": CHAT["messages"][:1]}
+        assert c.post("/v1/chat/completions", json=user_last | {"echo": True}).json()["choices"] == \
+            c.post("/v1/chat/completions", json=user_last).json()["choices"]
