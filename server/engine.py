@@ -305,8 +305,10 @@ class LLMEngine:
                 f"maximum context length of {self.max_model_len} tokens")
         self.check_token_ids(prompt_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Request.new(request_id or f"req-{next(self._ids)}", prompt_ids, params, adapter,
-                          seed % (1 << 63), self.tokenizer)
+        # Any int64 (the API's range) as itself, and one past its ends (a seed + j of n choices)
+        # wrapped around 64 bits: distinct seeds draw distinct samples.
+        seed = (seed + (1 << 63)) % (1 << 64) - (1 << 63)
+        req = Request.new(request_id or f"req-{next(self._ids)}", prompt_ids, params, adapter, seed, self.tokenizer)
         if adapter is not None:
             try:
                 req.slot = self.adapters.acquire(adapter)

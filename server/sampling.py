@@ -119,7 +119,7 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
     """u in (0, 1), float32 [n, vocab], a pure function of (seed, counter, vocab index).
 
-    seeds, counters: int64 [n] (seeds any non-negative 64-bit value)."""
+    seeds, counters: int64 [n] (seeds any int64: the hash reads their two's complement bits)."""
     key = _fmix32((seeds & _M32) ^ 0x9E3779B9)
     key = _fmix32(key ^ ((seeds >> 32) & _M32))
     key = _fmix32(key ^ (counters & _M32))

@@ -98,6 +98,18 @@ def test_seeded_sampling_is_reproducible_over_http(served):
     assert a == b
 
 
+def test_seeds_are_int64(served):
+    """As vLLM takes them: any int64 is served; one past its ends is a 400 naming the field."""
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        for seed in (-(1 << 63), -5, (1 << 63) - 1):
+            r = c.post("/v1/completions", json={"model": "patterns", "prompt": "Pack", "max_tokens": 2, "seed": seed,
+                                                "temperature": 1.0, "n": 2})
+            assert r.status_code == 200, r.text
+        for seed in (1 << 63, -(1 << 63) - 1):
+            r = c.post("/v1/completions", json={"model": "patterns", "prompt": "Pack", "max_tokens": 2, "seed": seed})
+            assert r.status_code == 400 and error_of(r)["param"] == "seed", r.text
+
+
 def error_of(r: httpx.Response) -> dict:
     body = r.json()
     assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body

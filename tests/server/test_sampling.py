@@ -246,3 +246,10 @@ def test_logprobs_ride_with_their_tokens_through_held_back_text():
     assert all(len(o.logprobs) == len(o.token_ids) == 1 for o in outs)
     assert [o.logprobs[0].logprob for o in outs] == [-float(i) for i in range(len(outs))]
     assert make(SamplingParams()).take_output().logprobs is None  # not asked: None, not []
+
+
+def test_negative_seeds_draw_their_own_noise():
+    """The API takes any int64 seed (as vLLM does): -5 is not 2**63 - 5."""
+    u = uniform_noise(torch.tensor([-5, (1 << 63) - 5, -(1 << 63)]), torch.tensor([0, 0, 0]), 1000)
+    assert (u > 0).all() and (u < 1).all()
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
