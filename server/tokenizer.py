@@ -114,16 +114,45 @@ class Tokenizer:
             return bytes(_BYTE_LEVEL[c] for c in piece)
         return text.encode()
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of the conversation plus the assistant turn's opening."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, template_kwargs: dict | None = None,
+                            documents: list[dict] | None = None, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of the conversation, rendered as transformers renders it (what vLLM's
+        chat endpoint sends the model): the assistant turn's opening unless
+        `add_generation_prompt` is false; with `continue_final_message`, the chat cut right
+        after the last message's content, so that the reply continues it; `template_kwargs`,
+        more variables for the template (vLLM's `chat_template_kwargs`, over the ones named
+        here, as there), `documents` its documents; `add_special_tokens`, BOS added when
+        tokenizing besides what the template writes (vLLM's chat default: false)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.chat_template is None:
-            return self.encode(plain_chat_prompt(messages))
+            return self.encode(plain_chat_prompt(messages, add_generation_prompt))
+        if continue_final_message:
+            if "content" not in self.chat_template:
+                raise ValueError("continue_final_message: the chat template reads no message content")
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
         if self._template is None:
             self._template = _template_environment().from_string(self.chat_template)
-        text = self._template.render(messages=messages, add_generation_prompt=True,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        variables = dict(add_generation_prompt=add_generation_prompt, tools=None, documents=documents,
+                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        variables.update(template_kwargs or {})
+        variables["messages"] = messages
+        text = self._template.render(**variables)
+        if continue_final_message:
+            # transformers' rule: cut at the mark; where the template trimmed the space after
+            # it, the message's own trailing spaces go too.
+            if _CONTINUE_TAG.strip() not in text:
+                raise ValueError("continue_final_message: the chat template drops the final message's content")
+            at = text.rindex(_CONTINUE_TAG.strip())
+            text = text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
         # The template writes BOS itself when the model wants one.
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+
+# Appended to the final message for continue_final_message, found in the rendered text and
+# cut there (transformers' own mark).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def _raise_template_error(message: str):
@@ -159,11 +188,12 @@ def _template_environment():
     return env
 
 
-def plain_chat_prompt(messages: list[dict]) -> str:
+def plain_chat_prompt(messages: list[dict], add_generation_prompt: bool = True) -> str:
     """The prompt for a tokenizer without a chat template, e.g.
-    [{"role": "user", "content": "hi"}] -> "user: hi\\nassistant:"."""
+    [{"role": "user", "content": "hi"}] -> "user: hi\\nassistant:" (without the last line
+    when `add_generation_prompt` is false: a final assistant message is then continued)."""
     lines = [f"{m['role']}: {m['content']}" for m in messages]
-    return "\n".join(lines + ["assistant:"])
+    return "\n".join(lines + (["assistant:"] if add_generation_prompt else []))
 
 
 # Prompt tokens the first window starts with (vLLM starts its window on the prompt's last 5).

@@ -236,14 +236,14 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = None  # alternatives per token; needs logprobs: true
-    # vLLM's fields that shape the chat prompt. The tokenizer renders its own template with
-    # the generation prompt and nothing else; other values are refused (prompt_refusal).
+    # vLLM's fields that shape the chat prompt (template_options), as vLLM takes them; a
+    # template other than the model's own is refused (prompt_refusal).
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     add_special_tokens: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
-    documents: list | None = None
+    documents: list[dict] | None = None
     echo: bool = False  # vLLM's: the reply starts with a final assistant message's content
 
     def echoed(self) -> str:
@@ -256,32 +256,26 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompt_refusal(self, template: str | None) -> tuple[str, str] | None:
-        """(why, parameter) when the prompt these fields ask for is not the one the tokenizer
-        renders (`template`: its chat template; None, the plain "role: content" prompt, which
-        always ends with the assistant's opening). A value that the template never reads
-        changes nothing and is served: a name that does not occur in its text cannot be read."""
-        def reads(name: str) -> bool:
-            return template is not None and name in template
-
-        if self.add_generation_prompt is False and (template is None or reads("add_generation_prompt")):
-            return "add_generation_prompt: false is not supported (the prompt always opens the assistant's turn)", \
-                "add_generation_prompt"
-        if self.continue_final_message:
-            return "continue_final_message is not supported", "continue_final_message"
-        if self.add_special_tokens:
-            return "add_special_tokens: true is not supported on chat (the chat template adds them)", \
-                "add_special_tokens"
+        """(why, parameter) when these fields ask for a prompt the tokenizer does not render
+        (`template`: its chat template): another template (vLLM too refuses one sent in a
+        request unless told to trust it), or both a generation prompt and the final message
+        continued, which vLLM refuses as well."""
+        if self.continue_final_message and self.add_generation_prompt is not False:
+            return "continue_final_message and add_generation_prompt cannot both be true (send add_generation_prompt: " \
+                   "false with continue_final_message: true)", "continue_final_message"
         if self.chat_template and self.chat_template != template:
             return "chat_template is not supported (the model's own chat template renders the prompt)", \
                 "chat_template"
-        read = sorted(k for k in self.chat_template_kwargs or {} if reads(k))
-        if read:
-            one = len(read) == 1
-            return f"chat_template_kwargs {', '.join(map(repr, read))} {'is' if one else 'are'} not supported " \
-                   f"(the chat template reads {'it' if one else 'them'})", "chat_template_kwargs"
-        if self.documents and reads("documents"):
-            return "documents are not supported (the chat template reads them)", "documents"
+        if "messages" in (self.chat_template_kwargs or {}):
+            return "chat_template_kwargs may not set messages", "chat_template_kwargs"
         return None
+
+    def template_options(self) -> dict:
+        """Tokenizer.apply_chat_template's keyword arguments for these fields."""
+        return dict(add_generation_prompt=self.add_generation_prompt is not False,
+                    continue_final_message=bool(self.continue_final_message),
+                    template_kwargs=self.chat_template_kwargs, documents=self.documents or None,
+                    add_special_tokens=bool(self.add_special_tokens))
 
     def max_tokens_asked(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -1,6 +1,6 @@
 """vLLM's request fields that shape the prompt: served as vLLM serves them, or refused with a
-400 naming the field when this server cannot build that prompt. They were all accepted and
-silently dropped, so a client asking to continue an assistant message, to render without the
+400 naming the field where vLLM refuses them too. They were all accepted and silently
+dropped, so a client asking to continue an assistant message, to render without the
 generation prompt, or to pass `chat_template_kwargs` (Qwen3's `enable_thinking`, say) got an
 answer to another prompt than the one it asked for, with no sign of it.
 
@@ -20,26 +20,54 @@ CHAT = {"model": "qv-r8", "messages": [{"role": "user", "content": "hi"}, {"role
         "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.mark.parametrize("field, value", [
-    ("add_generation_prompt", False),
-    ("continue_final_message", True),
-    ("add_special_tokens", True),
-    ("chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"),
-    ("chat_template_kwargs", {"bos_token": "<|user|>"}),  # a name the template reads
-    ("documents", [{"title": "t", "text": "x"}]),  # the demo template reads none: see below
+@pytest.mark.parametrize("options", [
+    {"add_generation_prompt": False},
+    {"add_generation_prompt": False, "continue_final_message": True},
+    {"add_special_tokens": True},
+    {"chat_template_kwargs": {"bos_token": "<|user|>"}},  # a name the template reads
 ])
-def test_chat_prompt_options_that_change_the_prompt_are_refused_by_name(served, field, value):
+def test_chat_prompt_options_shape_the_prompt_as_vllm_does(served, hf_llama, options):
+    """The prompt is the tokenizer's template rendered with these options (the rendering itself
+    is checked against transformers in test_api_chat_template), streamed or not."""
+    tok = Tokenizer(hf_llama)
+    messages = CHAT["messages"]
+    default = tok.apply_chat_template(messages)
+    want = tok.apply_chat_template(messages, add_generation_prompt=options.get("add_generation_prompt", True),
+                                   continue_final_message=options.get("continue_final_message", False),
+                                   template_kwargs=options.get("chat_template_kwargs"),
+                                   add_special_tokens=options.get("add_special_tokens", False))
+    assert want != default
     with httpx.Client(base_url=served.url, timeout=30) as c:
-        before = c.post("/v1/chat/completions", json=CHAT)
-        assert before.status_code == 200, before.text
-        if field == "documents":  # neutral on a template that never reads them
-            r = c.post("/v1/chat/completions", json=CHAT | {field: value})
-            assert r.status_code == 200 and r.json()["choices"] == before.json()["choices"], r.text
-            return
+        r = c.post("/v1/chat/completions", json=CHAT | options)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(want)
+        with c.stream("POST", "/v1/chat/completions", json=CHAT | options | {
+                "stream": True, "stream_options": {"include_usage": True}}) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data: {")]
+        assert '"prompt_tokens":%d' % len(want) in lines[-1]
+
+
+@pytest.mark.parametrize("options, param", [
+    ({"continue_final_message": True}, "continue_final_message"),  # with the default generation prompt
+    ({"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}, "chat_template"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+])
+def test_chat_prompt_options_vllm_refuses_are_refused_by_name(served, options, param):
+    with httpx.Client(base_url=served.url, timeout=30) as c:
         for stream in (False, True):
-            r = c.post("/v1/chat/completions", json=CHAT | {field: value, "stream": stream})
-            assert r.status_code == 400, (field, r.text)
-            assert error_of(r)["param"] == field and field in error_of(r)["message"]
+            r = c.post("/v1/chat/completions", json=CHAT | options | {"stream": stream})
+            assert r.status_code == 400 and error_of(r)["param"] == param, r.text
+
+
+def test_documents_reach_the_template(served):
+    # The demo template reads none: neutral there (the rendering with documents is checked
+    # against transformers in test_api_chat_template).
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        before = c.post("/v1/chat/completions", json=CHAT).json()
+        r = c.post("/v1/chat/completions", json=CHAT | {"documents": [{"title": "t", "text": "x"}]})
+        assert r.status_code == 200 and r.json()["choices"] == before["choices"], r.text
+        r = c.post("/v1/chat/completions", json=CHAT | {"documents": ["not a dict"]})
+        assert r.status_code == 400 and error_of(r)["param"].startswith("documents"), r.text
 
 
 @pytest.mark.parametrize("field, value", [
