@@ -84,6 +84,11 @@ class AdapterSpec:
         return None
 
 
+# peft's LoraConfig defaults for keys an adapter_config.json may leave out (peft loads a config
+# with the dataclass's defaults for what it lacks).
+PEFT_DEFAULT_R = 8
+PEFT_DEFAULT_ALPHA = 8
+
 # PEFT LoraConfig options whose adapters compute something other than y += scaling * B A x on
 # the base's own projections: served as plain LoRA they would give wrong outputs, and their
 # weights may well be plain lora_A/lora_B tensors of the right shapes. {key: what it is}
@@ -344,8 +349,9 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
             f"init_lora_weights={init!r}: that initialisation changed the base's weights, so the adapter "
             f"does not fit the base served here; convert it to a plain LoRA (PEFT's save_pretrained with "
             f"path_initial_model_for_weight_conversion)")
-    r = cfg.get("r")
-    alpha = cfg.get("lora_alpha", r)
+    # Absent keys take peft's LoraConfig defaults (r 8, lora_alpha 8: not r), as peft loads them.
+    r = cfg.get("r", PEFT_DEFAULT_R)
+    alpha = cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     if not _is_count(r) or r < 1:
         raise AdapterError(f"r={r!r}: expected a positive integer")
     if not _is_number(alpha):
