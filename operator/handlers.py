@@ -2,6 +2,7 @@
 
     LoRAAdapter  create / update / resume / delete (finalizer)  -> reconcile its base
     LoRAAdapter  any event (node agents patch status.nodes)     -> reconcile if Staged / Ready move
+    LoRAAdapter  deleted (gone), its base's plan still holds it -> reconcile (deleted before its finalizer)
     BaseModel    create / update / resume                      -> Deployment + Service, reconcile
     BaseModel    delete (finalizer)                            -> its plan's mirror deleted
     BaseModel    deleted                                        -> its adapters go Pending
@@ -149,11 +150,23 @@ async def adapter_staging(event: kopf.RawEvent, body: kopf.Body, namespace: str,
 
     The planner stays the one writer of the operator's part of adapter statuses, so a
     staging event and a priority change never race to write different `pinned` values.
+
+    DELETED: re-plan if its base's plan still holds it. One deleted through the finalizer
+    left the plan in `adapter_deleted`; but kopf indexes an adapter from its first event and
+    puts the finalizer on only after that, so one deleted in between is planned (by any other
+    reconcile of its base) and goes at once, with no handler: nothing else would drop it.
     """
-    if event.get("type") == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
+    planner: Planner = memo.planner
+    if event.get("type") == "DELETED":
+        name = body.get("metadata", {}).get("name")
+        base = (body.get("spec") or {}).get("baseModel")
+        plan = planner.plan_of((namespace, str(base))) if base else None
+        if plan is not None and name in plan.verdicts:  # the index no longer holds it
+            await planner.reconcile_or_retry((namespace, str(base)), basemodels, adapters_by_base)
+        return
+    if body.get("metadata", {}).get("deletionTimestamp"):
         return
     record = AdapterRecord.from_body(body)
-    planner: Planner = memo.planner
     key = (namespace, record.base_model)
     plan = planner.plan_of(key)
     if plan is None or record.spec is None or record.spec.name not in plan.verdicts:
