@@ -301,6 +301,110 @@ def _pattern_regex(key: str) -> str:
     return rf"(.*\.)?({key})$"
 
 
+def module_name(layer: int, proj: str) -> str:
+    """A projection's module name in a Llama-family causal LM, as peft matches target_modules,
+    exclude_modules, rank_pattern and alpha_pattern against it: "model.layers.3.self_attn.q_proj"."""
+    return f"model.layers.{layer}.{'mlp' if proj in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{proj}"
+
+
+# The other modules of a Llama-family causal LM (transformers' named_modules, {i}: each layer).
+# LoRA on one of these is not served: lm_head and embed_tokens peft would adapt, the rest
+# (norms, the MLP or attention block as a whole) peft refuses itself.
+OTHER_MODULES = ("", "model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+OTHER_LAYER_MODULES = ("model.layers.{i}", "model.layers.{i}.self_attn", "model.layers.{i}.mlp",
+                       "model.layers.{i}.mlp.act_fn", "model.layers.{i}.input_layernorm",
+                       "model.layers.{i}.post_attention_layernorm")
+# peft's target_modules for a config that names none (its default for llama, mistral and qwen2)
+PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
+
+
+def _names(value, key: str) -> list[str] | str | None:
+    """A target_modules / exclude_modules value: None, a regex string or a list of names."""
+    if value is None or isinstance(value, str):
+        if isinstance(value, str):
+            try:
+                re.compile(value)
+            except re.error as e:
+                raise AdapterError(f"{key}={value!r} is not a regular expression ({e})") from None
+        return value
+    if isinstance(value, list) and all(isinstance(t, str) for t in value):
+        return value
+    raise AdapterError(f"{key}={value!r}: expected module names (a list) or a regular expression (a string)")
+
+
+def peft_targets(cfg: dict, num_layers: int) -> set[tuple[int, str]]:
+    """The (layer, projection) modules peft puts a LoRA layer on for this config, matched as
+    peft's check_target_module_exists matches module names (peft 0.21): target_modules a
+    list (a name or the end of one after a dot, "q_proj", "self_attn.q_proj" or a full name as
+    peft saves "all-linear"), a regex string (fullmatch) or "all-linear"; then
+    layers_to_transform / layers_pattern (for a list), and exclude_modules. peft loads an
+    adapter's weights into these modules only, and drops any others in the file silently.
+    Raises AdapterError for a target that is not a LoRA-capable projection here."""
+    targets = _names(cfg.get("target_modules"), "target_modules")
+    if targets is None:
+        targets = list(PEFT_DEFAULT_TARGETS)
+    exclude = _names(cfg.get("exclude_modules"), "exclude_modules")
+    layer_indexes = cfg.get("layers_to_transform")
+    if not (layer_indexes is None or _is_count(layer_indexes)
+            or (isinstance(layer_indexes, list) and all(_is_count(i) for i in layer_indexes))):
+        raise AdapterError(f"layers_to_transform={layer_indexes!r}: expected a layer index or a list of them")
+    layers_pattern = cfg.get("layers_pattern")
+    if isinstance(layers_pattern, str):
+        layers_pattern = [layers_pattern] if layers_pattern else []
+    if not (layers_pattern is None or (isinstance(layers_pattern, list) and all(isinstance(p, str) for p in layers_pattern))):
+        raise AdapterError(f"layers_pattern={cfg.get('layers_pattern')!r}: expected a name or a list of names")
+    for pattern in layers_pattern or ():
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise AdapterError(f"layers_pattern: {pattern!r} is not a regular expression ({e})") from None
+    projections = {module_name(i, proj): (i, proj) for i in range(num_layers) for proj in LORA_MODULES}
+    all_linear = isinstance(targets, str) and targets.lower() == "all-linear"
+
+    def found(key: str) -> bool:  # peft's check_target_module_exists, exclude_modules aside
+        if all_linear:  # every nn.Linear but the output embedding (lm_head): the seven projections
+            return key in projections
+        if isinstance(targets, str):
+            return re.fullmatch(targets, key) is not None
+        if key in targets:
+            return True
+        if not any(key.endswith(f".{t}") for t in targets):
+            return False
+        if layer_indexes is None or layer_indexes == []:
+            return True
+        if not layers_pattern:
+            match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+        else:
+            match = next((m for p in layers_pattern if (m := re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key))),
+                         None)
+        if match is None:
+            return False
+        idx = int(match["idx"])
+        return idx == layer_indexes if isinstance(layer_indexes, int) else idx in layer_indexes
+
+    def excluded(key: str) -> bool:
+        if not exclude:
+            return False
+        if isinstance(exclude, str):
+            return re.fullmatch(exclude, key) is not None
+        return key in exclude or any(key.endswith(f".{e}") for e in exclude)
+
+    others = [*OTHER_MODULES, *(m.format(i=i) for i in range(num_layers) for m in OTHER_LAYER_MODULES)]
+    wrong = sorted({key or "<the whole model>" for key in others if found(key) and not excluded(key)})
+    if wrong:
+        raise AdapterError(
+            f"target_modules={cfg.get('target_modules')!r} targets {wrong[:4]}{' ...' if len(wrong) > 4 else ''}: "
+            f"only the decoder layers' projections {list(LORA_MODULES)} are LoRA-capable here "
+            f"(LoRA on lm_head or embed_tokens is not served)")
+    if isinstance(targets, list):
+        unmatched = sorted(t for t in targets if not any(k == t or k.endswith(f".{t}") for k in projections))
+        if unmatched:
+            raise AdapterError(
+                f"target_modules {unmatched} are not LoRA-capable projections of this base "
+                f"(an adapter for another architecture?); supported: {list(LORA_MODULES)}")
+    return {module for key, module in projections.items() if found(key) and not excluded(key)}
+
+
 def read_config(path: str | Path) -> dict:
     path = Path(path)
     cfg_file = path / CONFIG_FILE
@@ -367,15 +471,7 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
                 re.compile(_pattern_regex(pattern))
             except re.error as e:
                 raise AdapterError(f"{key}: {pattern!r} is not a regular expression ({e})") from None
-    targets = cfg.get("target_modules")
-    if isinstance(targets, list):
-        if not all(isinstance(t, str) for t in targets):
-            raise AdapterError(f"target_modules={targets!r}: expected module names")
-        unknown = sorted(set(targets) - set(LORA_MODULES))
-        if unknown:
-            raise AdapterError(
-                f"target_modules {unknown} are not LoRA-capable projections here; "
-                f"supported: {list(base.allowed_modules)}")
+    targeted = peft_targets(cfg, base.num_layers)
 
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
@@ -399,6 +495,11 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
             raise AdapterError(f"layer {layer} {proj}: lora_{'B' if 'A' in ab else 'A'} is missing")
         if layer >= base.num_layers:
             raise AdapterError(f"layer {layer} {proj}: the base has only {base.num_layers} layers")
+        if (layer, proj) not in targeted:
+            raise AdapterError(
+                f"{ab['A' if 'A' in ab else 'B'][0]!r}: {module_name(layer, proj)} is not targeted by the config "
+                f"(target_modules, layers_to_transform, exclude_modules): peft would not load these weights, "
+                f"and drops them silently")
         (key_a, info_a), (key_b, info_b) = ab["A"], ab["B"]
         (ra, in_a), (out_b, rb) = info_a["shape"], info_b["shape"]
         want_in, want_out = base.module_shapes[proj]
@@ -411,7 +512,7 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
             raise AdapterError(f"layer {layer} {proj}: lora_A rank {ra} != lora_B rank {rb}")
         if ra < 1:
             raise AdapterError(f"layer {layer} {proj}: rank 0 (empty lora_A and lora_B): expected a positive rank")
-        module_key = f"model.layers.{layer}.{'mlp' if proj in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{proj}"
+        module_key = module_name(layer, proj)
         want_rank = _pattern_value(rank_pattern, module_key, r)
         if ra != want_rank:
             raise AdapterError(
@@ -427,10 +528,11 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
         modules.append(ModuleLoRA(layer, proj, ra, a, scaling, key_a, key_b))
 
     warnings = []
-    if isinstance(targets, list):
-        missing = sorted(set(targets) - present)
-        if missing:
-            warnings.append(f"target_modules {missing} have no weights in {WEIGHTS_FILE}")
+    missing = targeted - set(pairs)
+    if missing:
+        projs = sorted({proj for _, proj in missing}, key=LORA_MODULES.index)
+        warnings.append(f"target_modules {projs} have no weights in {WEIGHTS_FILE} in {len(missing)} of the "
+                        f"targeted modules (e.g. {module_name(*min(missing))}): served without LoRA there")
     return AdapterSpec(
         path=str(path),
         rank=r,

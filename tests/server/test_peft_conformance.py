@@ -97,6 +97,42 @@ def qv(base_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def all_linear(base_dir, tmp_path_factory) -> Path:
+    return make_adapter(base_dir, tmp_path_factory.mktemp("all") / "a", r=4, lora_alpha=8,
+                        target_modules="all-linear")
+
+
+# ---- served, as peft computes them -------------------------------------------------------
+
+@pytest.mark.parametrize("case, kwargs", [
+    ("list", dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])),
+    ("rslora", dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"])),
+    # peft 0.21 saves "all-linear" as the list of every module it matched, by full name
+    ("all-linear", dict(r=4, lora_alpha=8, target_modules="all-linear")),
+    ("all-linear, patterns", dict(
+        r=4, lora_alpha=8, target_modules="all-linear",
+        rank_pattern={r"^model.layers.0.*q_proj": 8, "self_attn.k_proj": 2, "layers.1.mlp.up_proj": 6},
+        alpha_pattern={"layers.1.mlp.down_proj": 3, "v_proj": 5, r"model\.layers\.0\.mlp\..*": 12})),
+    ("list, patterns", dict(r=8, lora_alpha=16, target_modules=ALL,
+                            rank_pattern={"o_proj": 4, "gate_proj": 12}, alpha_pattern={"down_proj": 32})),
+    ("rslora, patterns", dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "o_proj"],
+                              rank_pattern={"o_proj": 2}, alpha_pattern={"q_proj": 3})),
+    ("regex string", dict(r=4, lora_alpha=8, target_modules=r".*layers\.1\.self_attn\.(q|k)_proj|.*\.mlp\.up_proj")),
+    ("module-name suffixes", dict(r=4, lora_alpha=8, target_modules=["self_attn.q_proj", "mlp.up_proj"])),
+    ("full module names", dict(r=4, lora_alpha=8, target_modules=["model.layers.1.self_attn.v_proj"])),
+    ("layers_to_transform", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=[1])),
+    ("layers_to_transform, layers_pattern", dict(r=4, lora_alpha=8, target_modules=["o_proj"],
+                                                 layers_to_transform=0, layers_pattern="layers")),
+    ("exclude_modules", dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=["k_proj", "gate_proj"])),
+    ("exclude_modules regex", dict(r=4, lora_alpha=8, target_modules=ALL, exclude_modules=r".*layers\.0\..*")),
+    ("feature extraction task", dict(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="FEATURE_EXTRACTION")),
+    ("no task type", dict(r=4, lora_alpha=8, target_modules=["q_proj"], task_type=None)),
+])
+def test_peft_adapters_give_peft_deltas(base_dir, tmp_path, case, kwargs):
+    assert_conforms(base_dir, make_adapter(base_dir, tmp_path / "a", **kwargs))
+
+
+@pytest.fixture(scope="module")
 def qv4(base_dir, tmp_path_factory) -> Path:
     return make_adapter(base_dir, tmp_path_factory.mktemp("qv4") / "a", r=4, lora_alpha=16,
                         target_modules=["q_proj", "v_proj"])
@@ -119,3 +155,99 @@ def test_configs_as_other_tools_write_them_give_peft_deltas(base_dir, qv, tmp_pa
     cfg = json.loads((qv / "adapter_config.json").read_text())
     assert cfg["r"] == 8 and cfg["lora_alpha"] == 16  # so that each default above matters
     assert_conforms(base_dir, edited(qv, tmp_path / "a", config=config))
+
+
+def test_all_linear_as_a_string(base_dir, all_linear, tmp_path):
+    """A config that says "all-linear" (as peft's LoraConfig takes it, and as a user may write
+    one) targets all seven projections of every layer, lm_head not."""
+    assert_conforms(base_dir, edited(all_linear, tmp_path / "a", config=lambda c: c.update(target_modules="all-linear")))
+    assert_conforms(base_dir, edited(all_linear, tmp_path / "b", config=lambda c: c.update(target_modules="ALL-LINEAR")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("adapter_name", [False, True])
+def test_tensor_dtypes_and_peft_adapter_name(base_dir, qv, tmp_path, dtype, adapter_name):
+    """`.lora_A.default.weight` (peft's own state_dict keys) loads in peft as `.lora_A.weight` does."""
+    def tensors(t):
+        name = (lambda k: k.replace(".weight", ".default.weight")) if adapter_name else (lambda k: k)
+        return {name(k): v.to(dtype) for k, v in t.items()}
+
+    assert_conforms(base_dir, edited(qv, tmp_path / "a", tensors=tensors))
+
+
+# ---- refused, with the reason ------------------------------------------------------------
+
+def test_weights_of_modules_the_config_does_not_target_are_refused(base_dir, qv, all_linear, tmp_path):
+    """peft creates LoRA layers only where the config targets and drops every other tensor
+    silently: served, these k_proj weights changed outputs that peft's do not."""
+    extra = {k: v for k, v in load_file(str(all_linear / WEIGHTS)).items() if "k_proj" in k}
+    path = edited(qv, tmp_path / "a", config=lambda c: c.update(r=4, lora_alpha=8),
+                  tensors=lambda t: {k: (v[:4] if "lora_A" in k else v[:, :4]).contiguous() for k, v in t.items()} | extra)
+    assert not any("k_proj" in k for k in peft_deltas(base_dir, path))
+    with pytest.raises(AdapterError, match="k_proj.*not targeted"):
+        read_adapter(path, BASE)
+    # the same with layers_to_transform and exclude_modules
+    for name, config in (("layers", lambda c: c.update(layers_to_transform=[0])),
+                         ("exclude", lambda c: c.update(exclude_modules=["v_proj"]))):
+        with pytest.raises(AdapterError, match="not targeted"):
+            read_adapter(edited(qv, tmp_path / name, config=config), BASE)
+
+
+@pytest.mark.parametrize("case, kwargs, words", [
+    ("DoRA", dict(use_dora=True), "DoRA"),
+    ("modules_to_save", dict(modules_to_save=["lm_head"]), "modules_to_save"),
+    ("LoRA on lm_head", dict(target_modules=["q_proj", "lm_head"]), "lm_head"),
+    ("LoRA on embed_tokens", dict(target_modules=["q_proj", "embed_tokens"]), "embed_tokens"),
+    ("regex on lm_head", dict(target_modules=r".*(q_proj|lm_head)"), "lm_head"),
+    ("a target this base lacks", dict(target_modules=["q_proj", "qkv_proj"]), "qkv_proj"),
+    ("rank above the server's", dict(r=128), "exceeds"),
+])
+def test_peft_features_we_do_not_serve_are_refused_by_name(base_dir, tmp_path, case, kwargs, words):
+    if case == "a target this base lacks":  # peft itself accepts entries that match nothing
+        path = edited(make_adapter(base_dir, tmp_path / "src", r=4, target_modules=["q_proj"]), tmp_path / "a",
+                      config=lambda c: c.update(target_modules=kwargs["target_modules"]))
+    else:
+        path = make_adapter(base_dir, tmp_path / "a", **({"r": 4, "target_modules": ["q_proj", "v_proj"]} | kwargs))
+    with pytest.raises(AdapterError, match=words):
+        read_adapter(path, BASE)
+
+
+def test_rank_that_disagrees_with_the_config_and_pickle_weights_are_refused(qv, tmp_path):
+    path = edited(qv, tmp_path / "rank", config=lambda c: c.update(rank_pattern={"q_proj": 4}))
+    with pytest.raises(AdapterError, match="config says 4"):
+        read_adapter(path, BASE)
+    pickled = edited(qv, tmp_path / "bin")
+    torch.save(load_file(str(pickled / WEIGHTS)), pickled / "adapter_model.bin")
+    (pickled / WEIGHTS).unlink()
+    with pytest.raises(AdapterError, match="adapter_model.bin is not read"):
+        read_adapter(pickled, BASE)
+
+
+@pytest.mark.parametrize("cfg, words", [
+    ({"target_modules": [["q_proj"]]}, "target_modules"),
+    ({"target_modules": "(q_proj"}, "not a regular expression"),
+    ({"exclude_modules": {"k_proj": 1}}, "exclude_modules"),
+    ({"exclude_modules": "[k"}, "not a regular expression"),
+    ({"layers_to_transform": "0"}, "layers_to_transform"),
+    ({"layers_to_transform": [0, -1]}, "layers_to_transform"),
+    ({"layers_to_transform": [0], "layers_pattern": 3}, "layers_pattern"),
+    ({"target_modules": r".*"}, "only the decoder layers' projections"),
+    ({"target_modules": ["mlp"]}, "only the decoder layers' projections"),
+    ({"target_modules": ["q_proj"], "layers_to_transform": [5]}, "not targeted"),
+])
+def test_target_configs_peft_would_not_take_are_refused_with_a_reason(qv, tmp_path, cfg, words):
+    with pytest.raises(AdapterError, match=words):
+        read_adapter(edited(qv, tmp_path / "a", config=lambda c: c.update(cfg)), BASE)
+def test_an_all_linear_adapter_with_patterns_is_served_as_peft_runs_it(base_dir, tmp_path):
+    """End to end: the server's greedy tokens for peft's "all-linear" adapter (saved as full
+    module names, refused before) with per-module ranks and alphas are HF + peft's."""
+    from .test_parity import MAX_NEW, engine_for, hf_greedy, prompts_for, run_mixed_batch
+
+    path = make_adapter(base_dir, tmp_path / "a", seed=3, r=8, lora_alpha=16, target_modules="all-linear",
+                        rank_pattern={r"^model.layers.0.*q_proj": 16, "down_proj": 4},
+                        alpha_pattern={"layers.1.self_attn.o_proj": 40}, exclude_modules=["k_proj"])
+    engine = engine_for(base_dir, {"al": path}, "torch")
+    prompts = prompts_for(["al", "base"])
+    got = run_mixed_batch(engine, prompts)
+    assert got["al"] == hf_greedy(base_dir, path, prompts["al"], MAX_NEW)
+    assert got["al"] != hf_greedy(base_dir, None, prompts["al"], MAX_NEW)
