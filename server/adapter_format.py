@@ -32,9 +32,17 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # Bytes per element of the safetensors dtypes an adapter may use.
 DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 
+# A LoRA weight as peft loads it into a causal LM (PeftModel.from_pretrained, adapter "default"):
+# "base_model.model." and the module's name, then lora_A / lora_B, "default." or nothing, weight.
+# peft loads no other name: it reports the module's weights missing and runs the base there.
 _KEY = re.compile(
-    r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>[a-z_]+)"
-    r"\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
+    r"^base_model\.model\.model\.layers\.(?P<layer>0|[1-9]\d*)\.(?P<block>self_attn|mlp)\.(?P<proj>[a-z_]+)"
+    r"\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
+# A LoRA weight of a decoder layer's projection named some other way (to say why it is refused).
+_LOOSE_KEY = re.compile(
+    r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?P<block>[\w-]+)\.(?P<proj>[\w-]+)"
+    r"\.lora_(?P<ab>[AB])(?:\.(?P<name>[^.]+))?\.weight$")
+BLOCKS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
 class AdapterError(ValueError):
@@ -264,17 +272,45 @@ def _header_modules(raw: bytes, data_len: int, name: str) -> tuple[dict, int]:
     for key, info in checked_header(raw, data_len, name).items():
         m = _KEY.match(key)
         if m is None:
-            raise AdapterError(f"tensor {key!r} is not a LoRA A/B weight of a decoder layer projection")
+            raise AdapterError(_foreign_tensor(key))
         layer, proj, ab = int(m["layer"]), m["proj"], m["ab"]
         if proj not in LORA_MODULES:
             raise AdapterError(f"tensor {key!r} targets {proj!r}, not a LoRA-capable projection")
+        if proj not in BLOCKS[m["block"]]:
+            raise AdapterError(f"tensor {key!r}: the base has no {m['block']}.{proj} (its {proj} is in "
+                               f"{'mlp' if m['block'] == 'self_attn' else 'self_attn'}); peft would not load it")
         if info.get("dtype") not in DTYPE_BYTES:
             raise AdapterError(f"tensor {key!r} has dtype {info.get('dtype')!r}; expected F32, F16 or BF16")
         if len(info.get("shape", [])) != 2:
             raise AdapterError(f"tensor {key!r} has shape {info.get('shape')}; expected 2 dimensions")
-        pairs.setdefault((layer, proj), {})[ab] = (key, info)
+        pair = pairs.setdefault((layer, proj), {})
+        if ab in pair:  # "lora_A.weight" and "lora_A.default.weight": peft keeps whichever comes last
+            raise AdapterError(f"layer {layer} {proj}: lora_{ab} is in the file twice ({pair[ab][0]!r} and {key!r})")
+        pair[ab] = (key, info)
         nbytes += math.prod(info["shape"]) * DTYPE_BYTES[info["dtype"]]
     return pairs, nbytes
+
+
+def _foreign_tensor(key: str) -> str:
+    """Why a tensor that is not a LoRA weight as peft loads it (_KEY) is refused."""
+    loose = _LOOSE_KEY.match(key)
+    if loose is not None:
+        if loose["name"] not in (None, "default"):
+            return (f"tensor {key!r} carries the adapter name {loose['name']!r}: peft loads "
+                    f"'.lora_A.weight' (or '.lora_A.default.weight') only, and would run the base there")
+        return (f"tensor {key!r} is not named as peft saves a causal LM's LoRA weights "
+                f"(base_model.model.model.layers.<i>.self_attn|mlp.<proj>.lora_A|lora_B.weight): peft would not "
+                f"load it, and would run the base there")
+    if "lora_magnitude_vector" in key:
+        return f"tensor {key!r} is a DoRA magnitude vector: DoRA adapters are not supported"
+    if "lora_embedding_" in key or re.search(r"\b(lm_head|embed_tokens)\.lora_", key):
+        return f"tensor {key!r}: LoRA on the embeddings or lm_head is not supported"
+    if key.endswith(".bias"):
+        return f"tensor {key!r} is a trained bias (bias='all' or 'lora_only'): adapters with trained biases are not supported"
+    if ".lora_" not in key:
+        return (f"tensor {key!r} is a whole module's weight (modules_to_save?): adapters that replace base "
+                f"modules are not supported")
+    return f"tensor {key!r} is not a LoRA A/B weight of a decoder layer projection"
 
 
 def file_digest(path: str | Path) -> str:

@@ -103,7 +103,7 @@ Q_A, Q_B = torch.zeros(4, 64), torch.zeros(64, 4)  # tiny: hidden 64, q 64
      "config says 8"),
     ("targets", {peft_key(0, "q_proj", "A"): Q_A, peft_key(0, "q_proj", "B"): Q_B},
      {"targets": ["q_proj", "lm_head"]}, "lm_head"),
-    ("foreign key", {"base_model.model.lm_head.lora_A.weight": Q_A}, {}, "not a LoRA A/B weight"),
+    ("foreign key", {"base_model.model.lm_head.lora_A.weight": Q_A}, {}, "LoRA on the embeddings or lm_head"),
     ("dtype", {peft_key(0, "q_proj", "A"): Q_A.to(torch.int32), peft_key(0, "q_proj", "B"): Q_B}, {}, "dtype"),
     # Not a number: a TypeError or ValueError here was a 500 from load_lora_adapter, not a 400.
     ("alpha", {peft_key(0, "q_proj", "A"): Q_A, peft_key(0, "q_proj", "B"): Q_B}, {"lora_alpha": None},

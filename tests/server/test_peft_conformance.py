@@ -177,6 +177,41 @@ def test_tensor_dtypes_and_peft_adapter_name(base_dir, qv, tmp_path, dtype, adap
 
 # ---- refused, with the reason ------------------------------------------------------------
 
+def _rename(old: str, new: str):
+    return lambda t: {k.replace(old, new): v for k, v in t.items()}
+
+
+@pytest.mark.parametrize("case, tensors, words", [
+    # peft loads none of these (it reports the module's weights missing): its output is the base's
+    ("no base_model.model. prefix", _rename("base_model.model.", ""), "base_model.model."),
+    ("a base model's keys (no model.)", _rename("base_model.model.model.", "base_model.model."), "base_model.model."),
+    ("bare module keys", _rename("base_model.model.model.", ""), "base_model.model."),
+    ("another adapter name", _rename(".weight", ".tenant1.weight"), "adapter name 'tenant1'"),
+    ("a vision tower's layers", _rename("model.model.layers", "model.vision_tower.layers"), "vision_tower"),
+    ("a projection under the wrong block", _rename("self_attn.q_proj", "mlp.q_proj"), "mlp.q_proj"),
+    ("a layer index peft never writes", _rename("layers.1.", "layers.01."), "layers.01"),
+    # both spellings of one weight: which one peft keeps depends on the file's order
+    ("one weight twice", lambda t: t | {k.replace(".weight", ".default.weight"): v * 2 for k, v in t.items()},
+     "twice"),
+])
+def test_tensor_names_peft_would_not_load_are_refused(qv, tmp_path, case, tensors, words):
+    with pytest.raises(AdapterError, match=words):
+        read_adapter(edited(qv, tmp_path / "a", tensors=tensors), BASE)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", "DoRA"),
+    ("base_model.model.model.embed_tokens.lora_embedding_A", "embeddings"),
+    ("base_model.model.lm_head.lora_A.weight", "lm_head"),
+    ("base_model.model.lm_head.weight", "whole module"),
+    ("base_model.model.model.layers.0.self_attn.q_proj.base_layer.bias", "bias"),
+])
+def test_other_tensors_are_refused_by_what_they_are(qv, tmp_path, extra, words):
+    """A tool that saves them without the config saying so (use_dora, modules_to_save, bias)."""
+    with pytest.raises(AdapterError, match=words):
+        read_adapter(edited(qv, tmp_path / "a", tensors=lambda t: t | {extra: torch.zeros(8)}), BASE)
+
+
 def test_weights_of_modules_the_config_does_not_target_are_refused(base_dir, qv, all_linear, tmp_path):
     """peft creates LoRA layers only where the config targets and drops every other tensor
     silently: served, these k_proj weights changed outputs that peft's do not."""
@@ -212,6 +247,15 @@ def test_peft_features_we_do_not_serve_are_refused_by_name(base_dir, tmp_path, c
         read_adapter(path, BASE)
 
 
+def test_trained_biases_are_refused(tmp_path):
+    """bias="lora_only" on a base with biases (Qwen2's q/k/v) saves `...q_proj.base_layer.bias`:
+    a changed base bias we cannot serve per adapter."""
+    qwen = make_hf_base(tmp_path / "qwen", "qwen2")
+    path = make_adapter(qwen, tmp_path / "a", r=4, target_modules=["q_proj", "o_proj"], bias="lora_only")
+    with pytest.raises(AdapterError, match="bias"):
+        read_adapter(path, BASE)
+
+
 def test_rank_that_disagrees_with_the_config_and_pickle_weights_are_refused(qv, tmp_path):
     path = edited(qv, tmp_path / "rank", config=lambda c: c.update(rank_pattern={"q_proj": 4}))
     with pytest.raises(AdapterError, match="config says 4"):
@@ -238,6 +282,8 @@ def test_rank_that_disagrees_with_the_config_and_pickle_weights_are_refused(qv, 
 def test_target_configs_peft_would_not_take_are_refused_with_a_reason(qv, tmp_path, cfg, words):
     with pytest.raises(AdapterError, match=words):
         read_adapter(edited(qv, tmp_path / "a", config=lambda c: c.update(cfg)), BASE)
+
+
 def test_an_all_linear_adapter_with_patterns_is_served_as_peft_runs_it(base_dir, tmp_path):
     """End to end: the server's greedy tokens for peft's "all-linear" adapter (saved as full
     module names, refused before) with per-module ranks and alphas are HF + peft's."""
