@@ -472,13 +472,16 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
         raise AdapterError(f"peft_type {peft_type!r}: only LORA adapters are served")
     if cfg.get("use_dora"):
         raise AdapterError("use_dora=true: DoRA adapters are not supported")
-    if cfg.get("bias", "none") != "none":
-        raise AdapterError(f"bias={cfg['bias']!r}: adapters with trained biases are not supported")
+    # bias "all" / "lora_only" saves the biases it trained beside the LoRA weights; a Llama has
+    # none, so its file is a plain LoRA's, as peft runs it. A file with biases is refused by
+    # its tensors (_foreign_tensor).
+    if cfg.get("bias", "none") not in ("none", "all", "lora_only"):
+        raise AdapterError(f"bias={cfg['bias']!r}: expected 'none', 'all' or 'lora_only'")
     if cfg.get("modules_to_save"):
         raise AdapterError(
             f"modules_to_save={cfg['modules_to_save']!r}: adapters that replace whole base modules are not supported")
-    if cfg.get("fan_in_fan_out"):
-        raise AdapterError("fan_in_fan_out=true: only nn.Linear-style (out, in) weights are supported")
+    # fan_in_fan_out: peft turns it off for an nn.Linear target (it warns), and every projection
+    # here is one: its weights are (out, in) and its A and B the same as without it.
     for key, what in UNSUPPORTED_OPTIONS.items():
         value = cfg.get(key)
         if isinstance(value, dict) or value:  # a sub-config turns its option on even when empty

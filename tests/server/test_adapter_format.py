@@ -90,7 +90,10 @@ Q_A, Q_B = torch.zeros(4, 64), torch.zeros(64, 4)  # tiny: hidden 64, q 64
 
 @pytest.mark.parametrize("case, tensors, cfg, words", [
     ("dora", {peft_key(0, "q_proj", "A"): Q_A, peft_key(0, "q_proj", "B"): Q_B}, {"use_dora": True}, "DoRA"),
-    ("bias", {peft_key(0, "q_proj", "A"): Q_A, peft_key(0, "q_proj", "B"): Q_B}, {"bias": "all"}, "bias"),
+    # bias="all" on a Llama (no biases) saves a plain LoRA, served; a trained bias is refused
+    ("bias", {peft_key(0, "q_proj", "A"): Q_A, peft_key(0, "q_proj", "B"): Q_B,
+              "base_model.model.model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}, {"bias": "all"}, "bias"),
+    ("bias value", {peft_key(0, "q_proj", "A"): Q_A, peft_key(0, "q_proj", "B"): Q_B}, {"bias": "some"}, "bias"),
     ("modules_to_save", {peft_key(0, "q_proj", "A"): Q_A, peft_key(0, "q_proj", "B"): Q_B},
      {"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ("missing B", {peft_key(0, "q_proj", "A"): Q_A}, {}, "lora_B is missing"),

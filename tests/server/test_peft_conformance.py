@@ -125,6 +125,8 @@ def all_linear(base_dir, tmp_path_factory) -> Path:
                                                  layers_to_transform=0, layers_pattern="layers")),
     ("exclude_modules", dict(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=["k_proj", "gate_proj"])),
     ("exclude_modules regex", dict(r=4, lora_alpha=8, target_modules=ALL, exclude_modules=r".*layers\.0\..*")),
+    ("bias all (Llama has no biases)", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], bias="all")),
+    ("bias lora_only", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], bias="lora_only")),
     ("feature extraction task", dict(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="FEATURE_EXTRACTION")),
     ("no task type", dict(r=4, lora_alpha=8, target_modules=["q_proj"], task_type=None)),
 ])
@@ -149,6 +151,8 @@ def test_no_lora_alpha_is_peft_s_default_8_not_r(base_dir, qv4, tmp_path):
     ("no lora_alpha", lambda c: c.pop("lora_alpha")),
     ("no r", lambda c: c.pop("r")),
     ("target_modules null", lambda c: c.update(target_modules=None)),
+    # peft turns fan_in_fan_out off for nn.Linear (every Llama projection), with a warning
+    ("fan_in_fan_out on nn.Linear", lambda c: c.update(fan_in_fan_out=True)),
     ("another base's name", lambda c: c.update(base_model_name_or_path="meta-llama/Llama-3.1-8B")),
 ])
 def test_configs_as_other_tools_write_them_give_peft_deltas(base_dir, qv, tmp_path, case, config):
