@@ -109,6 +109,7 @@ UNSUPPORTED_OPTIONS = {
     "target_parameters": "LoRA on parameters rather than projections",
     "arrow_config": "Arrow routing between adapters",
     "kasa_config": "KaSA (singular values between A and B, and a truncated base)",
+    "use_bdlora": "BD-LoRA (block-diagonal lora_A or lora_B, saved as its blocks)",
 }
 # init_lora_weights values whose initialisation rewrote the base's weights (W - scaling * B A,
 # or a quantized W): such an adapter fits that changed base, not this one. PEFT's

@@ -251,6 +251,18 @@ def test_peft_features_we_do_not_serve_are_refused_by_name(base_dir, tmp_path, c
         read_adapter(path, BASE)
 
 
+def test_bd_lora_is_refused_by_name(base_dir, tmp_path):
+    """BD-LoRA saves block-diagonal A or B compactly ([r, in / nblocks]): it was refused as an
+    adapter 'trained for another base', which it is not."""
+    from peft.tuners.lora.config import BdLoraConfig
+
+    path = make_adapter(base_dir, tmp_path / "a", r=4, target_modules=["q_proj", "v_proj"],
+                        use_bdlora=BdLoraConfig(target_modules_bd_a=["q_proj"], target_modules_bd_b=["v_proj"],
+                                                nblocks=2))
+    with pytest.raises(AdapterError, match="BD-LoRA"):
+        read_adapter(path, BASE)
+
+
 def test_trained_biases_are_refused(tmp_path):
     """bias="lora_only" on a base with biases (Qwen2's q/k/v) saves `...q_proj.base_layer.bias`:
     a changed base bias we cannot serve per adapter."""
