@@ -42,6 +42,12 @@ _KEY = re.compile(
 _LOOSE_KEY = re.compile(
     r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?P<block>[\w-]+)\.(?P<proj>[\w-]+)"
     r"\.lora_(?P<ab>[AB])(?:\.(?P<name>[^.]+))?\.weight$")
+# Training-only state of LoRA variants whose inference is plain LoRA (peft's VeLoRA and MonteCLoRA
+# forwards are B A x outside training, and merge as plain LoRA): saved beside lora_A / lora_B,
+# not read here. {variant's config key: tensor name}
+_TRAINING_STATE_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.\d+\.(?:self_attn|mlp)\.[a-z_]+\."
+    r"(?:(?P<velora_config>lora_velora_embed(?:\.default)?)|(?P<monteclora_config>lora_monteclora_sampler\.[\w.]+))$")
 BLOCKS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
@@ -265,14 +271,20 @@ def _is_number(x) -> bool:
 
 
 @_cache_small_headers
-def _header_modules(raw: bytes, data_len: int, name: str) -> tuple[dict, int]:
+def _header_modules(raw: bytes, data_len: int, name: str) -> tuple[dict, int, dict[str, str]]:
     """The header's LoRA pairs {(layer, proj): {"A"/"B": (key, info)}} and their bytes, each
-    tensor name checked (cached as checked_header is)."""
+    tensor name checked, and {variant config key: a tensor of its training state} for the
+    variants' tensors (_TRAINING_STATE_KEY) it holds besides (cached as checked_header is)."""
     pairs: dict[tuple[int, str], dict[str, tuple[str, dict]]] = {}
     nbytes = 0
+    variants: dict[str, str] = {}
     for key, info in checked_header(raw, data_len, name).items():
         m = _KEY.match(key)
         if m is None:
+            state = _TRAINING_STATE_KEY.match(key)
+            if state is not None:
+                variants.setdefault(state.lastgroup, key)
+                continue
             raise AdapterError(_foreign_tensor(key))
         layer, proj, ab = int(m["layer"]), m["proj"], m["ab"]
         if proj not in LORA_MODULES:
@@ -289,7 +301,7 @@ def _header_modules(raw: bytes, data_len: int, name: str) -> tuple[dict, int]:
             raise AdapterError(f"layer {layer} {proj}: lora_{ab} is in the file twice ({pair[ab][0]!r} and {key!r})")
         pair[ab] = (key, info)
         nbytes += math.prod(info["shape"]) * DTYPE_BYTES[info["dtype"]]
-    return pairs, nbytes
+    return pairs, nbytes, variants
 
 
 def _foreign_tensor(key: str) -> str:
@@ -518,7 +530,11 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
         raise AdapterError(f"{path}: no {WEIGHTS_FILE}" + (
             " (adapter_model.bin is not read: re-save with safe_serialization=True)"
             if (path / "adapter_model.bin").is_file() else ""))
-    pairs, nbytes = _header_modules(*_header_bytes(weights), weights.name)
+    pairs, nbytes, variants = _header_modules(*_header_bytes(weights), weights.name)
+    for variant, key in variants.items():
+        if not isinstance(cfg.get(variant), dict):
+            raise AdapterError(f"tensor {key!r} is a LoRA variant's training state, but the config has no {variant}: "
+                               f"not a LoRA A/B weight of a decoder layer projection")
     if not pairs:
         raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA weights")
 

@@ -313,3 +313,27 @@ def test_an_all_linear_adapter_with_patterns_is_served_as_peft_runs_it(base_dir,
     got = run_mixed_batch(engine, prompts)
     assert got["al"] == hf_greedy(base_dir, path, prompts["al"], MAX_NEW)
     assert got["al"] != hf_greedy(base_dir, None, prompts["al"], MAX_NEW)
+
+
+@pytest.mark.parametrize("variant", ["velora", "monteclora"])
+def test_variants_whose_inference_is_plain_lora_are_served(base_dir, tmp_path, variant):
+    """VeLoRA (a compressed backward) and MonteCLoRA (sampling while training) run B A x at
+    inference, as peft runs them in eval; their training state saved beside A and B made the
+    whole adapter refused as 'not a LoRA A/B weight'. Their tensors without their config stay refused."""
+    from peft.tuners.lora.config import MontecloraConfig, VeloraConfig
+
+    kw = ({"velora_config": VeloraConfig(init_type="random")} if variant == "velora"
+          else {"monteclora_config": MontecloraConfig()})
+    path = make_adapter(base_dir, tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], **kw)
+    assert any(f"lora_{variant}" in k for k in load_file(str(path / WEIGHTS)))
+    assert_conforms(base_dir, path)
+    # peft's eval forward is the merged weights' (no sampling, no compression)
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(_base_model(base_dir), path).eval()
+    merged = PeftModel.from_pretrained(_base_model(base_dir), path).merge_and_unload().eval()
+    ids = torch.tensor([[1, 5, 9, 77, 200]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, merged(ids).logits, rtol=1e-4, atol=1e-5)
+    with pytest.raises(AdapterError, match="training state"):
+        read_adapter(edited(path, tmp_path / "b", config=lambda c: c.pop(f"{variant}_config")), BASE)
