@@ -117,11 +117,11 @@ def make_config(
         # At decode the expand walks its spans in steps of 256 columns, unless that grid
         # holds more than WIDE_STEP_PROGRAMS_PER_SM programs per multiprocessor. Measured on
         # an H200 against the steps before (128 columns below rank 64, 64 at 64), each rule in
-        # one run: rank 64 (kernels_h200_r64_block_n*.json) 256 everywhere took 0.75x-0.92x
-        # the time on most of the table (down at 64 tokens of one adapter 18.0 -> 13.4 us,
-        # gate/up at 128 tokens with 8 adapters 31.6 -> 25.6), but 1.07x-1.13x on gate/up's
-        # grids of 952 programs and more, 1.03x on q/k/v's 816, while o's 544 and q/k/v's 680
-        # gained; with this rule 0.74x-1.04x (geomean 0.92x). Ranks 8 and 16
+        # one run: rank 64 (kernels_h200_r64_block_n*.json) 256 everywhere was faster on 76 of
+        # 96 cases (down at 64 tokens of one adapter 17.6 -> 13.2 us, gate/up at 128 tokens
+        # with 8 adapters 31.3 -> 25.9), but 1.07x-1.13x slower on gate/up's grids of 952
+        # programs and more, 1.03x on q/k/v's 816, while o's 544 and q/k/v's 680 gained; with
+        # this rule 0.74x-1.04x (geomean 0.92x). Ranks 8 and 16
         # (kernels_h200_r8_r16_block_n_*.json): this rule 0.87x-1.08x (geomean 0.97x, 3 of 192
         # cases slower by more than 2%), 256 everywhere 0.88x-1.05x (12 slower, gate/up's
         # large grids again).
