@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+
+# The body is the 0.0.4 text format (EngineMetrics.render: generate_latest, legacy names), and
+# 0.0.4 is what prometheus-client serves itself unless a scraper asks for more. Its
+# CONTENT_TYPE_LATEST is now version=1.0.0, which no Prometheus 2 scraper nor the endpoint
+# picker asked for (and which, without an escaping parameter, the library never sends).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 router = APIRouter(tags=["health"])
 
@@ -33,4 +38,4 @@ async def metrics(request: Request) -> Response:
     eng = engine.engine
     if engine.running:
         await engine.call(lambda: eng.metrics.refresh(eng))
-    return Response(eng.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(eng.metrics.render(), media_type=CONTENT_TYPE)
