@@ -405,7 +405,8 @@ class LLMEngine:
         # starts that load) only at a step's ready_slots, so one more step must come.
         self.stalled = not chunks and not decoding and self.adapters.table.draining is None
         m = self.metrics
-        m.step_seconds.observe(time.perf_counter() - t0)
+        if chunks or decoding:  # a step that ran nothing (woken while loads are awaited) is no step
+            m.step_seconds.observe(time.perf_counter() - t0)
         m.running.set(len(self.scheduler.running))
         m.waiting.set(len(self.scheduler.waiting))
         return outputs

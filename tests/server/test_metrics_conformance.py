@@ -152,3 +152,24 @@ async def test_gauges_while_a_load_runs_and_the_picker_reads_punctuated_names(se
         assert value(text, "loraplex_adapter_loads_in_flight") == 0
         assert value(text, "vllm:kv_cache_usage_perc") == 0
         assert value(text, "vllm:num_requests_running") == 0
+
+async def test_scrapes_while_only_a_load_is_awaited_add_no_engine_steps(server):
+    """A step that ran nothing (the queue waits for an adapter load, and a scrape or another
+    command woke the loop) is not an engine step: counted, it drags the step-time histogram
+    toward zero and its count away from the steps the batch took."""
+    gate = gate_loads(server.engine, "slow")
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        slow = asyncio.create_task(client.post("/v1/completions", json=completion("slow")))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            text = (await client.get("/metrics")).text
+            if epp_lora_info(text)[1] == ["slow"] and server.engine.stalled:
+                break
+            await asyncio.sleep(0.01)
+        before = value((await client.get("/metrics")).text, "loraplex_step_seconds_count")
+        for _ in range(20):
+            await client.get("/metrics")
+        after = value((await client.get("/metrics")).text, "loraplex_step_seconds_count")
+        assert after == before
+        gate.set()
+        assert (await slow).status_code == 200
