@@ -105,6 +105,15 @@ class CachedAdapter:
         return self.state == "ready"
 
 
+class AdapterUnloaded(AdapterLoadError):
+    """A prefetch's (or a session start's) wait ended because its adapter was unloaded before
+    any load of it ran: the adapter is gone, no load failed (the HTTP layer answers 404)."""
+
+    def __init__(self, name: str):
+        super().__init__(name, "other", "unloaded before it was loaded")
+        self.args = (f"adapter {name!r} was unloaded before it was loaded",)
+
+
 def tell(fut: concurrent.futures.Future, slot: int = -1, error: BaseException | None = None) -> None:
     """Resolve a prefetch's future with its slot or its error, unless its client gave up: a
     timeout cancels it from the event loop's thread at any moment, even after a done() check."""
@@ -322,7 +331,7 @@ class SlotTable:
         self.host.discard(e.name)
         waiters, e.waiters = e.waiters, []
         for fut in waiters:  # a prefetch of a pending load that will never run
-            tell(fut, error=AdapterLoadError(e.name, "other", "unloaded before it was loaded"))
+            tell(fut, error=AdapterUnloaded(e.name))
         log.info("adapter %s unloaded", e.name)
 
     # -- which resident adapters admit requests ------------------------------------------------------

@@ -25,6 +25,7 @@ from pydantic import Field
 
 from ..adapter_sources import AdapterLoadError
 from ..engine import AsyncEngine
+from ..slot_table import AdapterUnloaded
 from .deps import get_engine
 from .errors import APIError, model_not_found
 from .schemas import RequestBody
@@ -50,6 +51,9 @@ async def _wait_resident(engine: AsyncEngine, name: str, timeout: float) -> None
         raise model_not_found(name) from None
     try:
         await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+    except AdapterUnloaded:  # no load failed: the adapter is gone, as every later call finds it
+        raise APIError(404, f"The model `{name}` does not exist: adapter {name!r} was unloaded before it "
+                            f"was loaded.", param="model", code="model_not_found") from None
     except AdapterLoadError as e:
         raise APIError(500, str(e), code="adapter_load_failed") from None
     except asyncio.TimeoutError:
