@@ -1,0 +1,81 @@
+"""The adapter cache's HTTP API under races and admin calls, over real HTTP (uvicorn on
+loopback): an unload while a prefetch or a session start waits, an unpin of a pin that waits
+over the pins' share, and an unload of a pinned adapter."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loraplex.server.api.app import create_app
+from loraplex.server.engine import LLMEngine
+
+from .conftest import LiveServer
+from .test_adapter_cache import check_invariants, write_adapter
+from .test_adapter_cache_http import completion, gate_loads, settings
+from .test_http import error_of
+
+
+@pytest.fixture
+def disk(tmp_path) -> Path:
+    for i, name in enumerate(["a", "b", "c", "slow"]):
+        write_adapter(tmp_path / name, seed=i)
+    return tmp_path
+
+
+@pytest.fixture
+def serve(disk):
+    servers = []
+
+    def start(**kw) -> LiveServer:
+        engine = LLMEngine.from_settings(settings(disk, **kw))
+        server = LiveServer(create_app(engine)).__enter__()
+        server.engine = engine
+        servers.append(server)
+        return server
+
+    yield start
+    for s in servers:
+        s.__exit__(None, None, None)
+
+
+def rows(client: httpx.Client) -> dict[str, dict]:
+    return {a["name"]: a for a in client.get("/v1/adapters").json()["data"]}
+
+
+async def until(predicate, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_an_unload_while_a_prefetch_or_session_waits_is_a_404_not_a_failed_load(serve):
+    """One load worker, held by `slow`: a prefetch and a session start for `c` wait pending.
+    An unload of `c` ends their wait. The adapter no longer exists: a 404 model_not_found (what
+    every call naming it gets from now on), not a 500 adapter_load_failed saying that a load
+    which never ran failed, which reads as a server fault and is retried as one."""
+    server = serve(max_concurrent_loads=1)
+    gate = gate_loads(server.engine, "slow")
+    entries = server.engine.adapters.table.entries
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        slow = asyncio.create_task(client.post("/v1/adapters/slow/prefetch"))
+        try:
+            await until(lambda: "slow" in entries and entries["slow"].state == "loading")
+            prefetch = asyncio.create_task(client.post("/v1/adapters/c/prefetch"))
+            session = asyncio.create_task(client.post("/v1/sessions", json={"model": "c"}))
+            await until(lambda: "c" in entries and len(entries["c"].waiters) == 2)
+            r = await client.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
+            assert r.status_code == 200, r.text
+            for r in (await prefetch, await session):
+                assert r.status_code == 404, r.text
+                err = error_of(r)
+                assert err["code"] == "model_not_found" and "'c'" in err["message"] and "unloaded" in err["message"]
+        finally:
+            gate.set()
+        assert (await slow).status_code == 200
+    check_invariants(server.engine.adapters)
