@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from .adapter_sources import LOAD_FAILURE_REASONS
 
 TIERS = ("gpu", "host", "disk", "source")
+LOAD_SOURCES = TIERS[1:]  # where a cold load's bytes come from (never a slot)
 
 # Cold loads: a rank-16 8B adapter is ~84 MB: ~2 ms from pinned host memory on an H200,
 # tens of ms from NVMe, seconds from an object store.
@@ -56,6 +57,10 @@ class CacheMetrics:
             self.misses.labels(tier)
         for tier in ("gpu", "host"):
             self.evictions.labels(tier)
+        # So with each source's cold-load histogram: born at its first load, that load would be
+        # lost to rate() and increase(), and with it most of a fresh pod's cold loads.
+        for source in LOAD_SOURCES:
+            self.load_seconds.labels(source)
         # A counter's first failure must show as an increase: a series born at 1 is missed by
         # increase() and rate(), so alerts on the first failed load would never fire.
         for reason in LOAD_FAILURE_REASONS:

@@ -173,3 +173,19 @@ async def test_scrapes_while_only_a_load_is_awaited_add_no_engine_steps(server):
         assert after == before
         gate.set()
         assert (await slow).status_code == 200
+
+
+def test_cold_load_series_start_at_zero_for_every_source(server):
+    """A histogram series born at its first observation loses that load to rate() and
+    increase() (the series had no earlier sample), so a pod's first cold load from a tier, most
+    of its cold loads after a start, never reaches a p95 panel. Every source's series is there,
+    at 0, before any load, as the failure counters are."""
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        text = client.get("/metrics").text
+        for source in ("host", "disk", "source"):
+            assert value(text, "loraplex_adapter_load_seconds_count", source=source) == 0
+            assert value(text, "loraplex_adapter_load_seconds_bucket", source=source, le="+Inf") == 0
+        assert client.post("/v1/completions", json=completion("a.b")).status_code == 200
+        text = client.get("/metrics").text
+        assert value(text, "loraplex_adapter_load_seconds_count", source="disk") == 1
+        assert value(text, "loraplex_adapter_load_seconds_count", source="host") == 0
