@@ -80,6 +80,10 @@ PIN_RETRY_FIRST_S = 2.0
 PIN_RETRY_MAX_S = 120.0
 
 
+class _PinFuture(concurrent.futures.Future):
+    """The future `pin` returns: cancelled if an unpin calls its load off."""
+
+
 class AdapterCache:
     """Adapter name -> GPU slot, paged over host memory, disk and a source. Thread-safe."""
 
@@ -298,7 +302,9 @@ class AdapterCache:
             e = self._lookup(name)
             if e is None:
                 raise KeyError(name)
-            fut: concurrent.futures.Future = concurrent.futures.Future()
+            # A pin's own wait is told apart from a prefetch's: an unpin calls off a load that
+            # only the pin wanted (`unpin`).
+            fut: concurrent.futures.Future = concurrent.futures.Future() if asked else _PinFuture()
             e.expired = False  # wanted again (a new window, a session)
             if e.ready and name not in self.table.stale:
                 if asked:  # about to be used, as a prefetch's load tells the policy (finish_load)
@@ -338,6 +344,16 @@ class AdapterCache:
             else:
                 e.pinned_api = False
             self._update_pinned_gauge()
+            if not e.pinned and e.state == "pending" and e.refs == 0 and all(
+                    f.done() or isinstance(f, _PinFuture) for f in e.waiters):
+                # A pin waiting over the pins' share, or behind other loads, that nothing else
+                # wants now (no request, no prefetch): its load is called off, as `release` calls
+                # off one whose requests left, not run later to evict an adapter in use for
+                # nobody. (pump drops the name from the queue when it meets it.)
+                e.state = "cold"
+                pins, e.waiters = e.waiters, []
+                for fut in pins:
+                    fut.cancel()
             self.table.pump()
             return e.pinned
 

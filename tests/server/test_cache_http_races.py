@@ -79,3 +79,26 @@ async def test_an_unload_while_a_prefetch_or_session_waits_is_a_404_not_a_failed
             gate.set()
         assert (await slow).status_code == 200
     check_invariants(server.engine.adapters)
+
+
+def test_unpinning_a_pin_that_waits_over_the_share_calls_its_load_off(serve):
+    """Two slots: a pinned and resident, c resident (used), b pinned over the pins' share and
+    waiting (pin_pending). Unpinning b leaves nobody who wants b resident; its queued load
+    must not run then, evicting c (an adapter in use by the traffic) for an adapter nobody
+    asked for."""
+    server = serve()
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        assert client.post("/v1/adapters/a/prefetch").status_code == 200
+        assert client.post("/v1/adapters/a/pin").json()["tier"] == "gpu"
+        assert client.post("/v1/completions", json=completion("c")).status_code == 200
+        r = client.post("/v1/adapters/b/pin")
+        assert r.json()["pin_pending"] and r.json()["state"] == "pending"
+        r = client.post("/v1/adapters/b/unpin")
+        assert r.status_code == 200 and not r.json()["pinned"]
+        time.sleep(0.3)  # a load (wrongly) started would be done by now
+        listing = rows(client)
+        assert listing["c"]["tier"] == "gpu", listing["c"]
+        assert listing["b"]["state"] == "idle" and listing["b"]["tier"] == "disk", listing["b"]
+        # b still loads when asked for.
+        assert client.post("/v1/adapters/b/prefetch").json()["tier"] == "gpu"
+    check_invariants(server.engine.adapters)
