@@ -80,6 +80,10 @@ PIN_RETRY_FIRST_S = 2.0
 PIN_RETRY_MAX_S = 120.0
 
 
+class AdapterPinnedError(Exception):
+    """An unload_lora_adapter of a pinned adapter: refused, the pin kept (`unload`)."""
+
+
 class _PinFuture(concurrent.futures.Future):
     """The future `pin` returns: cancelled if an unpin calls its load off."""
 
@@ -512,12 +516,19 @@ class AdapterCache:
             self.table.pump()
             return True
 
-    def unload(self, name: str) -> bool:
-        """Forget `name`: now, or when its last request releases it. Returns True if now."""
+    def unload(self, name: str, *, refuse_pinned: bool = False) -> bool:
+        """Forget `name`: now, or when its last request releases it. Returns True if now.
+        `refuse_pinned` (unload_lora_adapter): AdapterPinnedError if it is pinned, by the API or
+        the plan, instead of dropping the pin with it."""
         with self._lock:
             e = self.table.entries.get(name)
             if e is None or e.unloading:
                 raise KeyError(name)
+            if refuse_pinned and e.pinned:
+                by = " and ".join(w for w, on in (("the API", e.pinned_api), ("the plan", e.pinned_plan)) if on)
+                raise AdapterPinnedError(
+                    f"The lora adapter '{name}' is pinned (by {by}); unpin it first "
+                    f"(POST /v1/adapters/{name}/unpin{'' if not e.pinned_plan else ', and take it out of the plan'})")
             e.unloading = True
             if e.refs > 0 or e.state in ("loading", "staging"):  # one fetch or load of a name at a time
                 return False

@@ -9,6 +9,7 @@ import logging
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
+from ..adapter_cache import AdapterPinnedError
 from ..adapter_format import AdapterError
 from ..adapter_names import InvalidAdapterName, check_adapter_name
 from ..engine import AsyncEngine
@@ -43,8 +44,14 @@ async def load_lora_adapter(body: LoadAdapterRequest, engine: AsyncEngine = Depe
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadAdapterRequest, engine: AsyncEngine = Depends(get_engine)) -> PlainTextResponse:
+    cache = engine.engine.adapters
     try:
-        await engine.unload_adapter(body.lora_name)
+        # On the engine thread, between steps, as AsyncEngine.unload_adapter; a pinned adapter
+        # is refused (409) rather than unloaded with its pin, which it would silently lose (a
+        # plan's pin until the plan changed): a pin means "keep it resident".
+        await engine.call(lambda: cache.unload(body.lora_name, refuse_pinned=True))
+    except AdapterPinnedError as e:
+        raise APIError(409, str(e), param="lora_name", code="adapter_pinned") from None
     except KeyError:
         raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
                        code="model_not_found") from None

@@ -102,3 +102,34 @@ def test_unpinning_a_pin_that_waits_over_the_share_calls_its_load_off(serve):
         # b still loads when asked for.
         assert client.post("/v1/adapters/b/prefetch").json()["tier"] == "gpu"
     check_invariants(server.engine.adapters)
+
+
+def test_unloading_a_pinned_adapter_is_refused_until_it_is_unpinned(serve):
+    """A pin means "keep it resident": an unload_lora_adapter of a pinned adapter dropped the
+    pin with the row, silently (the name, found again on disk, came back unpinned: a plan's pin
+    stayed lost until the plan changed). It is refused with a 409 naming the pin; after an
+    unpin the unload goes through."""
+    server = serve()
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        assert client.post("/v1/adapters/a/pin").status_code == 200
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert r.status_code == 409, r.text
+        err = error_of(r)
+        assert err["code"] == "adapter_pinned" and err["param"] == "lora_name" and "unpin" in err["message"]
+        assert rows(client)["a"]["pinned"]
+        assert client.post("/v1/adapters/a/unpin").status_code == 200
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert r.status_code == 200 and r.text.startswith("Success"), r.text
+
+
+def test_unloading_a_plan_pinned_adapter_is_refused(serve, tmp_path_factory):
+    import json
+
+    plan = tmp_path_factory.mktemp("plan") / "plan.json"
+    plan.write_text(json.dumps({"pinned": ["b"], "adapters": [], "prefetch": []}))
+    server = serve(plan_file=str(plan))
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        assert rows(client)["b"]["pinned"]
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
+        assert r.status_code == 409 and error_of(r)["code"] == "adapter_pinned", r.text
+        assert rows(client)["b"]["pinned"]
