@@ -13,8 +13,34 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
+
+
+class LoraRequestsInfo:
+    """vllm:lora_requests_info as exactly one series: the labels and the time of the last
+    update, swapped in as one tuple, so a scrape rendering on another thread while a refresh
+    runs finds the old series or the new one, never both and never none. (A labelled Gauge
+    whose new series is set and the old one removed shows both in between, the old one
+    first: the endpoint picker's newer scraper takes a family's first series.)"""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._current: tuple[tuple[str, str, str], float] | None = None
+        registry.register(self)
+
+    def set(self, running: str, waiting: str, max_lora: str, when: float) -> None:
+        self._current = ((running, waiting, max_lora), when)
+
+    def collect(self):
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting adapters; value: update time",
+                                   labels=LORA_INFO_LABELS)
+        current = self._current
+        if current is not None:
+            family.add_metric(list(current[0]), current[1])
+        return [family]
 
 
 class EngineMetrics:
@@ -37,9 +63,7 @@ class EngineMetrics:
         self.vllm_running = Gauge("vllm:num_requests_running", "Requests in the running batch", registry=r)
         self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for admission", registry=r)
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV rows in use (0..1)", registry=r)
-        self.vllm_lora = Gauge("vllm:lora_requests_info", "Running and waiting adapters; value: update time",
-                               ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
-        self._lora_labels: tuple[str, str, str] | None = None  # vllm_lora's one series
+        self.vllm_lora = LoraRequestsInfo(r)
 
     def refresh(self, engine) -> None:
         """Gauges read from the engine at scrape time."""
@@ -54,13 +78,7 @@ class EngineMetrics:
         self.adapter_slots.set(engine.lora.num_slots)
         engine.adapters.refresh_metrics()
         run_names, wait_names = engine.lora_state()
-        # The new series first, then the old one gone: a scrape rendering meanwhile (on another
-        # thread) finds one or both, and the picker reads the newest; never none.
-        labels = (",".join(run_names), ",".join(wait_names), str(engine.lora.num_slots))
-        self.vllm_lora.labels(*labels).set(time.time())
-        if self._lora_labels not in (None, labels):
-            self.vllm_lora.remove(*self._lora_labels)
-        self._lora_labels = labels
+        self.vllm_lora.set(",".join(run_names), ",".join(wait_names), str(engine.lora.num_slots), time.time())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

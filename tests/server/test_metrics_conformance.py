@@ -189,3 +189,44 @@ def test_cold_load_series_start_at_zero_for_every_source(server):
         text = client.get("/metrics").text
         assert value(text, "loraplex_adapter_load_seconds_count", source="disk") == 1
         assert value(text, "loraplex_adapter_load_seconds_count", source="host") == 0
+
+
+def test_lora_requests_info_is_one_series_in_every_scrape_while_it_changes():
+    """The endpoint picker's newer scraper takes the first vllm:lora_requests_info series of
+    the family (it compares scrape timestamps, which the text has none of), its older one the
+    highest value. A refresh that set the new series and then removed the old one let a scrape
+    rendering in between (two scrapers at once: Prometheus and the picker) see both, the old
+    one first, so the newer picker read the adapters of the moment before. Every scrape must
+    hold exactly one series, the one last set."""
+    import itertools
+    import threading
+    from types import SimpleNamespace as NS
+
+    from loraplex.server.metrics import EngineMetrics
+
+    states = [(["a"], []), (["b"], ["a"])]
+    turn = itertools.count()
+    engine = NS(scheduler=NS(running={}, waiting=[]), kv=NS(num_free=1, rows=2), lora=NS(num_slots=4),
+                adapters=NS(list=list, refresh_metrics=lambda: None), lora_state=lambda: states[next(turn) % 2])
+    metrics = EngineMetrics()
+    stop = threading.Event()
+
+    def refresh() -> None:
+        while not stop.is_set():
+            metrics.refresh(engine)
+
+    thread = threading.Thread(target=refresh)
+    thread.start()
+    try:
+        for _ in range(2000):
+            family = families(metrics.render().decode())["vllm:lora_requests_info"]
+            assert len(family.samples) == 1, family.samples
+            labels = family.samples[0].labels
+            assert set(labels) == {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}
+            running = [x for x in labels["running_lora_adapters"].split(",") if x]
+            waiting = [x for x in labels["waiting_lora_adapters"].split(",") if x]
+            assert (running, waiting) in states and labels["max_lora"] == "4"
+            assert family.samples[0].value > 1e9  # a Unix time, the update's
+    finally:
+        stop.set()
+        thread.join()
