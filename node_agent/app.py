@@ -32,7 +32,7 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
@@ -440,6 +440,11 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "tasks": tasks.running})
 
 
+# generate_latest writes the 0.0.4 text format; prometheus-client's CONTENT_TYPE_LATEST now
+# says version=1.0.0, which Prometheus 2 scrapers do not ask for (as the server's /metrics).
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
 async def metrics_endpoint(request: web.Request) -> web.Response:
     body = generate_latest(_agent(request).metrics.registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})

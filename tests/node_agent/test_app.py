@@ -34,7 +34,9 @@ async def test_stage_list_and_metrics(tmp_path, object_store, client_factory):
     listing = await (await client.get("/v1/adapters")).json()
     assert [a["name"] for a in listing["adapters"]] == ["sql"]
     assert listing["usedBytes"] == adapter["bytes"] > 0 and listing["adapters"][0]["pinned"] is False
-    text = await (await client.get("/metrics")).text()
+    scraped = await client.get("/metrics")
+    assert scraped.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"  # the body's format
+    text = await scraped.text()
     assert metric(text, "loraplex_node_agent_staged_adapters") == 1
     assert metric(text, "loraplex_node_agent_disk_bytes") == adapter["bytes"]
     assert metric(text, "loraplex_node_agent_download_seconds_count") == 1
