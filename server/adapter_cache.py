@@ -80,6 +80,10 @@ PIN_RETRY_FIRST_S = 2.0
 PIN_RETRY_MAX_S = 120.0
 
 
+class AdapterExistsError(AdapterError):
+    """A load of a name already known (vLLM's "has already been loaded"), or still unloading."""
+
+
 class AdapterPinnedError(Exception):
     """An unload_lora_adapter of a pinned adapter: refused, the pin kept (`unload`)."""
 
@@ -442,8 +446,11 @@ class AdapterCache:
         self._check_name(name)
         spec = read_adapter(path, self.base)  # a refused adapter is refused before anything changes
         with self._lock:  # one step: a second load of the name (or an unload) cannot come between
-            if name in self.table.entries:
-                raise AdapterError(f"adapter {name!r} is already loaded")
+            e = self.table.entries.get(name)
+            if e is not None:
+                raise AdapterExistsError(
+                    f"The lora adapter '{name}' is being unloaded (requests still use it); try again when "
+                    f"they finish" if e.unloading else f"The lora adapter '{name}' is already loaded.")
             self.register(name, path=path)
             self.table.entries[name].spec = spec
             self.table.entries[name].admin = True

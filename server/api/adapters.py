@@ -9,7 +9,7 @@ import logging
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
-from ..adapter_cache import AdapterPinnedError
+from ..adapter_cache import AdapterExistsError, AdapterPinnedError
 from ..adapter_format import AdapterError
 from ..adapter_names import InvalidAdapterName, check_adapter_name
 from ..engine import AsyncEngine
@@ -29,8 +29,13 @@ async def load_lora_adapter(body: LoadAdapterRequest, engine: AsyncEngine = Depe
         raise APIError(400, str(e), param="lora_name", code="invalid_adapter_name") from None
     if body.lora_name == engine.engine.model_name:
         raise APIError(400, f"{body.lora_name!r} is the base model's name", param="lora_name")
+    if engine.engine.adapters.has(body.lora_name):  # (load checks again, under the cache's lock)
+        raise APIError(400, f"The lora adapter '{body.lora_name}' is already loaded.", param="lora_name",
+                       code="adapter_exists")
     try:
         slot = await engine.load_adapter(body.lora_name, body.lora_path)
+    except AdapterExistsError as e:  # the name, not the path: not an adapter that does not fit
+        raise APIError(400, str(e), param="lora_name", code="adapter_exists") from None
     except AdapterError as e:
         log.warning("adapter %s refused: %s", body.lora_name, e)
         raise APIError(400, f"adapter {body.lora_name!r} refused: {e}", param="lora_path",

@@ -133,3 +133,20 @@ def test_unloading_a_plan_pinned_adapter_is_refused(serve, tmp_path_factory):
         r = client.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
         assert r.status_code == 409 and error_of(r)["code"] == "adapter_pinned", r.text
         assert rows(client)["b"]["pinned"]
+
+
+def test_a_duplicate_load_names_the_name_not_the_path(serve, disk):
+    """A load_lora_adapter of a name already known is a 400 about `lora_name` (code
+    adapter_exists), as vLLM answers it; it was an `adapter_refused` about `lora_path`, which
+    reads as "these files do not fit the base" for files that were never read."""
+    server = serve()
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for name in ("a", "x"):
+            r = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(disk / "b")})
+            if name == "x":
+                assert r.status_code == 200, r.text
+                r = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(disk / "b")})
+            assert r.status_code == 400, r.text
+            err = error_of(r)
+            assert (err["param"], err["code"]) == ("lora_name", "adapter_exists"), err
+            assert f"'{name}' is already loaded" in err["message"]
