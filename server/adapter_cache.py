@@ -70,7 +70,7 @@ from .adapters import AdapterId, LoRABuffers
 from .cache_metrics import CacheMetrics
 from .cache_policy import make_policy
 from .host_tier import HostTier, host_copy_from_tensors
-from .slot_table import CachedAdapter, SlotTable, tell
+from .slot_table import CachedAdapter, SessionFuture, SlotTable, tell
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,10 @@ log = logging.getLogger(__name__)
 # in a row, up to the most (a request for it, or a new plan, tries at once as before).
 PIN_RETRY_FIRST_S = 2.0
 PIN_RETRY_MAX_S = 120.0
+
+# A session start (`start_session`) leases its adapter this long once resident (or until the
+# session's first request for it comes): --session-lease-seconds.
+SESSION_LEASE_S = 60.0
 
 
 class AdapterExistsError(AdapterError):
@@ -100,7 +104,7 @@ class AdapterCache:
                  node_agent_url: str | None = None, namespace: str | None = None,
                  metrics: CacheMetrics | None = None,
                  clock: Callable[[], float] = time.perf_counter, base_name: str | None = None,
-                 plan_scoped: bool = False):
+                 plan_scoped: bool = False, session_lease_s: float = SESSION_LEASE_S):
         self.buffers = buffers
         # The base model's name in the API: a request for it runs on the base, so no adapter
         # may take it (one would be loaded, pinned and listed, and never used).
@@ -132,6 +136,7 @@ class AdapterCache:
         self.table = SlotTable(buffers.num_slots, self.policy, self.host, self.metrics,
                                max_concurrent_loads=max_concurrent_loads, start_load=self.loader.start, clock=clock,
                                start_stage=self.loader.stage, needs_stage=self.loader.needs_fetch)
+        self.session_lease_s = session_lease_s
         # Held by a load worker around its CUDA calls, and by the engine while it captures a CUDA graph.
         self.cuda_lock = self.loader.cuda_lock
 
@@ -142,7 +147,17 @@ class AdapterCache:
                    max_concurrent_loads=settings.max_concurrent_loads, cache_dir=settings.adapter_cache_dir,
                    node_agent_url=settings.node_agent_url, namespace=settings.adapter_namespace, metrics=metrics,
                    base_name=base_name,
-                   plan_scoped=bool(settings.plan_file))
+                   plan_scoped=bool(settings.plan_file),
+                   session_lease_s=float(getattr(settings, "session_lease_seconds", SESSION_LEASE_S)))
+
+    @property
+    def session_lease_s(self) -> float:
+        """Seconds a session start's lease holds its adapter resident (0: no lease)."""
+        return self.table.session_lease_s
+
+    @session_lease_s.setter
+    def session_lease_s(self, seconds: float) -> None:
+        self.table.session_lease_s = seconds
 
     def close(self) -> None:
         self._closed = True  # no pin retry starts a load after this
@@ -243,6 +258,10 @@ class AdapterCache:
                 raise KeyError(name)
             e.refs += 1
             e.expired = False
+            if self.table.leased(e):
+                # A session's first request: its lease ends (the request's hold keeps the adapter
+                # now); the soonest to expire, as requests do not say which session they are of.
+                e.leases.remove(min(e.leases))
             self.policy.record_access(name)
             tier = self._tier(e, gpu=name not in self.table.stale)
             self.metrics.record_lookup(tier)
@@ -305,18 +324,29 @@ class AdapterCache:
         waiting over the pins' share loads for it, as for a request (a session start waits)."""
         return self._prefetch(name, asked=True)
 
-    def _prefetch(self, name: str, *, asked: bool) -> concurrent.futures.Future:
+    def start_session(self, name: str) -> concurrent.futures.Future:
+        """A session starts for `name`: prefetch it (as `prefetch`), and lease it resident from
+        the moment it is until the session's first request for it (`acquire`) or for
+        `session_lease_s` seconds, so that request hits. A lease is weaker than a pin: it never
+        holds a slot a pin's share or a request needs when no other idle slot is left
+        (`SlotTable.take_slot`), and it ends with an eviction, an unload or its timeout."""
+        return self._prefetch(name, asked=True, session=self.session_lease_s > 0)
+
+    def _prefetch(self, name: str, *, asked: bool, session: bool = False) -> concurrent.futures.Future:
         with self._lock:
             e = self._lookup(name)
             if e is None:
                 raise KeyError(name)
             # A pin's own wait is told apart from a prefetch's: an unpin calls off a load that
-            # only the pin wanted (`unpin`).
-            fut: concurrent.futures.Future = concurrent.futures.Future() if asked else _PinFuture()
+            # only the pin wanted (`unpin`); a session's, for the lease its load gives it.
+            fut: concurrent.futures.Future = (
+                (SessionFuture() if session else concurrent.futures.Future()) if asked else _PinFuture())
             e.expired = False  # wanted again (a new window, a session)
             if e.ready and name not in self.table.stale:
                 if asked:  # about to be used, as a prefetch's load tells the policy (finish_load)
                     self.policy.record_insert(name, cost=1.0, prefetch=True)
+                if session:
+                    e.leases.append(self.clock() + self.session_lease_s)
                 fut.set_result(e.slot)
                 return fut
             e.waiters.append(fut)
@@ -595,6 +625,7 @@ class AdapterCache:
                     "pinned": e.pinned, "pin_pending": e.pinned and not e.ready, "expired": e.expired,
                     "rank": e.spec.max_rank if e.spec else None, "bytes": self._size(e),
                     "hits": e.hits, "misses": e.misses, "requests": e.refs,
+                    "leases": len(e.leases) if e.ready and self.table.leased(e) else 0,
                     "path": str(e.path) if e.path else None, "source": redact(e.source), "sha256": e.sha256,
                     "error": e.error})
             return rows

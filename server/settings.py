@@ -108,6 +108,11 @@ class ServerSettings:
     max_concurrent_loads: int = 4
     """Adapter loads (disk -> host -> slot) running at once; more wait their turn. Default: 4."""
 
+    session_lease_seconds: int = 60
+    """Seconds a session start (POST /v1/sessions) holds its adapter resident for the session's
+    first request, unless that request comes first; a lease yields when every idle slot is
+    leased, and 0 turns leases off. Default: 60."""
+
     eviction_policy: str = "lru"
     """GPU slot eviction policy: lru, lfu-aged (aged frequency counts that forget on a
     popularity shift) or wtinylfu (W-TinyLFU, adaptive window). Default: lru."""
@@ -190,7 +195,8 @@ class ServerSettings:
             raise ValueError(f"--kernel-backend {self.kernel_backend!r}: use auto, triton or torch")
         for name, low in (("max_num_seqs", 1), ("max_model_len", 2), ("max_prefill_tokens", 1),
                           ("max_loras", 0), ("max_lora_rank", 1), ("kv_block", 1), ("max_cpu_loras", 0),
-                          ("max_concurrent_loads", 1), ("max_request_bytes", 1024)):
+                          ("max_concurrent_loads", 1), ("max_request_bytes", 1024),
+                          ("session_lease_seconds", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least {low}")
         if self.eviction_policy not in ("lru", "lfu-aged", "wtinylfu"):

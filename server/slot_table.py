@@ -86,6 +86,9 @@ class CachedAdapter:
     served: bool = False  # ran a request since its last load: only then may it be drained
     expired: bool = False  # its warm-up window ended with no request since: evicted before any other
     pending_since: float = 0.0  # when its load was asked for (clock seconds)
+    # Session starts' leases: a deadline (clock seconds) each, until which the adapter stays
+    # resident for that session's first request (`AdapterCache.start_session`; `SlotTable.leased`).
+    leases: list[float] = field(default_factory=list)
     fetched: Fetched | None = None  # what its staging put on disk, for its next load (taken at its start)
     waiters: list[concurrent.futures.Future] = field(default_factory=list)
 
@@ -112,6 +115,11 @@ class AdapterUnloaded(AdapterLoadError):
     def __init__(self, name: str):
         super().__init__(name, "other", "unloaded before it was loaded")
         self.args = (f"adapter {name!r} was unloaded before it was loaded",)
+
+
+class SessionFuture(concurrent.futures.Future):
+    """A session start's wait (`AdapterCache.start_session`): the load it waits for leases the
+    adapter to it once resident (`finish_load`), unless its client gave up meanwhile."""
 
 
 def tell(fut: concurrent.futures.Future, slot: int = -1, error: BaseException | None = None) -> None:
@@ -161,6 +169,7 @@ class SlotTable:
         self.staging = 0  # rows being staged (fetched onto disk): no slot, no load worker
         self.failures: dict[str, str] = {}
         self.max_in_flight_seen = 0
+        self.session_lease_s = 60.0  # how long a session start's lease holds (AdapterCache sets it)
 
     # -- request -> slot ----------------------------------------------------------------------------
 
@@ -282,8 +291,15 @@ class SlotTable:
             return self.free.pop(0)
         evictable = {n for n, o in self.entries.items()
                      if o.ready and o.refs == 0 and not o.pinned}
-        expired = sorted(n for n in evictable if self.entries[n].expired)
-        victim = expired[0] if expired else self.policy.select_victim(evictable)
+        unleased = {n for n in evictable if not self.leased(self.entries[n])}
+        expired = sorted(n for n in unleased if self.entries[n].expired)
+        victim = expired[0] if expired else self.policy.select_victim(unleased)
+        if victim is None and evictable:
+            # Every idle unpinned slot is leased to a session start that has not sent its first
+            # request yet: a lease is weaker than a pin, so the policy's pick among them gives
+            # its lease up (else requests would wait on sessions that may never come).
+            victim = self.policy.select_victim(evictable)
+            log.info("adapter %s gave up its session lease to %s: every idle slot was leased", victim, e.name)
         if victim is None and self.pinned_slots() >= self.num_slots:
             pins = [o for o in self.entries.values()
                     if o.ready and o.refs == 0 and o.pinned and not o.unloading and reloadable(o)]
@@ -301,6 +317,13 @@ class SlotTable:
             log.info("pinned adapter %s gave its slot to %s: pins held every slot", victim, e.name)
         return slot
 
+    def leased(self, o: CachedAdapter) -> bool:
+        """Whether a session start's lease holds `o` resident now (expired leases are dropped)."""
+        if o.leases:
+            now = self.clock()
+            o.leases = [d for d in o.leases if d > now]
+        return bool(o.leases)
+
     def pinned_slots(self) -> int:
         """Slots held by pinned adapters (resident or loading)."""
         return sum(1 for o in self.entries.values() if o.pinned and o.state in ("ready", "loading"))
@@ -311,6 +334,7 @@ class SlotTable:
         self.stale.discard(v.name)
         self.policy.record_evict(v.name)
         v.state, v.slot = "cold", -1
+        v.leases = []  # evicted (as a last resort, or by an admin): its leases end with its slot
         del self.ready[v.name]
         self.metrics.evictions.labels("gpu").inc()
         if free:
@@ -369,8 +393,11 @@ class SlotTable:
                 continue
             if e.state == "loading" or e.unloading or (name in running if running is not None else e.refs > 0):
                 continue
+            leases = e.leases if self.leased(e) else []
             self.release_slot(e)
-            wanted = e.refs > 0 or e.pinned or bool(e.waiters)  # requests, a pin, or a prefetch waiting
+            e.leases = leases  # a session's lease holds the new version
+            # Requests, a pin, a prefetch waiting, or a session's lease.
+            wanted = e.refs > 0 or e.pinned or bool(e.waiters) or bool(leases)
             log.info("adapter %s: its slot held a replaced version; %s", name,
                      "loading the new one" if wanted else "the next request loads the new one")
             if wanted:
@@ -436,6 +463,10 @@ class SlotTable:
         if error is None:
             e.state, e.error, e.served = "ready", None, False
             self.ready[e.name] = slot
+            # Each session start still waiting on this load leases the adapter from now (its
+            # lease runs from residency: the client sends its first request after the answer).
+            deadline = self.clock() + self.session_lease_s
+            e.leases += [deadline for f in waiters if isinstance(f, SessionFuture) and not f.done()]
             self.policy.record_insert(e.name, cost=1.0, prefetch=e.prefetch)
             self.metrics.load_seconds.labels(tier).observe(self.clock() - t0)
             log.info("adapter %s loaded into slot %d from %s in %.1f ms", e.name, slot, tier,

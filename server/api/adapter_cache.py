@@ -1,12 +1,14 @@
 """The adapter cache over HTTP: tiers, pins, prefetch and session starts.
 
     GET  /v1/adapters                      every known adapter: tier (gpu/host/disk/source),
-                                           state, pinned, rank, bytes, hits; plus the slot counts
+                                           state, pinned, leases, rank, bytes, hits; plus the slot counts
     POST /v1/adapters/{name}/pin           pin (never evicted) and load; 200 at once
     POST /v1/adapters/{name}/unpin
     POST /v1/adapters/{name}/prefetch      200 once resident; ?wait=false: 202 at once
     POST /v1/sessions {"model": name}      a session starts: prefetch its adapter through every
-                                           tier and answer once resident, so the first request hits
+                                           tier and answer once resident, so the first request hits:
+                                           the adapter is leased resident until that request comes
+                                           (or --session-lease-seconds pass; `leases` in the listing)
 
 A name may hold slashes ("acme/sql-lora", as vLLM users name adapters after their repositories):
 the routes take the whole path between /v1/adapters/ and the action as the name.
@@ -44,9 +46,10 @@ def _row(engine: AsyncEngine, name: str) -> dict:
     raise model_not_found(name)
 
 
-async def _wait_resident(engine: AsyncEngine, name: str, timeout: float) -> None:
+async def _wait_resident(engine: AsyncEngine, name: str, timeout: float, session: bool = False) -> None:
+    cache = engine.engine.adapters
     try:
-        fut = engine.engine.adapters.prefetch(name)
+        fut = cache.start_session(name) if session else cache.prefetch(name)
     except KeyError:
         raise model_not_found(name) from None
     try:
@@ -110,6 +113,6 @@ async def start_session(body: SessionRequest, timeout: float = Query(120.0, gt=0
     session = {"id": f"sess-{uuid.uuid4().hex}", "object": "session", "model": body.model}
     if body.model == engine.engine.model_name:
         return {**session, "tier": "gpu", "adapter": None}
-    await _wait_resident(engine, body.model, timeout)
+    await _wait_resident(engine, body.model, timeout, session=True)
     row = _row(engine, body.model)
     return {**session, "tier": row["tier"], "adapter": row}
