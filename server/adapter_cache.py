@@ -70,7 +70,7 @@ from .adapters import AdapterId, LoRABuffers
 from .cache_metrics import CacheMetrics
 from .cache_policy import make_policy
 from .host_tier import HostTier, host_copy_from_tensors
-from .slot_table import CachedAdapter, SessionFuture, SlotTable, tell
+from .slot_table import CachedAdapter, PinFuture, SessionFuture, SlotTable, call_off, tell, wanted_by_others
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,6 @@ class AdapterExistsError(AdapterError):
 
 class AdapterPinnedError(Exception):
     """An unload_lora_adapter of a pinned adapter: refused, the pin kept (`unload`)."""
-
-
-class _PinFuture(concurrent.futures.Future):
-    """The future `pin` returns: cancelled if an unpin calls its load off."""
 
 
 class AdapterCache:
@@ -340,7 +336,7 @@ class AdapterCache:
             # A pin's own wait is told apart from a prefetch's: an unpin calls off a load that
             # only the pin wanted (`unpin`); a session's, for the lease its load gives it.
             fut: concurrent.futures.Future = (
-                (SessionFuture() if session else concurrent.futures.Future()) if asked else _PinFuture())
+                (SessionFuture() if session else concurrent.futures.Future()) if asked else PinFuture())
             e.expired = False  # wanted again (a new window, a session)
             if e.ready and name not in self.table.stale:
                 if asked:  # about to be used, as a prefetch's load tells the policy (finish_load)
@@ -382,16 +378,13 @@ class AdapterCache:
             else:
                 e.pinned_api = False
             self._update_pinned_gauge()
-            if not e.pinned and e.state == "pending" and e.refs == 0 and all(
-                    f.done() or isinstance(f, _PinFuture) for f in e.waiters):
+            if e.state == "pending" and not wanted_by_others(e):
                 # A pin waiting over the pins' share, or behind other loads, that nothing else
                 # wants now (no request, no prefetch): its load is called off, as `release` calls
                 # off one whose requests left, not run later to evict an adapter in use for
-                # nobody. (pump drops the name from the queue when it meets it.)
-                e.state = "cold"
-                pins, e.waiters = e.waiters, []
-                for fut in pins:
-                    fut.cancel()
+                # nobody. (pump drops the name from the queue when it meets it.) One still
+                # fetching is called off when its fetch ends (`SlotTable.finish_stage`).
+                call_off(e)
             self.table.pump()
             return e.pinned
 

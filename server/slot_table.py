@@ -117,6 +117,27 @@ class AdapterUnloaded(AdapterLoadError):
         self.args = (f"adapter {name!r} was unloaded before it was loaded",)
 
 
+class PinFuture(concurrent.futures.Future):
+    """The future a pin's own wait is (`AdapterCache.pin`): not a wanter of the load once the
+    adapter is unpinned; an unpin (of a queued load) or the end of its fetch (`finish_stage`)
+    cancels it and calls that load off if nothing else wants it."""
+
+
+def wanted_by_others(e: "CachedAdapter") -> bool:
+    """Whether a request, a prefetch (or a session start) or a pin still wants `e`'s load: an
+    unpinned pin's own wait does not count (its future is cancelled by whoever calls it off)."""
+    return e.refs > 0 or e.pinned or not all(f.done() or isinstance(f, PinFuture) for f in e.waiters)
+
+
+def call_off(e: "CachedAdapter") -> None:
+    """`e`'s load (queued, or about to be after its fetch) is not run: it goes cold, and the
+    pins' own futures still waiting on it are cancelled."""
+    e.state = "cold"
+    pins, e.waiters = e.waiters, []
+    for fut in pins:
+        fut.cancel()
+
+
 class SessionFuture(concurrent.futures.Future):
     """A session start's wait (`AdapterCache.start_session`): the load it waits for leases the
     adapter to it once resident (`finish_load`), unless its client gave up meanwhile."""
@@ -250,8 +271,12 @@ class SlotTable:
             self.fail(e, error)
             self.pump()
             return waiters
-        if e.refs == 0 and not e.pinned and all(f.done() for f in e.waiters):
-            e.state = "cold"  # its requests left (aborts) during the fetch: the load is called off
+        if not wanted_by_others(e):
+            # Its requests left (aborts), or it was unpinned, during the fetch, and no prefetch
+            # waits: the load is called off (the adapter stays on disk), not run to take a slot
+            # (evicting an idle adapter in use by the traffic) for nobody; as `unpin` calls
+            # off a queued pin's load. A pin's own wait is cancelled.
+            call_off(e)
             return []
         e.fetched = fetched
         self.enqueue(e)

@@ -233,3 +233,38 @@ def test_a_pin_whose_fetch_failed_is_fetched_again_after_its_back_off(bucket, ca
         assert calls == ["slow1", "slow1"] and cache.table.entries["slow1"].failed_in_row == 0
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("prefetched", [False, True])
+def test_an_unpin_during_its_fetch_calls_the_load_off_unless_a_prefetch_waits(bucket, cache_dir, slow_fetch,
+                                                                              prefetched):
+    """A pin of an adapter not on local disk waits on its fetch (staging). Unpinned meanwhile,
+    nothing wants it resident any more: its fetch ends, and its load must not run then
+    to take a slot (evicting an idle adapter the traffic uses) for nobody; the pin's own future
+    is cancelled, as an unpin of a queued pin's load does. A prefetch waiting too keeps it."""
+    cache = make_cache(cache_dir, slots=2)
+    try:
+        for name in "ab":  # both slots hold adapters the traffic used
+            cache.prefetch(name).result(10)
+        cache.register("slow1", source=str(bucket / "slow1"))
+        pin = cache.pin("slow1")
+        prefetch = cache.prefetch("slow1") if prefetched else None
+        assert cache.table.entries["slow1"].state == "staging"
+        assert not cache.unpin("slow1")
+        slow_fetch.set()
+        if prefetched:
+            assert prefetch.result(10) in (0, 1)
+            assert cache.tier_of("slow1") == "gpu"
+        else:
+            deadline = time.monotonic() + 10
+            while cache.table.staging and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)  # a load (wrongly) started would be done by now
+            e = cache.table.entries["slow1"]
+            assert e.state == "cold" and cache.in_flight == 0 and cache.tier_of("slow1") != "gpu"
+            assert pin.cancelled()
+            assert set(cache.ready_slots()) == {"a", "b"}
+            assert cache.prefetch("slow1").result(10) in (0, 1)  # still loads when asked for
+        check_invariants(cache)
+    finally:
+        cache.close()
