@@ -10,8 +10,9 @@
                                            the adapter is leased resident until that request comes
                                            (or --session-lease-seconds pass; `leases` in the listing)
 
-A name may hold slashes ("acme/sql-lora", as vLLM users name adapters after their repositories):
-the routes take the whole path between /v1/adapters/ and the action as the name.
+Adapter names hold no slash (the name rules refuse one at load), but the routes take the whole
+path between /v1/adapters/ and the action as the name: a request naming "acme/sql-lora" is
+answered 404 model_not_found in the OpenAI error shape, not with a bare routing 404.
 
 The node agent calls prefetch (?wait=false) and pin when it warms a server (node_agent/warmer.py).
 """

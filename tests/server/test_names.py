@@ -76,6 +76,13 @@ def test_load_lora_adapter_refuses_a_bad_name_with_a_400(server, name):
             in (404, 400)
 
 
+def test_a_slashed_name_in_an_adapter_url_is_an_openai_404(server):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for action in ("pin", "unpin", "prefetch"):
+            r = client.post(f"/v1/adapters/acme/sql-lora/{action}")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+
+
 def test_load_lora_adapter_takes_an_upper_case_name(server):
     with httpx.Client(base_url=server.url, timeout=30) as client:
         r = client.post("/v1/load_lora_adapter", json={"lora_name": "SQL-v2", "lora_path": str(server.adapter)})
