@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from .adapter_format import CONFIG_FILE, STAGED_META_FILE, WEIGHTS_FILE, AdapterError, file_digest
+from .adapter_format import (CONFIG_FILE, STAGED_META_FILE, WEIGHTS_FILE, AdapterError, file_digest,
+                             read_config, read_safetensors_header)
 from .adapter_names import InvalidAdapterName, check_adapter_name
 
 log = logging.getLogger(__name__)
@@ -140,16 +142,32 @@ def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | 
                 with (tmp / filename).open("wb") as f:
                     for chunk in r.iter_bytes(1 << 20):
                         f.write(chunk)
+                    f.flush()
+                    os.fsync(f.fileno())
         digest = file_digest(tmp / WEIGHTS_FILE)
         if sha256 and digest != sha256:
             raise AdapterLoadError(name, "corrupt", f"download of {redact(src)} does not match sha256 {sha256}")
+        # Whole files only, as the node agent checks them: a body cut short that announced no
+        # length (read to the connection's close) ends with no error, and without a sha256
+        # nothing else would catch it; renamed into place, it would be taken as the adapter.
+        try:
+            read_config(tmp)
+            if not read_safetensors_header(tmp / WEIGHTS_FILE):
+                raise AdapterError(f"{WEIGHTS_FILE}: no tensors")
+        except AdapterError as err:
+            raise AdapterLoadError(name, "fetch", f"download of {redact(src)} is not a whole adapter (cut short?): {err}") from None
         # The version, as the node agent records it: a later load finds out whether it is the plan's.
         meta = {"name": name, "sha256": digest, "source": redact(src)}
-        (tmp / STAGED_META_FILE).write_text(json.dumps(meta))
+        with (tmp / STAGED_META_FILE).open("w") as f:
+            f.write(json.dumps(meta))
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)  # the files' bytes and names durable before the rename makes them the adapter
         dest = cache_dir / name
         if dest.exists():
             shutil.rmtree(dest)
         tmp.rename(dest)
+        _fsync_dir(cache_dir)
         log.info("adapter %s fetched from %s", name, redact(src))
         return dest
     except httpx.HTTPError as err:
@@ -157,6 +175,14 @@ def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | 
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_error(name: str, err: BaseException) -> AdapterLoadError:
