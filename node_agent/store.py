@@ -400,6 +400,7 @@ class AdapterStore:
                     config_bytes, _ = await self._write(
                         fetch, tmp / CONFIG_FILE, limit=MAX_CONFIG_BYTES, too_big="InvalidAdapter")
                 async with source.open(WEIGHTS_FILE) as fetch:
+                    length_known = fetch.size is not None
                     if fetch.size is not None:  # all of it up front: fail early, before any byte
                         await grow(fetch.size, up_front=True)
                     nbytes, digest = await self._write(
@@ -409,15 +410,27 @@ class AdapterStore:
                 raise StoreError(e.reason, str(e)) from None
             await grow(nbytes)  # (an empty file wrote no chunk)
             total = nbytes + config_bytes
+            try:
+                await asyncio.to_thread(check_adapter_dir, tmp)
+                not_whole = None
+            except InvalidAdapter as e:
+                not_whole = e
+            # A body that announced no length and ends where its own header says it does not (a
+            # connection dropped mid-body, read to its close: no HTTP error) was cut in transit,
+            # not a bad adapter: Truncated, retried with backoff, not DigestMismatch or
+            # InvalidAdapter, which the warmer gives up on until the plan changes.
+            if not_whole is not None and not length_known and await asyncio.to_thread(
+                    _cut_short, tmp / WEIGHTS_FILE):
+                raise StoreError("Truncated", f"{ref.name}: {WEIGHTS_FILE} ended after {nbytes} bytes, short of"
+                                 f" what its header describes, and the source announced no length (the"
+                                 f" connection dropped mid-body?): {not_whole}")
             if ref.sha256 is not None and digest != ref.sha256:
                 raise StoreError(
                     "DigestMismatch",
                     f"{ref.name}: sha256 of {WEIGHTS_FILE} is {digest}, the adapter declares {ref.sha256}",
                 )
-            try:
-                await asyncio.to_thread(check_adapter_dir, tmp)
-            except InvalidAdapter as e:
-                raise StoreError("InvalidAdapter", f"{ref.name}: {e}") from None
+            if not_whole is not None:
+                raise StoreError("InvalidAdapter", f"{ref.name}: {not_whole}")
             if ref.dtype:
                 extra = await self._write_serving_copy(tmp, ref)
                 reserved += extra
@@ -710,6 +723,33 @@ class AdapterStore:
 def _label(e: _Entry) -> str:
     """How logs name an adapter: `name`, or `namespace/name`."""
     return e.name if e.namespace is None else f"{e.namespace}/{e.name}"
+
+
+def _cut_short(path: Path) -> bool:
+    """Whether the safetensors file at `path` is shorter than its own header says it is: its
+    8-byte length prefix cut, its header cut, or its last tensor's bytes cut. (A file of a
+    wrong shape otherwise, or not safetensors at all, is not "cut short".)"""
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                return True
+            n = int.from_bytes(head, "little")
+            if n > (100 << 20):  # not a header length: not a safetensors file
+                return False
+            if 8 + n > size:
+                return True
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, RecursionError):
+        return False
+    if not isinstance(header, dict):
+        return False
+    ends = [info.get("data_offsets", [0, 0])[-1] for k, info in header.items()
+            if k != "__metadata__" and isinstance(info, dict) and isinstance(info.get("data_offsets"), list)
+            and info.get("data_offsets")]
+    ends = [e for e in ends if isinstance(e, int) and not isinstance(e, bool)]
+    return bool(ends) and 8 + n + max(ends) > size
 
 
 def _mkdtemp(parent: Path, name: str) -> str:
