@@ -173,3 +173,13 @@ def test_basemodel_names_the_schema_takes_name_its_service_and_label_its_pods(na
     adapter = copy.deepcopy(GOOD_ADAPTER)
     adapter["spec"]["baseModel"] = name
     assert validator("LoRAAdapter").is_valid(adapter) == servable
+
+
+@pytest.mark.parametrize("kind", ["BaseModel", "LoRAAdapter"])
+def test_kubectl_explain_describes_every_field(kind):
+    """`kubectl explain loraadapter.spec.pinPolicy` (or any field of spec and status) prints
+    the schema's description: a field without one explains nothing to the user who meets it."""
+    top = schema(kind)["properties"]
+    bare = [f"{name}{path}" for name in ("spec", "status") for path, node in _walk(top[name])
+            if not path.endswith(("[]", "{}")) and not str(node.get("description") or "").strip()]
+    assert bare == [], f"{kind} fields with no description: {bare}"
