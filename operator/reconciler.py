@@ -263,6 +263,8 @@ class Planner:
         if statuses.differs(base.status, desired_base) and state.written_status.get(base.uid) != desired_base:
             try:
                 await self.client.patch_status(kube.BASE_MODELS, namespace, name, desired_base)
+                _warn_on_failure(base.owner(), state.written_status.get(base.uid) or base.status,
+                                 desired_base, "Failed")
                 state.written_status[base.uid] = desired_base
             except kube.KubeError as exc:
                 failed.append(f"status of BaseModel {namespace}/{name}: {exc}")
@@ -382,4 +384,24 @@ class Planner:
             except kube.KubeError as exc:
                 failed.append(f"status of LoRAAdapter {record.namespace}/{record.name}: {exc}")
                 return
+            ref = {"apiVersion": API_VERSION, "kind": "LoRAAdapter",
+                   "metadata": {"name": record.name, "namespace": record.namespace, "uid": record.uid}}
+            _warn_on_failure(ref, state.written_status.get(record.uid) or record.status, desired, "Rejected")
             state.written_status[record.uid] = desired
+
+
+def _warn_on_failure(ref: Mapping[str, Any], before: Mapping[str, Any] | None, after: Mapping[str, Any],
+                     phase: str) -> None:
+    """A Warning event when an object's status goes into `phase` (an adapter Rejected, a base
+    Failed), so `kubectl describe` and `kubectl get events` say why it does nothing: its spec
+    is valid, so no handler fails and kopf posts nothing. Once per transition, not per write."""
+    if after.get("phase") != phase or (before or {}).get("phase") == phase:
+        return
+    why = next((c for c in after.get("conditions") or () if c.get("status") == "False"), None)
+    if why is None:
+        return
+    try:
+        kopf.event(dict(ref), type="Warning", reason=str(why.get("reason") or phase),
+                   message=f"{why.get('type')}: {why.get('message') or ''}")
+    except LookupError:  # not inside a running operator (the planner driven directly, in tests)
+        pass

@@ -260,3 +260,22 @@ async def test_an_invalid_spec_keeps_a_ready_condition_that_says_so(api, operato
         conds = await eventually_(lambda: invalid(resource, name), what=f"{name} invalid")
         assert set(conds) == {"Accepted", "Staged", "Ready"}, conds
         assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("False", "InvalidSpec")
+
+
+async def test_a_rejected_adapter_and_a_failed_base_leave_a_warning_event(api, operator, eventually_):
+    """`kubectl describe` (and `kubectl get events`) is where a user looks first for why an
+    object does nothing: an adapter rejected for its base (a valid spec, so no handler
+    fails) and a base with no room for a single slot must say so there, not only in status."""
+    await api.create(BASE_MODELS.path(NS), base_body())
+    await api.create(ADAPTERS.path(NS), adapter_body("huge", 1, rank=128))
+    await api.create(BASE_MODELS.path(NS), base_body("cramped", memory={"gpuMemory": "20G", "baseWeights": "16G",
+                                                                        "overhead": "8G", "adapterBytes": "40M"}))
+
+    async def warned(name):
+        found = [e for e in await _events_of(api, name) if e["type"] == "Warning"]
+        return found or None
+    (event,) = await eventually_(lambda: warned("huge"), what="a Warning event on huge")
+    assert event["reason"] == "RankTooLarge" and "rank 128 > maxLoraRank 64" in event["message"]
+    assert event["involvedObject"]["kind"] == "LoRAAdapter"
+    (event,) = await eventually_(lambda: warned("cramped"), what="a Warning event on cramped")
+    assert event["reason"] == "NoRoom" and event["involvedObject"]["kind"] == "BaseModel"
