@@ -143,6 +143,10 @@ class Request:
     def _finish(self, reason: str) -> None:
         if self.detok is not None and self._text_end is None:
             self.detok.flush()
+            # The flushed tail (tokens held back as they ended in half a UTF-8 character) was
+            # never searched: a stop string it completes still cuts the text and is the reason.
+            if self.params.stop and reason in ("stop", "length") and self._find_stop():
+                reason = "stop"
         self.state = State.FINISHED
         self.finish_reason = reason
 
