@@ -64,3 +64,38 @@ def test_a_multi_byte_stop_string_split_over_tokens():
     assert "".join(deltas) == "ok日" and req.finish_reason == "stop"
     deltas, req = run(SamplingParams(max_tokens=10), pieces)
     assert "".join(deltas) == "ok日本x" and all("\ufffd" not in d for d in deltas)
+
+
+def test_random_byte_pieces_and_stop_strings_keep_the_stream_consistent():
+    """Random byte-level pieces of multi-byte text, random stop strings: the joined deltas
+    are a prefix of the whole decode, hold no stop string, and a request ended by length
+    never generated one."""
+    import random
+
+    chars = "ab日本—x"
+    rng = random.Random(0)
+    pieces = set()
+    for _ in range(300):
+        s = "".join(rng.choice(chars) for _ in range(3)).encode()
+        i = rng.randrange(len(s))
+        pieces.add(s[i:rng.randrange(i + 1, len(s) + 1)])
+    vocab = [b"<s>", b"</s>", *sorted(pieces)]
+
+    class Tok:
+        special_ids = frozenset({0, 1})
+
+        def decode(self, ids):
+            return b"".join(vocab[i] for i in ids if i > 1).decode("utf-8", "replace")
+
+    for _ in range(3000):
+        stops = ["".join(rng.choice(chars) for _ in range(rng.randrange(1, 4))) for _ in range(rng.randrange(3))]
+        req = Request.new("r", [0], SamplingParams(max_tokens=rng.randrange(1, 15), stop=stops), None, 0, Tok())
+        toks, deltas = [], []
+        while not req.finished:
+            toks.append(1 if rng.random() < 0.03 else rng.randrange(2, len(vocab)))
+            req.append(toks[-1], (1,), 1000)
+            deltas.append(req.take_output().text)
+        out, full = "".join(deltas), Tok().decode(toks)
+        assert full.startswith(out) and not any(s in out for s in stops), (stops, toks)
+        if req.finish_reason == "length":
+            assert not any(s in full for s in stops), (stops, toks)
