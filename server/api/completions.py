@@ -63,6 +63,11 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
     # Tokenizing a long text takes seconds: off the event loop, which serves every stream.
     prompts, prompt_texts = await asyncio.to_thread(_prompts, engine, body)
     params = body.sampling(16 if body.max_tokens is None else body.max_tokens, echo=body.echo)
+    if params.stop and engine.engine.tokenizer is None:
+        # Without a tokenizer there is no text to find a stop string in: refused (as vLLM does
+        # without detokenization), not ignored while the request runs on to max_tokens.
+        raise APIError(400, "this server has no tokenizer: stop strings cannot be matched; use stop_token_ids",
+                       param="stop")
     streams = open_choices(engine, prompts, body, params, adapter)
     n, rid, created = body.n, new_id("cmpl"), now()
     want_logprobs = params.logprobs is not None
