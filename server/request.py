@@ -104,8 +104,9 @@ class Request:
         if (not p.ignore_eos and token in eos_ids) or token in p.stop_ids:
             return self._finish("stop")
         if self.detok is not None:
+            searched = len(self.detok.text)
             self.detok.add(token)
-            if p.stop and self._find_stop():
+            if p.stop and self._stop_armed() and self._find_stop(searched):
                 return self._finish("stop")
         if self._at_length(len(self.output_ids), max_len):
             return self._finish("length")
@@ -142,20 +143,26 @@ class Request:
 
     def _finish(self, reason: str) -> None:
         if self.detok is not None and self._text_end is None:
+            searched = len(self.detok.text)
             self.detok.flush()
             # The flushed tail (tokens held back as they ended in half a UTF-8 character) was
             # never searched: a stop string it completes still cuts the text and is the reason.
-            if self.params.stop and reason in ("stop", "length") and self._find_stop():
+            if (self.params.stop and reason in ("stop", "length") and self._stop_armed()
+                    and self._find_stop(searched)):
                 reason = "stop"
         self.state = State.FINISHED
         self.finish_reason = reason
 
-    def _find_stop(self) -> bool:
+    def _stop_armed(self) -> bool:
+        """Stop strings count once more than min_tokens tokens are out (vLLM's rule), as EOS
+        and stop_token_ids may be sampled only from then on (`banned_tokens`)."""
+        return len(self.output_ids) > self.params.min_tokens
+
+    def _find_stop(self, searched: int) -> bool:
+        """A stop string that ends in the text past `searched` (its length when last looked
+        at): an older one was either found then or lay in the min_tokens, where none count."""
         text = self.detok.text
-        longest = max(len(s) for s in self.params.stop)
-        # Only the tail can hold a new match: the last delta plus a stop string's length.
-        start = max(0, self._emitted_chars - longest)
-        hits = [i for i in (text.find(s, start) for s in self.params.stop) if i >= 0]
+        hits = [i for i in (text.find(s, max(0, searched - len(s) + 1)) for s in self.params.stop) if i >= 0]
         if hits:
             self._text_end = min(hits)
             return True
