@@ -6,6 +6,7 @@ Gateway API Inference Extension's endpoint picker reads."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import threading
@@ -243,6 +244,16 @@ def test_lora_requests_info_never_scrapes_empty_while_it_changes():
     """A scrape renders on the event loop's thread while another scrape's refresh runs on the
     engine's: the series was cleared, then set, so a render between the two found no
     vllm:lora_requests_info at all (the endpoint picker then has no adapters for the pod)."""
+    with flapping_lora_state() as (metrics, states):
+        for _ in range(3000):
+            running, waiting, max_lora = epp_lora_info(metrics.render().decode())
+            assert (running, waiting) in states and max_lora == 4
+
+
+@contextlib.contextmanager
+def flapping_lora_state():
+    """(metrics, states): EngineMetrics refreshed without pause on another thread from a stub
+    engine whose (running, waiting) adapters alternate between the two `states`, 4 slots."""
     from types import SimpleNamespace as NS
 
     from loraplex.server.metrics import EngineMetrics
@@ -261,9 +272,7 @@ def test_lora_requests_info_never_scrapes_empty_while_it_changes():
     thread = threading.Thread(target=refresh)
     thread.start()
     try:
-        for _ in range(3000):
-            running, waiting, max_lora = epp_lora_info(metrics.render().decode())
-            assert (running, waiting) in states and max_lora == 4
+        yield metrics, states
     finally:
         stop.set()
         thread.join()

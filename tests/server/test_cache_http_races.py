@@ -11,12 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loraplex.server.api.app import create_app
-from loraplex.server.engine import LLMEngine
-
-from .conftest import LiveServer
 from .test_adapter_cache import check_invariants, write_adapter
-from .test_adapter_cache_http import completion, gate_loads, settings
+# serve: the fixture, on this module's own disk
+from .test_adapter_cache_http import completion, gate_loads, serve  # noqa: F401
 from .test_http import error_of
 
 
@@ -25,22 +22,6 @@ def disk(tmp_path) -> Path:
     for i, name in enumerate(["a", "b", "c", "slow"]):
         write_adapter(tmp_path / name, seed=i)
     return tmp_path
-
-
-@pytest.fixture
-def serve(disk):
-    servers = []
-
-    def start(**kw) -> LiveServer:
-        engine = LLMEngine.from_settings(settings(disk, **kw))
-        server = LiveServer(create_app(engine)).__enter__()
-        server.engine = engine
-        servers.append(server)
-        return server
-
-    yield start
-    for s in servers:
-        s.__exit__(None, None, None)
 
 
 def rows(client: httpx.Client) -> dict[str, dict]:

@@ -17,7 +17,7 @@ from loraplex.server.engine import LLMEngine
 
 from .conftest import LiveServer
 from .test_adapter_cache import write_adapter
-from .test_adapter_cache_http import completion, epp_lora_info, gate_loads, settings
+from .test_adapter_cache_http import completion, epp_lora_info, flapping_lora_state, gate_loads, settings
 
 NAMES = ["a.b", "c-d", "e@f", "g+h", "slow"]  # the punctuation adapter names may hold
 
@@ -198,26 +198,7 @@ def test_lora_requests_info_is_one_series_in_every_scrape_while_it_changes():
     rendering in between (two scrapers at once: Prometheus and the picker) see both, the old
     one first, so the newer picker read the adapters of the moment before. Every scrape must
     hold exactly one series, the one last set."""
-    import itertools
-    import threading
-    from types import SimpleNamespace as NS
-
-    from loraplex.server.metrics import EngineMetrics
-
-    states = [(["a"], []), (["b"], ["a"])]
-    turn = itertools.count()
-    engine = NS(scheduler=NS(running={}, waiting=[]), kv=NS(num_free=1, rows=2), lora=NS(num_slots=4),
-                adapters=NS(list=list, refresh_metrics=lambda: None), lora_state=lambda: states[next(turn) % 2])
-    metrics = EngineMetrics()
-    stop = threading.Event()
-
-    def refresh() -> None:
-        while not stop.is_set():
-            metrics.refresh(engine)
-
-    thread = threading.Thread(target=refresh)
-    thread.start()
-    try:
+    with flapping_lora_state() as (metrics, states):
         for _ in range(2000):
             family = families(metrics.render().decode())["vllm:lora_requests_info"]
             assert len(family.samples) == 1, family.samples
@@ -227,6 +208,3 @@ def test_lora_requests_info_is_one_series_in_every_scrape_while_it_changes():
             waiting = [x for x in labels["waiting_lora_adapters"].split(",") if x]
             assert (running, waiting) in states and labels["max_lora"] == "4"
             assert family.samples[0].value > 1e9  # a Unix time, the update's
-    finally:
-        stop.set()
-        thread.join()
