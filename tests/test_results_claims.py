@@ -217,7 +217,7 @@ def test_peer_rank_64_headline_is_its_json():
 
 
 def test_peer_layer_headline_is_its_json():
-    run = load("peer_kernels_h200_layer.json")
+    run = load("peer_kernels_h200_layer_wide_steps.json")
     rows = run["layer_results"]
     assert {r["rank"] for r in rows} == {16} and all("sglang_v2_overlap" in r["layer_us"] for r in rows)
     ratios = [r["ours_layer_over_best_peer"] for r in rows]
