@@ -55,6 +55,11 @@ class AdapterError(ValueError):
     """An adapter that cannot be served on this base; the message says which part and why."""
 
 
+class AdapterNotFoundError(AdapterError):
+    """No adapter at the path: no such directory, or one without an adapter_config.json
+    (vLLM's "No adapter found", a 404 from load_lora_adapter)."""
+
+
 @dataclass(frozen=True)
 class BaseSpec:
     """What an adapter must fit: the base's projection shapes and the server's limits."""
@@ -458,9 +463,9 @@ def read_config(path: str | Path) -> dict:
     path = Path(path)
     cfg_file = path / CONFIG_FILE
     if not path.is_dir():
-        raise AdapterError(f"{path}: not a directory")
+        raise AdapterNotFoundError(f"{path}: not a directory")
     if not cfg_file.is_file():
-        raise AdapterError(f"{path}: no {CONFIG_FILE}")
+        raise AdapterNotFoundError(f"{path}: no {CONFIG_FILE}")
     with cfg_file.open("rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size > MAX_CONFIG_BYTES:  # checked before it is read: it would all be in memory

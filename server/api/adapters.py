@@ -1,6 +1,7 @@
 """Adapter admin, as vLLM's: POST /v1/load_lora_adapter {lora_name, lora_path} and
 POST /v1/unload_lora_adapter {lora_name}. A refused adapter gets a 400 whose message says
-which part does not fit and why; the server keeps serving everything else."""
+which part does not fit and why, a path that holds no adapter a 404 (as vLLM answers "No
+adapter found"); the server keeps serving everything else."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
 from ..adapter_cache import AdapterExistsError, AdapterPinnedError
-from ..adapter_format import AdapterError
+from ..adapter_format import AdapterError, AdapterNotFoundError
 from ..adapter_names import InvalidAdapterName, check_adapter_name
 from ..engine import AsyncEngine
 from .deps import get_engine
@@ -36,6 +37,9 @@ async def load_lora_adapter(body: LoadAdapterRequest, engine: AsyncEngine = Depe
         slot = await engine.load_adapter(body.lora_name, body.lora_path)
     except AdapterExistsError as e:  # the name, not the path: not an adapter that does not fit
         raise APIError(400, str(e), param="lora_name", code="adapter_exists") from None
+    except AdapterNotFoundError as e:
+        raise APIError(404, f"No adapter found for {body.lora_name!r} at {body.lora_path}: {e}",
+                       param="lora_path", code="adapter_not_found") from None
     except AdapterError as e:
         log.warning("adapter %s refused: %s", body.lora_name, e)
         raise APIError(400, f"adapter {body.lora_name!r} refused: {e}", param="lora_path",

@@ -236,8 +236,14 @@ def test_load_unload_and_refused_adapters(served, hf_llama, tmp_path):
         assert "do not fit the base" in reasons["other-shapes"]
         assert "rank 32 exceeds" in reasons["rank-too-big"]
         assert "embed_tokens" in reasons["embeddings"]
-        r = c.post("/v1/load_lora_adapter", json={"lora_name": "missing", "lora_path": str(tmp_path / "nowhere")})
-        assert r.status_code == 400
+        # A path that holds no adapter is a 404, as vLLM answers "No adapter found": no such
+        # folder, or a folder without adapter_config.json.
+        (tmp_path / "empty").mkdir()
+        for where in ("nowhere", "empty"):
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": "missing", "lora_path": str(tmp_path / where)})
+            assert r.status_code == 404, r.text
+            assert error_of(r)["type"] == "not_found_error" and error_of(r)["code"] == "adapter_not_found"
+            assert error_of(r)["param"] == "lora_path" and str(tmp_path / where) in error_of(r)["message"]
         # The others keep serving, unchanged.
         assert c.post("/v1/completions", json=probe).json()["choices"][0]["text"] == before
         ids = {m["id"] for m in c.get("/v1/models").json()["data"]}
