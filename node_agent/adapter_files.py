@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loraplex.server.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError, read_safetensors_header
+from loraplex.server.adapter_format import (CONFIG_FILE, PEFT_DEFAULT_ALPHA, PEFT_DEFAULT_R, WEIGHTS_FILE, AdapterError,
+                                            _is_count, _is_number, read_safetensors_header)
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "MAX_CONFIG_BYTES", "InvalidAdapter", "check_adapter_dir"]
 
@@ -31,12 +32,18 @@ def check_config(path: Path) -> dict:
         raise InvalidAdapter(f"{CONFIG_FILE}: not JSON ({e})") from None
     if not isinstance(config, dict):
         raise InvalidAdapter(f"{CONFIG_FILE}: not a JSON object")
-    peft_type = config.get("peft_type", "LORA")
+    # The fields as the server reads them (adapter_format.read_adapter): a key left out takes
+    # peft's LoraConfig default (r 8, lora_alpha 8), peft_type in any case. Refusing more than
+    # the server does would fail for good an adapter it serves.
+    peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise InvalidAdapter(f"{CONFIG_FILE}: peft_type {peft_type!r}, not 'LORA'")
-    r = config.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+    r = config.get("r", PEFT_DEFAULT_R)
+    if not _is_count(r) or r < 1:
         raise InvalidAdapter(f"{CONFIG_FILE}: r must be a positive integer, got {r!r}")
+    alpha = config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
+    if not _is_number(alpha):
+        raise InvalidAdapter(f"{CONFIG_FILE}: lora_alpha must be a finite number, got {alpha!r}")
     return config
 
 
