@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loraplex.server.adapter_format import (CONFIG_FILE, PEFT_DEFAULT_ALPHA, PEFT_DEFAULT_R, WEIGHTS_FILE, AdapterError,
-                                            _is_count, _is_number, read_safetensors_header)
+from loraplex.server.adapter_format import (CONFIG_FILE, MAX_CONFIG_BYTES, PEFT_DEFAULT_ALPHA, PEFT_DEFAULT_R,
+                                            WEIGHTS_FILE, AdapterError, _is_count, _is_number,
+                                            read_safetensors_header)
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "MAX_CONFIG_BYTES", "InvalidAdapter", "check_adapter_dir"]
-
-MAX_CONFIG_BYTES = 1 << 20
 
 # The agent's name for the format's error: the directory is not a whole PEFT LoRA adapter.
 InvalidAdapter = AdapterError

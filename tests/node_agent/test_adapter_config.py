@@ -76,3 +76,14 @@ async def test_a_config_without_r_is_staged(tmp_path):
     store = AdapterStore(tmp_path / "cache", 10**9)
     staged = await store.stage(AdapterRef("a", str(tmp_path / "src" / "a"), sha))
     assert read_adapter(staged.path, BASE).rank == 8
+
+
+@pytest.mark.parametrize("nbytes, served", [(2 << 20, True), ((16 << 20) + 1, False)])
+def test_agent_and_server_agree_on_the_config_size(tmp_path, nbytes, served):
+    """A long rank_pattern (here: a long string beside it) up to the server's limit."""
+    make_adapter(tmp_path, rank=8)
+    config = json.dumps({"peft_type": "LORA", "r": 8, **TARGETS, "notes": ""})
+    (tmp_path / CONFIG_FILE).write_text(config[:-2] + "x" * (nbytes - len(config)) + '"}')
+    assert (tmp_path / CONFIG_FILE).stat().st_size == nbytes
+    assert _verdict(lambda d: read_adapter(d, BASE), tmp_path) is served
+    assert _verdict(check_adapter_dir, tmp_path) is served
