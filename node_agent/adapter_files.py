@@ -27,7 +27,7 @@ def check_config(path: Path) -> dict:
         raise InvalidAdapter(f"{CONFIG_FILE}: {len(raw)} bytes, more than {MAX_CONFIG_BYTES}")
     try:
         config = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise InvalidAdapter(f"{CONFIG_FILE}: not JSON ({e})") from None
     if not isinstance(config, dict):
         raise InvalidAdapter(f"{CONFIG_FILE}: not a JSON object")

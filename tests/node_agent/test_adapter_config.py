@@ -87,3 +87,13 @@ def test_agent_and_server_agree_on_the_config_size(tmp_path, nbytes, served):
     assert (tmp_path / CONFIG_FILE).stat().st_size == nbytes
     assert _verdict(lambda d: read_adapter(d, BASE), tmp_path) is served
     assert _verdict(check_adapter_dir, tmp_path) is served
+
+
+def test_a_config_nested_too_deep_is_refused_as_the_server_refuses_it(tmp_path):
+    """json's RecursionError is a bad config (InvalidAdapter, as the server's AdapterError), not
+    a disk error the warmer would retry for ever."""
+    make_adapter(tmp_path, rank=8)
+    (tmp_path / CONFIG_FILE).write_text("[" * 100_000 + "]" * 100_000)
+    assert not _verdict(lambda d: read_adapter(d, BASE), tmp_path)
+    with pytest.raises(InvalidAdapter, match="not JSON"):
+        check_adapter_dir(tmp_path)
