@@ -52,7 +52,8 @@ from .adapter_format import (
     staged_version,
 )
 from .adapter_names import is_adapter_name
-from .adapter_sources import AdapterLoadError, Fetched, fetch_adapter, load_error, redact
+from .adapter_sources import (AdapterLoadError, Fetched, fetch_adapter, load_error, redact,
+                              sweep_abandoned_fetches)
 from .adapters import AdapterId, LoRABuffers
 from .disk_read import DiskRead, PlanCache, files_stamp
 from .host_tier import HostCopy, HostTier, read_into_host
@@ -93,6 +94,8 @@ class AdapterLoader:
         self.unstaged = unstaged  # the cache's: unstage (slot back, stage first); None: fetch in the load
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self.node_agent_url = node_agent_url.rstrip("/") if node_agent_url else None
+        if self.cache_dir is not None and self.node_agent_url is None:
+            sweep_abandoned_fetches(self.cache_dir)  # what a crash of this server's fetches left
         self.namespace = namespace  # the server's Kubernetes namespace: the node agent's folder for it
         self.clock = clock
         self.pin_memory = buffers.device.type == "cuda"

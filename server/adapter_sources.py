@@ -6,7 +6,8 @@
                           and renames into <cache_dir>/sql/ (node_agent/store.py)
       without one:        a local path or file:// source is read in place (sha256 checked);
                           http(s) is downloaded here into <cache_dir>/sql/ (temporary folder,
-                          sha256 check, rename: a crash never leaves a half adapter that looks whole)
+                          sha256 check, rename: a crash never leaves a half adapter that looks whole;
+                          a crash's temporary folder is removed once idle, sweep_abandoned_fetches)
 
 Every failure of a load, here or later (reading, checking, copying), becomes one
 `AdapterLoadError` with a clear message and a one-word `reason` for the metrics:
@@ -18,8 +19,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +116,42 @@ def _stage_through_agent(name: str, source: str, sha256: str | None, cache_dir: 
     return path
 
 
+# A download here writes its temporary folder at least every FETCH_READ_TIMEOUT seconds, or
+# fails and removes it. One untouched for ABANDONED_FETCH_SECONDS was left by a process that
+# died mid-fetch (killed, OOM, the node rebooted): nothing will ever finish or remove it.
+FETCH_READ_TIMEOUT = 60.0
+ABANDONED_FETCH_SECONDS = 600.0
+# tempfile.mkdtemp(prefix=".<name head>.")'s names: eight of its random characters after it.
+_FETCH_TMP = re.compile(r"\.[a-z0-9][a-z0-9.-]*\.[a-z0-9_]{8}")
+
+
+def sweep_abandoned_fetches(cache_dir: Path, now: float | None = None,
+                            idle_seconds: float = ABANDONED_FETCH_SECONDS) -> list[str]:
+    """Remove the temporary folders of direct fetches into `cache_dir` that nothing has
+    written for `idle_seconds` (left by a process that died mid-fetch; each holds up to a
+    whole adapter's bytes). Another process's fetch in flight writes more often than that,
+    and the node agent's folders are not named so. Returns the names removed."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        children = list(cache_dir.iterdir())
+    except FileNotFoundError:
+        return removed
+    for child in children:
+        if not _FETCH_TMP.fullmatch(child.name) or child.is_symlink() or not child.is_dir():
+            continue
+        try:
+            touched = max([child.stat().st_mtime, *(f.stat().st_mtime for f in child.iterdir())])
+        except FileNotFoundError:  # finished or removed meanwhile
+            continue
+        if now - touched >= idle_seconds:
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child.name)
+    if removed:
+        log.warning("removed %d abandoned fetch folder(s) from %s: %s", len(removed), cache_dir, ", ".join(removed))
+    return removed
+
+
 def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | None) -> Path:
     src = source[len("file://"):] if source.startswith("file://") else source
     if "://" not in src:
@@ -130,13 +169,14 @@ def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | 
     import httpx
 
     cache_dir.mkdir(parents=True, exist_ok=True)
+    sweep_abandoned_fetches(cache_dir)
     # The name's head only: ".<name>.<random>" of a 253-character name is past NAME_MAX (255).
     tmp = Path(tempfile.mkdtemp(prefix=f".{name[:64]}.", dir=cache_dir))
     try:
         prefix, _, query = src.partition("?")
         for filename in (CONFIG_FILE, WEIGHTS_FILE):
             url = f"{prefix.rstrip('/')}/{filename}" + (f"?{query}" if query else "")
-            with httpx.stream("GET", url, timeout=60, follow_redirects=True) as r:
+            with httpx.stream("GET", url, timeout=FETCH_READ_TIMEOUT, follow_redirects=True) as r:
                 if r.status_code != 200:
                     raise AdapterLoadError(name, "fetch", f"GET {redact(url)}: HTTP {r.status_code}")
                 with (tmp / filename).open("wb") as f:

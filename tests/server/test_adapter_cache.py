@@ -1186,3 +1186,25 @@ def test_a_pending_load_whose_requests_all_left_is_called_off(disk):
     assert cache.acquire("b") == -1  # a new request for it queues the load again
     cache.release("b")
     check_invariants(cache)
+
+
+def test_a_server_start_removes_what_a_crash_of_its_fetches_left(tmp_path):
+    """Without a node agent the server downloads into its cache dir itself; a folder a killed
+    fetch left there (idle past ABANDONED_FETCH_SECONDS) is removed when a cache starts on it,
+    and adapters staged there stay. With a node agent the folder is the agent's, left alone."""
+    from loraplex.server.adapter_sources import ABANDONED_FETCH_SECONDS
+
+    write_adapter(tmp_path / "a", seed=1)
+    old = time.time() - ABANDONED_FETCH_SECONDS - 5
+    for name in (".b.abcdefgh", ".c.12345678"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+        for p in (tmp_path / name / "adapter_model.safetensors", tmp_path / name):
+            os.utime(p, (old, old))
+    AdapterCache(LoRABuffers(CFG, 2, RANK, torch.device("cpu"), torch.float32), base_spec(), cache_dir=tmp_path,
+                 node_agent_url="http://127.0.0.1:9").close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".b.abcdefgh", ".c.12345678", "a"]
+    cache = make_cache(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    assert cache.prefetch("a").result(10) >= 0
+    cache.close()

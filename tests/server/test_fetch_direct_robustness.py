@@ -86,3 +86,43 @@ def test_a_failed_refetch_leaves_the_version_staged_before(tmp_path):
             fetch_adapter("a", f"{src.url}/a", None, cache, None)
     assert (cache / "a" / "adapter_model.safetensors").read_bytes() == whole
     assert sorted(p.name for p in cache.iterdir()) == ["a"]
+
+
+def test_a_crashed_fetch_s_folder_is_removed_once_idle_and_nothing_else(tmp_path):
+    """A server killed mid-download left <cache>/.<name>.<random>/ with part of the adapter's
+    bytes, and no later start or fetch ever removed it: a node's disk filled with them. A fetch
+    (and a server's start) removes the ones nothing has written for ABANDONED_FETCH_SECONDS; a
+    fetch in flight elsewhere, adapters, and the node agent's folders stay."""
+    import os
+    import time
+
+    from loraplex.server.adapter_sources import ABANDONED_FETCH_SECONDS, sweep_abandoned_fetches
+
+    cache = tmp_path / "cache"
+    _adapter(cache / "kept")
+    old = time.time() - ABANDONED_FETCH_SECONDS - 5
+
+    def folder(name: str, touched: float) -> Path:
+        d = cache / name
+        d.mkdir()
+        (d / "adapter_model.safetensors").write_bytes(b"\0" * 1024)
+        for p in (d / "adapter_model.safetensors", d):
+            os.utime(p, (touched, touched))
+        return d
+
+    folder(".sql-v2.k3j_9x0a", old)  # a crash's
+    folder(".tmp", old)  # the node agent's downloads folder, were the cache its
+    live = folder(".chat.abcd1234", time.time() - 30)  # a fetch in flight, written 30 s ago
+    stale_dir_fresh_file = folder(".qa.zzzzzzzz", old)
+    os.utime(stale_dir_fresh_file / "adapter_model.safetensors")  # still being written
+    for p in (cache / "kept", cache / "kept" / "adapter_config.json"):
+        os.utime(p, (old, old))
+
+    _adapter(tmp_path / "src" / "a")
+    with _Source(tmp_path / "src") as src:
+        fetch_adapter("a", f"{src.url}/a", None, cache, None)
+    assert sorted(p.name for p in cache.iterdir()) == [".chat.abcd1234", ".qa.zzzzzzzz", ".tmp", "a", "kept"]
+    # Once the one in flight is idle as long, it goes too.
+    later = time.time() + ABANDONED_FETCH_SECONDS
+    assert sorted(sweep_abandoned_fetches(cache, now=later)) == [live.name, stale_dir_fresh_file.name]
+    assert sorted(p.name for p in cache.iterdir()) == [".tmp", "a", "kept"]
