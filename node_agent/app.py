@@ -19,7 +19,7 @@ Errors: {"error": {"reason": "DigestMismatch", "message": "..."}} with 400 (bad 
 unsupported source), 404 (source or plan adapter not found, or no such endpoint), 405 (wrong
 method), 409 (removed from the plan, or superseded by a version asked for later, while it
 downloaded; or a version of a plan adapter other than the plan's), 413 (body too large), 422 (digest or adapter files wrong), 502 (source cut the
-download or failed), 507 (disk budget, or the disk itself full).
+download, stalled or failed), 507 (disk budget, or the disk itself full).
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class AgentConfig:
     server_poll_seconds: float = 2.0
     plan_selector: str | None = None  # label selector of plan ConfigMaps to follow, found in plan_namespace
     plan_namespace: str | None = None
+    download_stall_seconds: float = 60.0  # a download that brings fewer than download_stall_bytes
+    download_stall_bytes: int = 64 * 1024  # in this many seconds fails as Stalled
 
 
 @dataclass
@@ -130,7 +132,8 @@ class Agent:
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=15, sock_read=60))
         self.store = AdapterStore(c.cache_dir, c.budget_bytes, c.max_concurrent_downloads,
-                                  session=self.session, metrics=self.metrics)
+                                  session=self.session, metrics=self.metrics,
+                                  stall_seconds=c.download_stall_seconds, stall_bytes=c.download_stall_bytes)
         if c.kube_api_url:
             self._api = KubeAPI(c.kube_api_url, self.session, token_file=c.kube_token_file, ca_file=c.kube_ca_file)
         if (c.plan_configmaps or c.plan_selector) and self._api is None:

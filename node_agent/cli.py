@@ -47,6 +47,16 @@ class Settings:
     max_concurrent_downloads: int = 4
     """Adapter downloads running at once, at most. Default: 4."""
 
+    download_stall_seconds: float = 60.0
+    """A download whose source sends fewer than --download-stall-bytes in this many seconds
+    of waiting on it (or no HTTP answer's headers in as long) fails as Stalled, and is
+    retried: a source that trickles would hold a download slot for ever. Default: 60.0."""
+
+    download_stall_bytes: int = 64 * 1024
+    """The least bytes a download's source sends in each --download-stall-seconds (the
+    default pair is about 1 KiB/s, far below a real link; 0: only a source silent that long
+    stalls). Default: 65536."""
+
     plan_file: Path | None = None
     """The operator's plan (the ConfigMap <base>-plan, key plan.json, mounted), e.g.
     /etc/loraplex/plan/plan.json. Default: none (stage on request only)."""
@@ -112,6 +122,10 @@ class Settings:
             raise ValueError(f"--port must be 1..65535, got {self.port}")
         if not (0 < self.poll_seconds < math.inf and 0 < self.server_poll_seconds < math.inf):  # nan too
             raise ValueError("--poll-seconds and --server-poll-seconds must be positive and finite")
+        if not 0 < self.download_stall_seconds < math.inf:
+            raise ValueError(f"--download-stall-seconds must be positive and finite, got {self.download_stall_seconds}")
+        if self.download_stall_bytes < 0:
+            raise ValueError(f"--download-stall-bytes must not be negative, got {self.download_stall_bytes}")
         if self.plan_file is not None and (self.plan_configmap or self.plan_selector is not None):
             raise ValueError("give --plan-file or the plans of the API (--plan-configmap, --plan-selector), not both")
         for item in self.plan_configmap:
@@ -164,6 +178,8 @@ class Settings:
             cache_dir=self.cache_dir,
             budget_bytes=self.budget_bytes,
             max_concurrent_downloads=self.max_concurrent_downloads,
+            download_stall_seconds=self.download_stall_seconds,
+            download_stall_bytes=self.download_stall_bytes,
             plan_file=self.plan_file,
             plan_configmaps=tuple(self.plan_configmap),
             server_urls=tuple(self.server_url),

@@ -45,7 +45,9 @@ least recently used first.
 At most `max_concurrent_downloads` downloads run at once; concurrent requests for the same
 adapter version share one download. Downloads of different versions of one name that
 overlap end as they were asked for: one that ends after a version asked for later was
-staged is dropped (`Superseded`), never put back over it.
+staged is dropped (`Superseded`), never put back over it. A download whose source sends
+fewer than `stall_bytes` in `stall_seconds` of waiting on it fails as `Stalled` (sources.Stall),
+so that a source that trickles does not hold a download slot for ever.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ from loraplex.node_agent.adapter_files import (
 )
 from loraplex.node_agent.convert import serving_copy_size, write_serving_copy
 from loraplex.node_agent.metrics import Metrics
-from loraplex.node_agent.sources import Fetch, SourceError, open_source, redact, source_digest
+from loraplex.node_agent.sources import Fetch, SourceError, Stall, open_source, redact, source_digest
 from loraplex.server.adapter_format import (SERVING_DTYPES, STAGED_META_FILE, read_safetensors_header,
                                             serving_weights_name)
 from loraplex.server.adapter_names import InvalidAdapterName, check_adapter_name, is_namespace
@@ -99,6 +101,7 @@ REASON_STATUS = {
     "Truncated": 502,
     "HTTPError": 502,
     "Unreachable": 502,
+    "Stalled": 502,  # the source sent less than the least rate (sources.Stall)
     "BudgetExceeded": 507,
     "DiskFull": 507,  # the disk itself, under the budget (ENOSPC, EDQUOT)
     "DiskError": 500,
@@ -221,12 +224,20 @@ class AdapterStore:
         session: aiohttp.ClientSession | None = None,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.time,
+        stall_seconds: float = Stall.seconds,
+        stall_bytes: int = Stall.min_bytes,
     ) -> None:
         if budget_bytes <= 0 or max_concurrent_downloads <= 0:
             raise ValueError("budget_bytes and max_concurrent_downloads must be positive")
+        if not 0 < stall_seconds < float("inf") or stall_bytes < 0:
+            raise ValueError("stall_seconds must be positive and finite, stall_bytes not negative")
         self.root = Path(root)
         self.budget_bytes = budget_bytes
         self.max_concurrent_downloads = max_concurrent_downloads
+        # A download that brings fewer than stall_bytes in stall_seconds of waiting on its source
+        # fails as Stalled (retried): a source that trickles would hold a download slot for ever.
+        self.stall_seconds = stall_seconds
+        self.stall_bytes = stall_bytes
         self._session = session
         self.metrics = metrics or Metrics()
         # Every reason's failure series from the start, at 0: one born at 1 is missed by
@@ -368,7 +379,7 @@ class AdapterStore:
 
     async def _fetch_verify_place(self, ref: AdapterRef, generation: int, asked: int) -> StagedAdapter:
         try:
-            source = open_source(ref.source, self._session)
+            source = open_source(ref.source, self._session, Stall(self.stall_seconds, self.stall_bytes))
         except SourceError as e:
             raise StoreError(e.reason, str(e)) from None
         tmp = Path(await asyncio.to_thread(_mkdtemp, self._tmp_dir, ref.name[:64]))  # (a name: 253 max)

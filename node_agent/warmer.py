@@ -240,8 +240,8 @@ class WarmResult:
 
 # Staging failures worth retrying without a new plan (with backoff). Superseded: another
 # version of the name, asked for by someone else, was staged over the plan's; the plan wins.
-RETRYABLE = frozenset({"NotFound", "Truncated", "Unreachable", "HTTPError", "DiskError", "DiskFull",
-                       "Superseded"})
+RETRYABLE = frozenset({"NotFound", "Truncated", "Unreachable", "Stalled", "HTTPError", "DiskError",
+                       "DiskFull", "Superseded"})
 
 
 # Failures of the adapter itself (its files, its digest, its source URI), not of the node.
