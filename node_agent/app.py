@@ -39,6 +39,7 @@ from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 from loraplex.node_agent.tasks import TaskGuard
 from loraplex.node_agent.kube import FoundPlan, KubeAPI, KubePods, ListedPlan, PlanConfigMap, PlanMirrors, StatusReporter
 from loraplex.node_agent.warmer import PlanFile, PlanSource, ServerDiscovery, StaticServers, Warmer
+from loraplex.server.adapter_names import is_namespace
 
 log = logging.getLogger(__name__)
 
@@ -409,6 +410,9 @@ async def start_session(request: web.Request) -> web.Response:
     name, namespace = body.get("model"), body.get("namespace")
     if not isinstance(name, str) or not name:
         return error("InvalidRequest", "field 'model' (the adapter name) is required", 400)
+    if namespace is not None and not is_namespace(namespace):  # as /v1/stage refuses it
+        return error("InvalidRequest", f"namespace {namespace!r} is not a Kubernetes namespace name "
+                     "(a DNS-1123 label: 1-63 lowercase letters, digits and '-')", 400)
     agent = _agent(request)
     listing = [w for w in agent.warmers if w.plan is not None and name in w.plan.adapters
                and (namespace is None or w.namespace == namespace)]

@@ -42,3 +42,15 @@ async def test_the_api_own_errors_keep_their_reasons(client):
     assert r.status == 404 and (await r.json())["error"]["reason"] == "UnknownAdapter"
     r = await client.get("/healthz")
     assert r.status == 200
+
+
+@pytest.mark.parametrize("namespace", [5, "", "Team_A", ["team-a"]])
+async def test_a_session_naming_no_namespace_name_is_a_400_as_a_stage_is(client, namespace):
+    """A `namespace` that cannot be one (not a DNS-1123 label) is the request's fault, as
+    /v1/stage answers it, not a 404 'in no plan of namespace 5'."""
+    for path, body in (("/v1/sessions", {"model": "x", "namespace": namespace}),
+                       ("/v1/stage", {"name": "x", "source": "/x", "namespace": namespace})):
+        r = await client.post(path, json=body)
+        assert r.status == 400, (path, await r.text())
+        err = (await r.json())["error"]
+        assert err["reason"] == "InvalidRequest" and "namespace" in err["message"]
