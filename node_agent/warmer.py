@@ -39,6 +39,7 @@ server check, so a server that is down or hung holds up neither the others nor t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import logging
@@ -538,6 +539,8 @@ class Warmer:
             os.replace(tmp, path)
         except OSError as e:
             log.warning("cannot record the plan's adapters in %s: %s", path, e)
+            with contextlib.suppress(OSError):  # a part of it, left for good: nothing else removes it
+                tmp.unlink(missing_ok=True)
             return
         self._recorded = state
 

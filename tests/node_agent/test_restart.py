@@ -79,3 +79,25 @@ async def test_a_staged_file_cut_short_on_disk_is_dropped_at_start(tmp_path, ses
     assert (root / "copycut" / WEIGHTS_FILE).is_file()
     plain = sum((tmp_path / "src" / "copycut" / f).stat().st_size for f in ("adapter_config.json", WEIGHTS_FILE))
     assert again.get("copycut").bytes == plain  # what is left of it, counted
+
+
+async def test_a_record_that_cannot_be_written_leaves_no_temporary_file(tmp_path, session, monkeypatch):
+    """The plan's record is written under a temporary name and renamed; a disk full as it
+    was written left `.plan-adapters.json.tmp` in the cache for good (nothing removes it)."""
+    import errno
+    import pathlib
+
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    warmer = Warmer(store, None, session)
+    real = pathlib.Path.write_text
+
+    def full(self, data, *args, **kwargs):
+        real(self, data[: len(data) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    warmer._record({"adapters": ["a", "b"], "pinned": ["a"]})
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".store", ".tmp"]
+    warmer._record({"adapters": ["a", "b"], "pinned": ["a"]})  # room again: written (it was not before)
+    assert warmer._last_run() == {"adapters": ["a", "b"], "pinned": ["a"]}
