@@ -651,7 +651,11 @@ class AdapterStore:
             _fsync_dir(store_dir.parent)
             _fsync_dir(store_dir.parent.parent)
         os.rename(tmp, store_dir / blob)
-        _fsync_dir(store_dir)
+        try:
+            _fsync_dir(store_dir)
+        except BaseException:  # out of .tmp (which the caller clears), in no entry: not left there
+            shutil.rmtree(store_dir / blob, ignore_errors=True)
+            raise
 
     def _link(self, namespace: str | None, name: str, blob: str) -> None:
         """Point the name's symlink at `blob`: a new link renamed over the old, so a reader sees

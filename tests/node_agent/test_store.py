@@ -534,3 +534,30 @@ async def test_an_adapter_with_the_longest_name_a_kubernetes_object_may_have_is_
     assert Path(staged.path, WEIGHTS_FILE).is_file() and store.get(name) is not None
     assert_clean(tmp_path / "cache", [])
     assert [a.name for a in open_store(tmp_path / "cache", session).list()] == [name]
+
+
+async def test_a_disk_error_after_the_version_moved_into_the_store_leaves_no_orphan(tmp_path, session, monkeypatch):
+    """The version directory is renamed into .store, then the directory's fsync fails (EIO):
+    the directory stayed there, in neither the entries nor the budget, until the next start."""
+    import errno
+
+    from loraplex.node_agent import store as store_module
+
+    sha = make_adapter(tmp_path / "src" / "a")
+    root = tmp_path / "cache"
+    store = open_store(root, session)
+    real = store_module._fsync_dir
+
+    def failing(path):
+        if Path(path) == root / ".store" and any((root / ".store").iterdir()):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(path)
+
+    monkeypatch.setattr(store_module, "_fsync_dir", failing)
+    with pytest.raises(StoreError) as err:
+        await store.stage(AdapterRef("a", str(tmp_path / "src" / "a"), sha))
+    assert err.value.reason == "DiskError"
+    assert list((root / ".store").iterdir()) == [] and store.used_bytes == 0 and store._reserved == 0
+    assert_clean(root, ["a"])
+    monkeypatch.undo()
+    assert (await store.stage(AdapterRef("a", str(tmp_path / "src" / "a"), sha))).sha256 == sha
