@@ -6,8 +6,10 @@ The plan is a mounted ConfigMap key (operator/plan.py writes it), e.g.
 not: a cheap `stat` (following links) about every second sees (inode, mtime, size) move.
 A new plan is parsed, its shape checked, and handed to `apply` (AdapterCache.apply_plan). A
 plan that does not parse, or whose fields are not of their shape, is logged and skipped
-whole; the last good one stays in force. The loop runs in one daemon thread, logs and
-counts its own failures, and never dies of one (`last_error` shows it).
+whole; the last good one stays in force. A good plan whose `apply` fails is tried again at
+each check until it is applied, also at start (the server starts serving meanwhile). The
+loop runs in one daemon thread, logs its own failures, and never dies of one (`last_error`
+shows it).
 """
 
 from __future__ import annotations
@@ -54,7 +56,15 @@ class PlanWatcher:
             self.last_error = f"{type(e).__name__}: {e}"
             log.error("plan file %s: %s; keeping the last plan", self.path, self.last_error)
             return False
-        self.apply(plan)
+        try:
+            self.apply(plan)
+        except Exception as e:  # noqa: BLE001 - the plan is good: try it again at the next check
+            self._seen = None  # (a plan applied in part is applied again whole: apply_plan is idempotent)
+            error = f"{type(e).__name__}: {e}"
+            if error != self.last_error:  # once, not every second
+                log.exception("applying plan %s failed; trying again every %gs", self.path, self.interval)
+            self.last_error = error
+            return False
         self.applied += 1
         self.last_error = None
         return True

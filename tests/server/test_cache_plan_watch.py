@@ -143,3 +143,27 @@ def test_an_adapter_that_left_the_plan_is_not_found_again_on_disk(tmp_path):
         assert cache.has("a")
     finally:
         cache.close()
+
+
+def test_a_good_plan_whose_apply_fails_is_tried_again_until_applied(tmp_path):
+    """apply raising (a bug, or a fault of the moment) used to mark the file seen: the plan
+    was never applied until the file changed again, and at start the error took the server
+    down. Now the watcher starts, and applies the plan at a later check, with no new file."""
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(GOOD))
+    applied, faults = [], [RuntimeError("busy"), RuntimeError("busy")]
+
+    def apply(plan):
+        if faults:
+            raise faults.pop(0)
+        applied.append(plan)
+
+    watcher = PlanWatcher(plan_file, apply, interval=3600)
+    watcher.start()  # the first apply fails: start goes on
+    try:
+        assert applied == [] and watcher.last_error == "RuntimeError: busy"
+        assert watcher.check() is False and applied == []
+        assert watcher.check() is True and applied == [GOOD] and watcher.last_error is None
+        assert watcher.check() is False and watcher.applied == 1  # applied once; unchanged since
+    finally:
+        watcher.stop()
