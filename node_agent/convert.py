@@ -84,31 +84,37 @@ def serving_copy_size(directory: str | Path, dtype: str) -> int | None:
     return 8 + len(head) + sum((e - b) // 2 if c else e - b for b, e, c in pieces)
 
 
+# Bytes of F32 data converted at a time (a multiple of 4): the copy holds this much of the
+# file in memory, with its converted half and numpy's temporaries, whatever the adapter's size.
+BLOCK_BYTES = 1 << 20
+
+
 def write_serving_copy(directory: str | Path, dtype: str) -> Path | None:
     """Write `adapter_model.<dtype>.safetensors` in `directory`: every F32 tensor of
     `adapter_model.safetensors` in `dtype` (bfloat16 or float16), the others as they are, the
     header's metadata kept. Returns its path; None (nothing written) when `dtype` is float32
     or the file has no F32 tensor. Written under a temporary name and renamed, so a reader
-    never sees it half written."""
+    never sees it half written; read and written BLOCK_BYTES at a time."""
     directory = Path(directory)
     src = directory / WEIGHTS_FILE
     layout = _layout(src, dtype)
     if layout is None:
         return None
     head, pieces = layout
-    with src.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        f.seek(8 + n)
-        data = f.read()
-    chunks = [_convert(data[b:e], dtype) if c else data[b:e] for b, e, c in pieces]
     dst = directory / serving_weights_name(dtype)
     tmp = directory / f".{dst.name}.{uuid.uuid4().hex[:8]}"
     try:
-        with tmp.open("wb") as f:
+        with src.open("rb") as f_in, tmp.open("wb") as f:
+            (n,) = struct.unpack("<Q", f_in.read(8))
             f.write(struct.pack("<Q", len(head)))
             f.write(head)
-            for raw in chunks:
-                f.write(raw)
+            for begin, end, convert in pieces:
+                f_in.seek(8 + n + begin)
+                for at in range(begin, end, BLOCK_BYTES):
+                    raw = f_in.read(min(BLOCK_BYTES, end - at))
+                    if not raw:
+                        raise ValueError(f"{src.name}: cut short while it was converted")
+                    f.write(_convert(raw, dtype) if convert else raw)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, dst)
