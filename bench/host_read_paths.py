@@ -19,6 +19,11 @@ path end to end (file bytes to a device buffer, synchronised), median of ``--rep
 - ``mmap_register``: the mapping itself page-locked (``cudaHostRegister`` with
   ``cudaHostRegisterReadOnly``) and copied to the device by DMA, no CPU copy; registration
   and unregistration counted in;
+- ``mmap_register_pipelined``: the same chunk by chunk, each chunk's DMA queued as soon as
+  it is registered (registered in file order on ``--threads`` threads, 1 included), so
+  the copy engine runs under the registrations; its time is to the bytes on the device
+  (``to_device``), the unregistrations after it reported apart (``unregister``: a loader
+  would leave them to another thread, off the load's path);
 
 and the floors: the pinned buffer's host-to-device copy alone, and a memcpy of the same
 bytes between two host buffers on the read threads.
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import ctypes
 import json
 import mmap
@@ -161,6 +167,43 @@ class Paths:
         return {"map": (t1 - t0) * 1e3, "register": (t2 - t1) * 1e3, "copy": (t3 - t2) * 1e3,
                 "unregister": (t4 - t3) * 1e3}
 
+    def mmap_register_pipelined(self, pool, chunk: int) -> dict:
+        """Returns the stages' times (ms); raises when a registration fails."""
+        cudart = torch.cuda.cudart()
+        t0 = time.perf_counter()
+        with open(self.path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        registered, futures = [], None
+        try:
+            src = np.frombuffer(mm, dtype=np.uint8)
+            addr = src.ctypes.data
+            mapped = torch.from_numpy(src)  # read-only buffer: never written
+
+            def register(o, n):
+                err = cudart.cudaHostRegister(addr + o, n, CUDA_HOST_REGISTER_READ_ONLY)
+                if int(err) != 0:
+                    raise RuntimeError(f"cudaHostRegister: {err}")
+                return o
+
+            parts = chunks(self.nbytes, chunk)
+            futures = [pool.submit(register, o, n) for o, n in parts] if pool is not None else None
+            for i, (o, n) in enumerate(parts):
+                registered.append(futures[i].result() if futures is not None else register(o, n))
+                self._h2d(o, n, mapped)
+            self._sync()
+            t1 = time.perf_counter()
+        finally:
+            if futures is not None:  # a failure: wait for the rest before unregistering
+                for fut in futures:
+                    if fut.exception() is None and fut.result() not in registered:
+                        registered.append(fut.result())
+            for o in registered:
+                cudart.cudaHostUnregister(addr + o)
+            t2 = time.perf_counter()
+            mapped = src = None
+            mm.close()
+        return {"to_device": (t1 - t0) * 1e3, "unregister": (t2 - t1) * 1e3}
+
     def check(self, want: np.ndarray) -> bool:
         got = self.dev.cpu().numpy() if self.dev is not None else self.host.numpy()
         return bool(np.array_equal(got, want))
@@ -214,6 +257,20 @@ def main(argv=None) -> int:
                     k: statistics.median(s[k] for s in stages) for k in stages[0]}
             except Exception as e:  # recorded, not fatal: the other paths stand
                 res["mmap_register"] = {"error": repr(e)}
+            for t in [1, *threads]:
+                with concurrent.futures.ThreadPoolExecutor(t) if t > 1 else contextlib.nullcontext() as pool:
+                    for c in chunk_sizes:
+                        name = f"mmap_register_pipelined_t{t}_c{c >> 20}"
+                        try:
+                            paths.dev.zero_()
+                            stages = []
+                            median_ms(lambda: stages.append(paths.mmap_register_pipelined(pool, c)), args.repeats)
+                            to_device = [s["to_device"] for s in stages[1:]]  # (the first is the warm-up)
+                            res[name] = {"median_ms": statistics.median(to_device), "min_ms": min(to_device),
+                                         "max_ms": max(to_device), "correct": paths.check(want),
+                                         "unregister_median_ms": statistics.median(s["unregister"] for s in stages)}
+                        except Exception as e:  # recorded, not fatal
+                            res[name] = {"error": repr(e)}
     floor = res.get("floor_pinned_h2d", {}).get("median_ms")
     for name, r in res.items():
         line = f"{name:28s} " + (f"{r['median_ms']:7.2f} ms" if "median_ms" in r else r.get("error", ""))
