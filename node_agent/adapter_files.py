@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loraplex.server.adapter_format import (CONFIG_FILE, MAX_CONFIG_BYTES, PEFT_DEFAULT_ALPHA, PEFT_DEFAULT_R,
-                                            WEIGHTS_FILE, AdapterError, _is_count, _is_number,
-                                            read_safetensors_header)
+from loraplex.server.adapter_format import (CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, AdapterError,
+                                            rank_and_alpha, read_safetensors_header)
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "MAX_CONFIG_BYTES", "InvalidAdapter", "check_adapter_dir"]
 
@@ -37,12 +36,10 @@ def check_config(path: Path) -> dict:
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise InvalidAdapter(f"{CONFIG_FILE}: peft_type {peft_type!r}, not 'LORA'")
-    r = config.get("r", PEFT_DEFAULT_R)
-    if not _is_count(r) or r < 1:
-        raise InvalidAdapter(f"{CONFIG_FILE}: r must be a positive integer, got {r!r}")
-    alpha = config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
-    if not _is_number(alpha):
-        raise InvalidAdapter(f"{CONFIG_FILE}: lora_alpha must be a finite number, got {alpha!r}")
+    try:
+        rank_and_alpha(config)
+    except AdapterError as e:
+        raise InvalidAdapter(f"{CONFIG_FILE}: {e}") from None
     return config
 
 

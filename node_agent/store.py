@@ -81,7 +81,7 @@ from loraplex.node_agent.adapter_files import (
 from loraplex.node_agent.convert import serving_copy_size, write_serving_copy
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.sources import Fetch, SourceError, Stall, open_source, redact, source_digest
-from loraplex.server.adapter_format import (SERVING_DTYPES, STAGED_META_FILE, read_safetensors_header,
+from loraplex.server.adapter_format import (SERVING_DTYPES, STAGED_META_FILE, fsync_dir, read_safetensors_header,
                                             serving_weights_name)
 from loraplex.server.adapter_names import InvalidAdapterName, check_adapter_name, is_namespace
 
@@ -479,7 +479,7 @@ class AdapterStore:
             await asyncio.to_thread(shutil.rmtree, store_dir / blob, True)
             raise
         self._entries[ref.key] = entry
-        await asyncio.to_thread(_fsync_dir, namespace_dir(self.root, ref.namespace))
+        await asyncio.to_thread(fsync_dir, namespace_dir(self.root, ref.namespace))
         if old is not None:  # the previous version: its symlink points here no more
             await asyncio.to_thread(shutil.rmtree, self._blob_dir(old), True)
         self._update_gauges()
@@ -644,15 +644,15 @@ class AdapterStore:
     def _store_blob(self, tmp: Path, store_dir: Path, blob: str) -> None:
         """Move a verified download into `store_dir` (its namespace's .store) under its
         version's directory name (durably)."""
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         new = not store_dir.is_dir()
         store_dir.mkdir(parents=True, exist_ok=True)
         if new:  # a namespace's first adapter: its folders made durable too
-            _fsync_dir(store_dir.parent)
-            _fsync_dir(store_dir.parent.parent)
+            fsync_dir(store_dir.parent)
+            fsync_dir(store_dir.parent.parent)
         os.rename(tmp, store_dir / blob)
         try:
-            _fsync_dir(store_dir)
+            fsync_dir(store_dir)
         except BaseException:  # out of .tmp (which the caller clears), in no entry: not left there
             shutil.rmtree(store_dir / blob, ignore_errors=True)
             raise
@@ -722,7 +722,7 @@ class AdapterStore:
         with contextlib.suppress(OSError):
             if link.is_symlink() and Path(os.readlink(link)).name == e.blob:
                 link.unlink()
-                _fsync_dir(home)
+                fsync_dir(home)
         shutil.rmtree(self._blob_dir(e), ignore_errors=True)
 
     def _info(self, e: _Entry) -> StagedAdapter:
@@ -780,9 +780,3 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -260,6 +260,19 @@ def checked_header(raw: bytes, data_len: int, name: str) -> dict[str, dict]:
     return header
 
 
+def rank_and_alpha(cfg: dict) -> tuple[int, int | float]:
+    """The config's `r` and `lora_alpha`, checked; an absent key takes peft's LoraConfig
+    default (r 8, lora_alpha 8: not r), as peft loads it. The node agent checks a staged
+    config with this too, so that it refuses exactly what the server would."""
+    r = cfg.get("r", PEFT_DEFAULT_R)
+    alpha = cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)
+    if not _is_count(r) or r < 1:
+        raise AdapterError(f"r={r!r}: expected a positive integer")
+    if not _is_number(alpha):
+        raise AdapterError(f"lora_alpha={alpha!r}: expected a finite number")
+    return r, alpha
+
+
 def _is_count(x) -> bool:
     """A JSON integer >= 0 (not a bool, a float or a string)."""
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
@@ -329,6 +342,16 @@ def _foreign_tensor(key: str) -> str:
         return (f"tensor {key!r} is a whole module's weight (modules_to_save?): adapters that replace base "
                 f"modules are not supported")
     return f"tensor {key!r} is not a LoRA A/B weight of a decoder layer projection"
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a directory's entries (names made, renamed or removed in it) durable: fsync the
+    directory itself, as a rename into place needs after the files' own fsync."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def file_digest(path: str | Path) -> str:
@@ -510,13 +533,7 @@ def read_adapter(path: str | Path, base: BaseSpec) -> AdapterSpec:
             f"init_lora_weights={init!r}: that initialisation changed the base's weights, so the adapter "
             f"does not fit the base served here; convert it to a plain LoRA (PEFT's save_pretrained with "
             f"path_initial_model_for_weight_conversion)")
-    # Absent keys take peft's LoraConfig defaults (r 8, lora_alpha 8: not r), as peft loads them.
-    r = cfg.get("r", PEFT_DEFAULT_R)
-    alpha = cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)
-    if not _is_count(r) or r < 1:
-        raise AdapterError(f"r={r!r}: expected a positive integer")
-    if not _is_number(alpha):
-        raise AdapterError(f"lora_alpha={alpha!r}: expected a finite number")
+    r, alpha = rank_and_alpha(cfg)
     rslora = bool(cfg.get("use_rslora", False))
     rank_pattern = cfg.get("rank_pattern") or {}
     alpha_pattern = cfg.get("alpha_pattern") or {}

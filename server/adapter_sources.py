@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .adapter_format import (CONFIG_FILE, STAGED_META_FILE, WEIGHTS_FILE, AdapterError, file_digest,
+from .adapter_format import (CONFIG_FILE, STAGED_META_FILE, WEIGHTS_FILE, AdapterError, file_digest, fsync_dir,
                              read_config, read_safetensors_header)
 from .adapter_names import InvalidAdapterName, check_adapter_name
 
@@ -202,12 +202,12 @@ def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | 
             f.write(json.dumps(meta))
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)  # the files' bytes and names durable before the rename makes them the adapter
+        fsync_dir(tmp)  # the files' bytes and names durable before the rename makes them the adapter
         dest = cache_dir / name
         if dest.exists():
             shutil.rmtree(dest)
         tmp.rename(dest)
-        _fsync_dir(cache_dir)
+        fsync_dir(cache_dir)
         log.info("adapter %s fetched from %s", name, redact(src))
         return dest
     except httpx.HTTPError as err:
@@ -215,14 +215,6 @@ def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | 
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_error(name: str, err: BaseException) -> AdapterLoadError:

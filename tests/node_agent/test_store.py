@@ -546,14 +546,14 @@ async def test_a_disk_error_after_the_version_moved_into_the_store_leaves_no_orp
     sha = make_adapter(tmp_path / "src" / "a")
     root = tmp_path / "cache"
     store = open_store(root, session)
-    real = store_module._fsync_dir
+    real = store_module.fsync_dir
 
     def failing(path):
         if Path(path) == root / ".store" and any((root / ".store").iterdir()):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real(path)
 
-    monkeypatch.setattr(store_module, "_fsync_dir", failing)
+    monkeypatch.setattr(store_module, "fsync_dir", failing)
     with pytest.raises(StoreError) as err:
         await store.stage(AdapterRef("a", str(tmp_path / "src" / "a"), sha))
     assert err.value.reason == "DiskError"
