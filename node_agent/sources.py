@@ -126,6 +126,8 @@ class LocalSource:
             f = await asyncio.to_thread(path.open, "rb")
         except FileNotFoundError:
             raise SourceError("NotFound", f"{path}: no such file") from None
+        except (IsADirectoryError, NotADirectoryError):  # the file a folder, or the source a file
+            raise SourceError("NotFound", f"{path}: not a file") from None
         except OSError as e:
             raise SourceError("Unreachable", f"{path}: {e.strerror or e}") from None
         try:

@@ -70,6 +70,18 @@ async def test_local_source_streams_the_whole_file(tmp_path):
     assert err.value.reason == "NotFound"
 
 
+async def test_a_local_source_whose_file_is_a_folder_or_whose_folder_is_a_file_is_not_found(tmp_path):
+    """A weights path that is a folder (or a source path that is a file) answered Unreachable,
+    as if the mount were down: it holds no adapter, which is NotFound."""
+    (tmp_path / "a" / "adapter_model.safetensors").mkdir(parents=True)
+    (tmp_path / "f").write_text("not a folder")
+    for uri, filename in ((tmp_path / "a", "adapter_model.safetensors"), (tmp_path / "f", "adapter_config.json")):
+        with pytest.raises(SourceError) as err:
+            async with open_source(str(uri), None).open(filename):
+                pass
+        assert err.value.reason == "NotFound" and "not a file" in str(err.value)
+
+
 @pytest.mark.parametrize("uri", ["http://[::1/adapters/a/", "https://[bad/x", "http:///adapters/a/", "https://"])
 async def test_a_malformed_source_url_is_refused_as_such(tmp_path, uri):
     """A source URL that does not parse, or names no host, is a bad request (400, not retried),
