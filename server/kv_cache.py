@@ -58,6 +58,11 @@ class KVCache:
         self._busy.remove(row)
         heapq.heappush(self._free, row)
 
+    @property
+    def busy(self) -> frozenset[int]:
+        """The rows a sequence holds now."""
+        return frozenset(self._busy)
+
     def span(self) -> int:
         """Rows a decode step must cover: one past the highest busy row (0 when idle)."""
         return max(self._busy) + 1 if self._busy else 0
