@@ -110,6 +110,9 @@ class _BaseState:
     mirrored_json: str | None = None  # the plan JSON known to be in its mirror (with a mirror namespace)
     # Statuses this process wrote, by object uid: the index may not have seen them yet.
     written_status: dict[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    # The last status this process wrote to each object, kept when `forget_written` drops the
+    # above: while the index lags behind, the conditions' times and the Warning events go by it.
+    last_status: dict[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     ready_replicas: int = 0
     wakeup: datetime.datetime | None = None
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -164,6 +167,7 @@ class Planner:
         """Another writer (an invalid-spec handler) set this object's status."""
         for state in self._states.values():
             state.written_status.pop(uid, None)
+            state.last_status.pop(uid, None)
 
     async def reconcile(self, key: BaseKey, basemodels: Indices, adapters: Indices) -> Plan | None:
         """Bring the plan of `key` and every status it decides up to date with the indices."""
@@ -236,7 +240,7 @@ class Planner:
                 assert record.spec is not None
                 if record.spec.deleting:
                     continue
-                desired = statuses.orphan_status(record.spec, record.status, now,
+                desired = statuses.orphan_status(record.spec, _known_status(state, record.uid, record.status), now,
                                                  base.error if base is not None else None)
                 await self._patch_adapter(state, record, desired, failed)
             return failed
@@ -253,19 +257,20 @@ class Planner:
             if record.spec.deleting:
                 continue
             verdict = plan.verdicts[record.spec.name]
-            desired = statuses.adapter_status(record.spec, verdict, plan, record.status,
+            desired = statuses.adapter_status(record.spec, verdict, plan,
+                                              _known_status(state, record.uid, record.status),
                                               state.ready_replicas > 0, now)
             await self._patch_adapter(state, record, desired, failed)
 
         cm_name = workloads.plan_config_map_name(name)
-        desired_base = statuses.base_status(plan, base.status, state.ready_replicas, cm_name, now, plan_error,
+        known = _known_status(state, base.uid, base.status)
+        desired_base = statuses.base_status(plan, known, state.ready_replicas, cm_name, now, plan_error,
                                             plan_error_reason, state.workload_error)
         if statuses.differs(base.status, desired_base) and state.written_status.get(base.uid) != desired_base:
             try:
                 await self.client.patch_status(kube.BASE_MODELS, namespace, name, desired_base)
-                _warn_on_failure(base.owner(), state.written_status.get(base.uid) or base.status,
-                                 desired_base, "Failed")
-                state.written_status[base.uid] = desired_base
+                _warn_on_failure(base.owner(), known, desired_base, "Failed")
+                state.written_status[base.uid] = state.last_status[base.uid] = desired_base
             except kube.KubeError as exc:
                 failed.append(f"status of BaseModel {namespace}/{name}: {exc}")
 
@@ -386,8 +391,21 @@ class Planner:
                 return
             ref = {"apiVersion": API_VERSION, "kind": "LoRAAdapter",
                    "metadata": {"name": record.name, "namespace": record.namespace, "uid": record.uid}}
-            _warn_on_failure(ref, state.written_status.get(record.uid) or record.status, desired, "Rejected")
-            state.written_status[record.uid] = desired
+            _warn_on_failure(ref, _known_status(state, record.uid, record.status), desired, "Rejected")
+            state.written_status[record.uid] = state.last_status[record.uid] = desired
+
+
+def _known_status(state: _BaseState, uid: str, indexed: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An object's status as this process knows it: the index's, under what this process last
+    wrote to it. The index lags behind our own writes (an adapter's index entry is not updated
+    while its own handler waits for the run that wrote it), so a run computing conditions from
+    the index alone would stamp a new lastTransitionTime on a condition whose status it wrote a
+    moment ago, and write it again. The node agents' `nodes` are not ours: the index's are kept.
+    A status the index holds for a later generation than ours (an invalid-spec handler's) is newer."""
+    written = state.last_status.get(uid)
+    if written is None or int(indexed.get("observedGeneration") or 0) > int(written.get("observedGeneration") or 0):
+        return indexed
+    return {**indexed, **written}
 
 
 def _warn_on_failure(ref: Mapping[str, Any], before: Mapping[str, Any] | None, after: Mapping[str, Any],

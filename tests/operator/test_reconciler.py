@@ -7,6 +7,7 @@ The API client is replaced by a recorder with the same two methods the planner c
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime
 import json
 import time
@@ -151,3 +152,56 @@ def test_records_read_rank_from_a_local_adapter(tmp_path):
     assert record.spec is not None and (record.spec.rank, record.spec.target_modules) == (4, ("q_proj",))
     broken = AdapterRecord.from_body({"metadata": {"name": "y"}, "spec": {"source": "s3://x"}})
     assert broken.spec is None and "baseModel" in (broken.error or "")
+
+
+async def test_a_run_on_an_index_behind_its_own_writes_moves_no_transition_time():
+    """kopf updates an adapter's index entry only once its handler returns, and that handler
+    waits for the run: so the run after the one that wrote a status may still see the object
+    without it. It recomputed every condition from the index and wrote each status again,
+    every lastTransitionTime moved to its own start though no condition's status changed."""
+    pool = Pool(3)
+    now = [NOW]
+    planner = Planner(pool.recorder, clock=lambda: now[0])  # type: ignore[arg-type]
+    basemodels, adapters = pool.indices()  # as the index holds them: no status yet
+    await planner.reconcile(KEY, basemodels, adapters)
+    written = copy.deepcopy(pool.recorder.statuses)
+    pool.recorder.status_patches.clear()
+
+    now[0] = NOW + datetime.timedelta(seconds=5)
+    await planner.reconcile(KEY, basemodels, adapters)  # the index has not caught up
+    assert pool.recorder.status_patches == []
+    assert pool.recorder.statuses == written
+
+    # A status that does change still moves its time: the base's Ready, once servers are ready.
+    planner.set_ready_replicas(KEY, 1)
+    await planner.reconcile(KEY, basemodels, adapters)
+    ready = {c["type"]: c for c in pool.recorder.statuses[("basemodels", "llama-3-8b")]["conditions"]}
+    assert (ready["Ready"]["status"], ready["Ready"]["lastTransitionTime"]) == ("True", "2026-12-01T08:00:05Z")
+    assert ready["Accepted"]["lastTransitionTime"] == "2026-12-01T08:00:00Z"
+
+
+async def test_a_base_change_on_an_index_behind_its_writes_warns_once(monkeypatch):
+    """A BaseModel's create or update handler forgets what was written, so that the run after
+    it compares with the API again; the run before it may have written an adapter's status
+    that the index does not hold yet. That adapter was then taken for one just rejected: a
+    second Warning event, and a new lastTransitionTime on conditions that had not changed."""
+    from loraplex.operator import reconciler
+
+    events: list[dict[str, Any]] = []
+    monkeypatch.setattr(reconciler.kopf, "event", lambda ref, **event: events.append(event))
+    pool = Pool(0)
+    now = [NOW]
+    planner = Planner(pool.recorder, clock=lambda: now[0])  # type: ignore[arg-type]
+    big = AdapterRecord.from_body({
+        "metadata": {"name": "big", "namespace": "ml", "uid": "uid-big", "generation": 1},
+        "spec": {"baseModel": "llama-3-8b", "source": "s3://a/big", "rank": 64, "targetModules": ["q_proj"]}})
+    basemodels, adapters = {KEY: [base_record()]}, {KEY: [big]}
+    await planner.reconcile(KEY, basemodels, adapters)
+    first = copy.deepcopy(pool.recorder.statuses[("loraadapters", "big")])
+    assert first["phase"] == "Rejected" and [e["reason"] for e in events] == ["RankTooLarge"]
+
+    now[0] = NOW + datetime.timedelta(seconds=5)
+    planner.forget_written(KEY)  # the BaseModel's handler ran
+    await planner.reconcile(KEY, basemodels, adapters)  # the index has not caught up
+    assert [e["reason"] for e in events] == ["RankTooLarge"]
+    assert pool.recorder.statuses[("loraadapters", "big")]["conditions"] == first["conditions"]
