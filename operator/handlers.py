@@ -233,14 +233,15 @@ async def follow_warmup_windows(namespace: str, name: str, memo: kopf.Memo, stop
     planner: Planner = memo.planner
     key = (namespace, name)
     state = planner.state(key)
+    resync = planner.clock() + datetime.timedelta(seconds=RESYNC_SECONDS)
     while not stopped:
-        delay = RESYNC_SECONDS
-        if state.wakeup is not None:
-            delay = min(delay, max(0.0, (state.wakeup - planner.clock()).total_seconds()))
+        due = resync if state.wakeup is None else min(resync, state.wakeup)
+        delay = max(0.0, (due - planner.clock()).total_seconds())
         state.wake.clear()
         if await _sleep(delay, state.wake, stopped):
             continue  # woken: stopping, or the wake-up time moved and we sleep until the new one
-        if state.wakeup is None or state.wakeup <= planner.clock():  # the resync
+        if resync <= planner.clock():  # the resync (not only a warm-up window's wake-up)
+            resync = planner.clock() + datetime.timedelta(seconds=RESYNC_SECONDS)
             planner.forget_written(key)
             await _repair_workloads(planner, key, basemodels)
         await planner.reconcile(key, basemodels, adapters_by_base)

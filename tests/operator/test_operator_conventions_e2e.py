@@ -69,6 +69,35 @@ async def test_a_service_deleted_by_hand_comes_back_at_the_resync(api, emulator,
         await eventually_(recreated, timeout=5, what="the Service recreated")
 
 
+async def test_the_resync_runs_while_a_warmup_window_is_far_off(api, emulator, kubeconfig, crds, operator_runner,
+                                                                eventually_, monkeypatch):
+    """A warm-up window that opens after the next resync (a campaign next month, as in
+    examples/) held the resync off until it opened: the daemon took the end of a resync's
+    sleep for an early wake-up, and repaired nothing."""
+    import datetime
+
+    from loraplex.operator import handlers
+
+    monkeypatch.setattr(handlers, "RESYNC_SECONDS", 1.0)
+    start = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=30)
+    window = {"start": start.strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "end": (start + datetime.timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    async with operator_runner():
+        await api.create(BASE_MODELS.path(NS), base_body())
+        await api.create(ADAPTERS.path(NS), adapter_body("campaign", 1, warmup=window))
+        _, svc = await eventually_(lambda: _serving(api), what="the serving workloads")
+        await eventually_(lambda: _status_of(api, "campaign"), what="the campaign adapter planned")
+        await api._request("DELETE", SERVICES.path(NS, "llama-3-8b"))
+
+        async def recreated():
+            again = await api.get(SERVICES.path(NS, "llama-3-8b"))
+            return again if again and again["metadata"]["uid"] != svc["metadata"]["uid"] else None
+        await eventually_(recreated, timeout=5, what="the Service recreated")
+
+
+async def _status_of(api: Any, name: str) -> Any:
+    return ((await api.get(ADAPTERS.path(NS, name))) or {}).get("status", {}).get("phase")
+
 async def test_the_workloads_of_a_base_being_deleted_are_left_to_the_collector(api, operator, eventually_, settled):
     """Foreground deletion (or any finalizer) keeps a deleting BaseModel around while its
     dependents go: recreating them would hold its deletion up for ever."""
