@@ -160,7 +160,9 @@ def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: i
         ready,
     ]
     rejected = sum(1 for v in plan.verdicts.values() if v.phase == "Rejected")
-    failed = packed.slots == 0 or workload_error or (plan_error_reason == "NameConflict" and plan_error)
+    # The plan not written (too large, or its name taken) is Failed, as the CRD documents: the
+    # servers and node agents follow an older plan, if any, not this one.
+    failed = packed.slots == 0 or workload_error or plan_error
     phase = "Failed" if failed else ("Ready" if ready["status"] == "True" else "Planned")
     return {
         "observedGeneration": gen,

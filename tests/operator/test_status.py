@@ -81,3 +81,6 @@ def test_a_plan_that_does_not_fit_is_reported():
     plan = build_plan(BASE, [A], T1)
     status = base_status(plan, None, 2, "b-plan", T1, plan_error="the plan is 3.1 MB (1.2 MB gzipped)")
     assert conds(status)["Staged"]["status"] == "False" and conds(status)["Staged"]["reason"] == "PlanTooLarge"
+    # Its servers follow the last plan that fit, not this one: not Ready, whatever the replicas
+    # say (the CRD: Failed when "its plan or workloads cannot be written").
+    assert status["phase"] == "Failed"
