@@ -10,6 +10,7 @@ import copy
 import pytest
 
 from loraplex.node_agent.sources import SourceError, open_source
+from loraplex.operator.specs import OPERATOR_ENV
 
 from .test_manifests import EXAMPLES, validator
 
@@ -42,3 +43,14 @@ def test_the_schema_takes_the_sources_a_node_agent_can_fetch_and_no_others(sourc
 def test_every_example_adapter_can_be_fetched():
     sources = [doc["spec"]["source"] for doc in EXAMPLES if doc["kind"] == "LoRAAdapter"]
     assert sources and [s for s in sources if not fetchable(s)] == []
+
+
+@pytest.mark.parametrize("name", [*sorted(OPERATOR_ENV), "HF_HOME", "NODE_IP_EXTRA"])
+def test_the_schema_refuses_the_server_variables_the_operator_sets(name):
+    """serving.env may not set NODE_IP or TRITON_CACHE_DIR (the Deployment's node-agent URL and
+    kernel cache): the API server refuses such a BaseModel when it is applied, so a GitOps
+    sync fails there, rather than the operator taking it and marking it InvalidSpec."""
+    doc = {"apiVersion": "loraplex.io/v1alpha1", "kind": "BaseModel", "metadata": {"name": "b"},
+           "spec": {"source": "/models/b", "maxLoraRank": 8,
+                    "serving": {"env": [{"name": "LOG", "value": "1"}, {"name": name, "value": "x"}]}}}
+    assert validator("BaseModel").is_valid(doc) == (name not in OPERATOR_ENV)
