@@ -234,6 +234,9 @@ class LLMEngine:
         self.eos_ids = tuple(sorted(eos))
         self._rng = random.Random(settings.seed)
         self._ids = itertools.count()
+        # Requests ended between steps (aborted, failed), queued or running: `_reap` takes them
+        # out of the queue without reading all of it (a queued request ends no other way).
+        self._ended: list[Request] = []
 
     @classmethod
     def from_settings(cls, settings: ServerSettings, metrics: EngineMetrics | None = None) -> "LLMEngine":
@@ -330,11 +333,13 @@ class LLMEngine:
             error = self.adapters.failed_load(req.adapter)
             if error is not None:
                 req.fail(error)
+                self._ended.append(req)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.scheduler.find(request_id)
         if req is not None and not req.finished:
             req.abort()
+            self._ended.append(req)
         return req
 
     def has_work(self) -> bool:
@@ -439,10 +444,12 @@ class LLMEngine:
     def _reap(self) -> list[RequestOutput]:
         """Remove finished and aborted requests; return the final outputs of aborted ones
         (finished ones already reported theirs)."""
-        done = [r for r in itertools.chain(self.scheduler.waiting, self.scheduler.running.values()) if r.finished]
+        done = list({id(r): r for r in itertools.chain(self._ended, self.scheduler.running.values())
+                     if r.finished}.values())
+        self._ended = []
+        self.scheduler.remove_all(done)
         outputs = []
         for req in done:
-            self.scheduler.remove(req)
             if req.adapter is not None:
                 self.adapters.release(req.adapter)
             if req.finish_reason in ("abort", "error"):
@@ -459,6 +466,7 @@ class LLMEngine:
         for req in self.scheduler.waiting:
             if req.adapter in failures and not req.finished:
                 req.fail(failures[req.adapter])
+                self._ended.append(req)
         return self._reap()
 
     def fail_all(self, error: str) -> None:
@@ -469,6 +477,7 @@ class LLMEngine:
         for req in itertools.chain(self.scheduler.waiting, self.scheduler.running.values()):
             if not req.finished:
                 req.fail(error)
+            self._ended.append(req)
         self._reap()
         self.metrics.refresh(self)
 
