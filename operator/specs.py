@@ -26,6 +26,13 @@ ALL_TARGET_MODULES: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
 DEFAULT_TARGET_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def module_names(modules: Any) -> tuple[str, ...]:
+    """An adapter's target modules as the server names them, sorted and once each: PEFT's
+    target_modules match a module path's suffix, so "self_attn.q_proj" and
+    "model.layers.0.self_attn.q_proj" both name q_proj."""
+    return tuple(sorted({str(module).rsplit(".", 1)[-1] for module in modules}))
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 # The longest warmupLeadSeconds (a year), as the CRD's maximum.
 MAX_WARMUP_LEAD_SECONDS = 365 * 24 * 3600
@@ -396,7 +403,7 @@ class AdapterSpec:
                 priority=int(spec.get("priority") or 0),
                 pin_policy=policy,
                 rank=int(rank) if rank is not None else None,
-                target_modules=tuple(sorted(modules)) if modules else None,
+                target_modules=module_names(modules) if modules else None,
                 warmup=warmup,
                 generation=int(meta.get("generation") or 0),
                 deleting=bool(meta.get("deletionTimestamp")),

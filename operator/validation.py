@@ -20,7 +20,7 @@ import pathlib
 import urllib.parse
 from typing import Any
 
-from loraplex.operator.specs import AdapterSpec, BaseModelSpec
+from loraplex.operator.specs import AdapterSpec, BaseModelSpec, module_names
 from loraplex.server.adapter_names import InvalidAdapterName, check_adapter_name
 
 # adapter_config.json is a few hundred bytes; anything this big is not one.
@@ -85,8 +85,7 @@ def normalise_target_modules(value: Any) -> tuple[str, ...] | None:
     """PEFT writes a list of names or one name ("q_proj", "model.layers.0.self_attn.q_proj")."""
     if value is None:
         return None
-    names = [value] if isinstance(value, str) else list(value)
-    return tuple(sorted({str(name).rsplit(".", 1)[-1] for name in names}))
+    return module_names([value] if isinstance(value, str) else list(value))
 
 
 def parse_adapter_config(text: str) -> tuple[int | None, tuple[str, ...] | None]:

@@ -54,6 +54,20 @@ def test_adapter_from_body_applies_schema_defaults():
     assert spec.target_modules == ("q_proj", "v_proj")  # sorted: order in YAML does not matter
 
 
+def test_spec_target_modules_name_modules_as_adapter_config_json_does():
+    """The CRD asks for adapter_config.json's target_modules, and PEFT writes module path
+    suffixes there ("self_attn.q_proj"): read from the file they were taken as q_proj, but
+    copied into spec.targetModules the same adapter was rejected, TargetModulesNotAllowed."""
+    body = {"metadata": {"name": "a", "namespace": "ml"},
+            "spec": {"baseModel": "llama-3-8b", "source": "s3://a", "rank": 16,
+                     "targetModules": ["self_attn.v_proj", "model.layers.0.self_attn.q_proj", "q_proj"]}}
+    spec = AdapterSpec.from_body(body)
+    assert spec.target_modules == ("q_proj", "v_proj")
+    assert spec.target_modules == parse_adapter_config(json.dumps(
+        {"r": 16, "target_modules": body["spec"]["targetModules"]}))[1]
+    assert validate(spec, BASE).accepted
+
+
 @pytest.mark.parametrize("spec", [
     {"source": "s3://a"},  # no baseModel
     {"baseModel": "b", "source": "s3://a", "pinPolicy": "Sometimes"},
