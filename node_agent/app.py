@@ -65,6 +65,7 @@ class AgentConfig:
     plan_namespace: str | None = None
     download_stall_seconds: float = 60.0  # a download that brings fewer than download_stall_bytes
     download_stall_bytes: int = 64 * 1024  # in this many seconds fails as Stalled
+    server_api_key: str | None = field(default=None, repr=False)  # sent to the servers it warms
 
 
 @dataclass
@@ -187,7 +188,8 @@ class Agent:
             discovery = KubePods(self._api, c.node_name, namespace=namespace)
         warmer = Warmer(self.store, plan, self.session, discovery=discovery, reporter=reporter,
                         metrics=self.metrics, namespace=namespace, record_file=record,
-                        poll_seconds=c.poll_seconds, server_poll_seconds=c.server_poll_seconds)
+                        poll_seconds=c.poll_seconds, server_poll_seconds=c.server_poll_seconds,
+                        server_api_key=c.server_api_key)
         loops = []
         if plan is not None:
             loops.append(self.tasks.spawn(warmer.run(), f"plan-watch{label}"))
@@ -281,7 +283,7 @@ class Agent:
             reporter = self._reporter(namespace, spawn=True)
             assert self.store is not None and self.session is not None
             warmer = Warmer(self.store, None, self.session, reporter=reporter, metrics=self.metrics,
-                            namespace=namespace, record_file=record)
+                            namespace=namespace, record_file=record, server_api_key=self.config.server_api_key)
             warmer.listed_elsewhere = functools.partial(self._listed_elsewhere, warmer)
             self._wire()  # a new Warmer takes the store's eviction callback for itself
             await warmer.retire()

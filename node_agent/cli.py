@@ -3,7 +3,8 @@
 One dataclass holds every setting; each field's docstring (the string under it) gives its
 unit and default and is the flag's help, so flags and fields map one to one
 (`cache_dir` <-> `--cache-dir`). The environment is read only in `Settings.from_env_and_args`:
-NODE_NAME for --node-name, POD_NAMESPACE for --namespace and --plan-namespace, and the
+NODE_NAME for --node-name, POD_NAMESPACE for --namespace and --plan-namespace,
+LORAPLEX_SERVER_API_KEY for --server-api-key, and the
 in-cluster API address (KUBERNETES_SERVICE_HOST/PORT) for finding this node's server pods and
 reporting staging.
 
@@ -78,6 +79,11 @@ class Settings:
 
     plan_namespace: str | None = None
     """The namespace where --plan-selector finds plans. Default: $POD_NAMESPACE (the agent's own)."""
+
+    server_api_key: str | None = field(default=None, repr=False)
+    """The servers' admin API key, sent as 'Authorization: Bearer KEY' when the agent warms
+    them (prefetch, pin, unpin); never sent to an adapter's source. Give it as
+    LORAPLEX_SERVER_API_KEY from a Secret rather than on the command line. Default: none."""
 
     port: int = 8081
     """TCP port of the agent's HTTP API. Default: 8081."""
@@ -165,6 +171,8 @@ class Settings:
             settings.namespace = env.get("POD_NAMESPACE") or None
         if settings.plan_selector is not None and settings.plan_namespace is None:
             settings.plan_namespace = env.get("POD_NAMESPACE") or None
+        if settings.server_api_key is None:
+            settings.server_api_key = env.get("LORAPLEX_SERVER_API_KEY") or None
         if settings.kube_api_url is None and env.get("KUBERNETES_SERVICE_HOST"):
             host = env["KUBERNETES_SERVICE_HOST"]
             host = f"[{host}]" if ":" in host else host
@@ -192,6 +200,7 @@ class Settings:
             server_poll_seconds=self.server_poll_seconds,
             plan_selector=self.plan_selector.strip() if self.plan_selector is not None else None,
             plan_namespace=self.plan_namespace,
+            server_api_key=self.server_api_key,
         )
 
 

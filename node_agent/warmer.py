@@ -278,8 +278,11 @@ class Warmer:
         server_timeout_seconds: float = 10.0,
         retry_seconds: float = 10.0,
         max_retry_seconds: float = 300.0,
+        server_api_key: str | None = None,
     ) -> None:
         self.store = store
+        # The servers' --api-key, on the calls to them only (the session also fetches sources).
+        self._server_headers = {"Authorization": f"Bearer {server_api_key}"} if server_api_key else {}
         self.plan_source: PlanSource | None = PlanFile(plan) if isinstance(plan, (str, Path)) else plan
         self._session = session
         self.discovery = discovery
@@ -652,7 +655,7 @@ class Warmer:
             path += "?wait=false"
         unreachable = unknown = False
         try:
-            async with self._session.post(url.rstrip("/") + path,
+            async with self._session.post(url.rstrip("/") + path, headers=self._server_headers,
                                           timeout=aiohttp.ClientTimeout(total=self.server_timeout_seconds)) as r:
                 # (an unpin of an adapter the server does not know has nothing to undo)
                 ok = 200 <= r.status < 300 or (action == "unpin" and r.status == 404)

@@ -110,6 +110,7 @@ class AdapterCache:
         self.plan_scoped = plan_scoped
         self._plan_names: frozenset[str] = frozenset()  # the last plan's adapters, pins and prefetches
         self._plan_adapters: frozenset[str] = frozenset()  # the last plan's adapters list
+        self._plan_tenants: dict[str, str] = {}  # the last plan's adapters' tenants (tenant_of)
         self.base = base
         self.policy = make_policy(policy)
         self.max_concurrent_loads = max_concurrent_loads
@@ -401,9 +402,11 @@ class AdapterCache:
         prefetch = {p["name"] for p in plan.get("prefetch") or [] if p.get("name")}
         pinned = set(plan.get("pinned") or [])
         adapters = {a.get("name") for a in plan.get("adapters") or []}
+        tenants = {a["name"]: a["tenant"] for a in plan.get("adapters") or [] if a.get("tenant") is not None}
         with self._lock:
             left = self._plan_adapters - adapters  # the pinned and prefetch lists name adapters of these
             self._plan_adapters = frozenset(adapters)
+            self._plan_tenants = tenants
             self._plan_names = frozenset(n for n in adapters | pinned | prefetch if isinstance(n, str))
             ended = self._plan_prefetch - prefetch
             entered = prefetch - self._plan_prefetch
@@ -575,6 +578,13 @@ class AdapterCache:
         with self._lock:
             return [e for e in self.table.entries.values() if e.ready and not e.unloading]
 
+    def tenant_of(self, name: str) -> str | None:
+        """The tenant whose API keys may use `name`: the plan's (its LoRAAdapter's spec.tenant),
+        kept with the plan rather than with the adapter's row, which an eviction may drop and
+        a later request find on disk again; None: any caller's."""
+        with self._lock:
+            return self._plan_tenants.get(name)
+
     def known(self) -> list[CachedAdapter]:
         with self._lock:
             return [e for e in self.table.entries.values() if not e.unloading]
@@ -614,7 +624,7 @@ class AdapterCache:
                     continue
                 state = e.state if e.state != "cold" else ("failed" if e.error else "idle")
                 rows.append({
-                    "name": e.name, "tier": self._tier(e), "state": state, "slot": e.slot if e.ready else None,
+                    "name": e.name, "tenant": self._plan_tenants.get(e.name), "tier": self._tier(e), "state": state, "slot": e.slot if e.ready else None,
                     "pinned": e.pinned, "pin_pending": e.pinned and not e.ready, "expired": e.expired,
                     "rank": e.spec.max_rank if e.spec else None, "bytes": self._size(e),
                     "hits": e.hits, "misses": e.misses, "requests": e.refs,

@@ -42,8 +42,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from .engine import check_settings
 
+    from .api.auth import APIKeys
+
     try:
         check_settings(settings)
+        APIKeys.from_settings(settings)  # a keys file that does not parse: said now, not at the first request
         _check_listen(settings.host, settings.port)
     except ValueError as e:  # a wrong device, model folder, dummy shape, adapter path or address
         sys.stderr.write(f"loraplex-server: {e}\n")
@@ -111,7 +114,9 @@ async def _demo_requests(server, settings: ServerSettings) -> None:
     host = settings.host or "127.0.0.1"  # "": every address, loopback among them
     host = f"[{host}]" if ":" in host else host  # an IPv6 address
     url = f"http://{host}:{port}"
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+    # With API keys on, the demo's requests send the admin key (a tenants' file alone gives it none).
+    auth = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers=auth) as client:
         async def one(model: str, prompt: str) -> tuple[str, str, str]:
             r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
                                                           "temperature": 0})
@@ -133,6 +138,7 @@ async def _demo_requests(server, settings: ServerSettings) -> None:
         log.info("demo: a random tiny model answered four requests in one batch (gibberish is expected):")
         for model, prompt, text in results:
             log.info("  model=%-10s prompt=%r -> %r", model, prompt, text)
-    log.info("try it:  curl %s/v1/completions -H 'Content-Type: application/json' "
-             "-d '{\"model\": \"poet\", \"prompt\": \"Shall I\", \"max_tokens\": 16, \"stream\": true}'", url)
-    log.info("models:  curl %s/v1/models   (Ctrl-C stops the server)", url)
+    key = " -H 'Authorization: Bearer <your API key>'" if settings.api_key or settings.api_keys_file else ""
+    log.info("try it:  curl %s/v1/completions%s -H 'Content-Type: application/json' "
+             "-d '{\"model\": \"poet\", \"prompt\": \"Shall I\", \"max_tokens\": 16, \"stream\": true}'", url, key)
+    log.info("models:  curl %s/v1/models%s   (Ctrl-C stops the server)", url, key)

@@ -71,7 +71,7 @@ def decode_plan(raw: bytes | str) -> dict[str, Any]:
 def check_plan(plan: dict[str, Any]) -> None:
     """Raise PlanFileError unless the fields a server follows have their shape
     (operator/plan.py writes them): `adapters` a list of objects, each with a string `name` and
-    `source` and `sha256` strings or null; `pinned` a list of names; `prefetch` a list of
+    `source`, `sha256` and `tenant` strings or null; `pinned` a list of names; `prefetch` a list of
     objects with a string `name`. Checked whole before any of it is applied, so a plan of the
     wrong shape changes nothing (a half-applied one registered some adapters, pinned none)."""
 
@@ -86,7 +86,7 @@ def check_plan(plan: dict[str, Any]) -> None:
     for i, a in enumerate(names_a_list("adapters")):
         if not isinstance(a, dict) or not isinstance(a.get("name"), str) or not a["name"]:
             raise PlanFileError(f"not a plan: adapters[{i}] is not an object with a name: {a!r}"[:300])
-        for key in ("source", "sha256"):
+        for key in ("source", "sha256", "tenant"):
             if a.get(key) is not None and not isinstance(a[key], str):
                 raise PlanFileError(f"not a plan: adapters[{i}] ({a['name']}): {key} {a[key]!r} is not a string"[:300])
     for i, name in enumerate(names_a_list("pinned")):

@@ -176,6 +176,19 @@ class ServerSettings:
     blocks). With CUDA graphs a step is bounded by the cache's whole length instead, one graph
     key, and the attention reads only each row's own keys. Default: 256."""
 
+    api_key: str | None = field(default=None, repr=False)
+    """An admin API key: every request under /v1/ must then send one (Authorization: Bearer
+    KEY), as with vLLM's --api-key; this one may use every adapter and the admin endpoints
+    (load, unload, pin, unpin). Give it as LORAPLEX_API_KEY (from a Secret) rather than on the
+    command line, where any process listing shows it. /healthz, /readyz and /metrics stay
+    open. Default: none."""
+
+    api_keys_file: str | None = None
+    """Tenants' API keys, a JSON object {"KEY": "TENANT", ...} (usually a mounted Secret), re-read
+    when it changes: a tenant's key may use the base and the adapters the plan gives that
+    tenant (a LoRAAdapter's spec.tenant) or no tenant; any other adapter is a 404 to it, as if
+    unknown. A key of tenant "*" is an admin key. Default: none."""
+
     max_request_bytes: int = 32 << 20
     """Largest HTTP request body taken; a larger one is a 413, refused before it is read whole
     (a 128k-token prompt as token ids is about 1 MB). Default: 33554432."""

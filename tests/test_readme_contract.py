@@ -248,10 +248,10 @@ def test_environment_variables_the_readme_names_are_read(monkeypatch):
     from loraplex.operator.cli import MIRROR_NAMESPACE_ENV, mirror_namespace_from_env
 
     fields = {f.name.upper() for f in dataclasses.fields(ServerSettings)}
-    pdl_readers = (ROOT / "kernels" / "configs.py").read_text()
+    readers = (ROOT / "kernels" / "configs.py").read_text() + (ROOT / "node_agent" / "cli.py").read_text()
     for var in set(re.findall(r"LORAPLEX_[A-Z_<>]+", README)):
         suffix = var.removeprefix("LORAPLEX_")
-        assert suffix == "<FIELD>" or suffix in fields or f'"{var}"' in pdl_readers or var == MIRROR_NAMESPACE_ENV, var
+        assert suffix == "<FIELD>" or suffix in fields or f'"{var}"' in readers or var == MIRROR_NAMESPACE_ENV, var
     assert mirror_namespace_from_env({MIRROR_NAMESPACE_ENV: "loraplex-system"}) == "loraplex-system"  # the operator's
     # What the README says of LORAPLEX_<FIELD>: a default's override, the flag wins, lists split.
     monkeypatch.setenv("LORAPLEX_MAX_LORAS", "32")

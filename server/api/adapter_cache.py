@@ -15,6 +15,8 @@ path between /v1/adapters/ and the action as the name: a request naming "acme/sq
 answered 404 model_not_found in the OpenAI error shape, not with a bare routing 404.
 
 The node agent calls prefetch (?wait=false) and pin when it warms a server (node_agent/warmer.py).
+With API keys (api/auth.py), a tenant's key lists, prefetches and starts sessions of the
+adapters it may use only (any other is a 404 to it); pin and unpin need an admin key.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pydantic import Field
 from ..adapter_sources import AdapterLoadError
 from ..engine import AsyncEngine
 from ..slot_table import AdapterUnloaded
+from .auth import Caller, get_caller, require_admin
 from .deps import get_engine
 from .errors import APIError, model_not_found
 from .schemas import RequestBody
@@ -45,6 +48,12 @@ def _row(engine: AsyncEngine, name: str) -> dict:
         if row["name"] == name:
             return row
     raise model_not_found(name)
+
+
+def _check_visible(engine: AsyncEngine, name: str, caller: Caller) -> None:
+    """A 404, as for an unknown name, for an adapter of another tenant than the caller's."""
+    if not caller.may_use(engine.engine.adapters.tenant_of(name)):
+        raise model_not_found(name)
 
 
 async def _wait_resident(engine: AsyncEngine, name: str, timeout: float, session: bool = False) -> None:
@@ -67,9 +76,9 @@ async def _wait_resident(engine: AsyncEngine, name: str, timeout: float, session
 
 
 @router.get("/v1/adapters")
-async def list_adapters(engine: AsyncEngine = Depends(get_engine)) -> dict:
+async def list_adapters(engine: AsyncEngine = Depends(get_engine), caller: Caller = Depends(get_caller)) -> dict:
     cache = engine.engine.adapters
-    rows = await asyncio.to_thread(cache.describe)
+    rows = [row for row in await asyncio.to_thread(cache.describe) if caller.may_use(row["tenant"])]
     return {"object": "list", "data": rows, "slots": cache.buffers.num_slots, "free_slots": cache.num_free,
             "loads_in_flight": cache.in_flight, "max_concurrent_loads": cache.max_concurrent_loads,
             "host_bytes": cache.host.used_bytes, "host_capacity_bytes": cache.host.capacity_bytes,
@@ -77,7 +86,8 @@ async def list_adapters(engine: AsyncEngine = Depends(get_engine)) -> dict:
 
 
 @router.post("/v1/adapters/{name:path}/pin")
-async def pin(name: str, engine: AsyncEngine = Depends(get_engine)) -> dict:
+async def pin(name: str, engine: AsyncEngine = Depends(get_engine), caller: Caller = Depends(get_caller)) -> dict:
+    require_admin(caller, "pinning an adapter")
     try:
         engine.engine.adapters.pin(name)
     except KeyError:
@@ -86,7 +96,8 @@ async def pin(name: str, engine: AsyncEngine = Depends(get_engine)) -> dict:
 
 
 @router.post("/v1/adapters/{name:path}/unpin")
-async def unpin(name: str, engine: AsyncEngine = Depends(get_engine)) -> dict:
+async def unpin(name: str, engine: AsyncEngine = Depends(get_engine), caller: Caller = Depends(get_caller)) -> dict:
+    require_admin(caller, "unpinning an adapter")
     try:
         engine.engine.adapters.unpin(name)
     except KeyError:
@@ -97,7 +108,8 @@ async def unpin(name: str, engine: AsyncEngine = Depends(get_engine)) -> dict:
 @router.post("/v1/adapters/{name:path}/prefetch")
 async def prefetch(name: str, wait: bool = Query(True, description="answer once resident (false: at once)"),
                    timeout: float = Query(120.0, gt=0, description="seconds to wait for residency"),
-                   engine: AsyncEngine = Depends(get_engine)):
+                   engine: AsyncEngine = Depends(get_engine), caller: Caller = Depends(get_caller)):
+    _check_visible(engine, name, caller)
     if not wait:
         try:
             engine.engine.adapters.prefetch(name)
@@ -110,10 +122,11 @@ async def prefetch(name: str, wait: bool = Query(True, description="answer once 
 
 @router.post("/v1/sessions")
 async def start_session(body: SessionRequest, timeout: float = Query(120.0, gt=0),
-                        engine: AsyncEngine = Depends(get_engine)) -> dict:
+                        engine: AsyncEngine = Depends(get_engine), caller: Caller = Depends(get_caller)) -> dict:
     session = {"id": f"sess-{uuid.uuid4().hex}", "object": "session", "model": body.model}
     if body.model == engine.engine.model_name:
         return {**session, "tier": "gpu", "adapter": None}
+    _check_visible(engine, body.model, caller)
     await _wait_resident(engine, body.model, timeout, session=True)
     row = _row(engine, body.model)
     return {**session, "tier": row["tier"], "adapter": row}

@@ -1,19 +1,21 @@
 """Adapter admin, as vLLM's: POST /v1/load_lora_adapter {lora_name, lora_path} and
 POST /v1/unload_lora_adapter {lora_name}. A refused adapter gets a 400 whose message says
 which part does not fit and why, a path that holds no adapter a 404 (as vLLM answers "No
-adapter found"); the server keeps serving everything else."""
+adapter found"); the server keeps serving everything else. With API keys both need an admin
+key (api/auth.py)."""
 
 from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
 from ..adapter_cache import AdapterExistsError, AdapterPinnedError
 from ..adapter_format import AdapterError, AdapterNotFoundError
 from ..adapter_names import InvalidAdapterName, check_adapter_name
 from ..engine import AsyncEngine
+from .auth import get_caller, require_admin
 from .deps import get_engine
 from .errors import APIError
 from .schemas import LoadAdapterRequest, UnloadAdapterRequest
@@ -23,7 +25,9 @@ router = APIRouter(tags=["adapters"])
 
 
 @router.post("/v1/load_lora_adapter")
-async def load_lora_adapter(body: LoadAdapterRequest, engine: AsyncEngine = Depends(get_engine)) -> PlainTextResponse:
+async def load_lora_adapter(body: LoadAdapterRequest, request: Request,
+                            engine: AsyncEngine = Depends(get_engine)) -> PlainTextResponse:
+    require_admin(get_caller(request), "load_lora_adapter")
     try:
         check_adapter_name(body.lora_name)
     except InvalidAdapterName as e:
@@ -52,7 +56,9 @@ async def load_lora_adapter(body: LoadAdapterRequest, engine: AsyncEngine = Depe
 
 
 @router.post("/v1/unload_lora_adapter")
-async def unload_lora_adapter(body: UnloadAdapterRequest, engine: AsyncEngine = Depends(get_engine)) -> PlainTextResponse:
+async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request,
+                              engine: AsyncEngine = Depends(get_engine)) -> PlainTextResponse:
+    require_admin(get_caller(request), "unload_lora_adapter")
     cache = engine.engine.adapters
     try:
         # On the engine thread, between steps, as AsyncEngine.unload_adapter; a pinned adapter

@@ -16,16 +16,20 @@ from fastapi import FastAPI
 from ..engine import AsyncEngine, LLMEngine, freeze_start_up_objects
 from ..settings import ServerSettings
 from . import adapter_cache, adapters, chat, completions, health, models
+from .auth import APIKeys, Authenticate
 from .body_limit import BodyLimit
 from .errors import install_error_handlers
 
 log = logging.getLogger(__name__)
 
 
-def _build_app(lifespan, max_request_bytes: int) -> FastAPI:
+def _build_app(lifespan, settings: ServerSettings | None) -> FastAPI:
     app = FastAPI(title="loraplex", summary="OpenAI-compatible multi-LoRA server", lifespan=lifespan)
     app.state.engine = None
+    max_request_bytes = settings.max_request_bytes if settings is not None else ServerSettings.max_request_bytes
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    # Outermost: a request without a key is refused before its body is read.
+    app.add_middleware(Authenticate, keys=APIKeys.from_settings(settings) if settings is not None else APIKeys())
     install_error_handlers(app)
     for module in (completions, chat, models, adapters, adapter_cache, health):
         app.include_router(module.router)
@@ -44,8 +48,7 @@ def create_app(engine: LLMEngine) -> FastAPI:
             async_engine.stop()
 
     # (engine None: the routes alone, for a look at them; its lifespan is never run)
-    limit = engine.settings.max_request_bytes if engine is not None else ServerSettings.max_request_bytes
-    return _build_app(lifespan, limit)
+    return _build_app(lifespan, engine.settings if engine is not None else None)
 
 
 def create_app_from_settings(settings: ServerSettings) -> FastAPI:
@@ -63,4 +66,4 @@ def create_app_from_settings(settings: ServerSettings) -> FastAPI:
         finally:
             async_engine.stop()
 
-    return _build_app(lifespan, settings.max_request_bytes)
+    return _build_app(lifespan, settings)

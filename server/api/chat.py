@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 
 from ..engine import AsyncEngine
+from .auth import get_caller
 from .deps import get_engine, merged, open_choices, resolve_adapter, until_disconnected
 from .errors import APIError
 from .logprobs import chat_logprobs
@@ -30,7 +31,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     refusal = body.refusal()
     if refusal:
         raise APIError(400, refusal[0], param=refusal[1])
-    adapter = resolve_adapter(engine, body.model)
+    adapter = resolve_adapter(engine, body.model, get_caller(request))
     eng = engine.engine
     if eng.tokenizer is None:
         raise APIError(400, "this server has no tokenizer: use /v1/completions with token ids")

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 
 from ..engine import AsyncEngine, RequestError
+from .auth import get_caller
 from .deps import get_engine, merged, open_choices, resolve_adapter, until_disconnected
 from .errors import APIError
 from .logprobs import CompletionLogprobs
@@ -59,7 +60,7 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
     refusal = body.refusal()
     if refusal:
         raise APIError(400, refusal[0], param=refusal[1])
-    adapter = resolve_adapter(engine, body.model)
+    adapter = resolve_adapter(engine, body.model, get_caller(request))
     # Tokenizing a long text takes seconds: off the event loop, which serves every stream.
     prompts, prompt_texts = await asyncio.to_thread(_prompts, engine, body)
     params = body.sampling(16 if body.max_tokens is None else body.max_tokens, echo=body.echo)

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from ..engine import AsyncEngine, RequestError, RequestStream, UnknownModelError
 from ..request import RequestOutput
 from ..sampling import SamplingParams
+from .auth import OPEN, Caller
 from .errors import APIError, model_not_found
 from .schemas import ChatCompletionRequest, CompletionRequest
 
@@ -29,11 +30,13 @@ def get_engine(request: Request) -> AsyncEngine:
     return engine
 
 
-def resolve_adapter(engine: AsyncEngine, model: str) -> str | None:
-    """The adapter a request's `model` names; None for the base model; 404 otherwise."""
+def resolve_adapter(engine: AsyncEngine, model: str, caller: Caller = OPEN) -> str | None:
+    """The adapter a request's `model` names; None for the base model; 404 otherwise, also
+    for an adapter of a tenant other than the caller's (the tenant check: api/auth.py)."""
     if model == engine.engine.model_name:
         return None
-    if engine.engine.adapters.has(model):
+    cache = engine.engine.adapters
+    if cache.has(model) and caller.may_use(cache.tenant_of(model)):
         return model
     raise model_not_found(model)
 

@@ -19,7 +19,8 @@ from ..engine import EngineStoppedError, RequestFailedError
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
+          404: "not_found_error", 422: "invalid_request_error",
           409: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
 
 

@@ -40,6 +40,7 @@ class ObjectStore:
     active: int = 0
     max_active: int = 0
     gate: asyncio.Event | None = None  # when set up, weights wait for it
+    authorizations: list = field(default_factory=list)  # each GET's Authorization header (None: none)
 
     def add(self, name: str, tmp: Path, *, seed: int = 0, mode: str = "ok", rank: int = 4) -> str:
         """Serve a fresh adapter `name`; returns its source URL."""
@@ -54,6 +55,7 @@ class ObjectStore:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         name, filename = request.match_info["name"], request.match_info["file"]
         self.gets[f"{name}/{filename}"] += 1
+        self.authorizations.append(request.headers.get("Authorization"))
         served = self.adapters.get(name)
         if served is None or filename not in served.files:
             raise web.HTTPNotFound()
@@ -93,6 +95,7 @@ class FakeServer:
     ready: bool = False
     calls: list[tuple[str, str, str]] = field(default_factory=list)  # (action, name, query)
     fail: set[tuple[str, str]] = field(default_factory=set)
+    authorizations: list = field(default_factory=list)  # each admin call's Authorization header
 
     async def readyz(self, request):
         return web.json_response({"ready": self.ready}, status=200 if self.ready else 503)
@@ -100,6 +103,7 @@ class FakeServer:
     async def admin(self, request):
         name, action = request.match_info["name"], request.match_info["action"]
         self.calls.append((action, name, request.query_string))
+        self.authorizations.append(request.headers.get("Authorization"))
         if (action, name) in self.fail:
             return web.json_response({"error": {"message": "boom"}}, status=500)
         return web.json_response({"name": name, "status": "loading" if action == "prefetch" else "pinned"},

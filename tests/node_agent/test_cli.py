@@ -34,3 +34,12 @@ def test_the_refusal_is_one_line_exit_2(capsys, monkeypatch):
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "https://srv.example:8443/", "http://[::1]:8000"])
 def test_good_server_urls_are_taken(url):
     assert Settings.from_env_and_args(["--server-url", url], {}).server_url == [url]
+
+
+def test_the_servers_api_key_comes_from_the_environment_or_the_flag_and_is_never_shown():
+    s = Settings.from_env_and_args([], {"LORAPLEX_SERVER_API_KEY": "sk-env"})
+    assert s.server_api_key == "sk-env" and s.agent_config().server_api_key == "sk-env"
+    assert Settings.from_env_and_args(["--server-api-key", "sk-flag"], {"LORAPLEX_SERVER_API_KEY": "sk-env"}) \
+        .server_api_key == "sk-flag"
+    assert Settings.from_env_and_args([], {}).server_api_key is None
+    assert "sk-env" not in repr(s) and "sk-env" not in repr(s.agent_config())

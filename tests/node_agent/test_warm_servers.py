@@ -182,3 +182,25 @@ async def test_a_session_for_an_adapter_that_failed_for_good_does_not_download_i
             await warmer.start_session("bad")
         assert err.value.reason == "DigestMismatch" and err.value.status == 422
     assert object_store.gets["bad/adapter_model.safetensors"] == 1
+
+
+async def test_the_servers_api_key_goes_to_the_servers_and_never_to_a_source(tmp_path, object_store, session,
+                                                                            fake_server):
+    """Servers started with --api-key answer 401 to a call without it: the agent sends its
+    --server-api-key on the calls that warm them, and only there (the same HTTP session
+    downloads adapters from their sources, which must never see it)."""
+    fake_server.ready = True
+    names = ["p0", "p1"]
+    for i, n in enumerate(names):
+        object_store.add(n, tmp_path, seed=i)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, pinned=names, others=[]))
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    warmer = Warmer(store, cm.path, session, discovery=StaticServers([fake_server.url], session),
+                    server_timeout_seconds=TIMEOUT, server_api_key="sk-admin-1")
+    assert await warmer.check_plan()
+    await warmer.reconcile()
+    await warmer.check_servers()
+    assert {(a, n) for a, n, _ in fake_server.calls} >= {("prefetch", "p0"), ("pin", "p0"), ("prefetch", "p1")}
+    assert set(fake_server.authorizations) == {"Bearer sk-admin-1"}
+    assert object_store.authorizations and set(object_store.authorizations) == {None}
