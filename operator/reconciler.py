@@ -96,6 +96,17 @@ class AdapterRecord:
                    str((body.get("spec") or {}).get("baseModel") or ""), spec, error,
                    dict(body.get("status") or {}))
 
+    def with_local_metadata(self) -> AdapterRecord:
+        """This record with rank and modules read again from a local adapter_config.json, if
+        they are still unknown: the index read it at the object's last event, and a file that
+        was not there yet (copied after the object was applied) would otherwise keep the
+        adapter Pending (MetadataUnknown) until its object next changes."""
+        spec = self.spec
+        if spec is None or (spec.rank is not None and spec.target_modules is not None):
+            return self
+        found = spec.with_metadata(*read_adapter_config(spec.source))
+        return self if found == spec else dataclasses.replace(self, spec=found)
+
 
 @dataclasses.dataclass
 class _BaseState:
@@ -231,7 +242,8 @@ class Planner:
         failed: list[str] = []
         now = self.clock()
         base_records: list[BaseRecord] = list(basemodels.get(key, ()))
-        adapter_records: list[AdapterRecord] = [r for r in adapters.get(key, ()) if r.spec is not None]
+        adapter_records: list[AdapterRecord] = [r.with_local_metadata() for r in adapters.get(key, ())
+                                                if r.spec is not None]
         base = base_records[0] if base_records else None
 
         if base is None or base.spec is None:

@@ -205,3 +205,24 @@ async def test_a_base_change_on_an_index_behind_its_writes_warns_once(monkeypatc
     await planner.reconcile(KEY, basemodels, adapters)  # the index has not caught up
     assert [e["reason"] for e in events] == ["RankTooLarge"]
     assert pool.recorder.statuses[("loraadapters", "big")]["conditions"] == first["conditions"]
+
+
+async def test_an_adapter_config_that_appears_later_is_read_at_the_next_run(tmp_path):
+    """A file:// adapter applied before its files are copied is Pending (MetadataUnknown); the
+    index read its adapter_config.json at its event alone, so it stayed Pending, through every
+    resync, until its object changed."""
+    pool = Pool(0)
+    planner = Planner(pool.recorder, clock=lambda: NOW)  # type: ignore[arg-type]
+    record = AdapterRecord.from_body({
+        "metadata": {"name": "late", "namespace": "ml", "uid": "uid-late", "generation": 1},
+        "spec": {"baseModel": "llama-3-8b", "source": f"file://{tmp_path}"}})
+    basemodels, adapters = {KEY: [base_record()]}, {KEY: [record]}
+    plan = await planner.reconcile(KEY, basemodels, adapters)
+    assert plan is not None and plan.verdicts["late"].reason == "MetadataUnknown"
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "target_modules": ["q_proj", "v_proj"]}))
+    planner.forget_written(KEY)  # the resync
+    plan = await planner.reconcile(KEY, basemodels, adapters)  # the same index entry
+    assert plan is not None and plan.verdicts["late"].accepted and [a.name for a in plan.adapters] == ["late"]
+    status = pool.recorder.statuses[("loraadapters", "late")]
+    assert (status["phase"], status["rank"], status["targetModules"]) == ("Accepted", 8, ["q_proj", "v_proj"])
