@@ -3,6 +3,7 @@
     LoRAAdapter  create / update / resume / delete (finalizer)  -> reconcile its base
     LoRAAdapter  any event (node agents patch status.nodes)     -> reconcile if Staged / Ready move
     LoRAAdapter  deleted (gone), its base's plan still holds it -> reconcile (deleted before its finalizer)
+                 or its spec was invalid                       -> reconcile (its base's rejectedCount)
     BaseModel    create / update / resume                      -> Deployment + Service, reconcile
     BaseModel    delete (finalizer)                            -> its plan's mirror deleted
     BaseModel    deleted                                        -> its adapters go Pending
@@ -161,7 +162,8 @@ async def adapter_staging(event: kopf.RawEvent, body: kopf.Body, namespace: str,
         name = body.get("metadata", {}).get("name")
         base = (body.get("spec") or {}).get("baseModel")
         plan = planner.plan_of((namespace, str(base))) if base else None
-        if plan is not None and name in plan.verdicts:  # the index no longer holds it
+        invalid = AdapterRecord.from_body(body).spec is None  # counted in its base's rejectedCount
+        if plan is not None and (name in plan.verdicts or invalid):  # the index no longer holds it
             await planner.reconcile_or_retry((namespace, str(base)), basemodels, adapters_by_base)
         return
     if body.get("metadata", {}).get("deletionTimestamp"):

@@ -276,8 +276,9 @@ class Planner:
 
         cm_name = workloads.plan_config_map_name(name)
         known = _known_status(state, base.uid, base.status)
+        invalid = sum(1 for r in adapters.get(key, ()) if r.spec is None)  # Rejected by their handler
         desired_base = statuses.base_status(plan, known, state.ready_replicas, cm_name, now, plan_error,
-                                            plan_error_reason, state.workload_error)
+                                            plan_error_reason, state.workload_error, invalid)
         if statuses.differs(base.status, desired_base) and state.written_status.get(base.uid) != desired_base:
             try:
                 await self.client.patch_status(kube.BASE_MODELS, namespace, name, desired_base)

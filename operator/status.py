@@ -129,13 +129,15 @@ def adapter_status(adapter: AdapterSpec, verdict: Verdict, plan: Plan | None,
 def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: int,
                 plan_config_map: str, now: datetime.datetime, plan_error: str | None = None,
                 plan_error_reason: str = "PlanTooLarge",
-                workload_error: tuple[str, str] | None = None) -> dict[str, Any]:
+                workload_error: tuple[str, str] | None = None, invalid_adapters: int = 0) -> dict[str, Any]:
     """The BaseModel's status: packing outcome, pinned set, counts, conditions.
 
     `plan_error`: why the plan could not be written (`plan_error_reason`: PlanTooLarge for a
     ConfigMap, NameConflict when another owner's ConfigMap has its name), if so.
     `workload_error`: (reason, message) when its Deployment or Service could not be written
     (NameConflict, WorkloadInvalid), if so.
+    `invalid_adapters`: adapters naming this base whose spec is invalid (Rejected, InvalidSpec:
+    they are in no plan's verdicts), counted with the rejected ones.
     """
     current = current or {}
     base = plan.base
@@ -159,7 +161,7 @@ def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: i
                   f" {plan_config_map}", gen),
         ready,
     ]
-    rejected = sum(1 for v in plan.verdicts.values() if v.phase == "Rejected")
+    rejected = sum(1 for v in plan.verdicts.values() if v.phase == "Rejected") + invalid_adapters
     # The plan not written (too large, or its name taken) is Failed, as the CRD documents: the
     # servers and node agents follow an older plan, if any, not this one.
     failed = packed.slots == 0 or workload_error or plan_error

@@ -335,6 +335,21 @@ async def test_invalid_spec_is_rejected_with_a_reason(api, operator, eventually_
     assert plan["adapters"] == []
 
 
+async def test_the_bases_rejected_count_follows_adapters_of_an_invalid_spec(api, operator, eventually_):
+    """rejectedCount counts every adapter naming the base that is Rejected: one whose spec is
+    invalid too (the schema cannot refuse them all), until it is deleted."""
+    await api.create(BASE_MODELS.path(NS), base_body())
+    await api.create(ADAPTERS.path(NS), adapter_body("a", 1))
+    await api.create(ADAPTERS.path(NS), adapter_body("odd", 1, warmup={"start": "2026-05-02T08:00:00Z",
+                                                                      "end": "2026-05-01T08:00:00Z"}))
+
+    async def counted(rejected):
+        status = await _status_with(api, BASE_MODELS, "llama-3-8b", "rejectedCount")
+        return status if (status["adapterCount"], status["rejectedCount"]) == (1, rejected) else None
+    await eventually_(lambda: counted(1), what="odd counted as rejected")
+    await api._request("DELETE", ADAPTERS.path(NS, "odd"))
+    await eventually_(lambda: counted(0), what="odd no longer counted once deleted")
+
 async def test_an_adapter_whose_spec_turns_invalid_leaves_the_plan(api, operator, eventually_):
     """A warm-up that ends before it starts passes the CRD schema; the operator rejects it.
     A planned (pinned) adapter edited that way must leave the plan then, not at a resync."""

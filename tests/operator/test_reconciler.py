@@ -226,3 +226,22 @@ async def test_an_adapter_config_that_appears_later_is_read_at_the_next_run(tmp_
     assert plan is not None and plan.verdicts["late"].accepted and [a.name for a in plan.adapters] == ["late"]
     status = pool.recorder.statuses[("loraadapters", "late")]
     assert (status["phase"], status["rank"], status["targetModules"]) == ("Accepted", 8, ["q_proj", "v_proj"])
+
+
+async def test_the_bases_rejected_count_counts_adapters_rejected_for_an_invalid_spec():
+    """An adapter whose spec is invalid (a warm-up window that ends before it starts, which the
+    schema cannot refuse) is Rejected, and names its base; rejectedCount left it out."""
+    pool = Pool(1)
+    planner = Planner(pool.recorder, clock=lambda: NOW)  # type: ignore[arg-type]
+    odd = AdapterRecord.from_body({
+        "metadata": {"name": "odd", "namespace": "ml", "uid": "uid-odd", "generation": 1},
+        "spec": {"baseModel": "llama-3-8b", "source": "s3://a/odd", "rank": 8, "targetModules": ["q_proj"],
+                 "warmup": {"start": "2026-12-02T00:00:00Z", "end": "2026-12-01T00:00:00Z"}}})
+    big = AdapterRecord.from_body({
+        "metadata": {"name": "big", "namespace": "ml", "uid": "uid-big", "generation": 1},
+        "spec": {"baseModel": "llama-3-8b", "source": "s3://a/big", "rank": 64, "targetModules": ["q_proj"]}})
+    assert odd.spec is None
+    basemodels, adapters = pool.indices()
+    await planner.reconcile(KEY, basemodels, {KEY: [*adapters[KEY], odd, big]})
+    status = pool.recorder.statuses[("basemodels", "llama-3-8b")]
+    assert (status["adapterCount"], status["rejectedCount"]) == (1, 2)
