@@ -7,13 +7,18 @@ its prompt are not written over."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loraplex.server.batch import DecodeRunner, kv_bucket
 from loraplex.server.request import Request
 from loraplex.server.sampling import SamplingParams
 
-from .test_ops import tiny_model
+from .test_ops import DEVICE, tiny_model
+
+# The fused ops run interpreted on the CPU (the suite), or on CUDA (TRITON_INTERPRET=0 on a GPU).
+pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                reason="TRITON_INTERPRET is off and there is no CUDA device")
 
 MAX_LEN = 48
 
@@ -33,7 +38,7 @@ def busy_rows(model, rows: list[int]) -> None:
 
 
 def test_free_rows_read_one_key_and_held_rows_keep_their_keys():
-    model = tiny_model(torch.float32, fused=True, max_len=MAX_LEN, rows=8)
+    model = tiny_model(torch.float32, fused=True, device=DEVICE, max_len=MAX_LEN, rows=8)
     runner = DecodeRunner(model, max_rows=8, kv_block=16, cuda_graphs=False)
     # Rows 0 and 3 decode, row 2 is mid chunked prefill (12 prompt tokens in), rows 1 and
     # 4..7 are free: span 4 -> bucket 4; then row 4 busy too: span 5 -> bucket 8.
