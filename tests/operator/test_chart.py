@@ -438,3 +438,25 @@ def test_the_operator_may_list_and_delete_the_mirrors_in_the_release_namespace_a
     assert not _allows(cluster, "", "configmaps", "list") and not _allows(cluster, "", "configmaps", "delete")
     for verb in ("get", "create", "patch"):
         assert _allows(cluster, "", "configmaps", verb)
+
+
+def test_node_agent_takes_the_servers_api_key_from_a_secret():
+    """nodeAgent.serverApiKeySecret: the agents' --server-api-key as LORAPLEX_SERVER_API_KEY from
+    the Secret (never a literal in the DaemonSet); none named: no such variable, no key sent."""
+    (container,) = render_all()[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+    assert "LORAPLEX_SERVER_API_KEY" not in {e["name"] for e in container["env"]}
+    assert AgentSettings.from_env_and_args(container["args"], env=IN_POD).server_api_key is None
+
+    for secret, key in ((None, "api-key"), ("admin-key", "admin-key")):
+        values = copy.deepcopy(VALUES)
+        values["nodeAgent"]["serverApiKeySecret"]["name"] = "loraplex-server-keys"
+        if secret is not None:
+            values["nodeAgent"]["serverApiKeySecret"]["key"] = secret
+        (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+        (var,) = [e for e in container["env"] if e["name"] == "LORAPLEX_SERVER_API_KEY"]
+        assert var == {"name": "LORAPLEX_SERVER_API_KEY",
+                       "valueFrom": {"secretKeyRef": {"name": "loraplex-server-keys", "key": key}}}
+        # What the kubelet gives the container from that Secret is the key the agent sends.
+        settings = AgentSettings.from_env_and_args(container["args"],
+                                                   env={**IN_POD, "LORAPLEX_SERVER_API_KEY": "sk-ops-1"})
+        assert settings.server_api_key == "sk-ops-1"
