@@ -168,7 +168,11 @@ OPERATOR_FLAGS: frozenset[str] = frozenset({
     "--max-model-len",
     "--max-prefill-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-cpu-loras",
     "--max-concurrent-loads", "--eviction-policy",
+    # serving.apiKeys: the keys come from Secrets, never from the command line (`ps` shows it).
+    "--api-key", "--api-keys-file",
 })
+# OPERATOR_FLAGS that serving.apiKeys sets, named in the refusal so it points there.
+API_KEY_FLAGS: frozenset[str] = frozenset({"--api-key", "--api-keys-file"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,13 +239,15 @@ def _extra_args(value: Any) -> tuple[str, ...]:
     owned = sorted({flag for a in value if a.startswith("--") and len(a.split("=", 1)[0]) > 2
                     for flag in OPERATOR_FLAGS if flag.startswith(a.split("=", 1)[0])})
     if owned:
-        raise SpecError(f"serving.extraArgs may not set {', '.join(owned)}: the operator sets them"
-                        " (use serving.engine and the rest of the spec)")
+        use = "serving.apiKeys" if set(owned) <= API_KEY_FLAGS else "serving.engine and the rest of the spec"
+        raise SpecError(f"serving.extraArgs may not set {', '.join(owned)}: the operator sets them (use {use})")
     return tuple(value)
 
 
-# Environment variables the operator sets on the server container (workloads.deployment).
-OPERATOR_ENV: frozenset[str] = frozenset({"NODE_IP", "TRITON_CACHE_DIR"})
+# Environment variables the operator sets on the server container (workloads.deployment), and
+# the server's environment form of --api-keys-file: API keys come through serving.apiKeys alone.
+API_KEY_ENV: frozenset[str] = frozenset({"LORAPLEX_API_KEY", "LORAPLEX_API_KEYS_FILE"})
+OPERATOR_ENV: frozenset[str] = frozenset({"NODE_IP", "TRITON_CACHE_DIR"}) | API_KEY_ENV
 
 
 def _env(value: Any) -> tuple[Mapping[str, Any], ...]:
@@ -253,8 +259,56 @@ def _env(value: Any) -> tuple[Mapping[str, Any], ...]:
         raise SpecError("serving.env must be a list of EnvVars, each with a name")
     owned = sorted({e["name"] for e in value} & OPERATOR_ENV)
     if owned:
-        raise SpecError(f"serving.env may not set {', '.join(owned)}: the operator sets them")
+        use = " (use serving.apiKeys)" if set(owned) <= API_KEY_ENV else ""
+        raise SpecError(f"serving.env may not set {', '.join(owned)}: the operator sets them{use}")
     return tuple(dict(e) for e in value)
+
+
+# A Secret's name (a DNS-1123 subdomain) and a key of its data, as the API server checks them.
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class SecretKey:
+    """One key of a Secret in the BaseModel's namespace (a SecretKeySelector)."""
+
+    name: str
+    key: str
+
+    @classmethod
+    def from_spec(cls, value: Any, field: str, default_key: str) -> SecretKey | None:
+        if value is None:
+            return None
+        if not isinstance(value, Mapping):
+            raise SpecError(f"serving.apiKeys.{field} must be an object with a name and a key, got {value!r}")
+        name, key = value.get("name"), value.get("key", default_key)
+        if not isinstance(name, str) or len(name) > 253 or not _SECRET_NAME.match(name):
+            raise SpecError(f"serving.apiKeys.{field}.name must be a Secret's name (a DNS subdomain), got {name!r}")
+        if not isinstance(key, str) or len(key) > 253 or not _SECRET_KEY.match(key):
+            raise SpecError(f"serving.apiKeys.{field}.key must be a key of a Secret (letters, digits, -._),"
+                            f" got {key!r}")
+        return cls(name=name, key=key)
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiKeys:
+    """serving.apiKeys: the servers' API keys from Secrets. The admin key becomes
+    LORAPLEX_API_KEY (read at start), the tenants' keys file a Secret volume given to
+    --api-keys-file (re-read when the Secret changes); None: no such keys."""
+
+    admin_key_secret: SecretKey | None = None
+    tenant_keys_secret: SecretKey | None = None
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> ApiKeys:
+        if spec is None:
+            return cls()
+        if not isinstance(spec, Mapping):
+            raise SpecError(f"serving.apiKeys must be an object, got {spec!r}")
+        return cls(admin_key_secret=SecretKey.from_spec(spec.get("adminKeySecret"), "adminKeySecret", "api-key"),
+                   tenant_keys_secret=SecretKey.from_spec(spec.get("tenantKeysSecret"), "tenantKeysSecret",
+                                                          "keys.json"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +326,7 @@ class Serving:
     engine: Engine = Engine()
     extra_args: tuple[str, ...] = ()  # after the operator's flags
     env: tuple[Mapping[str, Any], ...] = ()  # EnvVars, after the operator's
+    api_keys: ApiKeys = ApiKeys()
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> Serving:
@@ -287,6 +342,7 @@ class Serving:
             engine=Engine.from_spec(spec.get("engine") or {}),
             extra_args=_extra_args(spec.get("extraArgs")),
             env=_env(spec.get("env")),
+            api_keys=ApiKeys.from_spec(spec.get("apiKeys")),
         )
 
 

@@ -53,6 +53,10 @@ NAMESPACES_DIR = ".namespaces"
 # that compiles (without warm-up) stalls 1.2-2.9 s. Triton writes each entry to a temporary
 # file and renames it, so servers on one node share it.
 KERNEL_CACHE_DIR = "/var/lib/loraplex/kernel-cache"
+# serving.apiKeys.tenantKeysSecret: the Secret's key mounted here as keys.json, whole-folder
+# (not subPath), so the kubelet's in-place update of a changed Secret reaches the server.
+API_KEYS_DIR = "/etc/loraplex/api-keys"
+API_KEYS_FILE = f"{API_KEYS_DIR}/keys.json"
 SERVER_PORT = 8000
 # The server opens its port only once the weights are on the GPU and the warm-up has compiled
 # its kernels and captured its decode graphs (30.5 s of compiling warm-up for Llama-3-8B on an
@@ -195,18 +199,37 @@ def server_args(base: BaseModelSpec, slots: int) -> list[str]:
         "--node-agent-url", f"http://$(NODE_IP):{NODE_AGENT_PORT}",
         # The engine's rows and lengths size the KV cache the packing math counted.
         *base.serving.engine.args(),
+        *(["--api-keys-file", API_KEYS_FILE] if base.serving.api_keys.tenant_keys_secret else []),
         *base.serving.extra_args,
     ]
+
+
+def _api_key_parts(base: BaseModelSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(env, volume mounts, volumes) for serving.apiKeys: the admin key as LORAPLEX_API_KEY from
+    its Secret, the tenants' keys file as a read-only Secret volume at API_KEYS_DIR."""
+    keys = base.serving.api_keys
+    env, mounts, volumes = [], [], []
+    if keys.admin_key_secret is not None:
+        env.append({"name": "LORAPLEX_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": keys.admin_key_secret.name, "key": keys.admin_key_secret.key}}})
+    if keys.tenant_keys_secret is not None:
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+        volumes.append({"name": "api-keys", "secret": {
+            "secretName": keys.tenant_keys_secret.name,
+            "items": [{"key": keys.tenant_keys_secret.key, "path": API_KEYS_FILE.rsplit("/", 1)[1]}]}})
+    return env, mounts, volumes
 
 
 def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
     """The serving Deployment: the plan ConfigMap mounted read-only at /etc/loraplex/plan, the
     BaseModel's namespace's folder of the node's adapter cache (where the node agent stages
     its adapters) from the host, read-only, and the node's compiled-kernel cache
-    (TRITON_CACHE_DIR), read-write.
+    (TRITON_CACHE_DIR), read-write; with serving.apiKeys, the keys from their Secrets (the
+    probes' /healthz and /readyz need none).
     With no room for adapters (slots 0) the server still gets --max-loras 1; the BaseModel's
     status says Failed / NoRoom."""
     serving = base.serving
+    key_env, key_mounts, key_volumes = _api_key_parts(base)
     container: dict[str, Any] = {
         "name": "server",
         "image": serving.image,
@@ -214,6 +237,7 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
         "args": server_args(base, slots),
         "env": [{"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
                 {"name": "TRITON_CACHE_DIR", "value": KERNEL_CACHE_DIR},
+                *key_env,
                 *copy.deepcopy(list(serving.env))],
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
         "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
@@ -225,6 +249,7 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
             {"name": "plan", "mountPath": PLAN_DIR, "readOnly": True},
             {"name": "adapters", "mountPath": ADAPTER_CACHE_DIR, "readOnly": True},
             {"name": "kernel-cache", "mountPath": KERNEL_CACHE_DIR},
+            *key_mounts,
             *copy.deepcopy(list(serving.volume_mounts)),
         ],
     }
@@ -238,6 +263,7 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
             {"name": "adapters", "hostPath": {"path": namespace_cache_dir(base.namespace),
                                               "type": "DirectoryOrCreate"}},
             {"name": "kernel-cache", "hostPath": {"path": KERNEL_CACHE_DIR, "type": "DirectoryOrCreate"}},
+            *key_volumes,
             *copy.deepcopy(list(serving.volumes)),
         ],
     }
