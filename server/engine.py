@@ -307,6 +307,11 @@ class LLMEngine:
                 f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds this model's "
                 f"maximum context length of {self.max_model_len} tokens")
         self.check_token_ids(prompt_ids)
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= self.cfg.vocab_size]
+            if bad:
+                raise RequestError(f"logit_bias token ids {sorted(bad)[:5]} are outside the vocabulary "
+                                   f"(size {self.cfg.vocab_size})")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         # Any int64 (the API's range) as itself, and one past its ends (a seed + j of n choices)
         # wrapped around 64 bits: distinct seeds draw distinct samples.

@@ -1,5 +1,5 @@
-"""Per-request sampling for a whole batch at once: repetition/presence/frequency penalties,
-greedy, temperature, top-k, top-p, seed; and the logprobs a request asks for.
+"""Per-request sampling for a whole batch at once: logit bias, repetition/presence/frequency
+penalties, greedy, temperature, top-k, top-p, seed; and the logprobs a request asks for.
 
 Randomness is counter-based: the noise for row r, vocabulary entry v at output step n is a
 hash of (request seed, n, v). A seeded request therefore draws the same tokens whichever
@@ -7,10 +7,11 @@ batch it shares, on any device, and no generator state lives between steps. Samp
 the Gumbel-max form: token = argmax(log p_masked + g) with g = -log(-log u) (exactly a draw
 from p_masked), so masks never renumber the noise.
 
-Order, per row: raw logits -> penalties -> greedy argmax, or temperature -> top-k -> top-p
--> Gumbel draw. Logprobs are of the raw logits (log_softmax in float32 before penalties,
-temperature and masks: vLLM's default "raw_logprobs"), so they describe the model, not the
-sampler.
+Order, per row, as vLLM's sampler: raw logits -> logit_bias added (and EOS / stop tokens
+masked before min_tokens) -> penalties -> greedy argmax, or temperature -> top-k -> top-p ->
+min-p -> Gumbel draw. Logprobs are of the raw logits (log_softmax in float32 before the bias,
+penalties, temperature and masks: vLLM's default "raw_logprobs"), so they describe the model,
+not the sampler: a token that a +100 bias made certain keeps its own (maybe low) logprob.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (Open
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by
 # one near 0 (1e-40) gives inf, log_softmax then NaN, and the draw the argmax of NaNs (token 0).
 GREEDY_TEMPERATURE = 1e-5
+# logit_bias: at most this many tokens per request (vLLM's MAX_NUM_LOGIT_BIAS_TOKENS; OpenAI
+# takes 300), each bias in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range).
+MAX_LOGIT_BIAS = 1024
+LOGIT_BIAS_LIMIT = 100.0
 
 
 @dataclass
@@ -51,12 +56,27 @@ class SamplingParams:
     # prompt token's logprob and the k most likely there too (the first token's is None).
     # Only then may max_tokens be 0: score the prompt, generate nothing.
     echo: bool = False
+    # OpenAI's logit_bias: {token id: bias}, each bias added to that token's logit before the
+    # penalties and sampling (-100 in effect bans the token, +100 all but forces it).
+    logit_bias: dict[int, float] | None = None
     # stop_token_ids as a set: the engine thread checks every sampled token against it (a
     # list of a million ids cost each of the request's steps 26 ms).
     stop_ids: frozenset = field(init=False, repr=False, compare=False, default=frozenset())
+    # logit_bias as arrays, made once: int64 [k] token ids, float32 [k] biases (empty without).
+    bias_ids: np.ndarray = field(init=False, repr=False, compare=False, default=None)
+    bias_values: np.ndarray = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.stop_token_ids)
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in bias):
+            raise ValueError("logit_bias keys must be token ids (integers >= 0)")
+        if not all(-LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT for b in bias.values()):
+            raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        self.bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+        self.bias_values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
         if self.max_tokens < (0 if self.echo else 1):
             raise ValueError("max_tokens must be at least 1 (0 only with echo)")
         if self.temperature < 0:
@@ -144,6 +164,25 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop = (before >= top_p[:, None]) & (rank > 0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:
+    """logits float32 [N, V] with params[j].logit_bias added to row rows[j]; a new tensor (the
+    input may be the decode graph's output buffer). One scatter of every row's biases, their
+    flat indices built on the host from the arrays each request made once, e.g. rows [0, 2],
+    V 10, biases {3: 5.0} and {1: -100.0, 7: 2.0} -> indices [3, 21, 27], values [5, -100, 2].
+    Ids past the vocabulary are dropped (the engine refuses them at the request)."""
+    vocab = logits.shape[-1]
+    ids = [p.bias_ids for p in params]
+    keep = [t < vocab for t in ids]
+    flat = np.concatenate([r * vocab + t[k] for r, t, k in zip(rows, ids, keep)])
+    values = np.concatenate([p.bias_values[k] for p, k in zip(params, keep)])
+    out = logits.clone(memory_format=torch.contiguous_format)
+    device = logits.device
+    send = (lambda a: torch.from_numpy(a).to(device, non_blocking=True)) if device.type == "cuda" \
+        else torch.from_numpy
+    out.view(-1).index_add_(0, send(flat), send(values).to(out.dtype))
+    return out
 
 
 def _token_counts(token_lists: list, vocab: int, device: torch.device) -> torch.Tensor:
@@ -244,18 +283,21 @@ class Sampler:
         output tokens so far) feeds the penalties, and prompts[i] (its prompt's ids, or their
         distinct ids as an int64 array; None without a repetition penalty) the repetition penalty.
         `logits` is read, never written (on CUDA it is the decode graph's output buffer).
-        banned[i]: token ids request i may not sample this step (EOS and stop_token_ids before
-        its min_tokens); empty or None for most."""
+        params[i].logit_bias is added to its row first. banned[i]: token ids request i may not
+        sample this step (EOS and stop_token_ids before its min_tokens); empty or None for most."""
         rows = list(range(len(params))) if rows is None else rows
         device = logits.device
         raw = logits
         generated = generated or [[] for _ in params]
         prompts = prompts or [None for _ in params]
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if biased:  # a copy, the biases added to their rows only; the others as they were
+            logits = apply_logit_bias(logits, [rows[i] for i in biased], [params[i] for i in biased])
         if banned and any(banned):
-            # A copy (the input is the graph's buffer), with those tokens at -inf in their rows.
+            # Those tokens at -inf in their rows, in a copy (the input is the graph's buffer).
             vocab = logits.shape[-1]
             pairs = [(rows[i], t) for i, ids in enumerate(banned) for t in ids or () if 0 <= t < vocab]
-            logits = logits.clone()
+            logits = logits.clone() if logits is raw else logits
             logits[to_device([r for r, _ in pairs], torch.int64, device),
                    to_device([t for _, t in pairs], torch.int64, device)] = float("-inf")
         # A row is penalised once it has tokens to penalise: its output, or (repetition) its prompt.

@@ -28,7 +28,7 @@ router = APIRouter(tags=["chat"])
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  engine: AsyncEngine = Depends(get_engine)):
-    refusal = body.refusal()
+    refusal = body.refusal() or body.vocab_refusal(engine.engine.cfg.vocab_size)
     if refusal:
         raise APIError(400, refusal[0], param=refusal[1])
     adapter = resolve_adapter(engine, body.model, get_caller(request))

@@ -57,7 +57,7 @@ def _prompts(engine: AsyncEngine, body: CompletionRequest) -> tuple[list[list[in
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, engine: AsyncEngine = Depends(get_engine)):
-    refusal = body.refusal()
+    refusal = body.refusal() or body.vocab_refusal(engine.engine.cfg.vocab_size)
     if refusal:
         raise APIError(400, refusal[0], param=refusal[1])
     adapter = resolve_adapter(engine, body.model, get_caller(request))

@@ -1,23 +1,25 @@
 """OpenAI request and response bodies (the subset a completions server needs), plus vLLM's
-adapter-admin bodies. Extra fields that vLLM accepts (top_k, min_p, min_tokens,
-repetition_penalty, ignore_eos, stop_token_ids) are accepted here too; vLLM's and OpenAI's
+adapter-admin bodies. OpenAI's logit_bias is taken as OpenAI and vLLM define it. Extra fields
+that vLLM accepts (top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids)
+are accepted here too; vLLM's and OpenAI's
 fields this server does not implement are refused when they would change the output
 (UNSUPPORTED); other unknown fields are ignored, as vLLM does.
 
 Values out of OpenAI's bounds that a client is likely to send on purpose (logprobs,
-top_logprobs, penalties) are refused with a 400 naming the parameter, as OpenAI does.
+top_logprobs, penalties, logit_bias) are refused with a 400 naming the parameter, as OpenAI does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..sampling import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # the most choices one request may ask for (`n`); each is a batch row of its own
 # Stop strings a request may give, and their length (OpenAI takes up to 4): each is matched
@@ -25,6 +27,36 @@ MAX_N = 16  # the most choices one request may ask for (`n`); each is a batch ro
 # _find_stop), and its matcher is built there once.
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
+# A logit_bias key: a token id written as a JSON object key, a string of decimal digits
+# ("-1" parses, and is then outside the vocabulary). Longer than 18 digits it is no token id.
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,18}")
+
+
+def parse_logit_bias(value: dict | None) -> dict[int, float]:
+    """OpenAI's logit_bias {"token id": bias} as {id: bias}; ValueError (its message names
+    logit_bias) for a key that is not an integer, a bias that is not a number in
+    [-100, 100] (vLLM clamps it; OpenAI refuses it, as here), a token named twice ("5" and
+    "05") or more than MAX_LOGIT_BIAS tokens. Ids are checked against the vocabulary by
+    `_SamplingFields.vocab_refusal`, which knows it."""
+    if not value:
+        return {}
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    bias: dict[int, float] = {}
+    for key, b in value.items():
+        if isinstance(key, int) and not isinstance(key, bool):
+            token = key
+        elif isinstance(key, str) and _TOKEN_KEY.fullmatch(key):
+            token = int(key)
+        else:
+            raise ValueError(f"logit_bias keys must be token ids (integers), got {str(key)[:40]!r}")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be numbers between -{LOGIT_BIAS_LIMIT:g} and "
+                             f"{LOGIT_BIAS_LIMIT:g}, got {str(b)[:40]} for token {token}")
+        if token in bias:
+            raise ValueError(f"logit_bias names token {token} twice")
+        bias[token] = float(b)
+    return bias
 
 
 def _unpaired_surrogate(body) -> str | None:
@@ -105,10 +137,12 @@ class _SamplingFields(RequestBody):
     user: str | None = None
     # vLLM's: logprob tokens spelled "token_id:N" (tokens that decode alike stay apart)
     return_tokens_as_token_ids: bool | None = None
+    # OpenAI's {"token id": bias in [-100, 100]}, added to the logits before sampling
+    # (parse_logit_bias; the ids are checked against the vocabulary by vocab_refusal).
+    logit_bias: dict | None = None
     # Parts of the OpenAI API this server does not implement: refused when they would change
     # the output (a 400 naming them), accepted when neutral (empty, or plain text), never
     # silently dropped.
-    logit_bias: dict | None = None
     response_format: dict | None = None
     tools: list | None = None
 
@@ -132,8 +166,10 @@ class _SamplingFields(RequestBody):
         longest = max(map(len, stop), default=0)
         if longest > MAX_STOP_CHARS:
             return f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}", "stop"
-        if self.logit_bias:
-            return "logit_bias is not supported", "logit_bias"
+        try:
+            parse_logit_bias(self.logit_bias)
+        except ValueError as e:
+            return str(e), "logit_bias"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return f"response_format {self.response_format.get('type')!r} is not supported (only text)", \
                 "response_format"
@@ -152,6 +188,14 @@ class _SamplingFields(RequestBody):
                 return f"{name} must be between -2 and 2, got {value}", name
         if self.repetition_penalty is not None and not 0.0 < self.repetition_penalty < float("inf"):
             return f"repetition_penalty must be greater than 0, got {self.repetition_penalty}", "repetition_penalty"
+        return None
+
+    def vocab_refusal(self, vocab_size: int) -> tuple[str, str] | None:
+        """(why, parameter) when logit_bias names a token outside a vocabulary of `vocab_size`
+        (the logits' width), as vLLM refuses it; None when every id is in it."""
+        bad = sorted(t for t in parse_logit_bias(self.logit_bias) if not 0 <= t < vocab_size)
+        if bad:
+            return f"logit_bias token ids {bad[:5]} are outside the vocabulary (size {vocab_size})", "logit_bias"
         return None
 
     @staticmethod
@@ -180,6 +224,7 @@ class _SamplingFields(RequestBody):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             echo=echo,
+            logit_bias=parse_logit_bias(self.logit_bias) or None,
         )
 
     def choice_params(self, params: SamplingParams) -> list[SamplingParams]:

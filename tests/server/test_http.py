@@ -150,13 +150,13 @@ def test_error_shapes(served):
         # values (as some clients always send) are served.
         chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        for field, value in (("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}),
-                             ("tools", [tool])):
+        for field, value in (("response_format", {"type": "json_object"}), ("tools", [tool])):
             r = c.post("/v1/chat/completions", json=chat | {field: value})
             assert r.status_code == 400 and error_of(r)["param"] == field, (field, r.text)
-        for field, value in (("logit_bias", {}), ("response_format", {"type": "text"}), ("tools", [])):
+        for field, value in (("response_format", {"type": "text"}), ("tools", [])):
             assert c.post("/v1/chat/completions", json=chat | {field: value}).status_code == 200, field
-        r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x", "logit_bias": {"5": -100}})
+        # logit_bias is served (test_sampling_logit_bias.py); a bias past OpenAI's range is refused by name.
+        r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": "x", "logit_bias": {"5": -101}})
         assert r.status_code == 400 and error_of(r)["param"] == "logit_bias"
         for echo in (False, True):  # echo decodes the ids: they are checked before
             for ids in ([-1, 5], [10**9], [[1, 2], [3, 2**40]]):
