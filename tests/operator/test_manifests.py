@@ -9,6 +9,8 @@ import copy
 import datetime
 import pathlib
 import re
+import shutil
+import subprocess
 
 import jsonschema
 import pytest
@@ -183,3 +185,79 @@ def test_kubectl_explain_describes_every_field(kind):
     bare = [f"{name}{path}" for name in ("spec", "status") for path, node in _walk(top[name])
             if not path.endswith(("[]", "{}")) and not str(node.get("description") or "").strip()]
     assert bare == [], f"{kind} fields with no description: {bare}"
+
+
+API_KEYS = ROOT / "examples" / "api-keys"
+
+
+def _merge(target, patch):
+    """A JSON merge patch, as kustomize applies a patch to a custom resource (no strategic-merge schema)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        out[key] = _merge(out.get(key), value)
+    return out
+
+
+def examples_with_api_keys() -> list[dict]:
+    """The examples with the api-keys Component, as `kubectl apply -k examples/` builds them once
+    ../kustomization.yaml lists it: its resources added, its patches merged by kind and name."""
+    component = yaml.safe_load((API_KEYS / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component"
+    docs = copy.deepcopy(EXAMPLES) + [d for f in component["resources"]
+                                      for d in yaml.safe_load_all((API_KEYS / f).read_text()) if d]
+    for entry in component["patches"]:
+        patch = yaml.safe_load((API_KEYS / entry["path"]).read_text())
+        (i,) = [i for i, d in enumerate(docs)
+                if (d["kind"], d["metadata"]["name"]) == (patch["kind"], patch["metadata"]["name"])]
+        docs[i] = _merge(docs[i], patch)
+    return docs
+
+
+def test_the_api_keys_example_validates_and_names_secrets_it_holds(tmp_path):
+    from loraplex.operator.workloads import deployment
+    from loraplex.server.api.auth import read_keys_file
+
+    docs = examples_with_api_keys()
+    for doc in docs:
+        if doc["kind"] in CRDS:
+            errors = list(validator(doc["kind"]).iter_errors(doc))
+            assert not errors, f"{doc['metadata']['name']}: {[e.message for e in errors]}"
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    base = BaseModelSpec.from_body({**next(d for d in docs if d["kind"] == "BaseModel"),
+                                    "metadata": {"name": "llama-3-8b", "namespace": "loraplex-demo"}})
+    keys = base.serving.api_keys
+    admin, tenants = keys.admin_key_secret, keys.tenant_keys_secret
+    assert admin is not None and tenants is not None
+    assert "namespace" not in secrets[admin.name]["metadata"]  # the kustomization's, as the BaseModel's
+    admin_key = secrets[admin.name]["stringData"][admin.key]
+    keys_json = tmp_path / "keys.json"
+    keys_json.write_text(secrets[tenants.name]["stringData"][tenants.key])
+    assert sorted(read_keys_file(keys_json).values()) == ["acme", "globex"]  # the examples' two tenants
+    pod = deployment(base, 1222)["spec"]["template"]["spec"]
+    assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {tenants.name}
+    # The node agents' copy: in the chart's namespace, under the key the chart reads by default,
+    # the same admin key (else the servers refuse the agents' warming).
+    agents = yaml.safe_load((API_KEYS / "node-agent-secret.yaml").read_text())
+    chart = yaml.safe_load((ROOT / "charts" / "loraplex" / "values.yaml").read_text())
+    assert agents["metadata"]["namespace"] == "loraplex-system"
+    assert agents["stringData"][chart["nodeAgent"]["serverApiKeySecret"]["key"]] == admin_key
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not on PATH")
+def test_kustomize_builds_the_api_keys_component_as_the_test_does(tmp_path):
+    """kubectl's own kustomize, on a copy of examples/ that lists the Component as its comment says."""
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    kustomization = tmp_path / "examples" / "kustomization.yaml"
+    kustomization.write_text(kustomization.read_text() + "components:\n  - api-keys\n")
+    out = subprocess.run(["kubectl", "kustomize", str(tmp_path / "examples")], capture_output=True, text=True,
+                         check=True).stdout
+    built = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
+    ours = {(d["kind"], d["metadata"]["name"]): d for d in examples_with_api_keys()}
+    assert set(built) == set(ours)
+    for key, doc in ours.items():
+        if key[0] != "Namespace":
+            assert built[key]["metadata"]["namespace"] == "loraplex-demo"
+        assert {k: v for k, v in built[key].items() if k != "metadata"} == \
+            {k: v for k, v in doc.items() if k != "metadata"}, key
