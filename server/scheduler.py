@@ -16,7 +16,7 @@ done and a new 30-token one queued -> [chunk(a, pos 16, 4), chunk(b, pos 0, 4)].
 from __future__ import annotations
 
 import sys
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -79,10 +79,23 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # KV row -> request
         self._ids: dict[str, Request] = {}  # request id -> request, queued or running (`find`)
+        # Requests per adapter name in the queue and in the batch (base-only ones not counted),
+        # kept as requests come and go, so `lora_state` (each /metrics scrape, on the engine
+        # thread) reads the adapters, not the queue: e.g. {"sql": 2, "chat": 1}. A name
+        # leaves its counter when its count drops to 0.
+        self._waiting_adapters: Counter[str] = Counter()
+        self._running_adapters: Counter[str] = Counter()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
         self._ids[req.request_id] = req
+        _count(self._waiting_adapters, (req,), 1)
+
+    def lora_state(self) -> tuple[list[str], list[str]]:
+        """(adapters of running requests, adapters of waiting requests), each sorted by name;
+        O(adapters), not O(requests). A request aborted or finished between steps counts until
+        the next step takes it out (`remove_all`), as it holds its row or place until then."""
+        return sorted(self._running_adapters), sorted(self._waiting_adapters)
 
     def find(self, request_id: str) -> Request | None:
         return self._ids.get(request_id)
@@ -153,6 +166,8 @@ class Scheduler:
             req.row = self.kv.alloc()
             req.state = State.RUNNING
             self.running[req.row] = req
+        _count(self._waiting_adapters, picked, -1)
+        _count(self._running_adapters, picked, 1)
 
     def remove(self, req: Request) -> None:
         """Take a finished (or aborted) request out of the queue or the batch."""
@@ -162,17 +177,39 @@ class Scheduler:
         """Take finished (or aborted) requests out of the queue or the batch; the queue is
         walked once for all of them (an abort storm between two steps costs one walk)."""
         queued = set()
+        ended = []  # the requests taken out of the batch
         for req in reqs:
             if req.row >= 0 and self.running.get(req.row) is req:
                 del self.running[req.row]
                 self.kv.free(req.row)
                 req.row = -1
+                ended.append(req)
             else:
                 queued.add(id(req))
             if self._ids.get(req.request_id) is req:
                 del self._ids[req.request_id]
+        _count(self._running_adapters, ended, -1)
         if queued:
-            self.waiting = deque(r for r in self.waiting if id(r) not in queued)
+            # Only those found in the queue leave its counts (one given twice, or never
+            # queued, counts nothing).
+            kept: deque[Request] = deque()
+            gone: list[Request] = []
+            for r in self.waiting:
+                (gone if id(r) in queued else kept).append(r)
+            self.waiting = kept
+            _count(self._waiting_adapters, gone, -1)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def _count(counts: Counter, reqs: Iterable[Request], delta: int) -> None:
+    """Add `delta` to the count of each request's adapter (none for a base-only request); a
+    name whose count reaches 0 is dropped, so the counter holds exactly the adapters in use."""
+    for req in reqs:
+        if req.adapter:
+            n = counts[req.adapter] + delta
+            if n:
+                counts[req.adapter] = n
+            else:
+                del counts[req.adapter]
