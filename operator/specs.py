@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import re
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any
 
 GROUP = "loraplex.io"
@@ -79,6 +80,38 @@ def parse_quantity(value: int | str | None) -> int | None:
     if parsed > _MAX_QUANTITY:
         raise SpecError(f"quantity {value!r} is too large (at most {_MAX_QUANTITY} bytes)")
     return parsed
+
+
+# A Kubernetes resource.Quantity in full (apimachinery's grammar): a signed decimal, then a
+# binary SI suffix (Ki..Ei), a decimal SI one (m, k, M..E) or a decimal exponent (e3, E-2).
+_K8S_QUANTITY = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"  # the number
+                           r"(?:[eE]([+-]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E))?$")  # exponent or suffix
+_SCALE: dict[str, Fraction] = {"m": Fraction(1, 1000), **{k: Fraction(v) for k, v in _SUFFIX.items()}}
+_MAX_EXPONENT = 100  # far past any quantity an int64 of nanos holds; keeps 1e999999999 cheap
+
+
+def quantity_value(value: Any) -> Fraction | None:
+    """The exact value of a Kubernetes quantity as the API server reads it, or None for what is
+    not one: quantity_value("500m") == quantity_value(0.5) == Fraction(1, 2), and "1Gi",
+    "1024Mi" and 1073741824 are one value. The API server keeps a quantity in its canonical
+    form ("1" for 1, "500m" for 0.5), so a live object is compared with the desired one by this."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return Fraction(value)
+    if isinstance(value, float):
+        return Fraction(repr(value)) if value == value and abs(value) != float("inf") else None
+    if not isinstance(value, str):
+        return None
+    match = _K8S_QUANTITY.match(value.strip())
+    if not match:
+        return None
+    number, exponent, suffix = match.groups()
+    if exponent is not None:
+        if abs(int(exponent)) > _MAX_EXPONENT:
+            return None
+        return Fraction(number) * Fraction(10) ** int(exponent)
+    return Fraction(number) * _SCALE[suffix or ""]
 
 
 def parse_time(value: str | None) -> datetime.datetime | None:

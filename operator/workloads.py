@@ -26,7 +26,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-from loraplex.operator.specs import BaseModelSpec
+from loraplex.operator.specs import BaseModelSpec, quantity_value
 from loraplex.operator.validation import local_path
 from loraplex.server.plan_file import (PLAN_BASE_ANNOTATION, PLAN_MIRROR_LABEL, PLAN_NAMESPACE_ANNOTATION,
                                        PLAN_OF_ANNOTATION, config_map_plan_bytes, decode_plan)
@@ -351,13 +351,25 @@ def foreign_owner(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> st
     return "not made by the loraplex operator"
 
 
-def _contains(have: Any, want: Any) -> bool:
+# Keys whose values are Kubernetes quantities, which the API server keeps in canonical form
+# (`nvidia.com/gpu: 1` comes back "1", `cpu: 0.5` as "500m"): ResourceRequirements' requests and
+# limits (a container's, an ephemeral volume's claim), an emptyDir's sizeLimit, a pod's overhead.
+QUANTITY_MAPS = frozenset({"requests", "limits", "overhead"})
+QUANTITY_KEYS = frozenset({"sizeLimit"})
+
+
+def _contains(have: Any, want: Any, quantity: bool = False) -> bool:
     """Recursive subset: every key of `want` is in `have` with a containing value; a key
-    `want` holds as None must be absent or empty in `have` (the API server may show `{}`)."""
+    `want` holds as None must be absent or empty in `have` (the API server may show `{}`).
+    Quantities (`quantity`: under QUANTITY_MAPS or QUANTITY_KEYS) are compared by value."""
     if isinstance(want, Mapping):
         return isinstance(have, Mapping) and all(
-            not have.get(k) if v is None else k in have and _contains(have[k], v) for k, v in want.items())
+            not have.get(k) if v is None else
+            k in have and _contains(have[k], v, quantity or k in QUANTITY_MAPS or k in QUANTITY_KEYS)
+            for k, v in want.items())
     if isinstance(want, list):
         return isinstance(have, list) and len(have) == len(want) and all(
             _contains(h, w) for h, w in zip(have, want))
-    return bool(have == want)
+    if have == want:
+        return True
+    return quantity and quantity_value(have) is not None and quantity_value(have) == quantity_value(want)

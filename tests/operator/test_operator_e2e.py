@@ -246,6 +246,33 @@ async def test_restart_recomputes_the_same_plan_and_writes_nothing(api, emulator
         (CONFIG_MAPS, "llama-3-8b-plan"), (DEPLOYMENTS, "llama-3-8b"), (SERVICES, "llama-3-8b"))} == owned
 
 
+async def test_a_deployment_the_api_server_canonicalised_is_not_patched_again(api, emulator, kubeconfig, crds,
+                                                                              operator_runner, eventually_):
+    """The API server keeps resource quantities in canonical form (`nvidia.com/gpu: 1` as "1",
+    `cpu: 0.5` as "500m"; the emulator keeps bodies as sent, so the test writes that form):
+    the operator must take it for what it asked, not patch it again at every resync or restart."""
+    resources = {"limits": {"nvidia.com/gpu": 1, "cpu": 0.5}, "requests": {"memory": "1024Mi", "cpu": "0.25"}}
+    path = DEPLOYMENTS.path(NS, "llama-3-8b")
+    async with operator_runner():
+        await api.create(BASE_MODELS.path(NS), base_body(serving={"replicas": 1, "image": "loraplex/server:test",
+                                                                  "resources": resources}))
+        dep = await eventually_(lambda: api.get(path), what="the Deployment")
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    container["resources"] = {"limits": {"nvidia.com/gpu": "1", "cpu": "500m"},
+                              "requests": {"memory": "1Gi", "cpu": "250m"}}
+    await api.merge_patch(path, {"spec": {"template": {"spec": {"containers": [container]}}}})
+    requests_before = len(list(emulator._requests))
+
+    async with operator_runner():
+        async def resumed():  # the resume handler has compared the Deployment with its spec
+            return [r for r in list(emulator._requests)[requests_before:] if r.url.path == path]
+        await eventually_(resumed, what="the restarted operator to read the Deployment")
+    patches = [r for r in list(emulator._requests)[requests_before:] if r.url.path == path and r.method == "PATCH"]
+    assert patches == []
+    live = (await api.get(path))["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert live["limits"] == {"nvidia.com/gpu": "1", "cpu": "500m"}
+
+
 async def test_node_agents_staging_and_server_readiness_make_adapters_ready(api, operator, eventually_):
     await setup_pool(api, eventually_)
     await eventually_(lambda: _status_with(api, ADAPTERS, "a", "phase"))

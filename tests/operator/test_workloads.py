@@ -4,11 +4,13 @@ import base64
 import copy
 import gzip
 import json
+from fractions import Fraction
 
 import pytest
 
-from loraplex.operator.specs import BaseModelSpec, Memory, Serving
-from loraplex.operator.workloads import PlanTooLarge, deployment, needs_update, plan_config_map, read_plan, service
+from loraplex.operator.specs import BaseModelSpec, Memory, Serving, quantity_value
+from loraplex.operator.workloads import (PlanTooLarge, _contains, deployment, needs_update, plan_config_map, read_plan,
+                                         service)
 from loraplex.server.settings import ServerSettings
 
 BASE = BaseModelSpec(name="llama-3-8b", namespace="ml", source="s3://models/llama-3-8b", max_lora_rank=64,
@@ -139,3 +141,66 @@ def test_serving_parts_the_base_dropped_are_nulled_and_absent_ones_match():
     del existing["spec"]["template"]["spec"]["nodeSelector"], existing["spec"]["template"]["spec"]["tolerations"]
     existing["spec"]["template"]["spec"]["containers"][0]["resources"] = {}
     assert not needs_update(existing, desired)
+
+
+@pytest.mark.parametrize(("a", "b", "same"), [
+    (1, "1", True),                      # nvidia.com/gpu: 1 comes back "1"
+    (0.5, "500m", True),                 # cpu: 0.5 comes back "500m"
+    ("0.25", "250m", True),
+    ("1024Mi", "1Gi", True),             # kept as given, or canonical: one value
+    ("1.5Gi", "1536Mi", True),
+    (1073741824, "1Gi", True),
+    ("1e3", "1k", True),                 # decimal exponent
+    ("1E3", "1000", True),
+    ("1E", "1000P", True),               # E alone is exa, not an exponent
+    (".5", "500m", True),
+    ("+2Ki", "2048", True),
+    (0.1, "100m", True),                 # the float's shortest repr, not its binary expansion
+    ("1Gi", "1G", False),
+    ("500m", "0.6", False),
+    (2, "2k", False),
+    ("1e999999999", "1e999999999", True),  # not a quantity to us: equal only as the same string
+    ("1e999999999", "1e999999998", False),
+    ("abc", "abc", True),
+    ("abc", "abd", False),
+])
+def test_quantities_compare_by_value(a, b, same):
+    assert _contains(b, a, quantity=True) is same
+    assert _contains(a, b, quantity=True) is same
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("500m", Fraction(1, 2)), ("1Gi", 2**30), ("1e-3", Fraction(1, 1000)), ("-2Ki", -2048), ("1.", 1),
+    ("12M", 12 * 10**6), ("3E", 3 * 10**18), ("2e+2", 200), (7, 7), (0.5, Fraction(1, 2)),
+    ("1 Gi", None), ("Gi", None), ("1gi", None), ("1Mb", None), ("", None), (True, None), (None, None),
+    (float("nan"), None), ("1e999999999", None),
+])
+def test_quantity_value_reads_the_kubernetes_grammar(text, value):
+    assert quantity_value(text) == value
+
+
+def test_a_deployment_the_api_server_canonicalised_is_no_change():
+    """Quantities come back in canonical form; comparing them as given, every resync patched
+    the Deployment with what it already had (and logged "Deployment ... patched")."""
+    serving = Serving(resources={"limits": {"nvidia.com/gpu": 1, "cpu": 0.5, "memory": "1024Mi"},
+                                 "requests": {"cpu": "0.25", "memory": "1.5Gi", "ephemeral-storage": "1e9"}},
+                      volumes=({"name": "scratch", "emptyDir": {"medium": "Memory", "sizeLimit": "0.5Gi"}},),
+                      extra_args=("--max-request-bytes", "1k"))
+    base = BaseModelSpec(name="llama-3-8b", namespace="ml", source="s3://m/llama-3-8b", max_lora_rank=16,
+                         memory=Memory(slots=8), serving=serving)
+    desired = deployment(base, 8)
+    live = copy.deepcopy(desired)
+    pod = live["spec"]["template"]["spec"]
+    pod["containers"][0]["resources"] = {
+        "limits": {"nvidia.com/gpu": "1", "cpu": "500m", "memory": "1Gi"},
+        "requests": {"cpu": "250m", "memory": "1536Mi", "ephemeral-storage": "1G"}}
+    next(v for v in pod["volumes"] if v["name"] == "scratch")["emptyDir"]["sizeLimit"] = "512Mi"
+    assert not needs_update(live, desired)
+
+    more = copy.deepcopy(live)
+    more["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] = "600m"
+    assert needs_update(more, desired)
+    # Arguments are strings, not quantities: "1000" for "1k" is a change.
+    other = copy.deepcopy(live)
+    other["spec"]["template"]["spec"]["containers"][0]["args"][-1] = "1000"
+    assert needs_update(other, desired)
