@@ -460,3 +460,20 @@ def test_node_agent_takes_the_servers_api_key_from_a_secret():
         settings = AgentSettings.from_env_and_args(container["args"],
                                                    env={**IN_POD, "LORAPLEX_SERVER_API_KEY": "sk-ops-1"})
         assert settings.server_api_key == "sk-ops-1"
+
+
+def test_the_readme_upgrades_the_crds_before_the_release():
+    """Helm installs a chart's crds/ on install only, never on `helm upgrade`: the README's
+    upgrade applies crds/ (the chart's CRDs are those files) and then upgrades the release."""
+    readme = (ROOT / "README.md").read_text()
+    deploying = readme.split("## Deploying on a cluster", 1)[1].split("\n## ", 1)[0]
+    upgrades = []
+    for block in re.findall(r"```bash\n(.*?)```", deploying, re.S):
+        commands = [shlex.split(line.split("#", 1)[0]) for line in block.splitlines()]
+        commands = [c for c in commands if c]
+        if [c[:2] for c in commands] == [["kubectl", "apply"], ["helm", "upgrade"]]:
+            upgrades.append(commands)
+    assert upgrades, "no upgrade lines (kubectl apply -f crds/, then helm upgrade) in Deploying on a cluster"
+    ((apply, upgrade),) = upgrades
+    assert apply == ["kubectl", "apply", "-f", "crds/"]
+    assert (ROOT / upgrade[3] / "Chart.yaml").is_file() and (ROOT / upgrade[3] / "crds").resolve() == ROOT / "crds"
