@@ -175,7 +175,7 @@ async def adapter_staging(event: kopf.RawEvent, body: kopf.Body, namespace: str,
         return  # not planned yet: the reconcile that plans it writes its whole status
     ready = planner.state(key).ready_replicas > 0
     desired = statuses.adapter_status(record.spec, plan.verdicts[record.spec.name], plan,
-                                      record.status, ready, utcnow())
+                                      record.status, ready, utcnow(), planner.state(key).unwritten)
     if statuses.differs(record.status, desired):
         await planner.reconcile_or_retry(key, basemodels, adapters_by_base)
 

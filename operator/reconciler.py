@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -129,6 +130,7 @@ class _BaseState:
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     retry: asyncio.Task[None] | None = None  # a background re-run after a failed one
     workload_error: tuple[str, str] | None = None  # (reason, message): its Deployment / Service not written
+    unwritten: statuses.Unwritten | None = None  # the last run's plan was not written: what is followed instead
     failed_writes: list[str] = dataclasses.field(default_factory=list)  # statuses the last run could not write
 
 
@@ -263,6 +265,8 @@ class Planner:
                      (self.clock() - started).total_seconds())
         state.plan = plan  # before the writes: events they cause must see this plan
         plan_error, plan_error_reason = await self._write_config_map(base, plan, state, failed)
+        state.unwritten = None if plan_error is None else \
+            await self._followed_plan(base, state, plan_error_reason, plan_error)
 
         for record in adapter_records:
             assert record.spec is not None
@@ -271,7 +275,7 @@ class Planner:
             verdict = plan.verdicts[record.spec.name]
             desired = statuses.adapter_status(record.spec, verdict, plan,
                                               _known_status(state, record.uid, record.status),
-                                              state.ready_replicas > 0, now)
+                                              state.ready_replicas > 0, now, state.unwritten)
             await self._patch_adapter(state, record, desired, failed)
 
         cm_name = workloads.plan_config_map_name(name)
@@ -336,6 +340,25 @@ class Planner:
                 logger.info("plan mirror %s %s", where, outcome)
             state.mirrored_json = text
         return None, ""
+
+    async def _followed_plan(self, base: BaseRecord, state: _BaseState, reason: str,
+                             message: str) -> statuses.Unwritten:
+        """The plan could not be written: the servers and agents follow the one in its ConfigMap,
+        the last this process wrote or, after a restart, as read back (none of ours: NameConflict)."""
+        followed: Mapping[str, Any] = {}
+        if reason == "NameConflict":
+            pass  # the servers mount another owner's ConfigMap: no plan of ours
+        elif state.written_json is not None:
+            followed = json.loads(state.written_json)
+        else:
+            try:
+                found = await self.client.get(kube.CONFIG_MAPS.path(base.namespace,
+                                                                    workloads.plan_config_map_name(base.name)))
+                followed = workloads.read_plan(found) if found else {}
+            except (kube.KubeError, KeyError, ValueError) as exc:
+                logger.warning("the plan ConfigMap of %s/%s could not be read: %s", base.namespace, base.name, exc)
+        return statuses.Unwritten(reason, message, frozenset(a["name"] for a in followed.get("adapters") or ()),
+                                  frozenset(followed.get("pinned") or ()))
 
     async def delete_mirror(self, key: BaseKey) -> bool:
         """Delete the mirror of `key`'s plan (its BaseModel is being deleted); True if there was

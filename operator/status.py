@@ -12,6 +12,7 @@ Node agents own `status.nodes.<node>` of an adapter ({"phase": "Staged", "messag
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -83,18 +84,40 @@ def adapter_size(plan: Plan | None, adapter: AdapterSpec,
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Unwritten:
+    """A plan that could not be written (`reason` PlanTooLarge or NameConflict, `message` why),
+    and what the servers and node agents follow instead: the last plan written, its adapters
+    and pinned set (empty when there is none of ours)."""
+
+    reason: str
+    message: str
+    adapters: frozenset[str] = frozenset()
+    pinned: frozenset[str] = frozenset()
+
+
 def adapter_status(adapter: AdapterSpec, verdict: Verdict, plan: Plan | None,
                    current: Mapping[str, Any] | None, base_ready: bool,
-                   now: datetime.datetime) -> dict[str, Any]:
-    """The operator's part of an adapter's status (everything but `nodes`)."""
+                   now: datetime.datetime, unwritten: Unwritten | None = None) -> dict[str, Any]:
+    """The operator's part of an adapter's status (everything but `nodes`). With `unwritten`,
+    the plan was not written: an accepted adapter is pinned as the last plan written pins it,
+    and one that plan lacks is Pending (PlanNotWritten), as no server or agent knows of it."""
     current = current or {}
     nodes = current.get("nodes")
     pinned = plan.is_pinned(adapter.name) if plan is not None and verdict.accepted else False
+    behind = unwritten is not None and verdict.accepted
+    if behind:
+        assert unwritten is not None
+        pinned = adapter.name in unwritten.pinned
+        left_out = adapter.name not in unwritten.adapters
     gen = adapter.generation
     staged, staged_reason, staged_message = staging_summary(nodes)
     if not verdict.accepted:
         phase = verdict.phase
         ready = condition("Ready", False, verdict.reason, "not accepted for this base", gen)
+    elif behind and left_out:
+        phase = "Pending"
+        ready = condition("Ready", False, "PlanNotWritten", "not in the plan the servers follow", gen)
     elif staged and base_ready:
         phase = "Ready"
         ready = condition("Ready", True, "Ready", "in the plan, staged, and servers are ready", gen)
@@ -108,9 +131,15 @@ def adapter_status(adapter: AdapterSpec, verdict: Verdict, plan: Plan | None,
         accepted_message = verdict.message + "; pinPolicy Always but the pinned share is full"
     else:
         accepted_message = verdict.message
+    accepted = condition("Accepted", verdict.accepted if verdict.phase != "Pending" else None,
+                         verdict.reason, accepted_message, gen)
+    if behind:
+        assert unwritten is not None
+        why = f"the plan is not written ({unwritten.reason}: {unwritten.message}); the servers follow the last one written"
+        accepted = condition("Accepted", False, "PlanNotWritten", f"{verdict.message}; but {why}, without it", gen) \
+            if left_out else {**accepted, "message": f"{accepted_message}; {why}"}
     conditions = [
-        condition("Accepted", verdict.accepted if verdict.phase != "Pending" else None,
-                  verdict.reason, accepted_message, gen),
+        accepted,
         condition("Staged", staged, staged_reason, staged_message, gen),
         ready,
     ]

@@ -245,3 +245,60 @@ async def test_the_bases_rejected_count_counts_adapters_rejected_for_an_invalid_
     await planner.reconcile(KEY, basemodels, {KEY: [*adapters[KEY], odd, big]})
     status = pool.recorder.statuses[("basemodels", "llama-3-8b")]
     assert (status["adapterCount"], status["rejectedCount"]) == (1, 2)
+
+
+class ReadingRecorder(Recorder):
+    """A Recorder that also answers the planner's reads of the ConfigMaps it holds."""
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        await asyncio.sleep(0)
+        return self.config_maps.get(path.rsplit("/", 1)[1])
+
+
+async def test_adapters_tell_the_plan_they_are_served_by_while_the_new_one_is_too_large(monkeypatch):
+    """The servers and agents follow the last plan that fit its ConfigMap: an adapter added
+    since is not in it, so it is not Accepted (PlanNotWritten) and not pinned, and one pinned
+    there reads pinned still, whatever the plan that could not be written says; after a restart
+    (nothing known written) the same, from the ConfigMap read back."""
+    from loraplex.operator import workloads
+
+    monkeypatch.setattr(workloads, "PLAIN_PLAN_LIMIT", 0)  # every plan gzipped
+    pool = Pool(3)  # slots 2000, pinnedPercent 10: every one of these pinned
+    pool.recorder = ReadingRecorder()
+    planner = Planner(pool.recorder, clock=lambda: NOW)  # type: ignore[arg-type]
+    await planner.reconcile(KEY, *pool.indices())
+    first = read_plan(pool.recorder.config_maps["llama-3-8b-plan"])
+    assert sorted(first["pinned"]) == ["adapter-00000", "adapter-00001", "adapter-00002"]
+    size = len(pool.recorder.config_maps["llama-3-8b-plan"]["binaryData"]["plan.json"])
+    monkeypatch.setattr(workloads, "CONFIG_MAP_LIMIT", size + 50)  # the 3 fit, 200 more do not
+
+    for i in range(3, 203):
+        pool.priorities[i] = 10_000 + i  # above the three: the new plan would pin these instead
+    for restarted in (False, True):
+        if restarted:
+            planner = Planner(pool.recorder, clock=lambda: NOW)  # type: ignore[arg-type]
+        plan = await planner.reconcile(KEY, *pool.indices())
+        assert plan is not None and "adapter-00000" not in plan.pinning.pinned  # the plan not written
+        assert read_plan(pool.recorder.config_maps["llama-3-8b-plan"]) == first  # the one followed
+        statuses = pool.recorder.statuses
+        for i in (0, 1, 2):
+            status = statuses[("loraadapters", f"adapter-{i:05d}")]
+            accepted = {c["type"]: c for c in status["conditions"]}["Accepted"]
+            assert status["pinned"] is True and status["phase"] == "Accepted"
+            assert accepted["status"] == "True" and "PlanTooLarge" in accepted["message"]
+        for i in (3, 202):
+            status = statuses[("loraadapters", f"adapter-{i:05d}")]
+            conditions = {c["type"]: c for c in status["conditions"]}
+            assert status["pinned"] is False and status["phase"] == "Pending"
+            assert (conditions["Accepted"]["status"], conditions["Accepted"]["reason"]) == ("False", "PlanNotWritten")
+            assert "a ConfigMap holds" in conditions["Accepted"]["message"]
+            assert conditions["Ready"]["reason"] == "PlanNotWritten"
+        base = statuses[("basemodels", "llama-3-8b")]
+        assert base["phase"] == "Failed"
+
+    # Room again: the plan is written and the statuses are the plan's.
+    monkeypatch.setattr(workloads, "CONFIG_MAP_LIMIT", 1_000_000)
+    plan = await planner.reconcile(KEY, *pool.indices())
+    new = pool.recorder.statuses[("loraadapters", "adapter-00202")]
+    assert new["pinned"] is True and new["phase"] == "Accepted"
+    assert pool.recorder.statuses[("loraadapters", "adapter-00000")]["pinned"] is False
