@@ -34,6 +34,8 @@ def module_names(modules: Any) -> tuple[str, ...]:
     target_modules match a module path's suffix, so "self_attn.q_proj" and
     "model.layers.0.self_attn.q_proj" both name q_proj."""
     return tuple(sorted({str(module).rsplit(".", 1)[-1] for module in modules}))
+
+
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 # The longest warmupLeadSeconds (a year), as the CRD's maximum.
 MAX_WARMUP_LEAD_SECONDS = 365 * 24 * 3600

@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from loraplex.node_agent.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from loraplex.node_agent.adapter_files import WEIGHTS_FILE
 from loraplex.node_agent.cli import Settings
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 from loraplex.node_agent.warmer import RETRYABLE

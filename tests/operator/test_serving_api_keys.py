@@ -10,7 +10,7 @@ import json
 import pytest
 
 from loraplex.operator.specs import API_KEY_ENV, ApiKeys, BaseModelSpec, SecretKey, SpecError
-from loraplex.operator.workloads import API_KEYS_FILE, deployment, needs_update, server_args
+from loraplex.operator.workloads import API_KEYS_FILE, deployment, needs_update
 
 from .test_manifests import validator
 
