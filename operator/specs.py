@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import posixpath
 import re
 from collections.abc import Mapping
 from fractions import Fraction
@@ -299,6 +300,72 @@ def _env(value: Any) -> tuple[Mapping[str, Any], ...]:
     return tuple(dict(e) for e in value)
 
 
+# The pod volumes the operator gives every server (workloads.deployment) and where it mounts
+# them: the plan, the node's adapter cache, the node's kernel cache and (with
+# serving.apiKeys.tenantKeysSecret) the tenants' keys. A serving.volumes entry of one of these
+# names, or a serving.volumeMounts entry naming one or mounted at (or under) one of these
+# paths, would make a Deployment the API server refuses (a duplicate volume name or mount
+# path) or a server that reads the user's files as the operator's.
+OPERATOR_VOLUMES: tuple[str, ...] = ("plan", "adapters", "kernel-cache", "api-keys")
+OPERATOR_MOUNT_PATHS: tuple[str, ...] = ("/etc/loraplex/plan", "/var/lib/loraplex/adapters",
+                                         "/var/lib/loraplex/kernel-cache", "/etc/loraplex/api-keys")
+
+
+def _named_list(value: Any, field: str, what: str, keys: tuple[str, ...]) -> tuple[Mapping[str, Any], ...]:
+    """A list of Kubernetes objects each with a non-empty string under every one of `keys`."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(e, Mapping) and all(isinstance(e.get(k), str) and e[k] for k in keys) for e in value):
+        raise SpecError(f"{field} must be a list of {what}, each with {' and '.join('a ' + k for k in keys)}")
+    return tuple(dict(e) for e in value)
+
+
+def _clean_path(path: str) -> str:
+    """A mount path as the container sees it: "/etc/loraplex/plan/" and "//etc/./loraplex/plan"
+    are /etc/loraplex/plan (normpath alone keeps two leading slashes)."""
+    return posixpath.normpath("/" + path.lstrip("/")) if path.startswith("/") else posixpath.normpath(path)
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + "/")
+
+
+def _volumes(value: Any) -> tuple[Mapping[str, Any], ...]:
+    """serving.volumes: Kubernetes Volumes, each name once and none of OPERATOR_VOLUMES."""
+    volumes = _named_list(value, "serving.volumes", "Volumes", ("name",))
+    names = [v["name"] for v in volumes]
+    owned = sorted(set(names) & set(OPERATOR_VOLUMES))
+    if owned:
+        raise SpecError(f"serving.volumes may not name a volume {', '.join(owned)}: the operator's pods have"
+                        f" their own of that name (the operator's are {', '.join(OPERATOR_VOLUMES)})")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SpecError(f"serving.volumes names {', '.join(twice)} more than once")
+    return volumes
+
+
+def _volume_mounts(value: Any) -> tuple[Mapping[str, Any], ...]:
+    """serving.volumeMounts: VolumeMounts of serving.volumes, none of an operator's volume
+    (OPERATOR_VOLUMES) nor at or under a path the operator mounts (OPERATOR_MOUNT_PATHS),
+    each path once."""
+    mounts = _named_list(value, "serving.volumeMounts", "VolumeMounts", ("name", "mountPath"))
+    owned = sorted({m["name"] for m in mounts} & set(OPERATOR_VOLUMES))
+    if owned:
+        raise SpecError(f"serving.volumeMounts may not mount {', '.join(owned)}: the operator mounts its"
+                        f" volumes of that name itself")
+    paths = [_clean_path(m["mountPath"]) for m in mounts]
+    clashes = sorted({m["mountPath"] for m, path in zip(mounts, paths)
+                      if any(_under(path, root) for root in OPERATOR_MOUNT_PATHS)})
+    if clashes:
+        raise SpecError(f"serving.volumeMounts may not mount at {', '.join(clashes)}: the operator mounts its"
+                        f" own volumes at {', '.join(OPERATOR_MOUNT_PATHS)}")
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        raise SpecError(f"serving.volumeMounts mounts more than one volume at {', '.join(twice)}")
+    return mounts
+
+
 # A Secret's name (a DNS-1123 subdomain) and a key of its data, as the API server checks them.
 _SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
@@ -372,8 +439,8 @@ class Serving:
             resources=dict(spec.get("resources") or {}),
             node_selector=dict(spec.get("nodeSelector") or {}),
             tolerations=tuple(spec.get("tolerations") or ()),
-            volumes=tuple(spec.get("volumes") or ()),
-            volume_mounts=tuple(spec.get("volumeMounts") or ()),
+            volumes=_volumes(spec.get("volumes")),
+            volume_mounts=_volume_mounts(spec.get("volumeMounts")),
             engine=Engine.from_spec(spec.get("engine") or {}),
             extra_args=_extra_args(spec.get("extraArgs")),
             env=_env(spec.get("env")),

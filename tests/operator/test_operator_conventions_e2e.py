@@ -225,17 +225,18 @@ async def test_one_adapter_whose_status_cannot_be_written_holds_up_no_other(api,
 
 async def test_a_deployment_the_api_server_refuses_is_reported_in_the_status(api, emulator, operator, eventually_):
     """spec.serving passes into the Deployment as given (volumes, resources, tolerations): one
-    the API server refuses (a volume named like the operator's own, `adapters`) must show in
-    the base's status with the server's message, not only as a handler retried in the log."""
+    the API server refuses (a volume with two sources; one named like the operator's own is
+    refused in the spec, test_serving_volumes.py) must show in the base's status with the
+    server's message, not only as a handler retried in the log."""
     import re
 
     from .test_operator_e2e import conditions
 
     refusal = {"apiVersion": "v1", "kind": "Status", "status": "Failure", "reason": "Invalid", "code": 422,
-               "message": 'Deployment.apps "llama-3-8b" is invalid: spec.template.spec.volumes[3].name:'
-                          ' Duplicate value: "adapters"'}
+               "message": 'Deployment.apps "llama-3-8b" is invalid: spec.template.spec.volumes[3].hostPath:'
+                          ' Forbidden: may not specify more than 1 volume type'}
     emulator["post", re.compile(r".*/namespaces/ml/deployments")] << 422 << refusal
-    volume = {"name": "adapters", "persistentVolumeClaim": {"claimName": "my-adapters"}}
+    volume = {"name": "scratch", "emptyDir": {}, "hostPath": {"path": "/scratch"}}
     await api.create(BASE_MODELS.path(NS), base_body(serving={"replicas": 1, "image": "loraplex/server:test",
                                                                "volumes": [volume]}))
 
@@ -245,7 +246,7 @@ async def test_a_deployment_the_api_server_refuses_is_reported_in_the_status(api
         return base if ready.get("reason") == "WorkloadInvalid" else None
     base = await eventually_(reported, what="the refusal in the base's status")
     ready = conditions(base)["Ready"]
-    assert ready["status"] == "False" and 'Duplicate value: "adapters"' in ready["message"]
+    assert ready["status"] == "False" and "may not specify more than 1 volume type" in ready["message"]
     assert "Deployment ml/llama-3-8b" in ready["message"] and "{" not in ready["message"]
     assert base["status"]["phase"] == "Failed"
     assert await api.get(SERVICES.path(NS, "llama-3-8b"))  # the Service was still written
