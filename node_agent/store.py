@@ -11,6 +11,8 @@ Layout under the cache directory (the host path the server pods mount read-only)
         .loraplex.json                      {"name", "sha256", "source" (its secrets left out),
                                             "sourceSha256" (of the whole source)}: read back at start
     <root>/.tmp/…                           downloads in progress (removed at start)
+    <root>/.plan-adapters….json             the warmer's record of each plan's adapters (its
+                                            temporary `….json.tmp` removed at start)
     <root>/.namespaces/ml/                  a Kubernetes namespace's adapters, laid out as <root>
         sql-v2 -> .store/…                  is: the operator mounts this folder alone into the
         .store/…                            namespace's serving pods, so two namespaces' adapters
@@ -125,6 +127,9 @@ class StoreError(Exception):
 
 # Where a namespace's adapters live under the cache (a dot name: never an adapter's).
 NAMESPACES_DIR = ".namespaces"
+# The warmer's plan records (`.plan-adapters[.<namespace>.<name>].json`) as written before
+# their rename into place (warmer.Warmer._record).
+PLAN_RECORD_TMP = ".plan-adapters*.json.tmp"
 
 Key = tuple  # (namespace or None, name)
 
@@ -566,6 +571,11 @@ class AdapterStore:
             d.mkdir(parents=True, exist_ok=True)
         for leftover in self._tmp_dir.iterdir():
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+        # A plan record (warmer.Warmer._record) cut short between its temporary file and the
+        # rename: nothing else would ever remove it. The records themselves stay.
+        for leftover in self.root.glob(PLAN_RECORD_TMP):
+            if leftover.is_file() and not leftover.is_symlink():
+                leftover.unlink()
         self._open_dir(None)
         namespaces = self.root / NAMESPACES_DIR
         for d in sorted(namespaces.iterdir()) if namespaces.is_dir() else ():

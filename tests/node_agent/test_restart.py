@@ -3,6 +3,7 @@ and a plan that changed while it was down."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import aiohttp
@@ -101,3 +102,33 @@ async def test_a_record_that_cannot_be_written_leaves_no_temporary_file(tmp_path
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".store", ".tmp"]
     warmer._record({"adapters": ["a", "b"], "pinned": ["a"]})  # room again: written (it was not before)
     assert warmer._last_run() == {"adapters": ["a", "b"], "pinned": ["a"]}
+
+
+class _Crash(BaseException):
+    """The process killed between two syscalls (not an OSError: nothing cleans up after it)."""
+
+
+@pytest.mark.parametrize("record_file", [None, ".plan-adapters.ml.llama-3-8b.json"])
+async def test_a_plan_record_cut_short_by_a_crash_is_removed_at_start(tmp_path, session, monkeypatch, record_file):
+    """A crash between writing a plan record's temporary file and renaming it into place left
+    `.plan-adapters*.json.tmp` in the cache for good (no start cleared it; a record written
+    again later renames a new one over it only if its name comes round again). The store's
+    start clears it as it clears .tmp/; the records themselves stay."""
+    root = tmp_path / "cache"
+    warmer = Warmer(AdapterStore(root, 10**9, session=session), None, session, record_file=record_file)
+    warmer._record({"adapters": ["a"], "pinned": []})
+    record = root / warmer.record_file
+    assert record.is_file()
+
+    def crash(src, dst):
+        raise _Crash
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(_Crash):
+        warmer._record({"adapters": ["a", "b"], "pinned": ["a"]})
+    monkeypatch.undo()
+    leftovers = [p.name for p in root.glob(".plan-adapters*.json.tmp")]
+    assert leftovers == [f"{record.name}.tmp"]  # what the crash left
+
+    AdapterStore(root, 10**9, session=session)  # the agent starts again
+    assert list(root.glob(".plan-adapters*.tmp")) == []
+    assert json.loads(record.read_text()) == {"adapters": ["a"], "pinned": []}  # the last whole record
