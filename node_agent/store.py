@@ -719,9 +719,17 @@ class AdapterStore:
         await asyncio.shield(task)
 
     async def _copy_into(self, e: _Entry, ref: AdapterRef) -> None:
-        extra = await self._write_serving_copy(self._blob_dir(e), ref)
+        directory = self._blob_dir(e)
+        extra = await self._write_serving_copy(directory, ref)
         self._release(extra)
-        if extra and self._entries.get(e.key) is e:
+        if self._entries.get(e.key) is not e:
+            # The version went while its copy was written (evicted, removed, replaced): deleting
+            # its folder lists the files, then deletes them and the folder, and a file the copy
+            # made in between (its temporary, renamed into place) kept the folder there, in no
+            # entry. The writer is done now: delete what is left, the folder too.
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+            return
+        if extra:
             e.nbytes += extra
             self._update_gauges()
             log.info("adapter %s: wrote its %s copy", e.name, ref.dtype)

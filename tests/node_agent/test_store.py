@@ -561,3 +561,79 @@ async def test_a_disk_error_after_the_version_moved_into_the_store_leaves_no_orp
     assert_clean(root, ["a"])
     monkeypatch.undo()
     assert (await store.stage(AdapterRef("a", str(tmp_path / "src" / "a"), sha))).sha256 == sha
+
+
+@pytest.mark.parametrize("how", ["evicted", "removed", "replaced"])
+async def test_a_version_that_goes_while_its_serving_copy_is_written_leaves_no_folder(tmp_path, session, monkeypatch,
+                                                                                      how):
+    """A version staged without its bf16 copy gets one when a bf16 server asks; while the copy
+    is written (in a thread) the version goes: evicted for another adapter's room, removed
+    from the plan, or replaced by a new version. Deleting its folder lists the files, then
+    deletes them and the folder: the copy renamed into place between the two was not listed,
+    the folder was not empty, and it stayed in .store (in no entry, over the budget) until the
+    next start. Here that interleaving is made certain: the deletion's listing is taken, then
+    the gated copy writer runs to its end, then the deletion goes on."""
+    import threading
+
+    import loraplex.node_agent.store as store_module
+    from loraplex.node_agent.convert import serving_copy_size
+
+    root = tmp_path / "cache"
+    sha_a = make_adapter(tmp_path / "volume" / "a", seed=1)
+    size = _size(tmp_path)
+    copy_size = serving_copy_size(tmp_path / "volume" / "a", "bfloat16")
+    # Room for a, its copy and one more adapter but a byte: staging b must evict a.
+    budget = 2 * size + copy_size - 1 if how == "evicted" else 10**9
+    store = open_store(root, session, budget=budget)
+    await store.stage(AdapterRef("a", str(tmp_path / "volume" / "a"), sha_a))  # no dtype: no copy
+    blob = root / ".store" / Path(os.readlink(root / "a")).name
+
+    started, go, done = threading.Event(), threading.Event(), threading.Event()
+    real_write, real_rmtree = store_module.write_serving_copy, shutil.rmtree
+
+    def gated_write(directory, dtype):  # the real copy, held until the deletion has listed the folder
+        started.set()
+        go.wait(10)
+        try:
+            return real_write(directory, dtype)
+        finally:
+            done.set()
+
+    def racing_rmtree(path, ignore_errors=False, *args, **kwargs):  # rmtree's list-then-delete, with the
+        if Path(path) != blob or go.is_set():                        # copy written in between
+            return real_rmtree(path, ignore_errors, *args, **kwargs)
+        listed = list(Path(path).iterdir())
+        go.set()
+        done.wait(10)
+        for f in listed:
+            f.unlink(missing_ok=True)
+        try:
+            os.rmdir(path)
+        except OSError:
+            if not ignore_errors:
+                raise
+
+    monkeypatch.setattr(store_module, "write_serving_copy", gated_write)
+    monkeypatch.setattr(shutil, "rmtree", racing_rmtree)
+    asked = asyncio.ensure_future(store.stage(AdapterRef("a", str(tmp_path / "volume" / "a"), sha_a, "bfloat16")))
+    assert await asyncio.to_thread(started.wait, 10)
+    if how == "evicted":
+        await _stage_local(store, tmp_path, "b", 2)
+        assert store.get("a") is None
+    elif how == "removed":
+        assert await store.remove("a")
+    else:
+        sha_new = make_adapter(tmp_path / "volume" / "a-new", seed=3)
+        await store.stage(AdapterRef("a", str(tmp_path / "volume" / "a-new"), sha_new))
+    go.set()  # (a deletion that waits for the writer never listed the folder under it)
+    await asked
+    assert done.is_set()
+    assert not blob.exists()
+    linked = {Path(os.readlink(p)).name for p in root.iterdir() if p.is_symlink()}
+    assert {p.name for p in (root / ".store").iterdir()} == linked  # no orphan versions
+    assert store._reserved == 0
+    assert store.used_bytes == sum(a.bytes for a in store.list()) == disk_bytes_in(root / ".store")
+
+
+def disk_bytes_in(store_dir: Path) -> int:
+    return sum(f.stat().st_size for f in store_dir.rglob("*") if f.is_file() and f.name != ".loraplex.json")
