@@ -1,0 +1,309 @@
+"""API keys and tenants across the parts, as an operator deploys them, every part real.
+
+    Secrets (an admin key; a tenants' keys file) and a BaseModel whose serving.apiKeys names
+    them, two LoRAAdapters of two tenants (acme, globex), created through the emulated API
+      -> the kopf operator (in-process) writes the plan (each adapter's tenant in it) and the
+         Deployment (LORAPLEX_API_KEY from a secretKeyRef, the keys file a Secret volume,
+         --api-keys-file on the command line)
+      -> the test plays the kubelet: the server is started from that Deployment's container
+         args and env alone (env resolved from the Secret and the downward API, $(VAR)s
+         expanded, each volume a folder: the Secret's item a real file, the node's hostPaths
+         under a folder standing for the node's disk, the plan ConfigMap a file kept in step)
+      -> the node agent, given the servers' admin key as the chart gives it
+         (LORAPLEX_SERVER_API_KEY from nodeAgent.serverApiKeySecret), stages and warms the
+         server: its prefetches and pins are taken, where the same calls without a key are 401
+      -> over HTTP: no key is a 401 under /v1/, each tenant's key sees the base and its own
+         adapter only (another tenant's is a model that does not exist), the admin keys see
+         both, the probes and /metrics need no key, a tenant's key may not pin.
+
+The server runs on the CPU (a tiny random Llama), as in test_system_e2e.py, whose helpers
+this reuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraplex.operator.kube import BASE_MODELS, DEPLOYMENTS, KubeClient, Resource
+from loraplex.operator.workloads import (ADAPTER_CACHE_DIR, API_KEYS_FILE, NODE_AGENT_PORT, PLAN_FILE, SERVER_PORT,
+                                         namespace_cache_dir)
+
+from .test_system_e2e import BASE, NODE, NS, Cluster, _base_body, _free_port, _mount_plan
+
+pytestmark = pytest.mark.slow
+
+SECRETS = Resource("", "v1", "secrets")
+AGENT_NS = "loraplex-system"  # the chart's release namespace, where nodeAgent.serverApiKeySecret lives
+ADMIN_KEY = "sk-admin-e2e-0123456789"
+OPS_KEY = "sk-ops-e2e-0123456789"  # a key of tenant "*" in the keys file: an admin key too
+TENANT_KEYS = {"acme": "sk-acme-e2e-0123456789", "globex": "sk-globex-e2e-0123456789"}
+# {tenant: its adapter}, each LoRAAdapter's spec.tenant.
+ADAPTER_OF = {"acme": "sql-expert", "globex": "poet"}
+
+
+def _secret(namespace: str, name: str, data: dict[str, str]) -> dict[str, Any]:
+    """A Secret as `kubectl create secret generic` writes it: its values base64 in data."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace},
+            "type": "Opaque", "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
+
+
+async def _secret_value(api: KubeClient, namespace: str, name: str, key: str) -> bytes:
+    secret = await api.get(SECRETS.path(namespace, name))
+    assert secret is not None, f"Secret {namespace}/{name} is missing"
+    return base64.b64decode(secret["data"][key])
+
+
+def _keyed_base_body() -> dict[str, Any]:
+    """test_system_e2e's BaseModel `tiny` with serving.apiKeys, four slots, the CPU engine's
+    sizes, and the checkpoint at /models/tiny on the node (a hostPath volume: its folder name
+    is the base's name in the API, as the server names a base after its --model folder)."""
+    body = _base_body()
+    spec = body["spec"]
+    spec["memory"] = {"slots": 4}
+    spec["serving"] |= {
+        "engine": {"maxNumSeqs": 4, "maxModelLen": 128},
+        "volumes": [{"name": "models", "hostPath": {"path": "/models", "type": "Directory"}}],
+        "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+        "apiKeys": {"adminKeySecret": {"name": "tiny-keys", "key": "admin-key"},
+                    "tenantKeysSecret": {"name": "tiny-tenant-keys"}},
+    }
+    return body
+
+
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+async def _pod_view(api: KubeClient, deployment: dict[str, Any], node: Path, pod: Path,
+                    node_ip: str) -> tuple[list[str], dict[str, str], dict[str, Path]]:
+    """The kubelet's part for the Deployment's one container: (args, env, {mountPath: local
+    folder}). Env from values, the downward API (status.hostIP) and secretKeyRefs; $(VAR) in
+    args expanded from it (as Kubernetes does); hostPath volumes as folders under `node` (the
+    node's root), Secret volumes as their items written into a folder of `pod`, and ConfigMap
+    volumes as empty folders of `pod` (the test keeps the plan in its one)."""
+    pod_spec = deployment["spec"]["template"]["spec"]
+    (container,) = pod_spec["containers"]
+    namespace = deployment["metadata"]["namespace"]
+    env: dict[str, str] = {}
+    for var in container["env"]:
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif "fieldRef" in var["valueFrom"]:
+            assert var["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP", var
+            env[var["name"]] = node_ip
+        else:
+            ref = var["valueFrom"]["secretKeyRef"]
+            env[var["name"]] = (await _secret_value(api, namespace, ref["name"], ref["key"])).decode()
+    volumes: dict[str, Path] = {}
+    for volume in pod_spec["volumes"]:
+        if "hostPath" in volume:
+            local = node / volume["hostPath"]["path"].lstrip("/")
+            if volume["hostPath"].get("type") == "DirectoryOrCreate":
+                local.mkdir(parents=True, exist_ok=True)
+            assert local.is_dir(), f"hostPath {volume['hostPath']['path']} is not on the node"
+        elif "secret" in volume:
+            local = pod / "volumes" / volume["name"]
+            local.mkdir(parents=True)
+            for item in volume["secret"]["items"]:
+                value = await _secret_value(api, namespace, volume["secret"]["secretName"], item["key"])
+                (local / item["path"]).write_bytes(value)
+        elif "configMap" in volume:
+            local = pod / "volumes" / volume["name"]
+            local.mkdir(parents=True)
+        else:
+            raise AssertionError(f"a volume this kubelet does not know: {volume}")
+        volumes[volume["name"]] = local
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+
+    def in_pod(arg: str) -> str:
+        for mount_path in sorted(mounts, key=len, reverse=True):  # the deepest mount first
+            if arg == mount_path or arg.startswith(mount_path + "/"):
+                return str(mounts[mount_path]) + arg[len(mount_path):]
+        return arg
+
+    args = [in_pod(_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a)) for a in container["args"]]
+    env = {k: in_pod(v) for k, v in env.items()}
+    return args, env, mounts
+
+
+async def _call(http: aiohttp.ClientSession, method: str, url: str, key: str | None = None,
+                body: Any = None) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with http.request(method, url, headers=headers, json=body) as r:
+        text = await r.text()
+        with contextlib.suppress(ValueError):
+            return r.status, json.loads(text)
+        return r.status, text
+
+
+def _server_calls(metrics_text: str) -> dict[tuple[str, str], float]:
+    """The node agent's loraplex_node_agent_server_calls_total by (action, outcome)."""
+    return {(s.labels["action"], s.labels["outcome"]): s.value
+            for family in text_string_to_metric_families(metrics_text)
+            if family.name == "loraplex_node_agent_server_calls"
+            for s in family.samples if s.name.endswith("_total")}
+
+
+async def test_api_keys_and_tenants_from_the_secrets_to_the_served_api(
+        api, emulator, operator, eventually_, tmp_path, monkeypatch):
+    from loraplex.node_agent.cli import Settings as AgentSettings
+    from loraplex.server.demo import build_demo
+    from loraplex.server.engine import check_settings
+    from loraplex.server.settings import ServerSettings
+
+    node = tmp_path / "node"  # the node's root: its hostPaths
+    base_dir, adapter_dirs = build_demo(tmp_path / "demo")
+    (node / "models").mkdir(parents=True)
+    base_dir.rename(node / "models" / BASE)  # the BaseModel's checkpoint, where its hostPath volume mounts it
+
+    # kubectl create secret, then apply the BaseModel and the two tenants' adapters.
+    keys_file = {TENANT_KEYS["acme"]: "acme", TENANT_KEYS["globex"]: "globex", OPS_KEY: "*"}
+    await api.create(SECRETS.path(NS), _secret(NS, "tiny-keys", {"admin-key": ADMIN_KEY}))
+    await api.create(SECRETS.path(NS), _secret(NS, "tiny-tenant-keys", {"keys.json": json.dumps(keys_file)}))
+    await api.create(SECRETS.path(AGENT_NS), _secret(AGENT_NS, "loraplex-server-api-key", {"api-key": ADMIN_KEY}))
+    await api.create(BASE_MODELS.path(NS), _keyed_base_body())
+
+    async def written():
+        dep = await api.get(DEPLOYMENTS.path(NS, BASE))
+        return dep if dep and "api-keys" in {v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]} else None
+    deployment = await eventually_(written, what="the Deployment with the keys' Secret volume")
+
+    # The kubelet starts the server's container: its args and env, the volumes as folders.
+    args, env, mounts = await _pod_view(api, deployment, node, tmp_path / "pod", node_ip="127.0.0.1")
+    assert env["LORAPLEX_API_KEY"] == ADMIN_KEY  # from tiny-keys' admin-key, never on the command line
+    assert ADMIN_KEY not in " ".join(args) and "--api-key" not in args
+    keys_path = Path(args[args.index("--api-keys-file") + 1])
+    assert keys_path == mounts[API_KEYS_FILE.rsplit("/", 1)[0]] / "keys.json"
+    assert json.loads(keys_path.read_text()) == keys_file
+    plan_mount = Path(args[args.index("--plan-file") + 1])
+    assert plan_mount == mounts[PLAN_FILE.rsplit("/", 1)[0]] / "plan.json"
+    cache_dir = Path(args[args.index("--adapter-cache-dir") + 1])
+    # The pod's network namespace is the host's here: the container's port is a free one, and
+    # the node agent's hostPort (the DaemonSet's) is where the test's agent listens.
+    server_port, agent_port = _free_port(), _free_port()
+    assert args[args.index("--port") + 1] == str(SERVER_PORT)
+    args[args.index("--port") + 1] = str(server_port)
+    agent_arg = args.index("--node-agent-url") + 1
+    assert args[agent_arg] == f"http://127.0.0.1:{NODE_AGENT_PORT}"
+    args[agent_arg] = f"http://127.0.0.1:{agent_port}"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = ServerSettings.from_env_and_args(args)
+    check_settings(settings)  # as loraplex-server does before it loads anything
+    assert (settings.api_key, settings.api_keys_file) == (ADMIN_KEY, str(keys_path))
+    assert (Path(settings.model).name, settings.max_loras, settings.adapter_namespace) == (BASE, 4, NS)
+
+    stop = asyncio.Event()
+    kubelet = asyncio.create_task(_mount_plan(api, plan_mount, stop))
+    # The DaemonSet's agent: its command line, and the key as the chart gives it from its Secret.
+    node_cache = node / ADAPTER_CACHE_DIR.lstrip("/")
+    assert cache_dir == node / namespace_cache_dir(NS).lstrip("/")  # the namespace's folder of the agent's cache
+    agent_key = (await _secret_value(api, AGENT_NS, "loraplex-server-api-key", "api-key")).decode()
+    agent_settings = AgentSettings.from_env_and_args(
+        ["--cache-dir", str(node_cache), "--budget-bytes", str(10**9), "--plan-configmap", f"{NS}/{BASE}-plan",
+         "--server-url", f"http://127.0.0.1:{server_port}", "--kube-api-url", emulator.base_url,
+         "--poll-seconds", "0.1", "--server-poll-seconds", "0.1"],
+        env={"NODE_NAME": NODE, "LORAPLEX_SERVER_API_KEY": agent_key})
+    agent_config = agent_settings.agent_config()
+    assert agent_config.server_api_key == ADMIN_KEY
+
+    async with aiohttp.ClientSession() as http:
+        server_url, agent_url = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{agent_port}"
+        c = Cluster(api, http, server_url, agent_url, cache_dir, adapter_dirs, plan_mount, agent_config, settings)
+        try:
+            for tenant, name in ADAPTER_OF.items():
+                await c.apply_adapter(name, tenant=tenant, pinPolicy="Always")
+
+            async def planned():
+                plan = await c.plan()
+                return plan if plan and len(plan["adapters"]) == 2 else None
+            plan = await eventually_(planned, timeout=20, what="the plan of both adapters mounted")
+            assert {a["name"]: a["tenant"] for a in plan["adapters"]} == {n: t for t, n in ADAPTER_OF.items()}
+            assert sorted(plan["pinned"]) == sorted(ADAPTER_OF.values())
+
+            # The agent first (a DaemonSet's pod is on the node before a server's): it stages
+            # the pins; then the server, which the agent warms once it answers /readyz.
+            await c.start_agent()
+            for name in ADAPTER_OF.values():
+                await eventually_(lambda: c.staged(name), timeout=20, what=f"{name} staged")
+            await c.start_server()
+
+            async def warmed():
+                status, body = await _call(http, "GET", f"{agent_url}/metrics")
+                calls = _server_calls(body) if status == 200 else {}
+                done = all(calls.get((a, "ok"), 0) >= 2 for a in ("prefetch", "pin"))
+                return calls if done else None
+            # The server pins the plan's pins itself too (it follows the plan file): the agent's
+            # own count of its calls, by outcome, is what shows that its warm-up got through.
+            calls = await eventually_(warmed, timeout=30, what="the agent's prefetches and pins taken by the server")
+            assert not {k: v for k, v in calls.items() if k[1] != "ok" and v}, calls
+
+            async def resident():
+                status, body = await _call(http, "GET", f"{server_url}/v1/adapters", ADMIN_KEY)
+                rows = {r["name"]: r for r in body["data"]} if status == 200 else {}
+                return rows if all(rows.get(n, {}).get("tier") == "gpu" and rows[n]["pinned"]
+                                   for n in ADAPTER_OF.values()) else None
+            rows = await eventually_(resident, timeout=30, what="both pins resident and pinned")
+            assert {n: rows[n]["tenant"] for n in ADAPTER_OF.values()} == {n: t for t, n in ADAPTER_OF.items()}
+
+            # Without the key, the agent's calls would have been refused.
+            for action in ("prefetch?wait=false", "pin"):
+                status, body = await _call(http, "POST", f"{server_url}/v1/adapters/sql-expert/{action}")
+                assert status == 401 and body["error"]["code"] == "invalid_api_key", (action, body)
+
+            # No key, or a key the server does not take: 401 under /v1/.
+            for key in (None, "sk-not-a-key"):
+                status, body = await _call(http, "GET", f"{server_url}/v1/models", key)
+                assert status == 401 and body["error"]["code"] == "invalid_api_key", (key, body)
+                status, body = await _call(http, "POST", f"{server_url}/v1/completions", key,
+                                           {"model": BASE, "prompt": "SELECT", "max_tokens": 2})
+                assert status == 401, (key, body)
+            # The probes' paths and Prometheus' need none.
+            for path in ("/healthz", "/readyz", "/metrics"):
+                status, _ = await _call(http, "GET", f"{server_url}{path}")
+                assert status == 200, path
+
+            completion = {"prompt": "SELECT name FROM", "max_tokens": 4, "temperature": 0}
+            for tenant, key in TENANT_KEYS.items():
+                own = ADAPTER_OF[tenant]
+                (other,) = set(ADAPTER_OF.values()) - {own}
+                status, body = await _call(http, "GET", f"{server_url}/v1/models", key)
+                assert status == 200 and {m["id"] for m in body["data"]} == {BASE, own}, (tenant, body)
+                status, body = await _call(http, "GET", f"{server_url}/v1/adapters", key)
+                assert status == 200 and {r["name"] for r in body["data"]} == {own}, (tenant, body)
+                for model in (BASE, own):
+                    status, body = await _call(http, "POST", f"{server_url}/v1/completions", key,
+                                               {"model": model, **completion})
+                    assert status == 200 and body["choices"][0]["text"], (tenant, model, body)
+                # Another tenant's adapter is a model that does not exist, wherever it is named.
+                status, body = await _call(http, "POST", f"{server_url}/v1/completions", key,
+                                           {"model": other, **completion})
+                assert status == 404 and body["error"]["code"] == "model_not_found", (tenant, body)
+                status, body = await _call(http, "GET", f"{server_url}/v1/models/{other}", key)
+                assert status == 404 and body["error"]["code"] == "model_not_found", (tenant, body)
+                # Pinning needs an admin key, for the tenant's own adapter too.
+                status, body = await _call(http, "POST", f"{server_url}/v1/adapters/{own}/pin", key)
+                assert status == 403 and body["error"]["code"] == "admin_key_required", (tenant, body)
+
+            for key in (ADMIN_KEY, OPS_KEY):  # LORAPLEX_API_KEY, and the keys file's tenant "*"
+                status, body = await _call(http, "GET", f"{server_url}/v1/models", key)
+                assert status == 200 and {m["id"] for m in body["data"]} == {BASE, *ADAPTER_OF.values()}, body
+                for name in ADAPTER_OF.values():
+                    status, body = await _call(http, "POST", f"{server_url}/v1/completions", key,
+                                               {"model": name, **completion})
+                    assert status == 200, (name, body)
+                status, body = await _call(http, "POST", f"{server_url}/v1/adapters/poet/pin", key)
+                assert status == 200 and body["pinned"], body
+        finally:
+            await c.stop()
+            stop.set()
+            await kubelet
