@@ -61,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=0,
                    help="the KV cache's length per row (default: prompt + decode steps + 8)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF PEFT baseline")
+    p.add_argument("--queued", type=int, default=0,
+                   help="requests queued behind the full batch through the timed steps (an overload: "
+                        "the batch's rows never free up, so they wait), then aborted (default 0)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="eager decode (for comparison)")
     p.add_argument("--no-fused-ops", action="store_true",
                    help="decode's small ops as torch ops, not the server/ops Triton kernels (for comparison)")
@@ -136,13 +139,23 @@ def run_loraplex(args, engine: LLMEngine, prompts, names) -> dict:
         engine.step()  # admits and prefills everyone (and their first decode is next)
         prefill_s = time.perf_counter() - t0
         assert len(engine.scheduler.running) == len(prompts), "all requests must run in one batch"
+        running = list(engine.scheduler.running.values())
+        # --queued: requests for the base behind the batch, which wait as long as it runs.
+        queued = [engine.make_request(prompts[i % len(prompts)][:16], SamplingParams(max_tokens=1), None)
+                  for i in range(args.queued)]
+        for req in queued:
+            engine.add_request(req)
         times = []
         positions = []
-        while engine.has_work():
+        while any(not r.finished for r in running):
             positions.append(sum(r.position + 1 for r in engine.scheduler.running.values()))
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
+        for req in queued:  # the overload ends: the queued requests go, unserved
+            engine.abort(req.request_id)
+        while engine.has_work():
+            engine.step()
         # Only full-batch steps count (the last one may be partial).
         times, positions = times[: args.decode_steps], positions[: args.decode_steps]
         if not timed:
@@ -472,7 +485,7 @@ def main(argv=None) -> int:
                        "targets": args.targets, "cuda_graphs": not args.no_cuda_graphs,
                        "kv_block": args.kv_block, "max_model_len": settings.max_model_len, "hf_steps": args.hf_steps, "quick": args.quick,
                        "pdl": os.environ.get("LORAPLEX_PDL", "1") != "0", "fused_ops": fused_ops,
-                       "triton_gemm": triton_gemm, "decode_look_ahead": look_ahead},
+                       "triton_gemm": triton_gemm, "decode_look_ahead": look_ahead, "queued": args.queued},
             "warmup": warmup,
             "copy_bandwidth_GBps": bw / 1e9,
             "loraplex": results,
