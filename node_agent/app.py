@@ -15,8 +15,11 @@
     GET  /healthz      -> 200 while every background loop runs, 500 once one crashed
     GET  /metrics      -> Prometheus text
 
+With an API key (AgentConfig.api_key, --api-key), every endpoint under /v1/ but /v1/stage
+needs `Authorization: Bearer KEY` (auth.py); /v1/stage, /healthz and /metrics stay open.
+
 Errors: {"error": {"reason": "DigestMismatch", "message": "..."}} with 400 (bad request,
-unsupported source), 404 (source or plan adapter not found, or no such endpoint), 405 (wrong
+unsupported source), 401 (no or a wrong API key, where one is needed), 404 (source or plan adapter not found, or no such endpoint), 405 (wrong
 method), 409 (removed from the plan, or superseded by a version asked for later, while it
 downloaded; or a version of a plan adapter other than the plan's), 413 (body too large), 422 (digest or adapter files wrong), 502 (source cut the
 download, stalled or failed), 507 (disk budget, or the disk itself full).
@@ -34,6 +37,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from loraplex.node_agent.auth import authenticate
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 from loraplex.node_agent.tasks import TaskGuard
@@ -66,6 +70,7 @@ class AgentConfig:
     download_stall_seconds: float = 60.0  # a download that brings fewer than download_stall_bytes
     download_stall_bytes: int = 64 * 1024  # in this many seconds fails as Stalled
     server_api_key: str | None = field(default=None, repr=False)  # sent to the servers it warms
+    api_key: str | None = field(default=None, repr=False)  # this API's own key (auth.py): none, open
 
 
 @dataclass
@@ -319,7 +324,7 @@ class Agent:
 
 def create_app(config: AgentConfig, metrics: Metrics | None = None) -> web.Application:
     agent = Agent(config, metrics)
-    app = web.Application(middlewares=[json_errors])
+    app = web.Application(middlewares=[authenticate(config.api_key), json_errors])
     app[AGENT] = agent
 
     async def lifespan(app: web.Application):
