@@ -237,10 +237,6 @@ class LLMEngine:
         # Requests ended between steps (aborted, failed), queued or running: `_reap` takes them
         # out of the queue without reading all of it (a queued request ends no other way).
         self._ended: list[Request] = []
-        # The requests of each adapter, queued or running, by id(): from `add_request` until
-        # `_reap` takes them out. A failed load ends its adapter's queued requests (`_fail_loads`)
-        # reading only them, not the whole queue (10,000 queued for other adapters, say).
-        self._by_adapter: dict[str, dict[int, Request]] = {}
 
     @classmethod
     def from_settings(cls, settings: ServerSettings, metrics: EngineMetrics | None = None) -> "LLMEngine":
@@ -336,8 +332,6 @@ class LLMEngine:
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
-        if req.adapter is not None:
-            self._by_adapter.setdefault(req.adapter, {})[id(req)] = req
         if req.adapter is not None and req.slot < 0:
             # Its load may have failed between `make_request` (which started it) and now, and a
             # step may have taken that failure already: then fail it here (the next step reaps it).
@@ -463,9 +457,6 @@ class LLMEngine:
         for req in done:
             if req.adapter is not None:
                 self.adapters.release(req.adapter)
-                reqs = self._by_adapter.get(req.adapter)
-                if reqs is not None and reqs.pop(id(req), None) is not None and not reqs:
-                    del self._by_adapter[req.adapter]
             if req.finish_reason in ("abort", "error"):
                 outputs.append(req.take_output())
                 if req.finish_reason == "abort":
@@ -474,13 +465,14 @@ class LLMEngine:
 
     def _fail_loads(self) -> list[RequestOutput]:
         """Queued requests whose adapter failed to load end with the load's error (only them,
-        found through `_by_adapter`: the failed adapters' requests are read, not the queue)."""
+        found through `Scheduler.waiting_for`: the failed adapters' requests are read, not the
+        queue, which may hold 10,000 requests of other adapters)."""
         failures = self.adapters.take_failures()
         if not failures:
             return []
         for name, error in failures.items():
-            for req in self._by_adapter.get(name, {}).values():
-                if req.state is State.WAITING:  # queued (finished ones are FINISHED)
+            for req in self.scheduler.waiting_for(name):
+                if req.state is State.WAITING:  # not ended since (an abort: FINISHED)
                     req.fail(error)
                     self._ended.append(req)
         return self._reap()

@@ -79,17 +79,19 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # KV row -> request
         self._ids: dict[str, Request] = {}  # request id -> request, queued or running (`find`)
-        # Requests per adapter name in the queue and in the batch (base-only ones not counted),
-        # kept as requests come and go, so `lora_state` (each /metrics scrape, on the engine
-        # thread) reads the adapters, not the queue: e.g. {"sql": 2, "chat": 1}. A name
-        # leaves its counter when its count drops to 0.
-        self._waiting_adapters: Counter[str] = Counter()
+        # Per adapter name (base-only requests in neither): its queued requests in queue order,
+        # by id() (`waiting_for`: a failed load ends them without reading the queue), and how
+        # many of its requests the batch holds, e.g. {"sql": 2, "chat": 1}. Kept as requests
+        # come and go, so `lora_state` (each /metrics scrape, on the engine thread) reads the
+        # adapters, not the queue; a name leaves when it has no request there.
+        self._waiting_adapters: dict[str, dict[int, Request]] = {}
         self._running_adapters: Counter[str] = Counter()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
         self._ids[req.request_id] = req
-        _count(self._waiting_adapters, (req,), 1)
+        if req.adapter:
+            self._waiting_adapters.setdefault(req.adapter, {})[id(req)] = req
 
     def lora_state(self) -> tuple[list[str], list[str]]:
         """(adapters of running requests, adapters of waiting requests), each sorted by name;
@@ -99,6 +101,10 @@ class Scheduler:
 
     def find(self, request_id: str) -> Request | None:
         return self._ids.get(request_id)
+
+    def waiting_for(self, adapter: str) -> list[Request]:
+        """The queued requests of `adapter`, in queue order; O(its requests), not O(queue)."""
+        return list(self._waiting_adapters.get(adapter, {}).values())
 
     def admit(self, ready_slots: dict[str, int] | None = None) -> list[Request]:
         """Move the policy's pick from waiting to running, each with a KV row.
@@ -166,7 +172,7 @@ class Scheduler:
             req.row = self.kv.alloc()
             req.state = State.RUNNING
             self.running[req.row] = req
-        _count(self._waiting_adapters, picked, -1)
+        _unqueue(self._waiting_adapters, picked)
         _count(self._running_adapters, picked, 1)
 
     def remove(self, req: Request) -> None:
@@ -197,10 +203,18 @@ class Scheduler:
             for r in self.waiting:
                 (gone if id(r) in queued else kept).append(r)
             self.waiting = kept
-            _count(self._waiting_adapters, gone, -1)
+            _unqueue(self._waiting_adapters, gone)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def _unqueue(by_adapter: dict[str, dict[int, Request]], reqs: Iterable[Request]) -> None:
+    """Take requests that left the queue out of their adapter's; a name with none left goes."""
+    for req in reqs:
+        queued = by_adapter.get(req.adapter) if req.adapter else None
+        if queued is not None and queued.pop(id(req), None) is not None and not queued:
+            del by_adapter[req.adapter]
 
 
 def _count(counts: Counter, reqs: Iterable[Request], delta: int) -> None:

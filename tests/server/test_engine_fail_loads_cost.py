@@ -61,7 +61,7 @@ def test_a_failed_load_reads_only_its_adapters_requests(tmp_path):
     # One walk, taking both out (remove_all), and a look at the head; finding them read none.
     assert CountingDeque.reads <= len(engine.scheduler.waiting) + len(bad) + 3, CountingDeque.reads
     assert list(engine.scheduler.waiting) == queued and not any(r.finished for r in queued)
-    assert "bad" not in engine._by_adapter and engine.lora_state()[1] == ["a"]
+    assert engine.scheduler.waiting_for("bad") == [] and engine.lora_state()[1] == ["a"]
 
 
 def test_a_failure_with_no_queued_request_reads_no_queue(tmp_path):
@@ -81,8 +81,9 @@ def test_a_failure_with_no_queued_request_reads_no_queue(tmp_path):
 
 
 def test_the_index_holds_the_live_requests_only(tmp_path):
-    """`_by_adapter` gains each request of an adapter when it is queued and loses it when it
-    leaves (finished, aborted, failed): it never grows with requests served."""
+    """The scheduler's per-adapter queue (`waiting_for`) gains each request of an adapter when
+    it is queued and loses it when it leaves (admitted, aborted, failed): it never grows with
+    requests served."""
     engine = engine_with_a_bad_adapter(tmp_path)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     reqs = [engine.make_request([1, 5, 6], params, ("a", "bad", None)[i % 3]) for i in range(12)]
@@ -94,6 +95,6 @@ def test_the_index_holds_the_live_requests_only(tmp_path):
         assert time.monotonic() < deadline
         engine.step()
         time.sleep(0.001)
-    assert engine._by_adapter == {}
+    assert engine.scheduler._waiting_adapters == {} and not engine.scheduler._running_adapters
     assert {r.finish_reason for r in reqs[1::3]} == {"error"} and reqs[0].finish_reason == "abort"
     assert {r.finish_reason for r in reqs[3::3] + reqs[2::3]} == {"length"}

@@ -33,7 +33,10 @@ def recount(sched: Scheduler) -> tuple[Counter, Counter]:
 
 def check(sched: Scheduler) -> None:
     running, waiting = recount(sched)
-    assert (sched._running_adapters, sched._waiting_adapters) == (running, waiting)
+    assert sched._running_adapters == running
+    assert {name: len(reqs) for name, reqs in sched._waiting_adapters.items()} == waiting
+    for name in waiting:  # each adapter's queue in queue order
+        assert sched.waiting_for(name) == [r for r in sched.waiting if r.adapter == name]
     assert sched.lora_state() == (sorted(running), sorted(waiting))
 
 
