@@ -4,7 +4,7 @@ One dataclass holds every setting; each field's docstring (the string under it) 
 unit and default and is the flag's help, so flags and fields map one to one
 (`cache_dir` <-> `--cache-dir`). The environment is read only in `Settings.from_env_and_args`:
 NODE_NAME for --node-name, POD_NAMESPACE for --namespace and --plan-namespace,
-LORAPLEX_SERVER_API_KEY for --server-api-key, and the
+LORAPLEX_SERVER_API_KEY for --server-api-key, LORAPLEX_NODE_AGENT_API_KEY for --api-key, and the
 in-cluster API address (KUBERNETES_SERVICE_HOST/PORT) for finding this node's server pods and
 reporting staging.
 
@@ -84,6 +84,13 @@ class Settings:
     """The servers' admin API key, sent as 'Authorization: Bearer KEY' when the agent warms
     them (prefetch, pin, unpin); never sent to an adapter's source. Give it as
     LORAPLEX_SERVER_API_KEY from a Secret rather than on the command line. Default: none."""
+
+    api_key: str | None = field(default=None, repr=False)
+    """This agent's own API key: GET /v1/adapters and POST /v1/sessions (every endpoint under
+    /v1/ but /v1/stage) then need 'Authorization: Bearer KEY'; /v1/stage (the servers call it,
+    and hold no agent key), /healthz and /metrics stay open. Give it as
+    LORAPLEX_NODE_AGENT_API_KEY from a Secret rather than on the command line. Default: none
+    (the API is open)."""
 
     port: int = 8081
     """TCP port of the agent's HTTP API. Default: 8081."""
@@ -173,6 +180,8 @@ class Settings:
             settings.plan_namespace = env.get("POD_NAMESPACE") or None
         if settings.server_api_key is None:
             settings.server_api_key = env.get("LORAPLEX_SERVER_API_KEY") or None
+        if settings.api_key is None:
+            settings.api_key = env.get("LORAPLEX_NODE_AGENT_API_KEY") or None
         if settings.kube_api_url is None and env.get("KUBERNETES_SERVICE_HOST"):
             host = env["KUBERNETES_SERVICE_HOST"]
             host = f"[{host}]" if ":" in host else host
@@ -201,6 +210,7 @@ class Settings:
             plan_selector=self.plan_selector.strip() if self.plan_selector is not None else None,
             plan_namespace=self.plan_namespace,
             server_api_key=self.server_api_key,
+            api_key=self.api_key,
         )
 
 

@@ -43,3 +43,17 @@ def test_the_servers_api_key_comes_from_the_environment_or_the_flag_and_is_never
         .server_api_key == "sk-flag"
     assert Settings.from_env_and_args([], {}).server_api_key is None
     assert "sk-env" not in repr(s) and "sk-env" not in repr(s.agent_config())
+
+
+def test_the_agents_own_api_key_comes_from_the_environment_or_the_flag_and_is_never_shown():
+    """--api-key, else LORAPLEX_NODE_AGENT_API_KEY (from a Secret), the flag winning; apart
+    from --server-api-key (the servers' key, which the agent sends), and in no repr."""
+    env = {"LORAPLEX_NODE_AGENT_API_KEY": "sk-agent-env", "LORAPLEX_SERVER_API_KEY": "sk-server"}
+    s = Settings.from_env_and_args([], env)
+    assert s.api_key == "sk-agent-env" and s.agent_config().api_key == "sk-agent-env"
+    assert s.server_api_key == "sk-server" and s.agent_config().server_api_key == "sk-server"
+    assert Settings.from_env_and_args(["--api-key", "sk-agent-flag"], env).api_key == "sk-agent-flag"
+    assert Settings.from_env_and_args([], {}).api_key is None
+    assert Settings.from_env_and_args([], {"LORAPLEX_NODE_AGENT_API_KEY": ""}).api_key is None  # set but empty: none
+    assert Settings.from_env_and_args([], {"LORAPLEX_SERVER_API_KEY": "sk-server"}).api_key is None
+    assert "sk-agent-env" not in repr(s) and "sk-agent-env" not in repr(s.agent_config())
