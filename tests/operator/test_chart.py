@@ -462,6 +462,41 @@ def test_node_agent_takes_the_servers_api_key_from_a_secret():
         assert settings.server_api_key == "sk-ops-1"
 
 
+def test_node_agent_takes_its_own_api_key_from_a_secret():
+    """nodeAgent.apiKeySecret: the agents' own --api-key as LORAPLEX_NODE_AGENT_API_KEY from the
+    Secret (never a literal in the DaemonSet); none named: no such variable, the API open. Apart
+    from serverApiKeySecret: each Secret becomes its own variable."""
+    (container,) = render_all()[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+    assert "LORAPLEX_NODE_AGENT_API_KEY" not in {e["name"] for e in container["env"]}
+    assert AgentSettings.from_env_and_args(container["args"], env=IN_POD).api_key is None
+
+    for secret, key in ((None, "api-key"), ("agent-key", "agent-key")):
+        values = copy.deepcopy(VALUES)
+        values["nodeAgent"]["apiKeySecret"]["name"] = "loraplex-node-agent-key"
+        if secret is not None:
+            values["nodeAgent"]["apiKeySecret"]["key"] = secret
+        (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+        (var,) = [e for e in container["env"] if e["name"] == "LORAPLEX_NODE_AGENT_API_KEY"]
+        assert var == {"name": "LORAPLEX_NODE_AGENT_API_KEY",
+                       "valueFrom": {"secretKeyRef": {"name": "loraplex-node-agent-key", "key": key}}}
+        assert "LORAPLEX_SERVER_API_KEY" not in {e["name"] for e in container["env"]}
+        # What the kubelet gives the container from that Secret is the key the agent takes.
+        settings = AgentSettings.from_env_and_args(container["args"],
+                                                   env={**IN_POD, "LORAPLEX_NODE_AGENT_API_KEY": "sk-agent-1"})
+        assert settings.api_key == "sk-agent-1" and settings.server_api_key is None
+        # The kubelet's probe stays on an endpoint that needs no key.
+        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+    values = copy.deepcopy(VALUES)
+    values["nodeAgent"]["apiKeySecret"]["name"] = "loraplex-node-agent-key"
+    values["nodeAgent"]["serverApiKeySecret"]["name"] = "loraplex-server-keys"
+    (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "valueFrom" in e
+            and "secretKeyRef" in e["valueFrom"]}
+    assert refs == {"LORAPLEX_NODE_AGENT_API_KEY": "loraplex-node-agent-key",
+                    "LORAPLEX_SERVER_API_KEY": "loraplex-server-keys"}
+
+
 def test_the_readme_upgrades_the_crds_before_the_release():
     """Helm installs a chart's crds/ on install only, never on `helm upgrade`: the README's
     upgrade applies crds/ (the chart's CRDs are those files) and then upgrades the release."""
