@@ -21,23 +21,13 @@ nothing of the key.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 
 from aiohttp import web
 
+from loraplex.server.api_keys import bearer_token, key_digest  # stdlib only, as the server checks keys
+
 OPEN_PATHS = frozenset({"/v1/stage"})  # under /v1/, taken without the key
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
-
-
-def bearer_token(authorization: str | None) -> str | None:
-    """The token of an `Authorization: Bearer TOKEN` header (the scheme in any case), or None."""
-    scheme, _, token = (authorization or "").strip().partition(" ")
-    token = token.strip()
-    return token if scheme.lower() == "bearer" and token else None
 
 
 def needs_key(path: str) -> bool:
@@ -47,14 +37,14 @@ def needs_key(path: str) -> bool:
 def authenticate(api_key: str | None):
     """aiohttp middleware: a request `needs_key` names `api_key`, or gets a 401. With no key,
     every request goes through."""
-    wanted = _digest(api_key) if api_key else None
+    wanted = key_digest(api_key) if api_key else None
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         if wanted is None or not needs_key(request.path):
             return await handler(request)
         token = bearer_token(request.headers.get("Authorization"))
-        if token is not None and hmac.compare_digest(_digest(token), wanted):
+        if token is not None and hmac.compare_digest(key_digest(token), wanted):
             return await handler(request)
         said = "No API key provided" if token is None else "Incorrect API key provided"
         return web.json_response(

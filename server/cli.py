@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from .engine import check_settings
 
-    from .api.auth import APIKeys
+    from .api_keys import APIKeys
 
     try:
         check_settings(settings)

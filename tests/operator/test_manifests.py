@@ -217,7 +217,7 @@ def examples_with_api_keys() -> list[dict]:
 
 def test_the_api_keys_example_validates_and_names_secrets_it_holds(tmp_path):
     from loraplex.operator.workloads import deployment
-    from loraplex.server.api.auth import read_keys_file
+    from loraplex.server.api_keys import read_keys_file
 
     docs = examples_with_api_keys()
     for doc in docs:

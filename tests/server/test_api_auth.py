@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from loraplex.server.api import auth
-from loraplex.server.api.auth import APIKeys, Caller, read_keys_file
+from loraplex.server import api_keys
+from loraplex.server.api_keys import APIKeys, Caller, read_keys_file
 
 from .test_adapter_cache import write_adapter
 from .test_adapter_cache_http import serve  # noqa: F401 - the fixture
@@ -116,7 +116,7 @@ def test_admin_endpoints_need_an_admin_key(keyed, disk):  # noqa: F811
 
 
 def test_the_keys_file_is_read_again_when_it_changes(keyed, monkeypatch):
-    monkeypatch.setattr(auth, "RELOAD_SECONDS", 0.0)
+    monkeypatch.setattr(api_keys, "RELOAD_SECONDS", 0.0)
     with httpx.Client(base_url=keyed.url, timeout=30) as c:
         assert complete(c, "a", ACME).status_code == 200
         # A Secret's mount is swapped, not edited: a new file renamed over the old.
