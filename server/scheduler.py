@@ -67,8 +67,9 @@ class PrefillChunk:
 class Scheduler:
     """The queue and the batch. A step's work here grows with what it admits and the batch's
     rows, not with the queue's length: under a burst (a benchmark sending 10,000 requests at
-    once) every step used to walk the whole queue three times, 5 ms a step at 10,000 queued
-    on a 2-core machine, and each abort walked it again to find its request."""
+    once) every step used to walk the whole queue three times (about 5 ms a step at 10,000
+    queued on a 2-core machine, timed by hand; on an H200's host it hid under the GPU's step,
+    bench/results/engine_h200_notes.md), and each abort walked it again to find its request."""
 
     def __init__(self, kv: KVCache, max_prefill_tokens: int, policy: AdmissionPolicy | None = None,
                  chunked_prefill: bool = False):

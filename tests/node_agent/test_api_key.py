@@ -5,13 +5,11 @@ no agent key), /healthz and /metrics stay open."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from loraplex.node_agent.app import AGENT, AgentConfig
+from loraplex.node_agent.app import AgentConfig
 
-from .helpers import ConfigMapDir, plan_json
+from .test_app import session_agent
 
 KEY = "sk-agent-1"
 
@@ -24,26 +22,9 @@ GUARDED = [
 ]
 
 
-async def _session_agent(tmp_path, object_store, client_factory, fake_server, api_key):
-    """An agent following a plan that lists `chat`, with one ready server to warm."""
-    object_store.add("chat", tmp_path)
-    cm = ConfigMapDir(tmp_path / "plan")
-    cm.write(plan_json(object_store, others=["chat"]))
-    fake_server.ready = True
-    client = await client_factory(AgentConfig(tmp_path / "cache", 10**9, plan_file=cm.path,
-                                              server_urls=(fake_server.url,), poll_seconds=0.05,
-                                              server_poll_seconds=0.05, api_key=api_key))
-    warmer = client.server.app[AGENT].warmer
-    for _ in range(200):  # the background loops find the plan and the ready server
-        if warmer.plan is not None and warmer._ready:
-            break
-        await asyncio.sleep(0.02)
-    return client
-
-
 async def test_without_a_key_every_endpoint_is_open_as_before(tmp_path, object_store, client_factory,
                                                               fake_server):
-    client = await _session_agent(tmp_path, object_store, client_factory, fake_server, None)
+    client = await session_agent(tmp_path, object_store, client_factory, fake_server, None)
     for headers in ({}, {"Authorization": "Bearer anything"}):
         r = await client.get("/v1/adapters", headers=headers)
         assert r.status == 200, await r.text()
@@ -79,7 +60,7 @@ async def test_with_a_key_a_request_without_it_is_a_401(tmp_path, client_factory
 
 
 async def test_with_a_key_the_right_key_is_served(tmp_path, object_store, client_factory, fake_server):
-    client = await _session_agent(tmp_path, object_store, client_factory, fake_server, KEY)
+    client = await session_agent(tmp_path, object_store, client_factory, fake_server, KEY)
     r = await client.post("/v1/sessions", json={"model": "chat"})
     assert r.status == 401
     assert not [c for c in fake_server.calls if c[0] == "prefetch"], "a refused session warmed a server"

@@ -89,19 +89,25 @@ async def test_stage_errors(tmp_path, object_store, client_factory, body, status
     assert not (tmp_path / "cache" / "x").exists()
 
 
-async def test_session_endpoint(tmp_path, object_store, client_factory, fake_server):
+async def session_agent(tmp_path, object_store, client_factory, fake_server, api_key=None):
+    """An agent following a plan that lists `chat`, with one ready server to warm."""
     object_store.add("chat", tmp_path)
     cm = ConfigMapDir(tmp_path / "plan")
     cm.write(plan_json(object_store, others=["chat"]))
     fake_server.ready = True
     client = await client_factory(AgentConfig(tmp_path / "cache", 10**9, plan_file=cm.path,
                                               server_urls=(fake_server.url,), poll_seconds=0.05,
-                                              server_poll_seconds=0.05))
+                                              server_poll_seconds=0.05, api_key=api_key))
     warmer = client.server.app[AGENT].warmer
     for _ in range(200):  # the background loops find the plan and the ready server
         if warmer.plan is not None and warmer._ready:
             break
         await asyncio.sleep(0.02)
+    return client
+
+
+async def test_session_endpoint(tmp_path, object_store, client_factory, fake_server):
+    client = await session_agent(tmp_path, object_store, client_factory, fake_server)
     r = await client.post("/v1/sessions", json={"model": "chat"})
     assert r.status == 200, await r.text()
     body = await r.json()
