@@ -44,6 +44,7 @@ from loraplex.node_agent.tasks import TaskGuard
 from loraplex.node_agent.kube import FoundPlan, KubeAPI, KubePods, ListedPlan, PlanConfigMap, PlanMirrors, StatusReporter
 from loraplex.node_agent.warmer import PlanFile, PlanSource, ServerDiscovery, StaticServers, Warmer
 from loraplex.server.adapter_names import is_namespace
+from loraplex.server.api_keys import WatchedFile, read_key_file  # stdlib only
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class AgentConfig:
     download_stall_seconds: float = 60.0  # a download that brings fewer than download_stall_bytes
     download_stall_bytes: int = 64 * 1024  # in this many seconds fails as Stalled
     server_api_key: str | None = field(default=None, repr=False)  # sent to the servers it warms
+    server_api_key_file: Path | None = None  # or read from this file, re-read when it changes
     api_key: str | None = field(default=None, repr=False)  # this API's own key (auth.py): none, open
 
 
@@ -96,6 +98,11 @@ class Agent:
 
     def __init__(self, config: AgentConfig, metrics: Metrics | None = None) -> None:
         self.config = config
+        # The servers' admin key, as given or as its file holds it now (a Secret's mount: a
+        # rotated key reaches the warmers without a restart).
+        self.server_api_key: str | WatchedFile | None = (
+            WatchedFile(config.server_api_key_file, functools.partial(read_key_file, flag="--server-api-key-file"))
+            if config.server_api_key_file is not None else config.server_api_key)
         self.metrics = metrics or Metrics()
         self.tasks = TaskGuard(self.metrics)
         self.session: aiohttp.ClientSession | None = None
@@ -194,7 +201,7 @@ class Agent:
         warmer = Warmer(self.store, plan, self.session, discovery=discovery, reporter=reporter,
                         metrics=self.metrics, namespace=namespace, record_file=record,
                         poll_seconds=c.poll_seconds, server_poll_seconds=c.server_poll_seconds,
-                        server_api_key=c.server_api_key)
+                        server_api_key=self.server_api_key)
         loops = []
         if plan is not None:
             loops.append(self.tasks.spawn(warmer.run(), f"plan-watch{label}"))
@@ -288,7 +295,7 @@ class Agent:
             reporter = self._reporter(namespace, spawn=True)
             assert self.store is not None and self.session is not None
             warmer = Warmer(self.store, None, self.session, reporter=reporter, metrics=self.metrics,
-                            namespace=namespace, record_file=record, server_api_key=self.config.server_api_key)
+                            namespace=namespace, record_file=record, server_api_key=self.server_api_key)
             warmer.listed_elsewhere = functools.partial(self._listed_elsewhere, warmer)
             self._wire()  # a new Warmer takes the store's eviction callback for itself
             await warmer.retire()

@@ -4,7 +4,8 @@ One dataclass holds every setting; each field's docstring (the string under it) 
 unit and default and is the flag's help, so flags and fields map one to one
 (`cache_dir` <-> `--cache-dir`). The environment is read only in `Settings.from_env_and_args`:
 NODE_NAME for --node-name, POD_NAMESPACE for --namespace and --plan-namespace,
-LORAPLEX_SERVER_API_KEY for --server-api-key, LORAPLEX_NODE_AGENT_API_KEY for --api-key, and the
+LORAPLEX_SERVER_API_KEY for --server-api-key (unless --server-api-key-file is given),
+LORAPLEX_NODE_AGENT_API_KEY for --api-key, and the
 in-cluster API address (KUBERNETES_SERVICE_HOST/PORT) for finding this node's server pods and
 reporting staging.
 
@@ -30,6 +31,7 @@ from aiohttp import web
 
 from loraplex.node_agent.app import AgentConfig, create_app
 from loraplex.server.adapter_names import is_namespace
+from loraplex.server.api_keys import read_key_file
 from loraplex.server.settings import field_docs  # stdlib only: shared with the server's flags
 
 log = logging.getLogger("loraplex.node_agent")
@@ -84,6 +86,11 @@ class Settings:
     """The servers' admin API key, sent as 'Authorization: Bearer KEY' when the agent warms
     them (prefetch, pin, unpin); never sent to an adapter's source. Give it as
     LORAPLEX_SERVER_API_KEY from a Secret rather than on the command line. Default: none."""
+
+    server_api_key_file: str | None = None
+    """A file that holds the servers' admin API key (a Secret's value mounted as a file), in
+    place of --server-api-key: read when the agent warms a server, re-read when it changes, so
+    the key rotates without a restart (the chart's nodeAgent.serverApiKeySecret). Default: none."""
 
     api_key: str | None = field(default=None, repr=False)
     """This agent's own API key: GET /v1/adapters and POST /v1/sessions (every endpoint under
@@ -162,6 +169,10 @@ class Settings:
             _check_http_url("--server-url", url)
         if self.kube_api_url is not None:
             _check_http_url("--kube-api-url", self.kube_api_url)
+        if self.server_api_key_file is not None:
+            if self.server_api_key is not None:
+                raise ValueError("give --server-api-key or --server-api-key-file, not both")
+            read_key_file(self.server_api_key_file, "--server-api-key-file")  # said now, not at the first warm-up
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"--log-level {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
 
@@ -178,7 +189,7 @@ class Settings:
             settings.namespace = env.get("POD_NAMESPACE") or None
         if settings.plan_selector is not None and settings.plan_namespace is None:
             settings.plan_namespace = env.get("POD_NAMESPACE") or None
-        if settings.server_api_key is None:
+        if settings.server_api_key is None and settings.server_api_key_file is None:
             settings.server_api_key = env.get("LORAPLEX_SERVER_API_KEY") or None
         if settings.api_key is None:
             settings.api_key = env.get("LORAPLEX_NODE_AGENT_API_KEY") or None
@@ -210,6 +221,7 @@ class Settings:
             plan_selector=self.plan_selector.strip() if self.plan_selector is not None else None,
             plan_namespace=self.plan_namespace,
             server_api_key=self.server_api_key,
+            server_api_key_file=Path(self.server_api_key_file) if self.server_api_key_file else None,
             api_key=self.api_key,
         )
 

@@ -58,6 +58,7 @@ from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.sources import redact
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StagedAdapter, StoreError, is_version
 from loraplex.server.adapter_format import SERVING_DTYPES
+from loraplex.server.api_keys import WatchedFile
 from loraplex.server.plan_file import PlanFileError, decode_plan, read_plan_file
 
 log = logging.getLogger(__name__)
@@ -278,11 +279,12 @@ class Warmer:
         server_timeout_seconds: float = 10.0,
         retry_seconds: float = 10.0,
         max_retry_seconds: float = 300.0,
-        server_api_key: str | None = None,
+        server_api_key: str | WatchedFile | None = None,
     ) -> None:
         self.store = store
-        # The servers' --api-key, on the calls to them only (the session also fetches sources).
-        self._server_headers = {"Authorization": f"Bearer {server_api_key}"} if server_api_key else {}
+        # The servers' --api-key (or its file, read as it is now), on the calls to them only
+        # (the session also fetches sources).
+        self._server_api_key = server_api_key
         self.plan_source: PlanSource | None = PlanFile(plan) if isinstance(plan, (str, Path)) else plan
         self._session = session
         self.discovery = discovery
@@ -648,6 +650,11 @@ class Warmer:
                 break
         return results
 
+    def _server_headers(self) -> dict[str, str]:
+        key = self._server_api_key
+        key = key.get() if isinstance(key, WatchedFile) else key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     async def call_server(self, url: str, name: str, action: str) -> WarmResult:
         """POST <url>/v1/adapters/<name>/<action> (prefetch without waiting for the load)."""
         path = f"/v1/adapters/{urllib.parse.quote(name)}/{action}"
@@ -655,7 +662,7 @@ class Warmer:
             path += "?wait=false"
         unreachable = unknown = False
         try:
-            async with self._session.post(url.rstrip("/") + path, headers=self._server_headers,
+            async with self._session.post(url.rstrip("/") + path, headers=self._server_headers(),
                                           timeout=aiohttp.ClientTimeout(total=self.server_timeout_seconds)) as r:
                 # (an unpin of an adapter the server does not know has nothing to undo)
                 ok = 200 <= r.status < 300 or (action == "unpin" and r.status == 404)

@@ -2,7 +2,7 @@
 them in front of its routes) and the node agent's (node_agent/auth.py), which imports no
 FastAPI and no torch.
 
-    keys = APIKeys(api_key="sk-admin", keys_file="/etc/loraplex/api-keys/keys.json")
+    keys = APIKeys(api_key_file="/etc/loraplex/api-keys/admin-key", keys_file="/etc/loraplex/api-keys/keys.json")
     keys.caller("Bearer sk-acme-1")  ->  Caller(tenant="acme"); None for a key not taken
 
 A keys file is a JSON object {"KEY": "TENANT", ...}; a key of tenant "*" is an admin key. Keys
@@ -77,31 +77,86 @@ def bearer_token(authorization: str | None) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
-class APIKeys:
-    """The keys a server takes. Keys are compared by their sha256 digests, in constant time for
-    the admin key, so the time of a refusal tells nothing of a key."""
+class WatchedFile:
+    """A small file's parsed content, re-read when the file changes: its stat (inode, mtime,
+    size) is looked at, at most every RELOAD_SECONDS, so a Secret that the kubelet updates in
+    place (a new folder swapped in under the mount) reaches the reader without a restart. The
+    first read raises the parser's ValueError; later, a file that is gone or no longer parses
+    keeps the last good content, with an error logged."""
 
-    def __init__(self, api_key: str | None = None, keys_file: str | Path | None = None,
-                 clock=time.monotonic):
-        self._admin = key_digest(api_key) if api_key else None
-        self.keys_file = Path(keys_file) if keys_file else None
+    def __init__(self, path: str | Path, parse, clock=time.monotonic):
+        self.path = Path(path)
+        self._parse = parse
         self._clock = clock
         self._lock = threading.Lock()
-        self._tenants: dict[bytes, str] = {}
-        self._seen: tuple[int, int, int] | None = None
-        self._looked = float("-inf")
-        if self.keys_file is not None:
-            self._tenants = read_keys_file(self.keys_file)
-            self._seen = self._stamp()
-            self._looked = clock()
+        self._value = parse(self.path)
+        self._seen = self._stamp()
+        self._looked = clock()
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def get(self):
+        now = self._clock()
+        with self._lock:
+            if now - self._looked < RELOAD_SECONDS:
+                return self._value
+            self._looked = now
+            stamp = self._stamp()
+            if stamp is None or stamp == self._seen:
+                return self._value
+            try:
+                self._value = self._parse(self.path)
+                log.info("%s re-read", self.path)
+            except ValueError as e:
+                log.error("%s; keeping what was read before", e)
+            self._seen = stamp
+            return self._value
+
+
+def read_key_file(path: str | Path, flag: str = "--api-key-file") -> str:
+    """The one key a key file holds (a Secret's value mounted as a file): its text, with the
+    whitespace around it (a trailing newline) taken off; ValueError saying what is wrong."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+    try:
+        key = raw.decode().strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path}: not UTF-8 text") from None
+    if not key:
+        raise ValueError(f"{flag} {path}: the file is empty; it should hold one API key")
+    if any(c.isspace() for c in key):
+        raise ValueError(f"{flag} {path}: holds more than one word; it should hold one API key")
+    return key
+
+
+class APIKeys:
+    """The keys a server takes: an admin key given as it is (`api_key`) and one read from a
+    file (`api_key_file`), and the tenants' keys file. Both files are re-read when they change
+    (WatchedFile), so a key rotates without a restart. Keys are compared by their sha256
+    digests, in constant time for the admin keys, so the time of a refusal tells nothing of a
+    key."""
+
+    def __init__(self, api_key: str | None = None, keys_file: str | Path | None = None,
+                 api_key_file: str | Path | None = None, clock=time.monotonic):
+        self._admin = key_digest(api_key) if api_key else None
+        self._admin_file = (WatchedFile(api_key_file, lambda p: key_digest(read_key_file(p)), clock)
+                            if api_key_file else None)
+        self._tenants = WatchedFile(keys_file, read_keys_file, clock) if keys_file else None
 
     @classmethod
     def from_settings(cls, settings) -> "APIKeys":
-        return cls(settings.api_key, settings.api_keys_file)
+        return cls(settings.api_key, settings.api_keys_file, settings.api_key_file)
 
     @property
     def enabled(self) -> bool:
-        return self._admin is not None or self.keys_file is not None
+        return self._admin is not None or self._admin_file is not None or self._tenants is not None
 
     def caller(self, authorization: str | None) -> Caller | None:
         """The caller an `Authorization` header names; OPEN when no key is needed; None when
@@ -112,37 +167,10 @@ class APIKeys:
         if token is None:
             return None
         digest = key_digest(token)
-        if self._admin is not None and hmac.compare_digest(digest, self._admin):
-            return OPEN
-        tenant = self._tenant_map().get(digest)
+        for admin in (self._admin, self._admin_file.get() if self._admin_file else None):
+            if admin is not None and hmac.compare_digest(digest, admin):
+                return OPEN
+        tenant = self._tenants.get().get(digest) if self._tenants else None
         if tenant is None:
             return None
         return OPEN if tenant == ADMIN else Caller(tenant)
-
-    def _stamp(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.keys_file)
-        except OSError:
-            return None
-        return st.st_ino, st.st_mtime_ns, st.st_size
-
-    def _tenant_map(self) -> dict[bytes, str]:
-        """The keys file's map, re-read when the file changed (looked at every RELOAD_SECONDS).
-        A file that is gone or no longer parses keeps the last good map, with an error logged."""
-        if self.keys_file is None:
-            return self._tenants
-        now = self._clock()
-        with self._lock:
-            if now - self._looked < RELOAD_SECONDS:
-                return self._tenants
-            self._looked = now
-            stamp = self._stamp()
-            if stamp is None or stamp == self._seen:
-                return self._tenants
-            try:
-                self._tenants = read_keys_file(self.keys_file)
-                log.info("API keys re-read from %s: %d keys", self.keys_file, len(self._tenants))
-            except ValueError as e:
-                log.error("%s; keeping the keys read before", e)
-            self._seen = stamp
-            return self._tenants

@@ -12,6 +12,7 @@ import logging
 import socket
 import sys
 
+from .api_keys import APIKeys, read_key_file
 from .settings import ServerSettings
 
 log = logging.getLogger("loraplex.server")
@@ -41,8 +42,6 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"loraplex-server: --demo: {e}\n")
             return 2
     from .engine import check_settings
-
-    from .api_keys import APIKeys
 
     try:
         check_settings(settings)
@@ -115,7 +114,8 @@ async def _demo_requests(server, settings: ServerSettings) -> None:
     host = f"[{host}]" if ":" in host else host  # an IPv6 address
     url = f"http://{host}:{port}"
     # With API keys on, the demo's requests send the admin key (a tenants' file alone gives it none).
-    auth = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    admin = settings.api_key or (read_key_file(settings.api_key_file) if settings.api_key_file else None)
+    auth = {"Authorization": f"Bearer {admin}"} if admin else {}
     async with httpx.AsyncClient(base_url=url, timeout=60, headers=auth) as client:
         async def one(model: str, prompt: str) -> tuple[str, str, str]:
             r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
@@ -138,7 +138,8 @@ async def _demo_requests(server, settings: ServerSettings) -> None:
         log.info("demo: a random tiny model answered four requests in one batch (gibberish is expected):")
         for model, prompt, text in results:
             log.info("  model=%-10s prompt=%r -> %r", model, prompt, text)
-    key = " -H 'Authorization: Bearer <your API key>'" if settings.api_key or settings.api_keys_file else ""
+    keyed = settings.api_key or settings.api_key_file or settings.api_keys_file
+    key = " -H 'Authorization: Bearer <your API key>'" if keyed else ""
     log.info("try it:  curl %s/v1/completions%s -H 'Content-Type: application/json' "
              "-d '{\"model\": \"poet\", \"prompt\": \"Shall I\", \"max_tokens\": 16, \"stream\": true}'", url, key)
     log.info("models:  curl %s/v1/models%s   (Ctrl-C stops the server)", url, key)

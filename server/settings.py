@@ -183,6 +183,11 @@ class ServerSettings:
     command line, where any process listing shows it. /healthz, /readyz and /metrics stay
     open. Default: none."""
 
+    api_key_file: str | None = None
+    """A file that holds an admin API key (a Secret's value mounted as a file), taken as
+    --api-key is, and re-read when it changes, so the key rotates without a restart (the
+    operator gives serving.apiKeys.adminKeySecret so). Default: none."""
+
     api_keys_file: str | None = None
     """Tenants' API keys, a JSON object {"KEY": "TENANT", ...} (usually a mounted Secret), re-read
     when it changes: a tenant's key may use the base and the adapters the plan gives that

@@ -1,10 +1,11 @@
 """API keys and the tenant check: who may call the API, and which adapters each caller sees.
 
     --api-key KEY            (or LORAPLEX_API_KEY) an admin key, as vLLM's --api-key
+    --api-key-file FILE      a file holding an admin key, re-read when it changes
     --api-keys-file FILE     {"KEY": "TENANT", ...}: tenants' keys ("*": an admin key), re-read
                              when the file changes (a mounted Secret is updated in place)
 
-With neither, the API is open, as vLLM's without --api-key. With either, every request under
+With none, the API is open, as vLLM's without --api-key. With any, every request under
 /v1/ sends `Authorization: Bearer KEY`, or is answered 401 `invalid_api_key` (OpenAI's
 answer, with `WWW-Authenticate: Bearer`); /healthz, /readyz and /metrics stay open for the
 kubelet's probes and Prometheus.

@@ -45,6 +45,20 @@ def test_the_servers_api_key_comes_from_the_environment_or_the_flag_and_is_never
     assert "sk-env" not in repr(s) and "sk-env" not in repr(s.agent_config())
 
 
+def test_the_servers_api_key_file_is_checked_at_start_and_replaces_the_key(tmp_path, capsys):
+    key_file = tmp_path / "server-api-key"
+    key_file.write_text("sk-file\n")
+    s = Settings.from_env_and_args(["--server-api-key-file", str(key_file)], {"LORAPLEX_SERVER_API_KEY": "sk-env"})
+    assert s.server_api_key is None and s.agent_config().server_api_key_file == key_file
+    with pytest.raises(ValueError, match="not both"):
+        Settings.from_env_and_args(["--server-api-key-file", str(key_file), "--server-api-key", "sk-flag"], {})
+    key_file.write_text("")
+    with pytest.raises(ValueError, match="--server-api-key-file .*empty"):
+        Settings.from_env_and_args(["--server-api-key-file", str(key_file)], {})
+    assert main(["--server-api-key-file", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.startswith("loraplex-node-agent: --server-api-key-file")
+
+
 def test_the_agents_own_api_key_comes_from_the_environment_or_the_flag_and_is_never_shown():
     """--api-key, else LORAPLEX_NODE_AGENT_API_KEY (from a Secret), the flag winning; apart
     from --server-api-key (the servers' key, which the agent sends), and in no repr."""

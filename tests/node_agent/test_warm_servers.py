@@ -8,6 +8,7 @@ connections and never answers.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import aiohttp
@@ -17,6 +18,8 @@ from aiohttp.test_utils import TestServer
 
 from loraplex.node_agent.store import AdapterStore
 from loraplex.node_agent.warmer import StaticServers, Warmer
+from loraplex.server import api_keys
+from loraplex.server.api_keys import WatchedFile, read_key_file
 
 from .helpers import ConfigMapDir, plan_json
 
@@ -204,3 +207,21 @@ async def test_the_servers_api_key_goes_to_the_servers_and_never_to_a_source(tmp
     assert {(a, n) for a, n, _ in fake_server.calls} >= {("prefetch", "p0"), ("pin", "p0"), ("prefetch", "p1")}
     assert set(fake_server.authorizations) == {"Bearer sk-admin-1"}
     assert object_store.authorizations and set(object_store.authorizations) == {None}
+
+
+async def test_a_servers_key_file_is_read_as_it_is_now_so_a_rotated_key_needs_no_restart(
+        tmp_path, object_store, session, fake_server, monkeypatch):
+    """--server-api-key-file (the chart mounts the Secret): each warm-up sends the key the file
+    holds then; one swapped in (as the kubelet updates a Secret's mount) is sent from then on."""
+    monkeypatch.setattr(api_keys, "RELOAD_SECONDS", 0.0)
+    fake_server.ready = True
+    key_file = tmp_path / "server-api-key"
+    key_file.write_text("sk-admin-1\n")
+    warmer = Warmer(AdapterStore(tmp_path / "cache", 10**9, session=session), None, session,
+                    server_timeout_seconds=TIMEOUT, server_api_key=WatchedFile(key_file, read_key_file))
+    assert (await warmer.call_server(fake_server.url, "p0", "prefetch")).ok
+    new = tmp_path / "server-api-key.new"
+    new.write_text("sk-admin-2")
+    os.replace(new, key_file)
+    assert (await warmer.call_server(fake_server.url, "p0", "prefetch")).ok
+    assert fake_server.authorizations[-2:] == ["Bearer sk-admin-1", "Bearer sk-admin-2"]

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from loraplex.server import api_keys
-from loraplex.server.api_keys import APIKeys, Caller, read_keys_file
+from loraplex.server.api_keys import APIKeys, Caller, read_key_file, read_keys_file
 
 from .test_adapter_cache import write_adapter
 from .test_adapter_cache_http import serve  # noqa: F401 - the fixture
@@ -130,6 +130,47 @@ def test_the_keys_file_is_read_again_when_it_changes(keyed, monkeypatch):
         time.sleep(0.01)
         assert complete(c, "a", "sk-acme-2").status_code == 200
         assert complete(c, "tiny", ADMIN).status_code == 200  # --api-key is not in the file
+
+
+def test_the_admin_key_file_rotates_the_admin_key_without_a_restart(serve, disk, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(api_keys, "RELOAD_SECONDS", 0.0)
+    admin = tmp_path / "admin-key"
+    admin.write_text("sk-admin-old\n")  # as `kubectl create secret --from-file` keeps a newline
+    server = serve(api_key_file=str(admin))
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        assert complete(c, "a", "sk-admin-old").status_code == 200
+        assert c.post("/v1/adapters/a/pin", headers=bearer("sk-admin-old")).status_code == 200
+        assert complete(c, "a", None).status_code == 401
+        new = admin.with_name("admin-key.new")
+        new.write_text("sk-admin-new")
+        os.replace(new, admin)
+        assert complete(c, "a", "sk-admin-old").status_code == 401  # the old key is gone
+        assert complete(c, "a", "sk-admin-new").status_code == 200
+        assert c.post("/v1/adapters/a/unpin", headers=bearer("sk-admin-new")).status_code == 200
+        # An emptied file (a Secret being rewritten) keeps the key read before it.
+        admin.write_text("")
+        time.sleep(0.01)
+        assert complete(c, "a", "sk-admin-new").status_code == 200
+
+
+@pytest.mark.parametrize("text, words", [("", "empty"), ("  \n", "empty"), ("sk-a sk-b", "more than one word"),
+                                         (b"\xff", "not UTF-8")])
+def test_an_admin_key_file_that_holds_no_one_key_is_refused(tmp_path, text, words):
+    path = tmp_path / "admin-key"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=words):
+        read_key_file(path)
+    with pytest.raises(ValueError, match="--api-key-file .*No such file"):
+        APIKeys(api_key_file=tmp_path / "missing")
+    path.write_text("\tsk-ok\r\n")
+    assert read_key_file(path) == "sk-ok"
+
+
+def test_the_cli_refuses_an_admin_key_file_it_cannot_read_before_loading_anything(tmp_path, capsys):
+    from loraplex.server.cli import main
+
+    assert main(["--dummy-weights", "tiny", "--device", "cpu", "--api-key-file", str(tmp_path / "none")]) == 2
+    assert "--api-key-file" in capsys.readouterr().err
 
 
 def test_an_open_server_takes_any_request_and_shows_every_adapter(serve):  # noqa: F811
