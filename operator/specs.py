@@ -205,10 +205,10 @@ OPERATOR_FLAGS: frozenset[str] = frozenset({
     "--max-prefill-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-cpu-loras",
     "--max-concurrent-loads", "--eviction-policy",
     # serving.apiKeys: the keys come from Secrets, never from the command line (`ps` shows it).
-    "--api-key", "--api-keys-file",
+    "--api-key", "--api-key-file", "--api-keys-file",
 })
 # OPERATOR_FLAGS that serving.apiKeys sets, named in the refusal so it points there.
-API_KEY_FLAGS: frozenset[str] = frozenset({"--api-key", "--api-keys-file"})
+API_KEY_FLAGS: frozenset[str] = frozenset({"--api-key", "--api-key-file", "--api-keys-file"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,8 +281,8 @@ def _extra_args(value: Any) -> tuple[str, ...]:
 
 
 # Environment variables the operator sets on the server container (workloads.deployment), and
-# the server's environment form of --api-keys-file: API keys come through serving.apiKeys alone.
-API_KEY_ENV: frozenset[str] = frozenset({"LORAPLEX_API_KEY", "LORAPLEX_API_KEYS_FILE"})
+# the server's environment forms of its key flags: API keys come through serving.apiKeys alone.
+API_KEY_ENV: frozenset[str] = frozenset({"LORAPLEX_API_KEY", "LORAPLEX_API_KEY_FILE", "LORAPLEX_API_KEYS_FILE"})
 OPERATOR_ENV: frozenset[str] = frozenset({"NODE_IP", "TRITON_CACHE_DIR"}) | API_KEY_ENV
 
 
@@ -395,9 +395,10 @@ class SecretKey:
 
 @dataclasses.dataclass(frozen=True)
 class ApiKeys:
-    """serving.apiKeys: the servers' API keys from Secrets. The admin key becomes
-    LORAPLEX_API_KEY (read at start), the tenants' keys file a Secret volume given to
-    --api-keys-file (re-read when the Secret changes); None: no such keys."""
+    """serving.apiKeys: the servers' API keys from Secrets, both mounted as files in one
+    volume, the admin key for --api-key-file and the tenants' keys for --api-keys-file, which
+    the servers re-read when the kubelet updates a Secret (a key rotates without a restart);
+    None: no such keys."""
 
     admin_key_secret: SecretKey | None = None
     tenant_keys_secret: SecretKey | None = None

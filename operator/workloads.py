@@ -53,10 +53,12 @@ NAMESPACES_DIR = ".namespaces"
 # that compiles (without warm-up) stalls 1.2-2.9 s. Triton writes each entry to a temporary
 # file and renames it, so servers on one node share it.
 KERNEL_CACHE_DIR = "/var/lib/loraplex/kernel-cache"
-# serving.apiKeys.tenantKeysSecret: the Secret's key mounted here as keys.json, whole-folder
-# (not subPath), so the kubelet's in-place update of a changed Secret reaches the server.
+# serving.apiKeys: the Secrets' keys mounted here, the tenants' keys file as keys.json and the
+# admin key as admin-key, whole-folder (not subPath), so the kubelet's in-place update of a
+# changed Secret reaches the server, which re-reads both files.
 API_KEYS_DIR = "/etc/loraplex/api-keys"
 API_KEYS_FILE = f"{API_KEYS_DIR}/keys.json"
+ADMIN_KEY_FILE = f"{API_KEYS_DIR}/admin-key"
 SERVER_PORT = 8000
 # The server opens its port only once the weights are on the GPU and the warm-up has compiled
 # its kernels and captured its decode graphs (30.5 s of compiling warm-up for Llama-3-8B on an
@@ -199,25 +201,24 @@ def server_args(base: BaseModelSpec, slots: int) -> list[str]:
         "--node-agent-url", f"http://$(NODE_IP):{NODE_AGENT_PORT}",
         # The engine's rows and lengths size the KV cache the packing math counted.
         *base.serving.engine.args(),
+        *(["--api-key-file", ADMIN_KEY_FILE] if base.serving.api_keys.admin_key_secret else []),
         *(["--api-keys-file", API_KEYS_FILE] if base.serving.api_keys.tenant_keys_secret else []),
         *base.serving.extra_args,
     ]
 
 
-def _api_key_parts(base: BaseModelSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """(env, volume mounts, volumes) for serving.apiKeys: the admin key as LORAPLEX_API_KEY from
-    its Secret, the tenants' keys file as a read-only Secret volume at API_KEYS_DIR."""
+def _api_key_parts(base: BaseModelSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volume mounts, volumes) for serving.apiKeys: one read-only projected volume at
+    API_KEYS_DIR holding the admin key's Secret item as admin-key and the tenants' as keys.json
+    (a projected volume is updated in place as a Secret volume is)."""
     keys = base.serving.api_keys
-    env, mounts, volumes = [], [], []
-    if keys.admin_key_secret is not None:
-        env.append({"name": "LORAPLEX_API_KEY", "valueFrom": {"secretKeyRef": {
-            "name": keys.admin_key_secret.name, "key": keys.admin_key_secret.key}}})
-    if keys.tenant_keys_secret is not None:
-        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
-        volumes.append({"name": "api-keys", "secret": {
-            "secretName": keys.tenant_keys_secret.name,
-            "items": [{"key": keys.tenant_keys_secret.key, "path": API_KEYS_FILE.rsplit("/", 1)[1]}]}})
-    return env, mounts, volumes
+    sources = [{"secret": {"name": secret.name, "items": [{"key": secret.key, "path": path.rsplit("/", 1)[1]}]}}
+               for secret, path in ((keys.admin_key_secret, ADMIN_KEY_FILE), (keys.tenant_keys_secret, API_KEYS_FILE))
+               if secret is not None]
+    if not sources:
+        return [], []
+    return ([{"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True}],
+            [{"name": "api-keys", "projected": {"sources": sources}}])
 
 
 def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
@@ -229,7 +230,7 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
     With no room for adapters (slots 0) the server still gets --max-loras 1; the BaseModel's
     status says Failed / NoRoom."""
     serving = base.serving
-    key_env, key_mounts, key_volumes = _api_key_parts(base)
+    key_mounts, key_volumes = _api_key_parts(base)
     container: dict[str, Any] = {
         "name": "server",
         "image": serving.image,
@@ -237,7 +238,6 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
         "args": server_args(base, slots),
         "env": [{"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
                 {"name": "TRITON_CACHE_DIR", "value": KERNEL_CACHE_DIR},
-                *key_env,
                 *copy.deepcopy(list(serving.env))],
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
         "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,

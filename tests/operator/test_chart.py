@@ -440,26 +440,37 @@ def test_the_operator_may_list_and_delete_the_mirrors_in_the_release_namespace_a
         assert _allows(cluster, "", "configmaps", verb)
 
 
-def test_node_agent_takes_the_servers_api_key_from_a_secret():
-    """nodeAgent.serverApiKeySecret: the agents' --server-api-key as LORAPLEX_SERVER_API_KEY from
-    the Secret (never a literal in the DaemonSet); none named: no such variable, no key sent."""
-    (container,) = render_all()[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
-    assert "LORAPLEX_SERVER_API_KEY" not in {e["name"] for e in container["env"]}
-    assert AgentSettings.from_env_and_args(container["args"], env=IN_POD).server_api_key is None
+def test_node_agent_takes_the_servers_api_key_from_a_secret(tmp_path):
+    """nodeAgent.serverApiKeySecret: the Secret's key mounted as a file (a folder mount, which
+    the kubelet updates when the Secret changes) for the agents' --server-api-key-file, never a
+    literal in the DaemonSet; none named: no mount, no key sent."""
+    pod = render_all()[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "server-api-key" not in {v["name"] for v in pod["volumes"]}
+    settings = AgentSettings.from_env_and_args(container["args"], env=IN_POD)
+    assert settings.server_api_key is None and settings.server_api_key_file is None
 
     for secret, key in ((None, "api-key"), ("admin-key", "admin-key")):
         values = copy.deepcopy(VALUES)
         values["nodeAgent"]["serverApiKeySecret"]["name"] = "loraplex-server-keys"
         if secret is not None:
             values["nodeAgent"]["serverApiKeySecret"]["key"] = secret
-        (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
-        (var,) = [e for e in container["env"] if e["name"] == "LORAPLEX_SERVER_API_KEY"]
-        assert var == {"name": "LORAPLEX_SERVER_API_KEY",
-                       "valueFrom": {"secretKeyRef": {"name": "loraplex-server-keys", "key": key}}}
-        # What the kubelet gives the container from that Secret is the key the agent sends.
-        settings = AgentSettings.from_env_and_args(container["args"],
-                                                   env={**IN_POD, "LORAPLEX_SERVER_API_KEY": "sk-ops-1"})
-        assert settings.server_api_key == "sk-ops-1"
+        pod = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert not [e for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "server-api-key"]
+        assert volume == {"name": "server-api-key", "secret": {"secretName": "loraplex-server-keys",
+                                                               "items": [{"key": key, "path": "api-key"}]}}
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "server-api-key"]
+        assert "subPath" not in mount and mount["readOnly"] is True
+        # What the kubelet mounts from that Secret is the key the agent sends.
+        args = container["args"]
+        path = args[args.index("--server-api-key-file") + 1]
+        assert path == f"{mount['mountPath']}/api-key"
+        (tmp_path / "api-key").write_text("sk-ops-1\n")
+        args[args.index("--server-api-key-file") + 1] = str(tmp_path / "api-key")
+        settings = AgentSettings.from_env_and_args(args, env=IN_POD)
+        assert settings.server_api_key_file == str(tmp_path / "api-key") and settings.server_api_key is None
 
 
 def test_node_agent_takes_its_own_api_key_from_a_secret():
@@ -479,7 +490,7 @@ def test_node_agent_takes_its_own_api_key_from_a_secret():
         (var,) = [e for e in container["env"] if e["name"] == "LORAPLEX_NODE_AGENT_API_KEY"]
         assert var == {"name": "LORAPLEX_NODE_AGENT_API_KEY",
                        "valueFrom": {"secretKeyRef": {"name": "loraplex-node-agent-key", "key": key}}}
-        assert "LORAPLEX_SERVER_API_KEY" not in {e["name"] for e in container["env"]}
+        assert "--server-api-key-file" not in container["args"]
         # What the kubelet gives the container from that Secret is the key the agent takes.
         settings = AgentSettings.from_env_and_args(container["args"],
                                                    env={**IN_POD, "LORAPLEX_NODE_AGENT_API_KEY": "sk-agent-1"})
@@ -493,8 +504,8 @@ def test_node_agent_takes_its_own_api_key_from_a_secret():
     (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "valueFrom" in e
             and "secretKeyRef" in e["valueFrom"]}
-    assert refs == {"LORAPLEX_NODE_AGENT_API_KEY": "loraplex-node-agent-key",
-                    "LORAPLEX_SERVER_API_KEY": "loraplex-server-keys"}
+    assert refs == {"LORAPLEX_NODE_AGENT_API_KEY": "loraplex-node-agent-key"}
+    assert "--server-api-key-file" in container["args"]
 
 
 def test_the_readme_upgrades_the_crds_before_the_release():

@@ -1,5 +1,6 @@
 """A BaseModel's serving.apiKeys: the Secrets its servers' API keys come from, as the
-Deployment gives them (env from a secretKeyRef, a Secret volume for --api-keys-file), read by
+Deployment gives them (both files of one projected volume, for --api-key-file and
+--api-keys-file), read by
 the server's own command line and auth middleware; and the specs refused because they would
 give the keys another way."""
 
@@ -10,7 +11,7 @@ import json
 import pytest
 
 from loraplex.operator.specs import API_KEY_ENV, ApiKeys, BaseModelSpec, SecretKey, SpecError
-from loraplex.operator.workloads import API_KEYS_FILE, deployment, needs_update
+from loraplex.operator.workloads import ADMIN_KEY_FILE, API_KEYS_FILE, deployment, needs_update
 
 from .test_manifests import validator
 
@@ -45,22 +46,28 @@ def test_api_keys_parse_with_the_schemas_defaults():
 
 def test_the_deployment_gives_the_keys_from_their_secrets():
     container, pod = _container(BaseModelSpec.from_body(body(BOTH)))
-    env = {e["name"]: e for e in container["env"]}
-    assert env["LORAPLEX_API_KEY"] == {"name": "LORAPLEX_API_KEY", "valueFrom": {
-        "secretKeyRef": {"name": "llama-keys", "key": "admin-key"}}}
-    assert [e["name"] for e in container["env"]][:3] == ["NODE_IP", "TRITON_CACHE_DIR", "LORAPLEX_API_KEY"]
-    # The keys file: the Secret's key as keys.json in a folder mount (not subPath, which the
-    # kubelet never updates), so a changed Secret reaches the server, which re-reads it.
+    assert not {e["name"] for e in container["env"]} & API_KEY_ENV  # files, not variables read once
+    # Both keys as files in a folder mount (not subPath, which the kubelet never updates), so
+    # a changed Secret reaches the server, which re-reads them: a key rotates without a restart.
     mount = next(m for m in container["volumeMounts"] if m["name"] == "api-keys")
     assert mount == {"name": "api-keys", "mountPath": "/etc/loraplex/api-keys", "readOnly": True}
     assert "subPath" not in mount
     volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
-    assert volume == {"name": "api-keys", "secret": {"secretName": "tenant-keys",
-                                                     "items": [{"key": "keys.json", "path": "keys.json"}]}}
-    assert f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}" == API_KEYS_FILE
+    assert volume == {"name": "api-keys", "projected": {"sources": [
+        {"secret": {"name": "llama-keys", "items": [{"key": "admin-key", "path": "admin-key"}]}},
+        {"secret": {"name": "tenant-keys", "items": [{"key": "keys.json", "path": "keys.json"}]}}]}}
+    files = [f"{mount['mountPath']}/{src['secret']['items'][0]['path']}" for src in volume["projected"]["sources"]]
+    assert files == [ADMIN_KEY_FILE, API_KEYS_FILE]
     args = container["args"]
+    assert args[args.index("--api-key-file") + 1] == ADMIN_KEY_FILE
     assert args[args.index("--api-keys-file") + 1] == API_KEYS_FILE
     assert "--api-key" not in args  # never a key on the command line
+    # One Secret alone: its file alone.
+    container, pod = _container(BaseModelSpec.from_body(body({"apiKeys": {"adminKeySecret": {"name": "k"}}})))
+    volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert volume["projected"]["sources"] == [{"secret": {"name": "k", "items": [{"key": "api-key",
+                                                                                  "path": "admin-key"}]}}]
+    assert "--api-key-file" in container["args"] and "--api-keys-file" not in container["args"]
     # The probes stay on the open paths.
     assert {container[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == \
         {"/healthz", "/readyz"}
@@ -76,7 +83,7 @@ def test_without_api_keys_the_deployment_has_none_and_taking_them_out_is_a_chang
     assert needs_update(deployment(plain, 8), deployment(BaseModelSpec.from_body(body(BOTH)), 8))
 
 
-def test_the_server_reads_the_keys_as_the_deployment_gives_them(tmp_path, monkeypatch):
+def test_the_server_reads_the_keys_as_the_deployment_gives_them(tmp_path):
     """The container's command line and environment, as the kubelet gives them from the two
     Secrets, into the server's settings and its auth middleware: /v1/ needs the admin or a
     tenant's key, the probes' paths and /metrics need none."""
@@ -88,14 +95,13 @@ def test_the_server_reads_the_keys_as_the_deployment_gives_them(tmp_path, monkey
     from starlette.testclient import TestClient
 
     container, _ = _container(BaseModelSpec.from_body(body(BOTH)))
-    keys_file = tmp_path / "keys.json"  # the Secret volume's file, in the test's folder
-    keys_file.write_text(json.dumps({"sk-acme": "acme"}))
-    args = [str(keys_file) if a == API_KEYS_FILE else a.replace("$(NODE_IP)", "10.0.0.5") for a in container["args"]]
-    # What the kubelet puts in the environment from llama-keys' admin-key.
-    assert [e["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})] == ["LORAPLEX_API_KEY"]
-    monkeypatch.setenv("LORAPLEX_API_KEY", "sk-admin")
+    # The projected volume's files, in the test's folder.
+    (tmp_path / "keys.json").write_text(json.dumps({"sk-acme": "acme"}))
+    (tmp_path / "admin-key").write_text("sk-admin\n")
+    mounted = {API_KEYS_FILE: str(tmp_path / "keys.json"), ADMIN_KEY_FILE: str(tmp_path / "admin-key")}
+    args = [mounted.get(a, a.replace("$(NODE_IP)", "10.0.0.5")) for a in container["args"]]
     settings = settings_module.ServerSettings.from_env_and_args(args)
-    assert (settings.api_key, settings.api_keys_file) == ("sk-admin", str(keys_file))
+    assert (settings.api_key_file, settings.api_keys_file) == (mounted[ADMIN_KEY_FILE], mounted[API_KEYS_FILE])
 
     async def ok(request):
         return PlainTextResponse("ok")
@@ -117,6 +123,8 @@ def test_the_server_reads_the_keys_as_the_deployment_gives_them(tmp_path, monkey
     ({"env": [{"name": "LORAPLEX_API_KEY", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]},
      "serving.apiKeys"),
     ({"env": [{"name": "LORAPLEX_API_KEYS_FILE", "value": "/mnt/keys.json"}]}, "LORAPLEX_API_KEYS_FILE"),
+    ({"env": [{"name": "LORAPLEX_API_KEY_FILE", "value": "/mnt/admin-key"}]}, "LORAPLEX_API_KEY_FILE"),
+    ({"extraArgs": ["--api-key-file", "/mnt/admin-key"]}, "--api-key-file"),
     ({"apiKeys": "llama-keys"}, "serving.apiKeys must be an object"),
     ({"apiKeys": {"adminKeySecret": "llama-keys"}}, "adminKeySecret must be an object"),
     ({"apiKeys": {"adminKeySecret": {"key": "k"}}}, "adminKeySecret.name"),

@@ -3,18 +3,21 @@
     Secrets (an admin key; a tenants' keys file) and a BaseModel whose serving.apiKeys names
     them, two LoRAAdapters of two tenants (acme, globex), created through the emulated API
       -> the kopf operator (in-process) writes the plan (each adapter's tenant in it) and the
-         Deployment (LORAPLEX_API_KEY from a secretKeyRef, the keys file a Secret volume,
+         Deployment (both Secrets' items as files of one projected volume, --api-key-file and
          --api-keys-file on the command line)
       -> the test plays the kubelet: the server is started from that Deployment's container
-         args and env alone (env resolved from the Secret and the downward API, $(VAR)s
-         expanded, each volume a folder: the Secret's item a real file, the node's hostPaths
+         args and env alone (env resolved from the downward API, $(VAR)s expanded, each
+         volume a folder: the Secrets' items real files, the node's hostPaths
          under a folder standing for the node's disk, the plan ConfigMap a file kept in step)
-      -> the node agent, given the servers' admin key as the chart gives it
-         (LORAPLEX_SERVER_API_KEY from nodeAgent.serverApiKeySecret), stages and warms the
+      -> the node agent, given the servers' admin key as the chart gives it (its
+         nodeAgent.serverApiKeySecret mounted for --server-api-key-file), stages and warms the
          server: its prefetches and pins are taken, where the same calls without a key are 401
       -> over HTTP: no key is a 401 under /v1/, each tenant's key sees the base and its own
          adapter only (another tenant's is a model that does not exist), the admin keys see
-         both, the probes and /metrics need no key, a tenant's key may not pin.
+         both, the probes and /metrics need no key, a tenant's key may not pin
+      -> the admin key rotated: both Secrets changed through the API and their mounts
+         updated as the kubelet does (a new folder swapped in): the old key is a 401, the new
+         one an admin's, and the agent warms with it, neither process restarted.
 
 The server runs on the CPU (a tiny random Llama), as in test_system_e2e.py, whose helpers
 this reuses.
@@ -35,8 +38,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.operator.kube import BASE_MODELS, DEPLOYMENTS, KubeClient, Resource
-from loraplex.operator.workloads import (ADAPTER_CACHE_DIR, API_KEYS_FILE, NODE_AGENT_PORT, PLAN_FILE, SERVER_PORT,
-                                         namespace_cache_dir)
+from loraplex.operator.workloads import (ADAPTER_CACHE_DIR, ADMIN_KEY_FILE, API_KEYS_FILE, NODE_AGENT_PORT, PLAN_FILE,
+                                         SERVER_PORT, namespace_cache_dir)
 
 from .test_system_e2e import BASE, NODE, NS, Cluster, _base_body, _free_port, _mount_plan
 
@@ -45,6 +48,7 @@ pytestmark = pytest.mark.slow
 SECRETS = Resource("", "v1", "secrets")
 AGENT_NS = "loraplex-system"  # the chart's release namespace, where nodeAgent.serverApiKeySecret lives
 ADMIN_KEY = "sk-admin-e2e-0123456789"
+NEW_ADMIN_KEY = "sk-admin-e2e-rotated-9876543210"
 OPS_KEY = "sk-ops-e2e-0123456789"  # a key of tenant "*" in the keys file: an admin key too
 TENANT_KEYS = {"acme": "sk-acme-e2e-0123456789", "globex": "sk-globex-e2e-0123456789"}
 # {tenant: its adapter}, each LoRAAdapter's spec.tenant.
@@ -88,8 +92,9 @@ async def _pod_view(api: KubeClient, deployment: dict[str, Any], node: Path, pod
     """The kubelet's part for the Deployment's one container: (args, env, {mountPath: local
     folder}). Env from values, the downward API (status.hostIP) and secretKeyRefs; $(VAR) in
     args expanded from it (as Kubernetes does); hostPath volumes as folders under `node` (the
-    node's root), Secret volumes as their items written into a folder of `pod`, and ConfigMap
-    volumes as empty folders of `pod` (the test keeps the plan in its one)."""
+    node's root), Secret and projected volumes as their Secrets' items written into a folder
+    of `pod` (_write_secret_items), and ConfigMap volumes as empty folders of `pod` (the test
+    keeps the plan in its one)."""
     pod_spec = deployment["spec"]["template"]["spec"]
     (container,) = pod_spec["containers"]
     namespace = deployment["metadata"]["namespace"]
@@ -110,12 +115,10 @@ async def _pod_view(api: KubeClient, deployment: dict[str, Any], node: Path, pod
             if volume["hostPath"].get("type") == "DirectoryOrCreate":
                 local.mkdir(parents=True, exist_ok=True)
             assert local.is_dir(), f"hostPath {volume['hostPath']['path']} is not on the node"
-        elif "secret" in volume:
+        elif "secret" in volume or "projected" in volume:
             local = pod / "volumes" / volume["name"]
             local.mkdir(parents=True)
-            for item in volume["secret"]["items"]:
-                value = await _secret_value(api, namespace, volume["secret"]["secretName"], item["key"])
-                (local / item["path"]).write_bytes(value)
+            await _write_secret_items(api, namespace, volume, local)
         elif "configMap" in volume:
             local = pod / "volumes" / volume["name"]
             local.mkdir(parents=True)
@@ -133,6 +136,25 @@ async def _pod_view(api: KubeClient, deployment: dict[str, Any], node: Path, pod
     args = [in_pod(_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a)) for a in container["args"]]
     env = {k: in_pod(v) for k, v in env.items()}
     return args, env, mounts
+
+
+def _secret_sources(volume: dict[str, Any]) -> list[tuple[str, list[dict[str, str]]]]:
+    """(Secret name, items) of a Secret volume, or of each Secret source of a projected one."""
+    if "secret" in volume:
+        return [(volume["secret"]["secretName"], volume["secret"]["items"])]
+    sources = volume["projected"]["sources"]
+    assert all(set(src) == {"secret"} for src in sources), f"a source this kubelet does not know: {sources}"
+    return [(src["secret"]["name"], src["secret"]["items"]) for src in sources]
+
+
+async def _write_secret_items(api: KubeClient, namespace: str, volume: dict[str, Any], local: Path) -> None:
+    """The volume's Secret items as files of `local`, each written beside and renamed into place
+    (the kubelet swaps a new folder in: a reader never sees half a file)."""
+    for name, items in _secret_sources(volume):
+        for item in items:
+            tmp = local / f".{item['path']}.tmp"
+            tmp.write_bytes(await _secret_value(api, namespace, name, item["key"]))
+            tmp.replace(local / item["path"])
 
 
 async def _call(http: aiohttp.ClientSession, method: str, url: str, key: str | None = None,
@@ -179,11 +201,13 @@ async def test_api_keys_and_tenants_from_the_secrets_to_the_served_api(
 
     # The kubelet starts the server's container: its args and env, the volumes as folders.
     args, env, mounts = await _pod_view(api, deployment, node, tmp_path / "pod", node_ip="127.0.0.1")
-    assert env["LORAPLEX_API_KEY"] == ADMIN_KEY  # from tiny-keys' admin-key, never on the command line
-    assert ADMIN_KEY not in " ".join(args) and "--api-key" not in args
+    assert ADMIN_KEY not in " ".join(args) and "--api-key" not in args and ADMIN_KEY not in env.values()
     keys_path = Path(args[args.index("--api-keys-file") + 1])
     assert keys_path == mounts[API_KEYS_FILE.rsplit("/", 1)[0]] / "keys.json"
     assert json.loads(keys_path.read_text()) == keys_file
+    admin_path = Path(args[args.index("--api-key-file") + 1])  # tiny-keys' admin-key, as a file
+    assert admin_path == mounts[ADMIN_KEY_FILE.rsplit("/", 1)[0]] / "admin-key"
+    assert admin_path.read_text() == ADMIN_KEY
     plan_mount = Path(args[args.index("--plan-file") + 1])
     assert plan_mount == mounts[PLAN_FILE.rsplit("/", 1)[0]] / "plan.json"
     cache_dir = Path(args[args.index("--adapter-cache-dir") + 1])
@@ -199,22 +223,28 @@ async def test_api_keys_and_tenants_from_the_secrets_to_the_served_api(
         monkeypatch.setenv(name, value)
     settings = ServerSettings.from_env_and_args(args)
     check_settings(settings)  # as loraplex-server does before it loads anything
-    assert (settings.api_key, settings.api_keys_file) == (ADMIN_KEY, str(keys_path))
+    assert (settings.api_key, settings.api_key_file, settings.api_keys_file) == \
+        (None, str(admin_path), str(keys_path))
     assert (Path(settings.model).name, settings.max_loras, settings.adapter_namespace) == (BASE, 4, NS)
 
     stop = asyncio.Event()
     kubelet = asyncio.create_task(_mount_plan(api, plan_mount, stop))
-    # The DaemonSet's agent: its command line, and the key as the chart gives it from its Secret.
+    # The DaemonSet's agent: its command line, and the key as the chart mounts it from its Secret.
     node_cache = node / ADAPTER_CACHE_DIR.lstrip("/")
     assert cache_dir == node / namespace_cache_dir(NS).lstrip("/")  # the namespace's folder of the agent's cache
-    agent_key = (await _secret_value(api, AGENT_NS, "loraplex-server-api-key", "api-key")).decode()
+    agent_volume = {"name": "server-api-key", "secret": {"secretName": "loraplex-server-api-key",
+                                                         "items": [{"key": "api-key", "path": "api-key"}]}}
+    agent_mount = tmp_path / "agent-pod" / "server-api-key"
+    agent_mount.mkdir(parents=True)
+    await _write_secret_items(api, AGENT_NS, agent_volume, agent_mount)
     agent_settings = AgentSettings.from_env_and_args(
         ["--cache-dir", str(node_cache), "--budget-bytes", str(10**9), "--plan-configmap", f"{NS}/{BASE}-plan",
          "--server-url", f"http://127.0.0.1:{server_port}", "--kube-api-url", emulator.base_url,
-         "--poll-seconds", "0.1", "--server-poll-seconds", "0.1"],
-        env={"NODE_NAME": NODE, "LORAPLEX_SERVER_API_KEY": agent_key})
+         "--poll-seconds", "0.1", "--server-poll-seconds", "0.1",
+         "--server-api-key-file", str(agent_mount / "api-key")],
+        env={"NODE_NAME": NODE})
     agent_config = agent_settings.agent_config()
-    assert agent_config.server_api_key == ADMIN_KEY
+    assert agent_config.server_api_key is None and agent_config.server_api_key_file == agent_mount / "api-key"
 
     async with aiohttp.ClientSession() as http:
         server_url, agent_url = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{agent_port}"
@@ -294,7 +324,7 @@ async def test_api_keys_and_tenants_from_the_secrets_to_the_served_api(
                 status, body = await _call(http, "POST", f"{server_url}/v1/adapters/{own}/pin", key)
                 assert status == 403 and body["error"]["code"] == "admin_key_required", (tenant, body)
 
-            for key in (ADMIN_KEY, OPS_KEY):  # LORAPLEX_API_KEY, and the keys file's tenant "*"
+            for key in (ADMIN_KEY, OPS_KEY):  # --api-key-file's, and the keys file's tenant "*"
                 status, body = await _call(http, "GET", f"{server_url}/v1/models", key)
                 assert status == 200 and {m["id"] for m in body["data"]} == {BASE, *ADAPTER_OF.values()}, body
                 for name in ADAPTER_OF.values():
@@ -303,6 +333,32 @@ async def test_api_keys_and_tenants_from_the_secrets_to_the_served_api(
                     assert status == 200, (name, body)
                 status, body = await _call(http, "POST", f"{server_url}/v1/adapters/poet/pin", key)
                 assert status == 200 and body["pinned"], body
+
+            # The admin key rotated: both Secrets through the API, then the kubelet's sync of the
+            # mounts. Neither the server nor the agent restarts.
+            for namespace, name, key in ((NS, "tiny-keys", "admin-key"), (AGENT_NS, "loraplex-server-api-key", "api-key")):
+                await api.merge_patch(SECRETS.path(namespace, name),
+                                      {"data": {key: base64.b64encode(NEW_ADMIN_KEY.encode()).decode()}})
+            pod_volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+            await _write_secret_items(api, NS, pod_volumes["api-keys"], admin_path.parent)
+            await _write_secret_items(api, AGENT_NS, agent_volume, agent_mount)
+            assert admin_path.read_text() == NEW_ADMIN_KEY and json.loads(keys_path.read_text()) == keys_file
+
+            async def rotated():
+                old, _ = await _call(http, "GET", f"{server_url}/v1/models", ADMIN_KEY)
+                new, _ = await _call(http, "POST", f"{server_url}/v1/adapters/poet/unpin", NEW_ADMIN_KEY)
+                return (old, new) if (old, new) == (401, 200) else None
+            await eventually_(rotated, timeout=10, what="the old admin key refused and the new one taken")
+            # The agent warms with the new key: a session's prefetch is taken.
+            before = _server_calls((await _call(http, "GET", f"{agent_url}/metrics"))[1])
+            status, body = await _call(http, "POST", f"{agent_url}/v1/sessions", None, {"model": "poet"})
+            assert status == 200, body
+
+            async def warmed_again():
+                calls = _server_calls((await _call(http, "GET", f"{agent_url}/metrics"))[1])
+                return calls if calls.get(("prefetch", "ok"), 0) > before.get(("prefetch", "ok"), 0) else None
+            calls = await eventually_(warmed_again, timeout=20, what="a prefetch with the rotated key taken")
+            assert not {k: v for k, v in calls.items() if k[1] != "ok" and v}, calls
         finally:
             await c.stop()
             stop.set()
