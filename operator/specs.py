@@ -414,6 +414,17 @@ class ApiKeys:
                                                           "keys.json"))
 
 
+def _served_model_name(value: Any) -> str | None:
+    """serving.servedModelName: the server's --served-model-name, a `model` a client sends as
+    it is (vLLM takes a Hugging Face id such as meta-llama/Meta-Llama-3-8B): 1-256 printable
+    ASCII characters, no space (the CRD's pattern)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= 256 or not all("!" <= c <= "~" for c in value):
+        raise SpecError(f"serving.servedModelName must be 1-256 printable ASCII characters with no space, got {value!r}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Serving:
     """The serving Deployment's template; free-form Kubernetes parts kept as given."""
@@ -421,6 +432,7 @@ class Serving:
     replicas: int = 1
     image: str = "loraplex/server:0.1.0"
     model_path: str | None = None
+    served_model_name: str | None = None  # the base's name in the API; None: model_path's folder name
     resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
@@ -437,6 +449,7 @@ class Serving:
             replicas=int(spec.get("replicas", 1)),
             image=str(spec.get("image") or cls.image),
             model_path=spec.get("modelPath"),
+            served_model_name=_served_model_name(spec.get("servedModelName")),
             resources=dict(spec.get("resources") or {}),
             node_selector=dict(spec.get("nodeSelector") or {}),
             tolerations=tuple(spec.get("tolerations") or ()),

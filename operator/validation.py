@@ -75,10 +75,11 @@ def validate(adapter: AdapterSpec, base: BaseModelSpec | None) -> Verdict:
 
 
 def served_name(base: BaseModelSpec) -> str:
-    """The model name the base's servers answer to: their --model folder's name."""
+    """The model name the base's servers answer to: serving.servedModelName, else their
+    --model folder's name (as the server names a base without --served-model-name)."""
     from loraplex.operator.workloads import model_path  # (workloads imports this module)
 
-    return pathlib.PurePosixPath(model_path(base)).name
+    return base.serving.served_model_name or pathlib.PurePosixPath(model_path(base)).name
 
 
 def normalise_target_modules(value: Any) -> tuple[str, ...] | None:

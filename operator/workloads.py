@@ -188,6 +188,7 @@ def server_args(base: BaseModelSpec, slots: int) -> list[str]:
     template serves IPv4 and IPv6 nodes)."""
     return [
         "--model", model_path(base),
+        *(["--served-model-name", base.serving.served_model_name] if base.serving.served_model_name else []),
         "--host", "",
         "--port", str(SERVER_PORT),
         "--plan-file", PLAN_FILE,
