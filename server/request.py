@@ -2,8 +2,9 @@
 
 State: WAITING (in the scheduler's queue) -> RUNNING (holds a KV row) -> FINISHED. Text
 handling lives here too: incremental detokenization, stop strings (the text stops before
-the stop string; while streaming, text that could be the start of a stop string is held
-back until it cannot be), stop tokens (EOS, stop_token_ids: their text is left out too),
+the stop string, or after it with include_stop_str_in_output; while streaming, text that
+could be the start of a stop string is held back until it cannot be), stop tokens (EOS,
+stop_token_ids: their text is left out too, unless include_stop_str_in_output), bad words,
 and the finish reasons of the OpenAI API ("stop", "length", "abort").
 """
 
@@ -74,7 +75,7 @@ class Request:
             seed: int, tokenizer: Tokenizer | None) -> "Request":
         req = cls(request_id, list(prompt_ids), params, adapter, seed)
         if tokenizer is not None:
-            req.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+            req.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         return req
 
     @property
@@ -100,8 +101,11 @@ class Request:
             self.output_logprobs.append(logprobs)
         p = self.params
         # A stop token (EOS, or one of stop_token_ids) ends the request and its text stays out
-        # of the answer, as a stop string's does (vLLM's rule); it is still an output token.
+        # of the answer, as a stop string's does (vLLM's rule; with include_stop_str_in_output
+        # its text is kept, when it has one); it is still an output token.
         if (not p.ignore_eos and token in eos_ids) or token in p.stop_ids:
+            if p.include_stop_str_in_output and self.detok is not None:
+                self.detok.add(token)
             return self._finish("stop")
         if self.detok is not None:
             searched = len(self.detok.text)
@@ -113,11 +117,18 @@ class Request:
 
     def banned_tokens(self, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
         """Tokens this request may not sample next: before its min_tokens-th output token, EOS
-        (unless ignore_eos) and its stop_token_ids, as vLLM's min_tokens; none after."""
+        (unless ignore_eos) and its stop_token_ids, as vLLM's min_tokens; and the last token of
+        each bad word whose other tokens end the output so far (of a one-token word, always),
+        as vLLM's bad_words."""
         p = self.params
-        if len(self.output_ids) >= p.min_tokens:
-            return ()
-        return (() if p.ignore_eos else tuple(eos_ids)) + tuple(p.stop_ids)
+        banned: tuple[int, ...] = ()
+        if len(self.output_ids) < p.min_tokens:
+            banned = (() if p.ignore_eos else tuple(eos_ids)) + tuple(p.stop_ids)
+        if p.bad_words_ids:
+            out = self.output_ids
+            banned += tuple(w[-1] for w in p.bad_words_ids
+                            if len(w) == 1 or (len(w) - 1 <= len(out) and tuple(out[len(out) - len(w) + 1:]) == w[:-1]))
+        return banned
 
     def next_token_ends_by_length(self, max_len: int) -> bool:
         """The next token (sampled, not yet appended) ends the request by its length."""
@@ -162,9 +173,10 @@ class Request:
         """A stop string that ends in the text past `searched` (its length when last looked
         at): an older one was either found then or lay in the min_tokens, where none count."""
         text = self.detok.text
-        hits = [i for i in (text.find(s, max(0, searched - len(s) + 1)) for s in self.params.stop) if i >= 0]
+        hits = [(i, len(s)) for s in self.params.stop if (i := text.find(s, max(0, searched - len(s) + 1))) >= 0]
         if hits:
-            self._text_end = min(hits)
+            start, length = min(hits)  # the first stop string in the text
+            self._text_end = start + length if self.params.include_stop_str_in_output else start
             return True
         return False
 
@@ -209,7 +221,10 @@ class Request:
             elif self.finished:
                 end = len(full)
             else:
-                end = len(full) - (self._holdback(full) if self.params.stop else 0)
+                # Text that may begin a stop string is held back, unless a stop string would
+                # stay in the text anyway (vLLM streams it then as it comes).
+                hold = self.params.stop and not self.params.include_stop_str_in_output
+                end = len(full) - (self._holdback(full) if hold else 0)
             if end > self._emitted_chars:
                 text = full[self._emitted_chars:end]
                 self._emitted_chars = end

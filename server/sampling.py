@@ -7,8 +7,9 @@ batch it shares, on any device, and no generator state lives between steps. Samp
 the Gumbel-max form: token = argmax(log p_masked + g) with g = -log(-log u) (exactly a draw
 from p_masked), so masks never renumber the noise.
 
-Order, per row, as vLLM's sampler: raw logits -> logit_bias added (and EOS / stop tokens
-masked before min_tokens) -> penalties -> greedy argmax, or temperature -> top-k -> top-p ->
+Order, per row, as vLLM's sampler: raw logits -> logit_bias added, tokens outside
+allowed_token_ids masked (and EOS / stop tokens before min_tokens, and bad_words' next
+tokens: the request's `banned` tokens) -> penalties -> greedy argmax, or temperature -> top-k -> top-p ->
 min-p -> Gumbel draw. Logprobs are of the raw logits (log_softmax in float32 before the bias,
 penalties, temperature and masks: vLLM's default "raw_logprobs"), so they describe the model,
 not the sampler: a token that a +100 bias made certain keeps its own (maybe low) logprob.
@@ -31,6 +32,9 @@ GREEDY_TEMPERATURE = 1e-5
 # takes 300), each bias in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range).
 MAX_LOGIT_BIAS = 1024
 LOGIT_BIAS_LIMIT = 100.0
+# bad_words: at most this many token sequences per request (each word tokenized with and
+# without a leading space), so the engine thread's check of a row each step stays short.
+MAX_BAD_WORDS = 1024
 
 
 @dataclass
@@ -59,12 +63,24 @@ class SamplingParams:
     # OpenAI's logit_bias: {token id: bias}, each bias added to that token's logit before the
     # penalties and sampling (-100 in effect bans the token, +100 all but forces it).
     logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: only these tokens may be sampled (None: any).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words as token sequences (tokenizer.bad_words_token_ids): a sequence's last
+    # token may not be sampled where the output ends in the rest of it (a one-token word: never).
+    bad_words_ids: list[tuple[int, ...]] = field(default_factory=list)
+    # vLLM's include_stop_str_in_output: the stop string (or a stop token's text) that ended
+    # the request stays in its text, and streamed text is not held back for stop strings.
+    include_stop_str_in_output: bool = False
+    # vLLM's skip_special_tokens: False keeps special tokens' text (<|eot_id|>, say) in the output.
+    skip_special_tokens: bool = True
     # stop_token_ids as a set: the engine thread checks every sampled token against it (a
     # list of a million ids cost each of the request's steps 26 ms).
     stop_ids: frozenset = field(init=False, repr=False, compare=False, default=frozenset())
     # logit_bias as arrays, made once: int64 [k] token ids, float32 [k] biases (empty without).
     bias_ids: np.ndarray = field(init=False, repr=False, compare=False, default=None)
     bias_values: np.ndarray = field(init=False, repr=False, compare=False, default=None)
+    # allowed_token_ids as an int64 array (None without).
+    allowed_ids: np.ndarray | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.stop_token_ids)
@@ -77,6 +93,15 @@ class SamplingParams:
             raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         self.bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
         self.bias_values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must name at least one token")
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be token ids (integers >= 0)")
+            self.allowed_ids = np.unique(np.asarray(self.allowed_token_ids, dtype=np.int64))
+        if len(self.bad_words_ids) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words takes at most {MAX_BAD_WORDS} token sequences")
+        self.bad_words_ids = [tuple(w) for w in self.bad_words_ids if w]
         if self.max_tokens < (0 if self.echo else 1):
             raise ValueError("max_tokens must be at least 1 (0 only with echo)")
         if self.temperature < 0:
@@ -182,6 +207,25 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[int], params: list[Samplin
     send = (lambda a: torch.from_numpy(a).to(device, non_blocking=True)) if device.type == "cuda" \
         else torch.from_numpy
     out.view(-1).index_add_(0, send(flat), send(values).to(out.dtype))
+    return out
+
+
+def apply_allowed_tokens(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> torch.Tensor:
+    """logits float32 [N, V] with every token but params[j].allowed_ids at -inf in row rows[j]
+    (vLLM's allowed_token_ids); a new tensor. One mask of the rows, from flat indices built on
+    the host, e.g. rows [1], V 4, allowed [0, 2] -> row 1 becomes [l0, -inf, l2, -inf].
+    Ids past the vocabulary are dropped (the API refuses them at the request)."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    ids = [p.allowed_ids[p.allowed_ids < vocab] for p in params]
+    flat = np.concatenate([j * vocab + t for j, t in enumerate(ids)])
+    send = (lambda a: torch.from_numpy(a).to(device, non_blocking=True)) if device.type == "cuda" \
+        else torch.from_numpy
+    keep = torch.zeros(len(rows) * vocab, dtype=torch.bool, device=device)
+    keep[send(flat)] = True
+    index = send(np.asarray(rows, dtype=np.int64))
+    out = logits.clone(memory_format=torch.contiguous_format)
+    out[index] = out[index].masked_fill(~keep.view(len(rows), vocab), float("-inf"))
     return out
 
 
@@ -293,6 +337,9 @@ class Sampler:
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         if biased:  # a copy, the biases added to their rows only; the others as they were
             logits = apply_logit_bias(logits, [rows[i] for i in biased], [params[i] for i in biased])
+        allowed = [i for i, p in enumerate(params) if p.allowed_ids is not None]
+        if allowed:  # every other token at -inf in those rows, in a copy
+            logits = apply_allowed_tokens(logits, [rows[i] for i in allowed], [params[i] for i in allowed])
         if banned and any(banned):
             # Those tokens at -inf in their rows, in a copy (the input is the graph's buffer).
             vocab = logits.shape[-1]

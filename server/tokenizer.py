@@ -96,8 +96,8 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own UTF-8 bytes (OpenAI's logprob `bytes`). A token that holds part of a
@@ -196,6 +196,23 @@ def plain_chat_prompt(messages: list[dict], add_generation_prompt: bool = True) 
     return "\n".join(lines + (["assistant:"] if add_generation_prompt else []))
 
 
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[tuple[int, ...]]:
+    """vLLM's bad_words as token sequences: each word encoded without special tokens as it is
+    written (its leading whitespace taken off), and once more after a space where that gives
+    as many tokens, the first another one (" hello" is one token of its own in BPE
+    vocabularies): a word is then banned at the start of the output and within it."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            continue
+        out.append(tuple(plain))
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(tuple(spaced))
+    return out
+
+
 # Prompt tokens the first window starts with (vLLM starts its window on the prompt's last 5).
 PROMPT_CONTEXT = 5
 
@@ -212,9 +229,11 @@ class IncrementalDetokenizer:
     "jumps", glued to the prompt, where vLLM gives " jumps".
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] = ()):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] = (), skip_special_tokens: bool = True):
         self.tok = tokenizer
-        self._special = getattr(tokenizer, "special_ids", frozenset())  # a stand-in may have none
+        # Special tokens' text is left out (vLLM's skip_special_tokens), or kept with False.
+        self._skip = skip_special_tokens
+        self._special = getattr(tokenizer, "special_ids", frozenset()) if skip_special_tokens else frozenset()
         self.ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])  # context, then the output tokens
         self.text = ""
         self._prefix = 0  # window start
@@ -227,8 +246,8 @@ class IncrementalDetokenizer:
             # decode a window as long as the run, each row's cost growing with its output.
             return ""
         self.ids.append(token_id)
-        before = self.tok.decode(self.ids[self._prefix:self._read])
-        after = self.tok.decode(self.ids[self._prefix:])
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             delta = after[len(before):]
             self.text += delta
@@ -236,10 +255,13 @@ class IncrementalDetokenizer:
             return delta
         return ""
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids) if self._skip else self.tok.decode(ids, skip_special_tokens=False)
+
     def flush(self) -> str:
         """At the end: whatever `add` held back (an incomplete UTF-8 tail decodes as "\ufffd")."""
-        before = self.tok.decode(self.ids[self._prefix:self._read])
-        after = self.tok.decode(self.ids[self._prefix:])
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
         delta = after[len(before):] if len(after) > len(before) else ""
         self.text += delta
         self._prefix, self._read = self._read, len(self.ids)

@@ -45,7 +45,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         raise APIError(400, str(e), param="messages") from None
     # Without max_tokens a chat reply may use the rest of the context (as vLLM does).
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, eng.max_model_len - len(prompt))
-    params = body.sampling(max_tokens)
+    params = body.sampling(max_tokens, tokenizer=eng.tokenizer)
     streams = open_choices(engine, [prompt], body, params, adapter)
     rid, created = new_id("chatcmpl"), now()
     echoed = body.echoed()

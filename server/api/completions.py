@@ -63,8 +63,12 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
     adapter = resolve_adapter(engine, body.model, get_caller(request))
     # Tokenizing a long text takes seconds: off the event loop, which serves every stream.
     prompts, prompt_texts = await asyncio.to_thread(_prompts, engine, body)
-    params = body.sampling(16 if body.max_tokens is None else body.max_tokens, echo=body.echo)
-    if params.stop and engine.engine.tokenizer is None:
+    tokenizer = engine.engine.tokenizer
+    if tokenizer is None and body.bad_words:
+        raise APIError(400, "this server has no tokenizer: bad_words cannot be tokenized; use logit_bias",
+                       param="bad_words")
+    params = body.sampling(16 if body.max_tokens is None else body.max_tokens, echo=body.echo, tokenizer=tokenizer)
+    if params.stop and tokenizer is None:
         # Without a tokenizer there is no text to find a stop string in: refused (as vLLM does
         # without detokenization), not ignored while the request runs on to max_tokens.
         raise APIError(400, "this server has no tokenizer: stop strings cannot be matched; use stop_token_ids",

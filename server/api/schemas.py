@@ -1,7 +1,8 @@
 """OpenAI request and response bodies (the subset a completions server needs), plus vLLM's
 adapter-admin bodies. OpenAI's logit_bias is taken as OpenAI and vLLM define it. Extra fields
-that vLLM accepts (top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids)
-are accepted here too; vLLM's and OpenAI's
+that vLLM accepts (top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
+allowed_token_ids, bad_words, include_stop_str_in_output, skip_special_tokens) are accepted
+here too; vLLM's and OpenAI's
 fields this server does not implement are refused when they would change the output
 (UNSUPPORTED); other unknown fields are ignored, as vLLM does.
 
@@ -19,7 +20,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..sampling import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from ..sampling import LOGIT_BIAS_LIMIT, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from ..tokenizer import bad_words_token_ids
 
 MAX_N = 16  # the most choices one request may ask for (`n`); each is a batch row of its own
 # Stop strings a request may give, and their length (OpenAI takes up to 4): each is matched
@@ -27,6 +29,12 @@ MAX_N = 16  # the most choices one request may ask for (`n`); each is a batch ro
 # _find_stop), and its matcher is built there once.
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
+# bad_words a request may give (each makes up to two token sequences, checked against the
+# output's end on the engine thread every step), and their length.
+MAX_BAD_WORDS_GIVEN = MAX_BAD_WORDS // 2
+MAX_BAD_WORD_CHARS = 256
+# allowed_token_ids a request may give (a vocabulary is ~150k tokens at most).
+MAX_ALLOWED_TOKENS = 1 << 18
 # A logit_bias key: a token id written as a JSON object key, a string of decimal digits
 # ("-1" parses, and is then outside the vocabulary). Longer than 18 digits it is no token id.
 _TOKEN_KEY = re.compile(r"-?[0-9]{1,18}")
@@ -101,9 +109,8 @@ class RequestBody(BaseModel):
 # silently dropped. Each maps to its neutral values.
 UNSUPPORTED: dict[str, tuple] = {
     "guided_json": (None,), "guided_regex": (None, ""), "guided_choice": (None, []), "guided_grammar": (None, ""),
-    "guided_decoding_backend": (None, ""), "structured_outputs": (None, {}), "bad_words": (None, []),
-    "allowed_token_ids": (None,), "logits_processors": (None, []), "prompt_logprobs": (None,),
-    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "guided_decoding_backend": (None, ""), "structured_outputs": (None, {}),
+    "logits_processors": (None, []), "prompt_logprobs": (None,),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
     "structural_tag": (None, ""), "prompt_embeds": (None,), "tool_choice": (None, "none", "auto"),
@@ -140,6 +147,14 @@ class _SamplingFields(RequestBody):
     # OpenAI's {"token id": bias in [-100, 100]}, added to the logits before sampling
     # (parse_logit_bias; the ids are checked against the vocabulary by vocab_refusal).
     logit_bias: dict | None = None
+    # vLLM's: only these token ids may be sampled (checked against the vocabulary by vocab_refusal).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output may not contain (as tokenizer.bad_words_token_ids tokenizes them).
+    bad_words: list[str] | None = None
+    # vLLM's: keep the stop string (or stop token's text) that ended the output in its text.
+    include_stop_str_in_output: bool = False
+    # vLLM's: False keeps special tokens' text in the output.
+    skip_special_tokens: bool = True
     # Parts of the OpenAI API this server does not implement: refused when they would change
     # the output (a 400 naming them), accepted when neutral (empty, or plain text), never
     # silently dropped.
@@ -170,6 +185,16 @@ class _SamplingFields(RequestBody):
             parse_logit_bias(self.logit_bias)
         except ValueError as e:
             return str(e), "logit_bias"
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            return "allowed_token_ids must name at least one token (leave it out to allow every token)", \
+                "allowed_token_ids"
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) > MAX_ALLOWED_TOKENS:
+            return f"allowed_token_ids takes at most {MAX_ALLOWED_TOKENS} tokens", "allowed_token_ids"
+        words = self.bad_words or []
+        if len(words) > MAX_BAD_WORDS_GIVEN:
+            return f"bad_words takes at most {MAX_BAD_WORDS_GIVEN} words, got {len(words)}", "bad_words"
+        if any(len(w) > MAX_BAD_WORD_CHARS for w in words):
+            return f"a bad word may have at most {MAX_BAD_WORD_CHARS} characters", "bad_words"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return f"response_format {self.response_format.get('type')!r} is not supported (only text)", \
                 "response_format"
@@ -196,6 +221,10 @@ class _SamplingFields(RequestBody):
         bad = sorted(t for t in parse_logit_bias(self.logit_bias) if not 0 <= t < vocab_size)
         if bad:
             return f"logit_bias token ids {bad[:5]} are outside the vocabulary (size {vocab_size})", "logit_bias"
+        bad = sorted({t for t in self.allowed_token_ids or () if not 0 <= t < vocab_size})
+        if bad:
+            return (f"allowed_token_ids {bad[:5]} are outside the vocabulary (size {vocab_size})",
+                    "allowed_token_ids")
         return None
 
     @staticmethod
@@ -204,7 +233,9 @@ class _SamplingFields(RequestBody):
             return f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name
         return None
 
-    def sampling(self, max_tokens: int, echo: bool = False) -> SamplingParams:
+    def sampling(self, max_tokens: int, echo: bool = False, tokenizer=None) -> SamplingParams:
+        """The request's SamplingParams; `tokenizer` tokenizes bad_words (the API refuses
+        bad_words on a server without one)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -225,6 +256,10 @@ class _SamplingFields(RequestBody):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             echo=echo,
             logit_bias=parse_logit_bias(self.logit_bias) or None,
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            bad_words_ids=bad_words_token_ids(tokenizer, self.bad_words) if self.bad_words else [],
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
     def choice_params(self, params: SamplingParams) -> list[SamplingParams]:
