@@ -99,6 +99,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token's piece as the vocabulary spells it ("Ġfox", "▁fox", "<s>"); None for an
+        id it does not have."""
+        return self._tok.id_to_token(token_id)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own UTF-8 bytes (OpenAI's logprob `bytes`). A token that holds part of a
         character decodes alone to "\\ufffd"; its bytes are that part, read from its piece: a

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from ..engine import AsyncEngine, LLMEngine, freeze_start_up_objects
 from ..settings import ServerSettings
-from . import adapter_cache, adapters, chat, completions, health, models
+from . import adapter_cache, adapters, chat, completions, health, models, tokenize
 from .auth import APIKeys, Authenticate
 from .body_limit import BodyLimit
 from .errors import install_error_handlers
@@ -31,7 +31,7 @@ def _build_app(lifespan, settings: ServerSettings | None) -> FastAPI:
     # Outermost: a request without a key is refused before its body is read.
     app.add_middleware(Authenticate, keys=APIKeys.from_settings(settings) if settings is not None else APIKeys())
     install_error_handlers(app)
-    for module in (completions, chat, models, adapters, adapter_cache, health):
+    for module in (completions, chat, models, adapters, adapter_cache, tokenize, health):
         app.include_router(module.router)
     return app
 

@@ -6,7 +6,7 @@
                              when the file changes (a mounted Secret is updated in place)
 
 With none, the API is open, as vLLM's without --api-key. With any, every request under
-/v1/ sends `Authorization: Bearer KEY`, or is answered 401 `invalid_api_key` (OpenAI's
+/v1/ (and to /tokenize and /detokenize, KEYED_PATHS) sends `Authorization: Bearer KEY`, or is answered 401 `invalid_api_key` (OpenAI's
 answer, with `WWW-Authenticate: Bearer`); /healthz, /readyz and /metrics stay open for the
 kubelet's probes and Prometheus.
 
@@ -32,8 +32,13 @@ from .errors import APIError, error_body
 __all__ = ["ADMIN", "OPEN", "APIKeys", "Authenticate", "Caller", "get_caller", "require_admin"]
 
 
+# Paths outside /v1/ that need a key too: vLLM's /tokenize and /detokenize name a model, and
+# their 404 for another tenant's adapter would say it exists.
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
 class Authenticate:
-    """Pure ASGI middleware: every request under /v1/ names a key `keys` takes, or gets a 401;
+    """Pure ASGI middleware: every request under /v1/ (and to KEYED_PATHS) names a key `keys` takes, or gets a 401;
     the caller it names is kept in the request's state (`caller`)."""
 
     def __init__(self, app, keys: APIKeys):
@@ -41,7 +46,7 @@ class Authenticate:
         self.keys = keys
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in KEYED_PATHS):
             return await self.app(scope, receive, send)
         header = dict(scope.get("headers") or ()).get(b"authorization")
         header = header.decode("latin-1") if header is not None else None

@@ -38,9 +38,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     refusal = body.prompt_refusal(eng.tokenizer.chat_template)
     if refusal:
         raise APIError(400, refusal[0], param=refusal[1])
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:  # off the event loop, which serves every stream: a long conversation takes seconds
-        prompt = await asyncio.to_thread(eng.tokenizer.apply_chat_template, messages, **body.template_options())
+        prompt = await asyncio.to_thread(eng.tokenizer.apply_chat_template, body.chat_messages(),
+                                         **body.template_options())
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     # Without max_tokens a chat reply may use the rest of the context (as vLLM does).

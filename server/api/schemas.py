@@ -310,12 +310,10 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatPromptFields(RequestBody):
+    """The fields that make a chat prompt, as vLLM takes them: chat completions' and /tokenize's."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = None  # alternatives per token; needs logprobs: true
     # vLLM's fields that shape the chat prompt (template_options), as vLLM takes them; a
     # template other than the model's own is refused (prompt_refusal).
     add_generation_prompt: bool | None = True
@@ -324,16 +322,10 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
     documents: list[dict] | None = None
-    echo: bool = False  # vLLM's: the reply starts with a final assistant message's content
 
-    def echoed(self) -> str:
-        """What echo puts before each reply: the last message's content when it is the
-        assistant's (the reply's role), as vLLM does; otherwise nothing."""
-        last = self.messages[-1]
-        return last.text() if self.echo and last.role == "assistant" else ""
-
-    def top_logprobs_k(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+    def chat_messages(self) -> list[dict]:
+        """The messages as the chat template reads them ({"role", "content"}, text joined)."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     def prompt_refusal(self, template: str | None) -> tuple[str, str] | None:
         """(why, parameter) when these fields ask for a prompt the tokenizer does not render
@@ -357,6 +349,23 @@ class ChatCompletionRequest(_SamplingFields):
                     template_kwargs=self.chat_template_kwargs, documents=self.documents or None,
                     add_special_tokens=bool(self.add_special_tokens))
 
+
+class ChatCompletionRequest(_SamplingFields, ChatPromptFields):
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None  # alternatives per token; needs logprobs: true
+    echo: bool = False  # vLLM's: the reply starts with a final assistant message's content
+
+    def echoed(self) -> str:
+        """What echo puts before each reply: the last message's content when it is the
+        assistant's (the reply's role), as vLLM does; otherwise nothing."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
+
+    def top_logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def max_tokens_asked(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
@@ -364,6 +373,35 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs: true", "top_logprobs"
         return super().refusal() or self._logprobs_bound("top_logprobs", self.top_logprobs)
+
+
+class TokenizeCompletionRequest(RequestBody):
+    """vLLM's POST /tokenize of a text prompt."""
+
+    model: str | None = None  # the base when left out
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(ChatPromptFields):
+    """vLLM's POST /tokenize of a conversation, rendered as chat completions render it."""
+
+    model: str | None = None
+    return_token_strs: bool | None = False
+    tools: list | None = None
+
+    def prompt_refusal(self, template: str | None) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools are not supported", "tools"
+        return super().prompt_refusal(template)
+
+
+class DetokenizeRequest(RequestBody):
+    """vLLM's POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class LoadAdapterRequest(RequestBody):

@@ -96,6 +96,20 @@ def test_a_tenant_sees_and_uses_its_own_adapters_only(keyed):
         assert c.post("/v1/sessions", headers=bearer(ACME), json={"model": "a"}).status_code == 200
 
 
+def test_tokenize_and_detokenize_need_a_key_and_keep_other_tenants_adapters_unknown(keyed):
+    """vLLM leaves /tokenize and /detokenize open; here they need a key as /v1/ does, since
+    their `model` is checked: another tenant's adapter is a 404 there too."""
+    with httpx.Client(base_url=keyed.url, timeout=30) as c:
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            assert c.post(path, json=body).status_code == 401
+            assert c.post(path, json=body, headers=bearer("sk-wrong")).status_code == 401
+            own = c.post(path, json={**body, "model": "a"}, headers=bearer(ACME))
+            other = c.post(path, json={**body, "model": "b"}, headers=bearer(ACME))
+            assert own.status_code != 404 and other.status_code == 404, (own.text, other.text)
+            assert other.json()["error"]["code"] == "model_not_found"
+            assert c.post(path, json={**body, "model": "b"}, headers=bearer(ADMIN)).status_code != 404
+
+
 def test_admin_endpoints_need_an_admin_key(keyed, disk):  # noqa: F811
     write_adapter(disk / "late", seed=9)
     with httpx.Client(base_url=keyed.url, timeout=30) as c:
