@@ -9,8 +9,8 @@ from p_masked), so masks never renumber the noise.
 
 Order, per row, as vLLM's sampler: raw logits -> logit_bias added, tokens outside
 allowed_token_ids masked (and EOS / stop tokens before min_tokens, and bad_words' next
-tokens: the request's `banned` tokens) -> penalties -> greedy argmax, or temperature -> top-k -> top-p ->
-min-p -> Gumbel draw. Logprobs are of the raw logits (log_softmax in float32 before the bias,
+tokens: the request's `banned` tokens) -> penalties -> greedy argmax, or temperature -> min-p ->
+top-k -> top-p -> Gumbel draw. Logprobs are of the raw logits (log_softmax in float32 before the bias,
 penalties, temperature and masks: vLLM's default "raw_logprobs"), so they describe the model,
 not the sampler: a token that a +100 bias made certain keeps its own (maybe low) logprob.
 """
@@ -181,8 +181,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     n, vocab = logits.shape
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-    sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
+    # Top-k keeps every token at least as likely as the k-th (ties with it too), as vLLM and
+    # transformers do: a value threshold, not the first k of the sort.
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(1, vocab)
+    kth = sorted_logits.gather(1, (k - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     # Drop a token when the mass before it already reaches top_p; the first one always stays.
     before = probs.cumsum(dim=-1) - probs
@@ -367,6 +370,12 @@ class Sampler:
             sub = logits[idx]
             temps = to_device([params[i].temperature for i in picked], torch.float32, device)
             sub = sub / temps[:, None]
+            if any(params[i].min_p > 0 for i in picked):
+                # Before top-k and top-p, as vLLM's sampler orders them: top-p then measures
+                # the mass of what min-p kept.
+                min_p = to_device([params[i].min_p for i in picked], torch.float32, device)
+                probs = torch.softmax(sub, dim=-1)
+                sub = sub.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
             if any(params[i].top_k > 0 or params[i].top_p < 1 for i in picked):
                 # A top_k past the vocabulary keeps every token; clamped, any int a request
                 # sends fits the int64 tensor (10**20 would not, and would stop the engine).
@@ -374,12 +383,6 @@ class Sampler:
                 top_k = to_device([min(params[i].top_k, vocab) for i in picked], torch.int64, device)
                 top_p = to_device([params[i].top_p for i in picked], torch.float32, device)
                 sub = apply_top_k_top_p(sub, top_k, top_p)
-            if any(params[i].min_p > 0 for i in picked):
-                # Relative to the most likely token, so whether top-k / top-p masked first
-                # does not matter: both keep that token and scale the others alike.
-                min_p = to_device([params[i].min_p for i in picked], torch.float32, device)
-                probs = torch.softmax(sub, dim=-1)
-                sub = sub.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
             u = uniform_noise(to_device([seeds[i] for i in picked], torch.int64, device),
                               to_device([counters[i] for i in picked], torch.int64, device),
                               logits.shape[-1])

@@ -27,8 +27,12 @@ def test_min_p_keeps_the_tokens_at_least_that_likely_relative_to_the_best(device
     without = set(draw(logits, [SamplingParams()] * 400, seeds))
     assert with_min_p == {0, 1}
     assert without == {0, 1, 2, 3}
-    # With top_k 3 first the bar is the same: relative to the most likely token.
+    # With top_k 3 the bar is the same: relative to the most likely token.
     assert set(draw(logits, [SamplingParams(min_p=0.4, top_k=3)] * 400, seeds)) == {0, 1}
+    # min_p comes before top_p, as in vLLM's sampler: top_p 0.6 then measures what min_p kept
+    # (0.625 and 0.375), and keeps token 0 alone; top_p first would have kept tokens 0 and 1.
+    assert set(draw(logits, [SamplingParams(min_p=0.4, top_p=0.6)] * 400, seeds)) == {0}
+    assert set(draw(logits, [SamplingParams(top_p=0.6)] * 400, seeds)) == {0, 1}
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -29,6 +29,10 @@ def test_noise_is_a_pure_function_of_seed_counter_and_index():
         ([2.0, 2.0, 2.0, 2.0], 0, 0.5, {0, 1}),  # 0.25 + 0.25 reaches 0.5: two kept (ties in index order)
         ([1.0, 3.0, 2.0, 0.0], 3, 0.7, {1, 2}),  # top-k first, then top-p on what is left
         ([5.0, 1.0], 1, 0.01, {0}),
+        # Ties with the k-th value stay, as vLLM and transformers keep them.
+        ([1.0, 2.0, 2.0, 0.0], 1, 1.0, {1, 2}),
+        ([3.0, 2.0, 2.0, 0.0], 2, 1.0, {0, 1, 2}),
+        ([2.0, 2.0, 2.0, 2.0], 3, 1.0, {0, 1, 2, 3}),
     ],
 )
 def test_top_k_top_p_masks(logits, k, p, kept):
