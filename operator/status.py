@@ -20,7 +20,8 @@ from typing import Any
 from loraplex.operator import packing
 from loraplex.operator.plan import Plan
 from loraplex.operator.specs import AdapterSpec, format_time
-from loraplex.operator.validation import Verdict, validate
+from loraplex.operator.validation import Verdict, served_name, validate
+from loraplex.operator.workloads import SERVER_PORT
 
 CONDITION_TYPES = ("Accepted", "Staged", "Ready")
 
@@ -208,6 +209,10 @@ def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: i
         "maxRankInUse": plan.max_rank_in_use,
         "readyReplicas": ready_replicas,
         "planConfigMap": plan_config_map,
+        # What a client sends: the base's `model` name and the Service's in-cluster address
+        # (OpenAI clients take url + "/v1" as their base URL).
+        "servedModelName": served_name(base),
+        "url": f"http://{base.name}.{base.namespace}.svc:{SERVER_PORT}",
         "conditions": merge_conditions(current.get("conditions"), conditions, now),
     }
 

@@ -5,7 +5,8 @@ import datetime
 from loraplex.operator.plan import build_plan
 from loraplex.operator.specs import AdapterSpec, BaseModelSpec, Memory, Serving
 from loraplex.operator.status import adapter_status, base_status, differs, merge_conditions, staging_summary
-from loraplex.operator.validation import validate
+from loraplex.operator.validation import served_name, validate
+from loraplex.operator.workloads import service
 
 UTC = datetime.timezone.utc
 T1 = datetime.datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
@@ -68,6 +69,11 @@ def test_base_status_summary():
     assert (status["slots"], status["pinned"], status["pinnedCount"], status["adapterCount"]) == (4, ["a"], 1, 1)
     assert status["phase"] == "Planned" and conds(status)["Ready"]["reason"] == "ReplicasNotReady"
     assert status["observedGeneration"] == 3 and status["planConfigMap"] == "b-plan"
+    # What a client sends the base as, and where: the Service the operator writes for it.
+    assert status["servedModelName"] == served_name(BASE)
+    svc = service(BASE)
+    assert status["url"] == f"http://{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:" \
+        f"{svc['spec']['ports'][0]['port']}"
     ready = base_status(plan, status, 2, "b-plan", T2)
     assert ready["phase"] == "Ready" and conds(ready)["Ready"]["status"] == "True"
 
