@@ -308,13 +308,11 @@ class AdapterStore:
     async def stage(self, ref: AdapterRef) -> StagedAdapter:
         """Make `ref` present and verified on local disk; return it. Raises StoreError."""
         ref.validate()
+        generation = self._generation.get(ref.key, 0)
         e = self._entries.get(ref.key)
         if e is not None and is_version(e, ref):
             self.touch(ref.name, ref.namespace)
-            if ref.dtype and not (self._blob_dir(e) / serving_weights_name(ref.dtype)).exists():
-                await self._add_serving_copy(e, ref)
-            return self._info(e)
-        generation = self._generation.get(ref.key, 0)
+            return await self._with_copy(e, ref, generation)
         key = (ref.key, ref.sha256 or ref.source, generation)
         fut = self._inflight.get(key)
         if fut is None:
@@ -325,11 +323,28 @@ class AdapterStore:
         staged = await asyncio.shield(fut)
         # A request that joined a download asked for without its dtype gets the copy now.
         e = self._entries.get(ref.key)
-        if (ref.dtype and e is not None and is_version(e, ref)
-                and not (self._blob_dir(e) / serving_weights_name(ref.dtype)).exists()):
-            await self._add_serving_copy(e, ref)
-            return self._info(e)
+        if ref.dtype and e is not None and is_version(e, ref):
+            return await self._with_copy(e, ref, generation)
         return staged
+
+    async def _with_copy(self, e: _Entry, ref: AdapterRef, generation: int) -> StagedAdapter:
+        """`e`, the staged version `ref` asks for, with its copy in `ref.dtype` (written now if
+        it lacks one). The version may go while the copy is written: the answer is then what
+        a download of it that ended then would be (Removed, Superseded), or, evicted, the
+        version staged again; never the gone version, at a path that holds another or none."""
+        if not ref.dtype or (self._blob_dir(e) / serving_weights_name(ref.dtype)).exists():
+            return self._info(e)
+        await self._add_serving_copy(e, ref)
+        now = self._entries.get(ref.key)
+        if now is e:
+            return self._info(e)
+        if self._generation.get(ref.key, 0) != generation:
+            raise StoreError("Removed", f"{ref.name} was removed (it left the plan) while its {ref.dtype} copy"
+                             " was written")
+        if now is not None and not is_version(now, ref):
+            raise StoreError("Superseded", f"{ref.name}: version {e.sha256[:12]} was replaced by version"
+                             f" {now.sha256[:12]}, asked for after it, while its {ref.dtype} copy was written")
+        return await self.stage(ref)  # evicted meanwhile (or staged again): as asked anew
 
     def _download_done(self, key: tuple[Key, str, int], fut: asyncio.Future) -> None:
         self._inflight.pop(key, None)
