@@ -356,6 +356,7 @@ class AdapterStore:
         A download of it in flight is void: it ends with StoreError("Removed") and leaves nothing."""
         key = (namespace, name)
         self._generation[key] = self._generation.get(key, 0) + 1
+        self._release(0)  # a download of it waiting for room ends now (it is void)
         e = self._entries.pop(key, None)
         if e is None:
             return False
@@ -397,7 +398,13 @@ class AdapterStore:
         log.info("staged %s (%d bytes) in %.2f s", ref.name, staged.bytes, seconds)
         return staged
 
+    def _check_current(self, ref: AdapterRef, generation: int) -> None:
+        """Raise Removed if `ref` was removed since a download of it started (`generation`)."""
+        if self._generation.get(ref.key, 0) != generation:
+            raise StoreError("Removed", f"{ref.name} was removed (it left the plan) while it downloaded")
+
     async def _fetch_verify_place(self, ref: AdapterRef, generation: int, asked: int) -> StagedAdapter:
+        self._check_current(ref, generation)  # removed while it waited for a download slot
         try:
             source = open_source(ref.source, self._session, Stall(self.stall_seconds, self.stall_bytes))
         except SourceError as e:
@@ -414,6 +421,8 @@ class AdapterStore:
             earlier, it waits for that one to end rather than fail, so that two which cannot
             both fit do not both fail (the earliest never waits: one always goes on)."""
             nonlocal reserved
+            # Removed meanwhile: void, it must neither evict for room nor hold a slot any longer.
+            self._check_current(ref, generation)
             while config_bytes + nbytes > reserved:
                 released = self._released
                 try:
@@ -422,6 +431,7 @@ class AdapterStore:
                     if up_front or not any(d < me for d in self._holding):
                         raise
                     await released.wait()
+                    self._check_current(ref, generation)
                 else:
                     self._holding[me] = reserved
 

@@ -115,3 +115,57 @@ async def test_a_version_evicted_while_its_serving_copy_is_written_is_staged_aga
     assert Path(staged.path, WEIGHTS_FILE).is_file() and Path(staged.path, CONFIG_FILE).is_file()
     assert store._reserved == 0
     assert store.used_bytes == sum(a.bytes for a in store.list()) == _disk_bytes(root)
+
+
+# -- a download voided by a removal evicted adapters for its room ---------------------------
+
+
+@pytest.mark.parametrize("mode", ["ok", "chunked"])  # its size known up front, or reserved as it comes
+async def test_a_download_removed_in_flight_evicts_nothing_for_its_room(tmp_path, session, object_store, mode):
+    """The cache is full; a download of c waits on its source; the plan drops c (its download
+    is void from then on). The source then answers: the void download still reserved room for
+    c's bytes, evicting a staged adapter a server may be using, and wrote them all before it
+    ended as Removed. It must stop at once, evicting nothing."""
+    root = tmp_path / "cache"
+    a_src, a_sha = _adapter(tmp_path, "a", 1)
+    b_src, b_sha = _adapter(tmp_path, "b", 2)
+    store = AdapterStore(root, 2 * _size(a_src) + 100, session=session)
+    await store.stage(AdapterRef("a", a_src, a_sha))
+    await store.stage(AdapterRef("b", b_src, b_sha))
+    c = object_store.add("c", tmp_path, seed=3, mode=mode)
+    object_store.gate = asyncio.Event()
+    downloading = asyncio.ensure_future(store.stage(AdapterRef("c", c, object_store.adapters["c"].sha256)))
+    while object_store.active == 0:
+        await asyncio.sleep(0.005)
+    assert await store.remove("c") is False  # not staged yet: its download is void
+    evicted = []
+    store.on_evict = evicted.append
+    object_store.gate.set()
+    with pytest.raises(StoreError) as err:
+        await downloading
+    assert err.value.reason == "Removed"
+    assert evicted == [] and sorted(a.name for a in store.list()) == ["a", "b"]
+    assert store._reserved == 0 and list((root / ".tmp").iterdir()) == []
+
+
+async def test_a_download_removed_while_it_waits_for_a_slot_fetches_nothing(tmp_path, session, object_store):
+    """One download slot, held by x; c waits for it, and the plan drops c: c is void, and it
+    must end as Removed without a byte fetched, not download whole once x is done."""
+    x = object_store.add("x", tmp_path, seed=1)
+    c = object_store.add("c", tmp_path, seed=2)
+    object_store.gate = asyncio.Event()
+    store = AdapterStore(tmp_path / "cache", 10**9, 1, session=session)
+    first = asyncio.ensure_future(store.stage(AdapterRef("x", x, object_store.adapters["x"].sha256)))
+    while object_store.active == 0:
+        await asyncio.sleep(0.005)
+    queued = asyncio.ensure_future(store.stage(AdapterRef("c", c, object_store.adapters["c"].sha256)))
+    await asyncio.sleep(0.05)
+    assert not queued.done()
+    await store.remove("c")
+    object_store.gate.set()
+    await first
+    with pytest.raises(StoreError) as err:
+        await queued
+    assert err.value.reason == "Removed"
+    assert object_store.gets["c/adapter_config.json"] == 0 and object_store.gets["c/adapter_model.safetensors"] == 0
+    assert store.downloads_started == 2 and store._reserved == 0
