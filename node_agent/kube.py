@@ -252,6 +252,14 @@ class StatusReporter:
         """Not on this node's disk any more: the node's key is deleted (merge patch null)."""
         self._record(name, None)
 
+    def reported(self, name: str) -> bool:
+        """Whether the latest state recorded for `name` in this run (pending, on its way or
+        sent) is one on this node's entry: Staging, Staged or Failed, not removed."""
+        for states in (self._pending, self._sending, self._sent):
+            if name in states:
+                return states[name] is not None
+        return False
+
     def _record(self, name: str, state: dict | None) -> None:
         # Compared with the state on its way to the API, if any, else the last one sent: a
         # state equal to the one sent before an in-flight one must still be sent after it.

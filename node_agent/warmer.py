@@ -454,12 +454,15 @@ class Warmer:
 
     async def _drop(self, names: set[str]) -> None:
         """Adapters that left the plan: removed from disk (their status entry for this node
-        too), unless another followed plan of the namespace lists them; their errors forgotten."""
+        too, as one whose staging failed or was under way: nothing of it will be here), unless
+        another followed plan of the namespace lists them; their errors forgotten."""
         for name in sorted(names):
             if self.listed_elsewhere(name):  # moved to another followed plan of the namespace: it stays
                 continue
-            if await self.store.remove(name, self.namespace):
+            removed = await self.store.remove(name, self.namespace)
+            if removed:
                 log.info("removed %s from local disk: it left the plan", name)
+            if removed or (self.reporter is not None and self.reporter.reported(name)):
                 self._report_removed(name)
             self._watch.errors.pop(name, None)
             self._watch.reasons.pop(name, None)

@@ -169,3 +169,82 @@ async def test_a_download_removed_while_it_waits_for_a_slot_fetches_nothing(tmp_
     assert err.value.reason == "Removed"
     assert object_store.gets["c/adapter_config.json"] == 0 and object_store.gets["c/adapter_model.safetensors"] == 0
     assert store.downloads_started == 2 and store._reserved == 0
+
+
+# -- a status.nodes entry left behind by an adapter that left the plan unstaged ---------------
+
+
+async def test_an_adapter_that_leaves_the_plan_after_its_staging_failed_leaves_no_failed_report(
+        tmp_path, session, object_store, kube_api):
+    """The plan's "bad" fails to stage here (its source cuts the body: Failed on the node's
+    status entry); the plan then drops it. Only an adapter on disk had its node entry deleted,
+    so its LoRAAdapter said Failed on this node for good, about a staging nobody will retry."""
+    from loraplex.node_agent.kube import KubeAPI, StatusReporter
+    from loraplex.node_agent.warmer import Warmer
+
+    from .helpers import ConfigMapDir, plan_json
+
+    object_store.add("keep", tmp_path)
+    object_store.add("bad", tmp_path, seed=1, mode="cut")
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, pinned=["keep", "bad"]))
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7")
+    warmer = Warmer(store, cm.path, session, reporter=reporter)
+    await warmer.check_plan()
+    await warmer.reconcile()
+    await reporter.flush()
+    bad = [body["status"]["nodes"]["node-7"] for _, name, body, _ in kube_api.patches if name == "bad"]
+    assert bad[-1]["phase"] == "Failed"
+    previous = warmer.plan
+    cm.write(plan_json(object_store, pinned=["keep"]))  # "bad" left the plan
+    assert await warmer.check_plan()
+    await warmer.reconcile(previous)
+    await reporter.flush()
+    bad = [body["status"]["nodes"]["node-7"] for _, name, body, _ in kube_api.patches if name == "bad"]
+    assert bad[-1] is None  # the node's key deleted: nothing of it is, or will be, on this node
+    assert "bad" not in warmer.errors
+    # An adapter this run never reported (nor staged) is not patched for nothing.
+    cm.write(plan_json(object_store, pinned=["keep"], others=["bad"]))
+    previous = warmer.plan
+    assert await warmer.check_plan()
+    await warmer.reconcile(previous)
+    n = len(kube_api.patches)
+    previous = warmer.plan
+    cm.write(plan_json(object_store, pinned=["keep"]))
+    assert await warmer.check_plan()
+    await warmer.reconcile(previous)
+    await reporter.flush()
+    assert len(kube_api.patches) == n
+
+
+async def test_a_plan_let_go_while_it_stages_leaves_no_staging_report(tmp_path, session, object_store, kube_api):
+    """A found plan goes (its BaseModel deleted) while its loop stages "a": the loop is
+    cancelled, then the plan retired. "a" was not on disk yet, so its node entry stayed
+    Staging for good; it must be deleted, as the void download leaves nothing here."""
+    from loraplex.node_agent.kube import KubeAPI, StatusReporter
+    from loraplex.node_agent.warmer import Warmer
+
+    from .helpers import ConfigMapDir, plan_json
+
+    object_store.add("a", tmp_path)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, pinned=["a"]))
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7")
+    warmer = Warmer(store, cm.path, session, reporter=reporter)
+    await warmer.check_plan()
+    object_store.gate = asyncio.Event()
+    loop = asyncio.ensure_future(warmer.reconcile())
+    while object_store.active == 0:
+        await asyncio.sleep(0.005)
+    await reporter.flush()  # Staging is on the CR
+    loop.cancel()  # Agent._let_go: the plan's loops stopped, then the plan retired
+    await asyncio.gather(loop, return_exceptions=True)
+    await warmer.retire()
+    object_store.gate.set()
+    await reporter.flush()
+    states = [body["status"]["nodes"]["node-7"] for _, name, body, _ in kube_api.patches if name == "a"]
+    assert states[0] == {"phase": "Staging", "message": ""} and states[-1] is None
+    await asyncio.sleep(0.1)  # the void download ends, leaving nothing
+    assert store.get("a") is None and store._reserved == 0
