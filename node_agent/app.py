@@ -393,7 +393,7 @@ def _store_error(e: StoreError) -> web.Response:
 async def _json_body(request: web.Request) -> dict:
     try:
         body = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep for the decoder
         raise web.HTTPBadRequest(
             text='{"error": {"reason": "InvalidRequest", "message": "body is not JSON"}}',
             content_type="application/json") from None

@@ -248,3 +248,20 @@ async def test_a_plan_let_go_while_it_stages_leaves_no_staging_report(tmp_path, 
     assert states[0] == {"phase": "Staging", "message": ""} and states[-1] is None
     await asyncio.sleep(0.1)  # the void download ends, leaving nothing
     assert store.get("a") is None and store._reserved == 0
+
+
+# -- a body nested too deep for the JSON decoder ---------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/stage", "/v1/sessions"])
+async def test_a_body_nested_too_deep_is_a_400_in_the_api_shape(tmp_path, client_factory, path):
+    """A JSON body of 100,000 nested arrays (200 KB, well under the body limit) made the
+    decoder raise RecursionError, which is no ValueError: aiohttp answered a plain-text 500
+    and logged a traceback, for a body that is simply not one the API takes."""
+    from loraplex.node_agent.app import AgentConfig
+
+    client = await client_factory(AgentConfig(tmp_path / "cache", 10**9))
+    r = await client.post(path, data=b"[" * 100_000 + b"]" * 100_000, headers={"Content-Type": "application/json"})
+    assert r.status == 400 and r.content_type == "application/json", await r.text()
+    assert (await r.json())["error"]["reason"] == "InvalidRequest"
+    assert (await client.get("/healthz")).status == 200
