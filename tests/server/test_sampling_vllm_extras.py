@@ -12,6 +12,7 @@ from loraplex.server.request import Request
 from loraplex.server.sampling import SamplingParams, Sampler
 from loraplex.server.tokenizer import IncrementalDetokenizer, Tokenizer, bad_words_token_ids
 
+from .test_min_p_min_tokens import complete
 from .test_stop_strings_min_tokens import CharTokenizer, run
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
@@ -121,22 +122,7 @@ def test_special_tokens_text_is_kept_with_skip_special_tokens_false(tokenizer):
         assert "".join(detok.add(i) for i in ids) + detok.flush() == text
 
 
-# -- over HTTP --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def served(hf_llama, llama_adapters):
-    from .conftest import serve_tiny_llama
-
-    with serve_tiny_llama(hf_llama, llama_adapters) as server:
-        yield server
-
-
-def complete(served, **body):
-    import httpx
-
-    return httpx.post(served.url + "/v1/completions", timeout=60,
-                      json={"model": "tiny-llama", "prompt": [5, 6, 7, 8], "temperature": 0, **body})
+# -- over HTTP (conftest's `served`: the tiny Llama and its adapters) ----------------------------
 
 
 def output_ids(response) -> list[int]:
