@@ -112,7 +112,8 @@ def parse_plan(data: object, namespace: str | None = None) -> Plan:
         if dtype is not None and dtype not in SERVING_DTYPES:
             raise PlanError(f"dtype {dtype!r} is not one of {sorted(SERVING_DTYPES)}")
         for a in data.get("adapters") or []:
-            ref = AdapterRef(_string(a["name"], "an adapter's name"), a["source"], a.get("sha256"), dtype, namespace)
+            ref = AdapterRef(_string(a["name"], "an adapter's name"), _string(a["source"], "an adapter's source"),
+                             a.get("sha256"), dtype, namespace)
             adapters[ref.name] = PlanAdapter(ref, a.get("tenant"), int(a.get("priority", 0)), bool(a.get("pinned")))
         pinned = tuple(data.get("pinned") or [n for n, a in adapters.items() if a.pinned])
         unknown = [n for n in pinned if n not in adapters]

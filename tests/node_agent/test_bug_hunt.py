@@ -265,3 +265,29 @@ async def test_a_body_nested_too_deep_is_a_400_in_the_api_shape(tmp_path, client
     assert r.status == 400 and r.content_type == "application/json", await r.text()
     assert (await r.json())["error"]["reason"] == "InvalidRequest"
     assert (await client.get("/healthz")).status == 200
+
+
+# -- a plan adapter whose source is not a string ---------------------------------------------
+
+
+@pytest.mark.parametrize("source", [7, None, ["/mnt/adapters/x"]])
+async def test_a_plan_adapter_whose_source_is_not_a_string_makes_the_plan_bad(tmp_path, session, source):
+    """parse_plan took any value for an adapter's source. Without a digest, the plan guard of
+    /v1/stage then compared it as a string (AttributeError: a plain-text 500 to every server
+    asking for the name), as did the plan loop's version checks of a staged adapter of that
+    name (the loop crashed, /healthz went 500). It is a bad plan, as a name of the wrong type is."""
+    from loraplex.node_agent.warmer import PlanError, Warmer, parse_plan
+
+    from .helpers import ConfigMapDir
+
+    doc = {"baseModel": "b", "adapters": [{"name": "x", "source": source}]}
+    with pytest.raises(PlanError, match="source"):
+        parse_plan(doc)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(doc)
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    warmer = Warmer(store, cm.path, session)
+    assert await warmer.check_plan() is False and warmer.plan is None
+    src, sha = _adapter(tmp_path, "x", 1)
+    staged = await warmer.stage_on_request(AdapterRef("x", src, None))  # a name no plan it has lists
+    assert staged.sha256 == sha
