@@ -509,10 +509,12 @@ class AdapterStore:
             await asyncio.to_thread(shutil.rmtree, store_dir / blob, True)
             raise
         self._entries[ref.key] = entry
-        await asyncio.to_thread(fsync_dir, namespace_dir(self.root, ref.namespace))
-        if old is not None:  # the previous version: its symlink points here no more
-            await asyncio.to_thread(shutil.rmtree, self._blob_dir(old), True)
-        self._update_gauges()
+        try:
+            await asyncio.to_thread(fsync_dir, namespace_dir(self.root, ref.namespace))
+        finally:  # (a disk error there too: the old version is in no entry, and must not stay on disk)
+            if old is not None:  # the previous version: its symlink points here no more
+                await asyncio.to_thread(shutil.rmtree, self._blob_dir(old), True)
+            self._update_gauges()
         return self._info(entry)
 
     async def _write(self, fetch: Fetch, path: Path, limit: int, too_big: str,

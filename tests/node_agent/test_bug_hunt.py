@@ -291,3 +291,38 @@ async def test_a_plan_adapter_whose_source_is_not_a_string_makes_the_plan_bad(tm
     src, sha = _adapter(tmp_path, "x", 1)
     staged = await warmer.stage_on_request(AdapterRef("x", src, None))  # a name no plan it has lists
     assert staged.sha256 == sha
+
+
+# -- a disk error once the new version is linked ---------------------------------------------
+
+
+async def test_a_disk_error_after_a_new_version_is_linked_leaves_no_old_version_behind(tmp_path, session, monkeypatch):
+    """Version 2 of a replaces version 1: its symlink is renamed over the old one, then the
+    folder's fsync fails (EIO). Version 1's directory, in no entry now, was left on disk
+    outside the budget (a full adapter's bytes) until the next start."""
+    import errno
+
+    from loraplex.node_agent import store as store_module
+
+    root = tmp_path / "cache"
+    src1, sha1 = _adapter(tmp_path, "a1", 1)
+    src2, sha2 = _adapter(tmp_path, "a2", 2)
+    store = AdapterStore(root, 10**9, session=session)
+    await store.stage(AdapterRef("a", src1, sha1))
+    real = store_module.fsync_dir
+
+    def failing(path):
+        if Path(path) == root:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(path)
+
+    monkeypatch.setattr(store_module, "fsync_dir", failing)
+    with pytest.raises(StoreError) as err:
+        await store.stage(AdapterRef("a", src2, sha2))
+    assert err.value.reason == "DiskError"
+    monkeypatch.undo()
+    # Whatever the answer, the disk and the books agree: one version of a, counted once.
+    linked = {Path(os.readlink(p)).name for p in root.iterdir() if p.is_symlink()}
+    assert {p.name for p in (root / ".store").iterdir()} == linked
+    assert store.used_bytes == sum(a.bytes for a in store.list()) == _disk_bytes(root)
+    assert store._reserved == 0
