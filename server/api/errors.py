@@ -47,6 +47,22 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
+# Where a field's type is a union (prompt: str | list[str] | ...), pydantic puts the member it
+# tried into the error's location: ("prompt", "list[str]", 0), ("body", "TokenizeChatRequest",
+# "messages"). Such a part is a type's name, never a field of the API (snake_case names): a
+# builtin's, one with parameters ("list[int]", "function-after[...]"), or a class's.
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_type_name(part) -> bool:
+    return isinstance(part, str) and (part in _TYPE_NAMES or "[" in part or part[:1].isupper())
+
+
+def _field_path(loc) -> str:
+    """An error location as the request's field path ("messages.0.content"), "" for the body."""
+    return ".".join(str(p) for p in loc if p != "body" and not _is_type_name(p))
+
+
 def model_not_found(name: str) -> APIError:
     return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
@@ -85,12 +101,10 @@ def install_error_handlers(app: FastAPI) -> None:
             return JSONResponse(error_body(
                 415, f"The request body must be JSON, sent with Content-Type: application/json "
                      f"(this one came as {content_type!r}).", code="unsupported_media_type"), status_code=415)
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errors)
-        return JSONResponse(error_body(400, msg, param=".".join(loc) or None, code="invalid_value"),
-                            status_code=400)
+        param = _field_path(errors[0].get("loc", ())) if errors else ""
+        # One line per field and message: a union's members may each say the same.
+        msg = "; ".join(dict.fromkeys(f"{_field_path(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors))
+        return JSONResponse(error_body(400, msg, param=param or None, code="invalid_value"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -16,9 +16,9 @@ import dataclasses
 import re
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from ..sampling import LOGIT_BIAS_LIMIT, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from ..tokenizer import bad_words_token_ids
@@ -395,6 +395,17 @@ class TokenizeChatRequest(ChatPromptFields):
         if self.tools:
             return "tools are not supported", "tools"
         return super().prompt_refusal(template)
+
+
+def _tokenize_kind(body) -> str:
+    return "TokenizeChatRequest" if isinstance(body, dict) and "messages" in body else "TokenizeCompletionRequest"
+
+
+# POST /tokenize's body: a chat's when it has messages, else a prompt's. Picked by that, not
+# tried as both, so that a bad chat body's errors are its own, not "prompt: Field required".
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+    | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")], Discriminator(_tokenize_kind)]
 
 
 class DetokenizeRequest(RequestBody):

@@ -25,7 +25,7 @@ from ..tokenizer import Tokenizer
 from .auth import get_caller
 from .deps import get_engine, resolve_adapter
 from .errors import APIError
-from .schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from .schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 
 router = APIRouter(tags=["tokenize"])
 
@@ -40,7 +40,7 @@ def _tokenizer(engine: AsyncEngine, model: str | None, request: Request) -> Toke
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request,
+async def tokenize(body: TokenizeRequest, request: Request,
                    engine: AsyncEngine = Depends(get_engine)):
     tokenizer = _tokenizer(engine, body.model, request)
     # Off the event loop, which serves every stream: a long text takes seconds to tokenize.
