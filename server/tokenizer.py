@@ -104,11 +104,12 @@ class Tokenizer:
         id it does not have."""
         return self._tok.id_to_token(token_id)
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The token's own UTF-8 bytes (OpenAI's logprob `bytes`). A token that holds part of a
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        """The token's own UTF-8 bytes (OpenAI's logprob `bytes`); none for a special token
+        unless `skip_special_tokens` is false. A token that holds part of a
         character decodes alone to "\\ufffd"; its bytes are that part, read from its piece: a
         byte-level piece's characters each stand for a byte, a SentencePiece "<0xE6>" is one."""
-        text = self.decode([token_id])
+        text = self.decode([token_id], skip_special_tokens)
         if "\ufffd" not in text:
             return text.encode()
         piece = self._tok.id_to_token(token_id) or ""

@@ -77,7 +77,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                 counts[j] = out.completion_tokens
                 # Tokens whose text is held back (a possible stop string) still bring their logprobs.
                 if out.text or out.finished or (want_logprobs and out.token_ids):
-                    lp = chat_logprobs(lp_tokenizer, out.token_ids, out.logprobs) if want_logprobs else None
+                    lp = (chat_logprobs(lp_tokenizer, out.token_ids, out.logprobs, body.skip_special_tokens)
+                          if want_logprobs else None)
                     yield chunk([{"index": j, "delta": {"content": out.text} if out.text else {},
                                   "logprobs": lp, "finish_reason": out.finish_reason if out.finished else None}],
                                 "chat.completion.chunk")
@@ -101,7 +102,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
             if out.finished:
                 reasons[j] = out.finish_reason
         return chunk([{"index": j, "message": {"role": "assistant", "content": texts[j]},
-                       "logprobs": chat_logprobs(lp_tokenizer, ids[j], lps[j]) if want_logprobs else None,
+                       "logprobs": (chat_logprobs(lp_tokenizer, ids[j], lps[j], body.skip_special_tokens)
+                                    if want_logprobs else None),
                        "finish_reason": reasons[j]} for j in range(len(streams))], "chat.completion",
                      total(counts))
 

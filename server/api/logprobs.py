@@ -20,7 +20,8 @@ and its top_logprobs (nothing predicts it)::
 The values are the model's own distribution: log_softmax of the raw logits in float32,
 before penalties, temperature, top-k and top-p (vLLM's default "raw_logprobs"). A token's
 string is that token decoded alone ("\\ufffd" for a piece of a UTF-8 character; "" for a
-special token, which the tokenizer skips), or "token_id:N" on a server without a tokenizer
+special token, which the tokenizer skips, unless the request's skip_special_tokens is false:
+then its text, as in the output's text), or "token_id:N" on a server without a tokenizer
 (vLLM's spelling for ids). A chat logprob's `bytes` are the token's own, as OpenAI's: for a
 piece of a character, that piece ("日" over three tokens: [230], [151], [165]), so the bytes
 of an answer's tokens join into the answer.
@@ -38,18 +39,18 @@ MIN_LOGPROB = -9999.0
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
+def token_text(tokenizer: Tokenizer | None, token_id: int, skip_special_tokens: bool = True) -> str:
     if tokenizer is None:
         return f"token_id:{token_id}"
-    return tokenizer.decode([token_id])
+    return tokenizer.decode([token_id], skip_special_tokens)
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def token_bytes(tokenizer: Tokenizer | None, token_id: int) -> tuple[int, ...]:
+def token_bytes(tokenizer: Tokenizer | None, token_id: int, skip_special_tokens: bool = True) -> tuple[int, ...]:
     """The token's own bytes: for a piece of a character, that piece, not "\ufffd"'s bytes."""
     if tokenizer is None:
         return tuple(token_text(None, token_id).encode())
-    return tuple(tokenizer.token_bytes(token_id))
+    return tuple(tokenizer.token_bytes(token_id, skip_special_tokens))
 
 
 def _value(logprob: float) -> float:
@@ -58,24 +59,26 @@ def _value(logprob: float) -> float:
 
 class CompletionLogprobs:
     """The `logprobs` object of one /v1/completions choice, a chunk at a time; text_offset
-    runs on across chunks, so a stream's chunks join into the non-streamed object."""
+    runs on across chunks, so a stream's chunks join into the non-streamed object.
+    `skip_special_tokens`: the request's (special tokens' text kept when false, as in its text)."""
 
-    def __init__(self, tokenizer: Tokenizer | None):
+    def __init__(self, tokenizer: Tokenizer | None, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.offset = 0  # characters of token text so far
 
     def chunk(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> dict:
         """None in `logprobs`: a token nothing scored (an echoed prompt's first), null in JSON."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, lp in zip(token_ids, logprobs):
-            text = token_text(self.tokenizer, token_id)
+            text = token_text(self.tokenizer, token_id, self.skip)
             top: dict[str, float] | None = None
             if lp is not None:
                 top = {}
                 # Tokens that decode alike (pieces of UTF-8 characters: "\ufffd") share a key:
                 # the most likely keeps it. OpenAI lists the sampled (or prompt) token too.
                 for t, v in (*lp.top, (token_id, lp.logprob)):
-                    top.setdefault(token_text(self.tokenizer, t), _value(v))
+                    top.setdefault(token_text(self.tokenizer, t, self.skip), _value(v))
             out["tokens"].append(text)
             out["token_logprobs"].append(None if lp is None else _value(lp.logprob))
             out["top_logprobs"].append(top)
@@ -84,16 +87,18 @@ class CompletionLogprobs:
         return out
 
 
-def _entry(tokenizer: Tokenizer | None, token_id: int, logprob: float) -> dict:
-    return {"token": token_text(tokenizer, token_id), "logprob": _value(logprob),
-            "bytes": token_bytes(tokenizer, token_id)}
+def _entry(tokenizer: Tokenizer | None, token_id: int, logprob: float, skip: bool) -> dict:
+    return {"token": token_text(tokenizer, token_id, skip), "logprob": _value(logprob),
+            "bytes": token_bytes(tokenizer, token_id, skip)}
 
 
-def chat_logprobs(tokenizer: Tokenizer | None, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict:
-    """The `logprobs` object of a /v1/chat/completions choice (or of one streamed chunk)."""
+def chat_logprobs(tokenizer: Tokenizer | None, token_ids: list[int], logprobs: list[TokenLogprobs],
+                  skip_special_tokens: bool = True) -> dict:
+    """The `logprobs` object of a /v1/chat/completions choice (or of one streamed chunk);
+    `skip_special_tokens` as in CompletionLogprobs."""
     content = []
     for token_id, lp in zip(token_ids, logprobs):
-        entry = _entry(tokenizer, token_id, lp.logprob)
-        entry["top_logprobs"] = [_entry(tokenizer, t, v) for t, v in lp.top]
+        entry = _entry(tokenizer, token_id, lp.logprob, skip_special_tokens)
+        entry["top_logprobs"] = [_entry(tokenizer, t, v, skip_special_tokens) for t, v in lp.top]
         content.append(entry)
     return {"content": content}

@@ -1,6 +1,6 @@
 """Bugs found in the HTTP layer, each shown over HTTP as a client meets it: a validation
 error's `param` names the request's field (not pydantic's name for a member of a union
-type)."""
+type), and logprobs with skip_special_tokens false spell special tokens as the text does."""
 
 from __future__ import annotations
 
@@ -37,3 +37,29 @@ def test_a_union_fields_error_names_the_field(client, path, body, param):
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     for internal in ("Tokenize", "list[", ".str", "TextContent"):
         assert internal not in error["message"], error["message"]
+
+
+def test_logprob_tokens_keep_special_tokens_text_with_skip_special_tokens_false(client, served):
+    """The text keeps </s> with skip_special_tokens false; the logprobs' tokens (and chat's
+    bytes) must too, or they no longer join into the text and text_offset points past the
+    tokens it names, as vLLM's (which spell </s> either way) do not."""
+    eos = served.engine.tokenizer.eos_token_id
+    body = dict(model="tiny-llama", max_tokens=4, ignore_eos=True, allowed_token_ids=[eos, 40],
+                temperature=1.0, seed=1, skip_special_tokens=False)
+    r = client.post("/v1/completions", json=body | {"prompt": "the", "logprobs": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert "</s>" in text, text  # the seed's draw holds EOS
+    assert "".join(lp["tokens"]) == text
+    assert all(text[at:].startswith(t) for at, t in zip(lp["text_offset"], lp["tokens"])), lp
+    r = client.post("/v1/chat/completions", json=body | {"messages": MSGS, "logprobs": True, "top_logprobs": 1})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert "".join(e["token"] for e in content) == choice["message"]["content"]
+    assert bytes(b for e in content for b in e["bytes"]).decode() == choice["message"]["content"]
+    # skip_special_tokens left at true: no text for </s>, in the text or in the logprobs.
+    r = client.post("/v1/completions", json=body | {"prompt": "the", "logprobs": 0, "skip_special_tokens": True})
+    choice = r.json()["choices"][0]
+    assert "".join(choice["logprobs"]["tokens"]) == choice["text"] and "</s>" not in choice["text"]
