@@ -78,7 +78,8 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
     want_logprobs = params.logprobs is not None
     # With return_tokens_as_token_ids, the tokens are named as on a server without a tokenizer.
     lp_tokenizer = None if body.return_tokens_as_token_ids else engine.engine.tokenizer
-    builders = [CompletionLogprobs(lp_tokenizer, body.skip_special_tokens) for _ in streams]
+    builders = [CompletionLogprobs(lp_tokenizer, body.skip_special_tokens, len(prompts[k // n]) if body.echo else 0)
+                for k in range(len(streams))]
     echoed = [not body.echo] * len(streams)
 
     def delta(k: int, out) -> tuple[str, list[int], list]:

@@ -60,25 +60,30 @@ def _value(logprob: float) -> float:
 class CompletionLogprobs:
     """The `logprobs` object of one /v1/completions choice, a chunk at a time; text_offset
     runs on across chunks, so a stream's chunks join into the non-streamed object.
-    `skip_special_tokens`: the request's (special tokens' text kept when false, as in its text)."""
+    `skip_special_tokens`: the request's (special tokens' text kept when false, as in its
+    text); the first `prompt_tokens` (an echoed prompt's) skip them whatever it says, as the
+    echoed prompt's text (as sent, or its ids decoded) has no BOS."""
 
-    def __init__(self, tokenizer: Tokenizer | None, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer | None, skip_special_tokens: bool = True, prompt_tokens: int = 0):
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
+        self.prompt_left = prompt_tokens  # echoed prompt tokens still to come
         self.offset = 0  # characters of token text so far
 
     def chunk(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> dict:
         """None in `logprobs`: a token nothing scored (an echoed prompt's first), null in JSON."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, lp in zip(token_ids, logprobs):
-            text = token_text(self.tokenizer, token_id, self.skip)
+            skip = self.skip or self.prompt_left > 0
+            self.prompt_left = max(0, self.prompt_left - 1)
+            text = token_text(self.tokenizer, token_id, skip)
             top: dict[str, float] | None = None
             if lp is not None:
                 top = {}
                 # Tokens that decode alike (pieces of UTF-8 characters: "\ufffd") share a key:
                 # the most likely keeps it. OpenAI lists the sampled (or prompt) token too.
                 for t, v in (*lp.top, (token_id, lp.logprob)):
-                    top.setdefault(token_text(self.tokenizer, t, self.skip), _value(v))
+                    top.setdefault(token_text(self.tokenizer, t, skip), _value(v))
             out["tokens"].append(text)
             out["token_logprobs"].append(None if lp is None else _value(lp.logprob))
             out["top_logprobs"].append(top)

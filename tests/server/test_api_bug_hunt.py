@@ -4,6 +4,8 @@ type), and logprobs with skip_special_tokens false spell special tokens as the t
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -63,3 +65,25 @@ def test_logprob_tokens_keep_special_tokens_text_with_skip_special_tokens_false(
     r = client.post("/v1/completions", json=body | {"prompt": "the", "logprobs": 0, "skip_special_tokens": True})
     choice = r.json()["choices"][0]
     assert "".join(choice["logprobs"]["tokens"]) == choice["text"] and "</s>" not in choice["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("prompt", ["the quick", [1, 79, 6]])
+def test_echoed_logprobs_join_into_the_echoed_text_with_skip_special_tokens_false(client, served, prompt, stream):
+    """The echoed prompt is its text (as sent, or its ids decoded), which has no BOS: its
+    tokens are spelled so, whatever skip_special_tokens says of the output's."""
+    eos = served.engine.tokenizer.eos_token_id
+    body = dict(model="tiny-llama", prompt=prompt, echo=True, logprobs=1, max_tokens=4, ignore_eos=True,
+                allowed_token_ids=[eos, 40], temperature=1.0, seed=1, skip_special_tokens=False, stream=stream)
+    if stream:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in events)
+        lp = {key: [v for e in events for v in e["choices"][0]["logprobs"][key]] for key in ("tokens", "text_offset")}
+    else:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        text, lp = r.json()["choices"][0]["text"], r.json()["choices"][0]["logprobs"]
+    assert text.endswith("</s>") or "</s>" in text, text
+    assert "".join(lp["tokens"]) == text, (lp["tokens"], text)
+    assert all(text[at:].startswith(t) for at, t in zip(lp["text_offset"], lp["tokens"])), lp
