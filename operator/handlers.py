@@ -258,9 +258,13 @@ async def _ensure_workloads(client: kube.KubeClient, base: BaseModelSpec, owner:
     alone: `kube.NotOwned`) or WorkloadInvalid (the API server refused it, e.g. for what
     spec.serving put in it); None when both are written. Other errors raise KubeError.
     """
-    children = [workloads.deployment(base, pack(base).slots), workloads.service(base)]
+    autoscaler = workloads.autoscaler(base)
+    children = [workloads.deployment(base, pack(base).slots), workloads.service(base),
+                *([autoscaler] if autoscaler is not None else [])]
     kopf.adopt(children, owner=owner)  # type: ignore[arg-type]
     problems: list[tuple[str, str]] = []
+    if autoscaler is None:
+        await _remove_autoscaler(client, base, children[0], log)
     for child in children:
         where = f"{child['kind']} {base.namespace}/{child['metadata']['name']}"
         try:
@@ -279,6 +283,19 @@ async def _ensure_workloads(client: kube.KubeClient, base: BaseModelSpec, owner:
         return None
     reason = "WorkloadInvalid" if any(r == "WorkloadInvalid" for r, _ in problems) else "NameConflict"
     return reason, "; ".join(message for _, message in problems)
+
+
+async def _remove_autoscaler(client: kube.KubeClient, base: BaseModelSpec, deployment: Mapping[str, Any],
+                             log: logging.Logger) -> None:
+    """Delete the HorizontalPodAutoscaler of `base` that serving.autoscaling made, now that it
+    has none (the Deployment's replica count is the operator's again); one of another owner's
+    under that name is left alone."""
+    path = kube.AUTOSCALERS.path(base.namespace, base.name)
+    existing = await client.get(path)
+    if existing is None or workloads.foreign_owner(existing, deployment) is not None:
+        return
+    if await client.delete(path):
+        log.info("HorizontalPodAutoscaler %s/%s deleted (no serving.autoscaling)", base.namespace, base.name)
 
 
 async def _repair_workloads(planner: Planner, key: tuple[str, str], basemodels: kopf.Index) -> None:

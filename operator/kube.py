@@ -17,6 +17,7 @@ outside), over aiohttp, which kopf already depends on.
 from __future__ import annotations
 
 import base64
+import copy
 import dataclasses
 import json
 import logging
@@ -57,9 +58,14 @@ class Resource:
 CONFIG_MAPS = Resource("", "v1", "configmaps")
 SERVICES = Resource("", "v1", "services")
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
+AUTOSCALERS = Resource("autoscaling", "v2", "horizontalpodautoscalers")
 BASE_MODELS = Resource(GROUP, VERSION, "basemodels")
 ADAPTERS = Resource(GROUP, VERSION, "loraadapters")
-_BY_KIND = {"ConfigMap": CONFIG_MAPS, "Service": SERVICES, "Deployment": DEPLOYMENTS}
+_BY_KIND = {"ConfigMap": CONFIG_MAPS, "Service": SERVICES, "Deployment": DEPLOYMENTS,
+            "HorizontalPodAutoscaler": AUTOSCALERS}
+# Kinds whose spec is the operator's whole (workloads.autoscaler): replaced (PUT) when they
+# differ, so that a field the desired object no longer has goes; merge-patched otherwise.
+REPLACED_KINDS = frozenset({"HorizontalPodAutoscaler"})
 
 
 class KubeError(Exception):
@@ -149,7 +155,8 @@ class KubeClient:
             raise
 
     async def ensure(self, desired: Mapping[str, Any]) -> str:
-        """Create `desired` or patch the parts we own; returns "created", "patched" or "unchanged".
+        """Create `desired` or patch the parts we own (replace it, for REPLACED_KINDS); returns
+        "created", "patched", "replaced" or "unchanged".
         Raises `NotOwned`, writing nothing, when the name is taken by an object that is not ours
         (`workloads.foreign_owner`)."""
         resource = _BY_KIND[desired["kind"]]
@@ -171,6 +178,11 @@ class KubeClient:
             raise NotOwned(desired["kind"], meta["namespace"], meta["name"], why)
         if not workloads.needs_update(existing, desired):
             return "unchanged"
+        if desired["kind"] in REPLACED_KINDS:
+            body = copy.deepcopy(dict(desired))
+            body["metadata"]["resourceVersion"] = existing["metadata"].get("resourceVersion")
+            await self._request("PUT", path, json=body)  # a 409 (changed meanwhile): the next run tries again
+            return "replaced"
         owned = {key: desired[key] for key in ("spec", "data", "binaryData") if key in desired}
         if desired["kind"] == "ConfigMap":  # a key lives in data or binaryData, never both
             owned = {"data": None, "binaryData": None, **owned}

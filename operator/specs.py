@@ -414,6 +414,55 @@ class ApiKeys:
                                                           "keys.json"))
 
 
+# The metric kinds of an autoscaling/v2 MetricSpec (its `type`), each with its own key.
+METRIC_TYPES: dict[str, str] = {"Pods": "pods", "Object": "object", "Resource": "resource",
+                                "ContainerResource": "containerResource", "External": "external"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Autoscaling:
+    """serving.autoscaling: a HorizontalPodAutoscaler (autoscaling/v2) the operator keeps over
+    the serving Deployment, which then has no replica count of the operator's (the HPA's
+    is the one). `metrics` and `behavior` are the HPA's own fields, kept as given. No
+    metrics is refused: an HPA without them scales on CPU, which says nothing of a GPU
+    server's load (a queue-length metric such as loraplex_requests_waiting does)."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    metrics: tuple[Mapping[str, Any], ...] = ()
+    behavior: Mapping[str, Any] | None = None
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> Autoscaling | None:
+        if spec is None:
+            return None
+        if not isinstance(spec, Mapping):
+            raise SpecError(f"serving.autoscaling must be an object, got {spec!r}")
+
+        def count(key: str, default: int | None, low: int) -> int:
+            value = spec.get(key, default)
+            if value is None or isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise SpecError(f"serving.autoscaling.{key} must be an integer >= {low}, got {value!r}")
+            return value
+
+        low = count("minReplicas", 1, 1)
+        high = count("maxReplicas", None, low)
+        metrics = spec.get("metrics")
+        if not isinstance(metrics, (list, tuple)) or not metrics:
+            raise SpecError("serving.autoscaling.metrics must list at least one autoscaling/v2 metric (e.g. a Pods "
+                            "metric of loraplex_requests_waiting): without one an HPA scales on CPU")
+        for i, metric in enumerate(metrics):
+            kind = metric.get("type") if isinstance(metric, Mapping) else None
+            if kind not in METRIC_TYPES or not isinstance(metric.get(METRIC_TYPES[kind]), Mapping):
+                raise SpecError(f"serving.autoscaling.metrics[{i}] must be an autoscaling/v2 MetricSpec: a type of "
+                                f"{sorted(METRIC_TYPES)} and the object of that type, got {metric!r}")
+        behavior = spec.get("behavior")
+        if behavior is not None and not isinstance(behavior, Mapping):
+            raise SpecError(f"serving.autoscaling.behavior must be an object, got {behavior!r}")
+        return cls(min_replicas=low, max_replicas=high, metrics=tuple(dict(m) for m in metrics),
+                   behavior=dict(behavior) if behavior is not None else None)
+
+
 def _served_model_name(value: Any) -> str | None:
     """serving.servedModelName: the server's --served-model-name, a `model` a client sends as
     it is (vLLM takes a Hugging Face id such as meta-llama/Meta-Llama-3-8B): 1-256 printable
@@ -429,7 +478,7 @@ def _served_model_name(value: Any) -> str | None:
 class Serving:
     """The serving Deployment's template; free-form Kubernetes parts kept as given."""
 
-    replicas: int = 1
+    replicas: int | None = 1  # None: left to someone else (an HPA or KEDA of the user's)
     image: str = "loraplex/server:0.1.0"
     model_path: str | None = None
     served_model_name: str | None = None  # the base's name in the API; None: model_path's folder name
@@ -442,11 +491,21 @@ class Serving:
     extra_args: tuple[str, ...] = ()  # after the operator's flags
     env: tuple[Mapping[str, Any], ...] = ()  # EnvVars, after the operator's
     api_keys: ApiKeys = ApiKeys()
+    autoscaling: Autoscaling | None = None  # an HPA of the operator's over the Deployment
+
+    @property
+    def operator_replicas(self) -> int | None:
+        """The replica count the operator writes into the Deployment; None when another
+        controller sets it (serving.autoscaling's HPA, or a `replicas: null` left to the user's)."""
+        return None if self.autoscaling is not None else self.replicas
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> Serving:
+        replicas = spec.get("replicas", 1)
+        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0):
+            raise SpecError(f"serving.replicas must be an integer >= 0 or null, got {replicas!r}")
         return cls(
-            replicas=int(spec.get("replicas", 1)),
+            replicas=replicas,
             image=str(spec.get("image") or cls.image),
             model_path=spec.get("modelPath"),
             served_model_name=_served_model_name(spec.get("servedModelName")),
@@ -459,6 +518,7 @@ class Serving:
             extra_args=_extra_args(spec.get("extraArgs")),
             env=_env(spec.get("env")),
             api_keys=ApiKeys.from_spec(spec.get("apiKeys")),
+            autoscaling=Autoscaling.from_spec(spec.get("autoscaling")),
         )
 
 

@@ -174,15 +174,25 @@ def base_status(plan: Plan, current: Mapping[str, Any] | None, ready_replicas: i
     gen = base.generation
     packed = plan.packing
     accepted_message = packed.message + (f"; hint: {plan.hint}" if plan.hint else "")
-    replicas = base.serving.replicas
+    # The replicas that make it Ready: its own count, the autoscaler's minimum, or one where
+    # another controller sets the count (`replicas: null`).
+    scaling = base.serving.autoscaling
+    if scaling is not None:
+        replicas = scaling.min_replicas
+        wanted = f"{replicas} (autoscaled {scaling.min_replicas}-{scaling.max_replicas})"
+    elif base.serving.replicas is None:
+        replicas, wanted = 1, "1 (the count is another controller's)"
+    else:
+        replicas = base.serving.replicas
+        wanted = str(replicas)
     if workload_error:
         ready = condition("Ready", False, workload_error[0], workload_error[1], gen)
     elif replicas == 0:
         ready = condition("Ready", False, "ScaledToZero", "serving.replicas is 0", gen)
     elif ready_replicas >= replicas:
-        ready = condition("Ready", True, "ReplicasReady", f"{ready_replicas}/{replicas} replicas ready", gen)
+        ready = condition("Ready", True, "ReplicasReady", f"{ready_replicas}/{wanted} replicas ready", gen)
     else:
-        ready = condition("Ready", False, "ReplicasNotReady", f"{ready_replicas}/{replicas} replicas ready", gen)
+        ready = condition("Ready", False, "ReplicasNotReady", f"{ready_replicas}/{wanted} replicas ready", gen)
     conditions = [
         condition("Accepted", packed.slots > 0, packed.reason, accepted_message, gen),
         condition("Staged", False, plan_error_reason, plan_error, gen) if plan_error else

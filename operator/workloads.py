@@ -23,6 +23,7 @@ import base64
 import copy
 import gzip
 import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +54,8 @@ NAMESPACES_DIR = ".namespaces"
 # that compiles (without warm-up) stalls 1.2-2.9 s. Triton writes each entry to a temporary
 # file and renames it, so servers on one node share it.
 KERNEL_CACHE_DIR = "/var/lib/loraplex/kernel-cache"
+# The digest of the spec the operator last wrote into an object it replaces whole (workloads.spec_hash).
+SPEC_HASH_ANNOTATION = "loraplex.io/spec-hash"
 # serving.apiKeys: the Secrets' keys mounted here, the tenants' keys file as keys.json and the
 # admin key as admin-key, whole-folder (not subPath), so the kubelet's in-place update of a
 # changed Secret reaches the server, which re-reads both files.
@@ -274,8 +277,10 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": base.name, "namespace": base.namespace, "labels": labels(base.name)},
+        # No replica count when another controller sets it (serving.autoscaling's HPA, or
+        # `replicas: null`): left out, a merge patch leaves the count as that one set it.
         "spec": {
-            "replicas": serving.replicas,
+            **({"replicas": serving.operator_replicas} if serving.operator_replicas is not None else {}),
             "selector": {"matchLabels": selector_labels(base.name)},
             "template": {
                 "metadata": {"labels": labels(base.name)},
@@ -283,6 +288,38 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
             },
         },
     }
+
+
+def autoscaler(base: BaseModelSpec) -> dict[str, Any] | None:
+    """serving.autoscaling's HorizontalPodAutoscaler over the serving Deployment (same name),
+    or None without it. Its spec is the operator's whole: written by replacing the object
+    (`kube.REPLACED_KINDS`), so a metric or behavior taken out of the BaseModel goes from it
+    too, which a merge patch would keep."""
+    scaling = base.serving.autoscaling
+    if scaling is None:
+        return None
+    spec: dict[str, Any] = {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": base.name},
+        "minReplicas": scaling.min_replicas,
+        "maxReplicas": scaling.max_replicas,
+        "metrics": copy.deepcopy(list(scaling.metrics)),
+    }
+    if scaling.behavior is not None:
+        spec["behavior"] = copy.deepcopy(dict(scaling.behavior))
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": base.name, "namespace": base.namespace, "labels": labels(base.name),
+                     "annotations": {SPEC_HASH_ANNOTATION: spec_hash(spec)}},
+        "spec": spec,
+    }
+
+
+def spec_hash(spec: Mapping[str, Any]) -> str:
+    """A digest of a spec as the operator writes it: on the object as SPEC_HASH_ANNOTATION, it
+    tells a spec that lost a field (which a subset compare cannot see) from the API server's
+    defaults added to it."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def service(base: BaseModelSpec) -> dict[str, Any]:

@@ -240,6 +240,8 @@ OPERATOR_CALLS = {
     # operator/kube.py: the plan ConfigMap, Deployment and Service by name
     *((g, r, v) for g, r in (("", "configmaps"), ("", "services"), ("apps", "deployments"))
       for v in ("get", "create", "patch")),
+    # serving.autoscaling's HPA by name: replaced whole, deleted when the field goes
+    *(("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "create", "update", "delete")),
     # no API call: the OwnerReferencesPermissionEnforcement admission plugin's condition for
     # blockOwnerDeletion (test_operator_may_block_the_deletion_of_what_it_adopts)
     ("loraplex.io", "basemodels/finalizers", "update"),

@@ -29,7 +29,20 @@ EXAMPLES = [doc for p in sorted((ROOT / "examples").glob("*.yaml")) if p.name !=
 
 def schema(kind: str) -> dict:
     (version,) = CRDS[kind]["spec"]["versions"]
-    return version["schema"]["openAPIV3Schema"]
+    return _json_schema(version["schema"]["openAPIV3Schema"])
+
+
+def _json_schema(node):
+    """The CRD's OpenAPI schema as JSON Schema reads it: `nullable: true` (OpenAPI's) becomes
+    a type that takes null too, as the API server takes an explicit null there."""
+    if isinstance(node, list):
+        return [_json_schema(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _json_schema(v) for k, v in node.items()}
+    if out.pop("nullable", False) and "type" in out:
+        out["type"] = [out["type"], "null"]
+    return out
 
 
 def validator(kind: str) -> jsonschema.Validator:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from loraplex.operator.kube import ADAPTERS, BASE_MODELS, DEPLOYMENTS, SERVICES, Resource
+from loraplex.operator.kube import ADAPTERS, AUTOSCALERS, BASE_MODELS, DEPLOYMENTS, SERVICES, Resource
 
 from .test_chart import RELEASE_NS, VALUES, render_all
 from .test_operator_e2e import NS, adapter_body, base_body, plan_of
@@ -95,6 +95,7 @@ async def _drive(api: Any, eventually: Any) -> None:
         base = await api.get(BASE_MODELS.path(NS, "llama-3-8b"))
         return base if (base.get("status") or {}).get("readyReplicas") == 2 else None
     await eventually(ready, what="the base ready")
+    await _autoscale(api, eventually)
     await api._request("DELETE", ADAPTERS.path(NS, "a"))
     await eventually(lambda: planned(["b", "c"], ["b", "c"]), what="a out of the plan")
 
@@ -107,6 +108,40 @@ async def _drive(api: Any, eventually: Any) -> None:
         b = await api.get(ADAPTERS.path(NS, "b"))
         return b if b["status"]["phase"] == "Pending" else None
     await eventually(parked, what="b Pending without its base")
+
+
+QUEUE = {"type": "Pods", "pods": {"metric": {"name": "loraplex_requests_waiting"},
+                                  "target": {"type": "AverageValue", "averageValue": "4"}}}
+
+
+async def _autoscale(api: Any, eventually: Any) -> None:
+    """serving.autoscaling on (the HPA created, the Deployment's count left to it), changed
+    (the HPA replaced: its behavior taken out goes), and off again (the HPA deleted, the
+    operator's count back)."""
+    base = BASE_MODELS.path(NS, "llama-3-8b")
+    hpa_path = AUTOSCALERS.path(NS, "llama-3-8b")
+    scaling = {"minReplicas": 2, "maxReplicas": 5, "metrics": [QUEUE],
+               "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}}}
+    await api.merge_patch(base, {"spec": {"serving": {"autoscaling": scaling}}})
+
+    async def scaled(want: dict) -> Any:
+        hpa = await api.get(hpa_path)
+        return hpa if hpa is not None and all(hpa["spec"].get(k) == v for k, v in want.items()) else None
+    hpa = await eventually(lambda: scaled({"maxReplicas": 5, "behavior": scaling["behavior"]}), what="the HPA")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "llama-3-8b"}
+    assert hpa["metadata"]["ownerReferences"][0]["kind"] == "BaseModel"  # collected with it
+    # The HPA scales the Deployment; the operator's resyncs leave its count alone.
+    await api.merge_patch(DEPLOYMENTS.path(NS, "llama-3-8b"), {"spec": {"replicas": 4}})
+    await api.merge_patch(base, {"spec": {"serving": {"autoscaling": {"maxReplicas": 8, "behavior": None}}}})
+    hpa = await eventually(lambda: scaled({"maxReplicas": 8}), what="the HPA replaced")
+    assert "behavior" not in hpa["spec"]  # a merge patch would have kept it
+    assert (await api.get(DEPLOYMENTS.path(NS, "llama-3-8b")))["spec"]["replicas"] == 4
+    await api.merge_patch(base, {"spec": {"serving": {"autoscaling": None}}})
+
+    async def unscaled() -> Any:
+        dep = await api.get(DEPLOYMENTS.path(NS, "llama-3-8b"))
+        return dep if await api.get(hpa_path) is None and dep["spec"]["replicas"] == 2 else None
+    await eventually(unscaled, what="the HPA deleted, serving.replicas back")
 
 
 @pytest.mark.parametrize("namespaces, mirrors", [((), True), ((NS,), True), ((), False)],
