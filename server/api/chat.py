@@ -28,10 +28,11 @@ router = APIRouter(tags=["chat"])
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  engine: AsyncEngine = Depends(get_engine)):
+    # The model first, as vLLM checks it: an unknown one is a 404 whatever else is wrong.
+    adapter = resolve_adapter(engine, body.model, get_caller(request))
     refusal = body.refusal() or body.vocab_refusal(engine.engine.cfg.vocab_size)
     if refusal:
         raise APIError(400, refusal[0], param=refusal[1])
-    adapter = resolve_adapter(engine, body.model, get_caller(request))
     eng = engine.engine
     if eng.tokenizer is None:
         raise APIError(400, "this server has no tokenizer: use /v1/completions with token ids")

@@ -57,10 +57,11 @@ def _prompts(engine: AsyncEngine, body: CompletionRequest) -> tuple[list[list[in
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, engine: AsyncEngine = Depends(get_engine)):
+    # The model first, as vLLM checks it: an unknown one is a 404 whatever else is wrong.
+    adapter = resolve_adapter(engine, body.model, get_caller(request))
     refusal = body.refusal() or body.vocab_refusal(engine.engine.cfg.vocab_size)
     if refusal:
         raise APIError(400, refusal[0], param=refusal[1])
-    adapter = resolve_adapter(engine, body.model, get_caller(request))
     # Tokenizing a long text takes seconds: off the event loop, which serves every stream.
     prompts, prompt_texts = await asyncio.to_thread(_prompts, engine, body)
     tokenizer = engine.engine.tokenizer

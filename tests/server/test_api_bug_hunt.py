@@ -87,3 +87,15 @@ def test_echoed_logprobs_join_into_the_echoed_text_with_skip_special_tokens_fals
     assert text.endswith("</s>") or "</s>" in text, text
     assert "".join(lp["tokens"]) == text, (lp["tokens"], text)
     assert all(text[at:].startswith(t) for at, t in zip(lp["text_offset"], lp["tokens"])), lp
+
+
+def test_an_unknown_model_is_a_404_before_any_value_is_checked(served):
+    """vLLM looks the model up first: a request for a model that does not exist is a 404,
+    whatever else it gets wrong (here a token outside the vocabulary)."""
+    import httpx
+
+    for path, body in (("/v1/completions", {"prompt": [5, 6]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = httpx.post(served.url + path, timeout=60,
+                       json={"model": "no-such-model", "allowed_token_ids": [10**6], "max_tokens": 2, **body})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
