@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -333,7 +334,16 @@ class Warmer:
     # -- plan ---------------------------------------------------------------------------------
 
     async def stage_refusal(self, ref: AdapterRef) -> StoreError | None:
-        """Why a client's stage request for `ref` must not be served, or None.
+        """Why a client's stage request for `ref` must not be served, or None (see `_plans_version`)."""
+        try:
+            await self._plans_version(ref)
+        except StoreError as e:
+            return e
+        return None
+
+    async def _plans_version(self, ref: AdapterRef) -> AdapterRef | None:
+        """The plan's own entry for a client's stage request of `ref`, or None for a name the
+        plan does not list; StoreError NotThePlansVersion when `ref` asks for another version.
 
         The node's servers load a plan adapter by its name from this node's disk, so a request
         for a name the plan lists must ask for the plan's version: its digest, or, where the
@@ -344,28 +354,37 @@ class Warmer:
         wakes the plan loop to take it) before refusing. Names the plan does not list (another
         base's servers on this node, or no plan at all) are staged as asked."""
         plan = self.plan
-        if (plan is None or ref.namespace != self.namespace or ref.name not in plan.adapters
-                or _same_version(plan.adapters[ref.name].ref, ref)):
+        if plan is None or ref.namespace != self.namespace:
             return None
+        if ref.name in plan.adapters and _same_version(plan.adapters[ref.name].ref, ref):
+            return plan.adapters[ref.name].ref
         newer = await self._read_plan_now()
         if newer is not None:
             self.wake()
-            if ref.name not in newer.adapters or _same_version(newer.adapters[ref.name].ref, ref):
+            if ref.name not in newer.adapters:
                 return None
+            if _same_version(newer.adapters[ref.name].ref, ref):
+                return newer.adapters[ref.name].ref
             plan = newer
+        elif ref.name not in plan.adapters:
+            return None
         wanted = plan.adapters[ref.name].ref
         what = f"sha256 {wanted.sha256}" if wanted.sha256 is not None else f"source {redact(wanted.source)}"
-        return StoreError("NotThePlansVersion", f"{ref.name} is in the plan of {plan.base_model} with {what}: "
-                          "this node stages that version of it alone")
+        raise StoreError("NotThePlansVersion", f"{ref.name} is in the plan of {plan.base_model} with {what}: "
+                         "this node stages that version of it alone")
 
     async def stage_on_request(self, ref: AdapterRef) -> StagedAdapter:
         """Stage `ref` for a client (a server whose request found it missing): refused as
-        `stage_refusal` says, and for a plan adapter reported on its status.nodes as the plan's
+        `_plans_version` says, and for a plan adapter reported on its status.nodes as the plan's
         own stagings are (most adapters of a pool are staged so, on their first request, not
-        ahead: without the report their LoRAAdapter said "not staged on any node" for good)."""
-        refusal = await self.stage_refusal(ref)
-        if refusal is not None:
-            raise refusal
+        ahead: without the report their LoRAAdapter said "not staged on any node" for good).
+
+        A plan adapter with a digest is fetched from the plan's source, not the client's: the
+        digest covers its weights alone, and a client's source could serve them beside another
+        adapter_config.json (another lora_alpha, other target modules) under a tenant's name."""
+        planned = await self._plans_version(ref)
+        if planned is not None and planned.sha256 is not None:
+            ref = dataclasses.replace(ref, source=planned.source)
         plan = self.plan
         if plan is not None and ref.namespace == self.namespace and ref.name in plan.adapters:
             return await self._stage(ref)

@@ -50,6 +50,30 @@ async def test_another_version_of_a_plan_adapter_is_refused(tmp_path, object_sto
     assert object_store.gets["evil/adapter_model.safetensors"] == 0
 
 
+async def test_the_plans_version_is_fetched_from_the_plans_source_not_the_clients(tmp_path, object_store,
+                                                                                 client_factory):
+    """The digest covers the weights alone: a pod serving the tenant's weights beside its own
+    adapter_config.json (another lora_alpha) passes the digest check, so the agent fetches a
+    plan adapter from the plan's source, whatever source the request names."""
+    import dataclasses
+    import json
+
+    from loraplex.node_agent.adapter_files import CONFIG_FILE
+
+    object_store.add("sql", tmp_path, seed=1)
+    real = object_store.adapters["sql"]
+    config = json.loads(real.files[CONFIG_FILE])
+    forged = {**real.files, CONFIG_FILE: json.dumps({**config, "lora_alpha": 4096}).encode()}
+    object_store.adapters["mimic"] = dataclasses.replace(real, files=forged)
+    client, _ = await _agent_with_plan(tmp_path, object_store, client_factory, plan_json(object_store, others=["sql"]))
+    r = await client.post("/v1/stage", json={"name": "sql", "source": object_store.source("mimic"),
+                                             "sha256": real.sha256})
+    assert r.status == 200, await r.text()
+    staged = json.loads((tmp_path / "cache" / "sql" / CONFIG_FILE).read_bytes())
+    assert staged["lora_alpha"] == config["lora_alpha"] != 4096
+    assert object_store.gets["mimic/adapter_model.safetensors"] == 0 and object_store.gets[f"mimic/{CONFIG_FILE}"] == 0
+
+
 async def test_a_plan_without_a_digest_pins_the_source_query_string_aside(tmp_path, object_store, client_factory):
     object_store.add("chat", tmp_path, seed=3)
     object_store.add("evil", tmp_path, seed=4)
