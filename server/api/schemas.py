@@ -173,6 +173,9 @@ class _SamplingFields(RequestBody):
         """(why, parameter) when this request cannot be served as asked; None when it can."""
         if self.n > MAX_N:
             return f"n must be at most {MAX_N}, got {self.n}", "n"
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            # vLLM's rule: options for a stream that is not one are a mistake, not ignored.
+            return "stream_options can only be given with stream: true", "stream_options"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of is not supported (other than best_of equal to n)", "best_of"
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

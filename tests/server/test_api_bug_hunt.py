@@ -99,3 +99,18 @@ def test_an_unknown_model_is_a_404_before_any_value_is_checked(served):
         r = httpx.post(served.url + path, timeout=60,
                        json={"model": "no-such-model", "allowed_token_ids": [10**6], "max_tokens": 2, **body})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+
+
+def test_stream_options_without_a_stream_are_refused_as_vllm_refuses_them(served):
+    import httpx
+
+    for path, body in (("/v1/completions", {"prompt": [5, 6]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = httpx.post(served.url + path, timeout=60, json={"model": "tiny-llama", "max_tokens": 2,
+                                                             "stream_options": {"include_usage": True}, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+        # Empty options, or none, are fine without a stream.
+        for options in ({}, None):
+            r = httpx.post(served.url + path, timeout=60, json={"model": "tiny-llama", "max_tokens": 2,
+                                                                 "stream_options": options, **body})
+            assert r.status_code == 200, r.text
