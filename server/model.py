@@ -321,8 +321,8 @@ class LlamaModel:
     def _prompt_logprobs(self, x: torch.Tensor, tokens: torch.Tensor, seqs: list[PrefillSeq],
                          wanted: dict[int, int]) -> dict[int, list[TokenLogprobs | None]]:
         """Per wanted prompt, one entry per token: None for the first (nothing predicts it),
-        then each token's logprob given the tokens before it and the k most likely there.
-        Prompt [1, 7, 9], k = 1 -> [None, (lp(7 | 1), top 1), (lp(9 | 1 7), top 1)].
+        then each token's logprob given the tokens before it, its rank there and the k most
+        likely there. Prompt [1, 7, 9], k = 1 -> [None, (lp(7 | 1), top 1, rank), (lp(9 | 1 7), ...)].
 
         x [T, hidden] the last layer's output. Position p scores token p + 1: log_softmax in
         float32 over the logits of every position but the last, of the wanted prompts only,
@@ -330,18 +330,21 @@ class LlamaModel:
         order = sorted(wanted)
         host = [p for i in order for p in range(seqs[i].start, seqs[i].start + seqs[i].length - 1)]
         k = max(wanted.values(), default=0)
-        chosen, top_v, top_i = [], [], []
+        chosen, ranks, top_v, top_i = [], [], [], []
         if host:
             positions = torch.tensor(host, device=self.device)
             for c in range(0, len(host), PROMPT_LOGPROBS_CHUNK):
                 rows = positions[c:c + PROMPT_LOGPROBS_CHUNK]
                 lp = torch.log_softmax(self._logits(x[rows]), dim=-1)  # [chunk, vocab]
-                chosen.append(lp.gather(1, tokens[rows + 1][:, None])[:, 0])
+                picked = lp.gather(1, tokens[rows + 1][:, None])
+                chosen.append(picked[:, 0])
+                ranks.append((lp >= picked).sum(dim=-1))  # vLLM's rank: tokens at least as likely
                 if k:
                     top = lp.topk(k, dim=-1)  # sorted, most likely first
                     top_v.append(top.values)
                     top_i.append(top.indices)
             chosen = torch.cat(chosen).tolist()
+            ranks = torch.cat(ranks).tolist()
             top_v = torch.cat(top_v).tolist() if k else [[]] * len(host)
             top_i = torch.cat(top_i).tolist() if k else [[]] * len(host)
         out, j = {}, 0
@@ -349,7 +352,7 @@ class LlamaModel:
             n = wanted[i]
             entries: list[TokenLogprobs | None] = [None]
             for _ in range(seqs[i].length - 1):
-                entries.append(TokenLogprobs(chosen[j], tuple(zip(top_i[j][:n], top_v[j][:n]))))
+                entries.append(TokenLogprobs(chosen[j], tuple(zip(top_i[j][:n], top_v[j][:n])), ranks[j]))
                 j += 1
             out[i] = entries
         return out

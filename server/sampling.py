@@ -60,6 +60,9 @@ class SamplingParams:
     # prompt token's logprob and the k most likely there too (the first token's is None).
     # Only then may max_tokens be 0: score the prompt, generate nothing.
     echo: bool = False
+    # vLLM's prompt_logprobs: each prompt token's logprob and rank, and the k most likely
+    # tokens there (None: not asked), apart from echo's.
+    prompt_logprobs_top: int | None = None
     # OpenAI's logit_bias: {token id: bias}, each bias added to that token's logit before the
     # penalties and sampling (-100 in effect bans the token, +100 all but forces it).
     logit_bias: dict[int, float] | None = None
@@ -116,6 +119,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be between 0 and max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs_top is not None and not 0 <= self.prompt_logprobs_top <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]")
         if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if not 0 < self.repetition_penalty < float("inf"):
@@ -131,8 +136,10 @@ class SamplingParams:
 
     @property
     def prompt_logprobs(self) -> int | None:
-        """Alternatives per prompt token the request wants (None: no prompt logprobs)."""
-        return self.logprobs if self.echo else None
+        """Alternatives per prompt token the request wants (None: no prompt logprobs): echo's
+        (its `logprobs`), or prompt_logprobs_top's, the larger where both ask."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs_top) if k is not None]
+        return max(asked) if asked else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +149,9 @@ class TokenLogprobs:
 
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+    # The token's rank in the distribution, vLLM's: how many tokens are at least as likely
+    # (1 = the most likely). Set for prompt tokens (prompt_logprobs reports it); None elsewhere.
+    rank: int | None = None
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -18,7 +18,7 @@ from ..engine import AsyncEngine
 from .auth import get_caller
 from .deps import get_engine, merged, open_choices, resolve_adapter, until_disconnected
 from .errors import APIError
-from .logprobs import chat_logprobs
+from .logprobs import chat_logprobs, prompt_logprobs
 from .schemas import ChatCompletionRequest, new_id, now, usage
 from .sse import sse_response
 
@@ -94,7 +94,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         counts = [0] * len(streams)
         ids: list[list[int]] = [[] for _ in streams]
         lps: list[list] = [[] for _ in streams]
+        prompt_lps: list | None = None  # the prompt's, from the first choice's request
         async for j, out in merged(streams):
+            if out.prompt_logprobs is not None and prompt_lps is None:
+                prompt_lps = out.prompt_logprobs
             texts[j] += out.text
             counts[j] = out.completion_tokens
             if want_logprobs:
@@ -102,10 +105,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                 lps[j] += out.logprobs
             if out.finished:
                 reasons[j] = out.finish_reason
-        return chunk([{"index": j, "message": {"role": "assistant", "content": texts[j]},
-                       "logprobs": (chat_logprobs(lp_tokenizer, ids[j], lps[j], body.skip_special_tokens)
-                                    if want_logprobs else None),
-                       "finish_reason": reasons[j]} for j in range(len(streams))], "chat.completion",
-                     total(counts))
+        response = chunk([{"index": j, "message": {"role": "assistant", "content": texts[j]},
+                           "logprobs": (chat_logprobs(lp_tokenizer, ids[j], lps[j], body.skip_special_tokens)
+                                        if want_logprobs else None),
+                           "finish_reason": reasons[j]} for j in range(len(streams))], "chat.completion",
+                         total(counts))
+        if body.prompt_logprobs is not None:  # vLLM's, beside the choices: the rendered prompt's
+            response["prompt_logprobs"] = prompt_logprobs(lp_tokenizer, prompt, prompt_lps or [],
+                                                          body.prompt_logprobs, body.skip_special_tokens)
+        return response
 
     return await until_disconnected(request, collect())

@@ -17,10 +17,11 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 
 from ..engine import AsyncEngine, RequestError
+from ..sampling import TokenLogprobs
 from .auth import get_caller
 from .deps import get_engine, merged, open_choices, resolve_adapter, until_disconnected
 from .errors import APIError
-from .logprobs import CompletionLogprobs
+from .logprobs import CompletionLogprobs, prompt_logprobs
 from .schemas import CompletionRequest, new_id, now, usage
 from .sse import sse_response
 
@@ -82,16 +83,22 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
     builders = [CompletionLogprobs(lp_tokenizer, body.skip_special_tokens, len(prompts[k // n]) if body.echo else 0)
                 for k in range(len(streams))]
     echoed = [not body.echo] * len(streams)
+    prompt_lps: list[list | None] = [None] * len(streams)  # each choice's, for prompt_logprobs
 
     def delta(k: int, out) -> tuple[str, list[int], list]:
         """Choice k's output's text, token ids and logprobs; a choice's first one starts with its
         prompt when echoing (the engine sends the prompt's logprobs with its first output)."""
         text, ids, lps = out.text, out.token_ids, out.logprobs or []
+        if out.prompt_logprobs is not None:
+            prompt_lps[k] = out.prompt_logprobs
         if not echoed[k]:
             echoed[k] = True
             text = prompt_texts[k // n] + text
             if out.prompt_logprobs is not None:
-                ids, lps = prompts[k // n] + ids, out.prompt_logprobs + lps
+                # echo's `logprobs` alternatives (prompt_logprobs may have asked for more)
+                echo = [lp if lp is None else TokenLogprobs(lp.logprob, lp.top[:params.logprobs])
+                        for lp in out.prompt_logprobs]
+                ids, lps = prompts[k // n] + ids, echo + lps
         return text, ids, lps
 
     def total(counts: list[tuple[int, int]]) -> dict:
@@ -139,6 +146,10 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
         choices = [{"index": k, "text": texts[k],
                     "logprobs": builders[k].chunk(ids[k], lps[k]) if want_logprobs else None,
                     "finish_reason": reasons[k]} for k in range(len(streams))]
+        if body.prompt_logprobs is not None:  # vLLM's, per choice
+            for k, choice in enumerate(choices):
+                choice["prompt_logprobs"] = prompt_logprobs(lp_tokenizer, prompts[k // n], prompt_lps[k] or [],
+                                                            body.prompt_logprobs, body.skip_special_tokens)
         return chunk(choices, total(counts))
 
     return await until_disconnected(request, collect())

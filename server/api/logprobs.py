@@ -107,3 +107,24 @@ def chat_logprobs(tokenizer: Tokenizer | None, token_ids: list[int], logprobs: l
         entry["top_logprobs"] = [_entry(tokenizer, t, v, skip_special_tokens) for t, v in lp.top]
         content.append(entry)
     return {"content": content}
+
+
+def prompt_logprobs(tokenizer: Tokenizer | None, prompt_ids: list[int], entries: list[TokenLogprobs | None],
+                    k: int, skip_special_tokens: bool = True) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first (nothing predicts it), then
+    {token id: {"logprob", "rank", "decoded_token"}} of the prompt token and of the `k` most
+    likely tokens there, the prompt token first, e.g. for k = 1:
+    [None, {"7": {"logprob": -3.2, "rank": 5, "decoded_token": " fox"},
+            "12": {"logprob": -0.9, "rank": 1, "decoded_token": " the"}}, ...]"""
+    out: list[dict | None] = []
+    for token_id, lp in zip(prompt_ids, entries):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(token_id): {"logprob": _value(lp.logprob), "rank": lp.rank,
+                                 "decoded_token": token_text(tokenizer, token_id, skip_special_tokens)}}
+        for rank, (t, v) in enumerate(lp.top[:k], 1):
+            entry.setdefault(str(t), {"logprob": _value(v), "rank": rank,
+                                      "decoded_token": token_text(tokenizer, t, skip_special_tokens)})
+        out.append(entry)
+    return out

@@ -110,7 +110,7 @@ class RequestBody(BaseModel):
 UNSUPPORTED: dict[str, tuple] = {
     "guided_json": (None,), "guided_regex": (None, ""), "guided_choice": (None, []), "guided_grammar": (None, ""),
     "guided_decoding_backend": (None, ""), "structured_outputs": (None, {}),
-    "logits_processors": (None, []), "prompt_logprobs": (None,),
+    "logits_processors": (None, []),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
     "structural_tag": (None, ""), "prompt_embeds": (None,), "tool_choice": (None, "none", "auto"),
@@ -155,6 +155,9 @@ class _SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     # vLLM's: False keeps special tokens' text in the output.
     skip_special_tokens: bool = True
+    # vLLM's: each prompt token's logprob and rank, and this many most likely tokens there,
+    # as `prompt_logprobs` beside the choices (not streamed, as vLLM refuses it with stream).
+    prompt_logprobs: int | None = None
     # Parts of the OpenAI API this server does not implement: refused when they would change
     # the output (a 400 naming them), accepted when neutral (empty, or plain text), never
     # silently dropped.
@@ -173,6 +176,12 @@ class _SamplingFields(RequestBody):
         """(why, parameter) when this request cannot be served as asked; None when it can."""
         if self.n > MAX_N:
             return f"n must be at most {MAX_N}, got {self.n}", "n"
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                return f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}", \
+                    "prompt_logprobs"
+            if self.stream and self.prompt_logprobs > 0:  # vLLM's rule
+                return "prompt_logprobs are not available when stream is true", "prompt_logprobs"
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             # vLLM's rule: options for a stream that is not one are a mistake, not ignored.
             return "stream_options can only be given with stream: true", "stream_options"
@@ -263,6 +272,8 @@ class _SamplingFields(RequestBody):
             bad_words_ids=bad_words_token_ids(tokenizer, self.bad_words) if self.bad_words else [],
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            # (a stream shows none: 0 is all one may ask for with one, and costs nothing then)
+            prompt_logprobs_top=None if self.stream else self.prompt_logprobs,
         )
 
     def choice_params(self, params: SamplingParams) -> list[SamplingParams]:
