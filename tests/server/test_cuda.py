@@ -181,6 +181,10 @@ def test_cuda_bf16_prompt_logprobs_by_chunks(monkeypatch):
         prefix = model.prefill(ids[:p + 1], slots[:p + 1], [PrefillSeq(1, 0, p + 1)])[0]
         want = torch.log_softmax(prefix, -1)
         assert chunked[p + 1].logprob == pytest.approx(want[ids[p + 1]].item(), abs=0.1), p
+    # The ranks (prompt_logprobs'): in the vocabulary, and the chunks' as the whole's, within
+    # what bf16's different GEMMs of the two move a logprob by (1e-2, above) in a flat distribution.
+    for a, b in zip(chunked[1:], whole[1:]):
+        assert 1 <= a.rank <= CUDA_CFG.vocab_size and abs(a.rank - b.rank) <= max(8, b.rank // 10), (a.rank, b.rank)
 
 
 def test_slots_of_q_and_v_only_give_what_full_slots_give():
