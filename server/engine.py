@@ -214,6 +214,8 @@ class LLMEngine:
                                 fused_ops=None if settings.fused_ops else False,
                                 triton_gemm=None if settings.triton_gemm else False)
         self.decoder = DecodeRunner(self.model, settings.max_num_seqs, settings.kv_block, settings.cuda_graphs)
+        self.metrics.describe_kv_cache(settings.kv_block, self.kv.rows, self.kv.max_len,
+                                       str(self.dtype).removeprefix("torch."))
         self.decoder.capture_guard = self.adapters.cuda_lock
         self.scheduler = Scheduler(self.kv, settings.max_prefill_tokens,
                                    chunked_prefill=settings.enable_chunked_prefill)

@@ -4,7 +4,7 @@ one process, as in the tests). /metrics renders `EngineMetrics.render()`.
 Besides loraplex's own names, the gauges that the Kubernetes Gateway API Inference
 Extension's endpoint picker scrapes from a vLLM-compatible server are exported under
 vLLM's names (`vllm:num_requests_waiting`, `vllm:num_requests_running`,
-`vllm:kv_cache_usage_perc`, `vllm:lora_requests_info`), so its LoRA-affinity routing can
+`vllm:kv_cache_usage_perc`, `vllm:lora_requests_info`, `vllm:cache_config_info`), so its LoRA-affinity routing can
 send a request to a pod that already holds the adapter.
 """
 
@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
+CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching")
 
 
 class LoraRequestsInfo:
@@ -64,6 +65,19 @@ class EngineMetrics:
         self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for admission", registry=r)
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV rows in use (0..1)", registry=r)
         self.vllm_lora = LoraRequestsInfo(r)
+        # vLLM's cache_config_info (value 1, the configuration in labels), which the endpoint
+        # picker's vllm engine reads beside the gauges above: without it, it counts the pod's
+        # metrics as failed. `describe_kv_cache` sets it once.
+        self.vllm_cache_config = Gauge("vllm:cache_config_info", "KV cache configuration (in the labels)",
+                                       CACHE_CONFIG_LABELS, registry=r)
+
+    def describe_kv_cache(self, block_size: int, rows: int, max_len: int, dtype: str) -> None:
+        """The KV cache as vLLM's labels describe one: `rows` x `max_len` tokens, preallocated,
+        counted in blocks of `block_size` tokens (the granularity a decode step reads it in;
+        there is no paging and no prefix caching)."""
+        blocks = rows * -(-max_len // block_size)
+        self.vllm_cache_config.labels(block_size=str(block_size), num_gpu_blocks=str(blocks), cache_dtype=dtype,
+                                      enable_prefix_caching="False").set(1)
 
     def refresh(self, engine) -> None:
         """Gauges read from the engine at scrape time."""

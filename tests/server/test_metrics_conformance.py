@@ -84,8 +84,16 @@ def test_metrics_is_prometheus_text_0_0_4(server):
             assert buckets[-1].value == count
             assert [b.value for b in buckets] == sorted(b.value for b in buckets)  # cumulative
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-                 "vllm:lora_requests_info"):
+                 "vllm:lora_requests_info", "vllm:cache_config_info"):
         assert fams[name].type == "gauge", name
+    # The cache's configuration, as the endpoint picker's vllm engine reads it: one series of
+    # value 1, block_size and num_gpu_blocks in its labels; their product the cache's tokens.
+    (config,) = fams["vllm:cache_config_info"].samples
+    engine = server.engine
+    tokens = int(config.labels["block_size"]) * int(config.labels["num_gpu_blocks"])
+    assert config.value == 1 and int(config.labels["block_size"]) == engine.settings.kv_block
+    assert engine.kv.rows * engine.kv.max_len <= tokens < engine.kv.rows * (engine.kv.max_len + engine.settings.kv_block)
+    assert config.labels["enable_prefix_caching"] == "False" and config.labels["cache_dtype"] == "float32"
 
 
 def test_cache_token_and_queue_values_after_requests_loads_evictions_and_pins(server):
