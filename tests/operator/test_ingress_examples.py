@@ -142,11 +142,14 @@ def test_every_metric_the_epp_reads_is_one_the_server_exports_with_the_lora_labe
     named = {key: _metric_names(engine[key]) for key in spec_keys if engine[key]}
     assert named == {"queuedRequestsSpec": "vllm:num_requests_waiting",
                      "runningRequestsSpec": "vllm:num_requests_running",
-                     "kvUsageSpec": "vllm:kv_cache_usage_perc", "loraSpec": "vllm:lora_requests_info"}
+                     "kvUsageSpec": "vllm:kv_cache_usage_perc", "loraSpec": "vllm:lora_requests_info",
+                     "cacheInfoSpec": "vllm:cache_config_info"}
     for key, name in named.items():
         assert name in series, f"{key} names {name}, which the server does not export"
     # The EPP reads these labels of vllm:lora_requests_info (adapters joined by commas, the slot count).
     assert {"running_lora_adapters", "waiting_lora_adapters", "max_lora"} <= series[named["loraSpec"]]
+    # ... and these of vllm:cache_config_info (a missing one is an extraction error there).
+    assert {"block_size", "num_gpu_blocks"} <= series[named["cacheInfoSpec"]]
     # The chart's flags, where set, name no metric (v1.5.0 refuses the old metric flags).
     flags = VALUES["inferenceExtension"].get("flags") or {}
     assert not [f for f in flags if f.endswith("-metric")]
