@@ -291,7 +291,12 @@ async def _remove_autoscaler(client: kube.KubeClient, base: BaseModelSpec, deplo
     has none (the Deployment's replica count is the operator's again); one of another owner's
     under that name is left alone."""
     path = kube.AUTOSCALERS.path(base.namespace, base.name)
-    existing = await client.get(path)
+    try:
+        existing = await client.get(path)
+    except kube.KubeError as exc:
+        if exc.status == 403:  # a ClusterRole from before serving.autoscaling: it could not have made one
+            return
+        raise
     if existing is None or workloads.foreign_owner(existing, deployment) is not None:
         return
     if await client.delete(path):

@@ -108,3 +108,27 @@ def test_an_autoscaled_base_is_ready_once_its_minimum_is():
     external = build_plan(base({"replicas": None}), [], T0)
     got = lambda n: next(c for c in base_status(external, None, n, "p", T0)["conditions"] if c["type"] == "Ready")
     assert got(0)["status"] == "False" and got(1)["status"] == "True" and "another controller" in got(1)["message"]
+
+
+async def test_an_operator_without_the_hpa_permission_still_writes_the_workloads_of_bases_without_one():
+    """A ClusterRole from before serving.autoscaling (the image upgraded, the chart not) gives
+    a 403 on the HPA: a base that asks for none still gets its Deployment and Service."""
+    import logging
+
+    from loraplex.operator import handlers, kube
+
+    class Client:
+        written: list = []
+
+        async def get(self, path):
+            raise kube.KubeError(403, "horizontalpodautoscalers is forbidden")
+
+        async def ensure(self, desired):
+            self.written.append(desired["kind"])
+            return "created"
+
+    owner = {"apiVersion": "loraplex.io/v1alpha1", "kind": "BaseModel",
+             "metadata": {"name": "llama-3-8b", "namespace": "ml", "uid": "u-1"}}
+    client = Client()
+    assert await handlers._ensure_workloads(client, base(), owner, logging.getLogger("test")) is None
+    assert client.written == ["Deployment", "Service"]
