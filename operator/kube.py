@@ -179,8 +179,14 @@ class KubeClient:
         if not workloads.needs_update(existing, desired):
             return "unchanged"
         if desired["kind"] in REPLACED_KINDS:
+            # The spec replaced whole; of the metadata, what others put there (labels,
+            # annotations, finalizers) is kept beside ours.
             body = copy.deepcopy(dict(desired))
-            body["metadata"]["resourceVersion"] = existing["metadata"].get("resourceVersion")
+            have = existing.get("metadata") or {}
+            body["metadata"] = {**body["metadata"], "resourceVersion": have.get("resourceVersion"),
+                                "labels": {**(have.get("labels") or {}), **(meta.get("labels") or {})},
+                                "annotations": {**(have.get("annotations") or {}), **(meta.get("annotations") or {})},
+                                **({"finalizers": have["finalizers"]} if have.get("finalizers") else {})}
             await self._request("PUT", path, json=body)  # a 409 (changed meanwhile): the next run tries again
             return "replaced"
         owned = {key: desired[key] for key in ("spec", "data", "binaryData") if key in desired}

@@ -130,11 +130,14 @@ async def _autoscale(api: Any, eventually: Any) -> None:
     hpa = await eventually(lambda: scaled({"maxReplicas": 5, "behavior": scaling["behavior"]}), what="the HPA")
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "llama-3-8b"}
     assert hpa["metadata"]["ownerReferences"][0]["kind"] == "BaseModel"  # collected with it
-    # The HPA scales the Deployment; the operator's resyncs leave its count alone.
+    # The HPA scales the Deployment; the operator's resyncs leave its count alone. Another
+    # tool labels the HPA: the replacement keeps that label.
     await api.merge_patch(DEPLOYMENTS.path(NS, "llama-3-8b"), {"spec": {"replicas": 4}})
+    await api.merge_patch(hpa_path, {"metadata": {"labels": {"team": "ml"}}})
     await api.merge_patch(base, {"spec": {"serving": {"autoscaling": {"maxReplicas": 8, "behavior": None}}}})
     hpa = await eventually(lambda: scaled({"maxReplicas": 8}), what="the HPA replaced")
     assert "behavior" not in hpa["spec"]  # a merge patch would have kept it
+    assert hpa["metadata"]["labels"]["team"] == "ml" and hpa["metadata"]["labels"]["loraplex.io/base-model"]
     assert (await api.get(DEPLOYMENTS.path(NS, "llama-3-8b")))["spec"]["replicas"] == 4
     await api.merge_patch(base, {"spec": {"serving": {"autoscaling": None}}})
 
