@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -108,6 +109,13 @@ class FakeServer:
             return web.json_response({"error": {"message": "boom"}}, status=500)
         return web.json_response({"name": name, "status": "loading" if action == "prefetch" else "pinned"},
                                  status=202 if action == "prefetch" else 200)
+
+
+@pytest.fixture
+async def session():
+    """An aiohttp client session for the test (the agent's own, as a test builds its parts)."""
+    async with aiohttp.ClientSession() as s:
+        yield s
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import asyncio
 import gzip
 import json
 
-import aiohttp
 import pytest
 
 from loraplex.node_agent.kube import KubeAPI, PlanConfigMap
@@ -17,12 +16,6 @@ from loraplex.node_agent.tasks import TaskGuard
 from loraplex.node_agent.warmer import Warmer
 
 from .helpers import ConfigMapDir, plan_json
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def _corrupt_gzip(doc: dict) -> bytes:

@@ -89,12 +89,6 @@ async def streaming_source():
     await server.close()
 
 
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
 def _adapter(tmp_path: Path, name: str, seed: int) -> tuple[Path, str]:
     d = tmp_path / "volume" / name
     sha = make_adapter(d, seed=seed, rank=16, hidden=256)

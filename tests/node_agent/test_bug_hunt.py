@@ -8,19 +8,12 @@ import os
 import threading
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from loraplex.node_agent.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 
 from .helpers import make_adapter
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def _adapter(tmp_path: Path, name: str, seed: int) -> tuple[str, str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from loraplex.node_agent.adapter_files import WEIGHTS_FILE
@@ -24,12 +23,6 @@ NAMES = [
     ("a,b", False), ("a/b", False), ("../x", False), ("..", False), (".store", False), (".tmp", False),
     ("a b", False), ("café", False), ("-x", False), ("", False), ("x" * (MAX_ADAPTER_NAME_LENGTH + 1), False),
 ]
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 @pytest.mark.parametrize("name, ok", NAMES)

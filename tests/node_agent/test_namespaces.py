@@ -14,7 +14,6 @@ import json
 import os
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from loraplex.node_agent.adapter_files import WEIGHTS_FILE
@@ -22,12 +21,6 @@ from loraplex.node_agent.app import AGENT, AgentConfig
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 
 from .helpers import ConfigMapDir, make_adapter, plan_json
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def _versions(tmp_path: Path) -> dict[str, tuple[str, str]]:

@@ -6,19 +6,12 @@ from __future__ import annotations
 import json
 import os
 
-import aiohttp
 import pytest
 
 from loraplex.node_agent.store import AdapterRef, AdapterStore
 from loraplex.node_agent.warmer import Warmer
 
 from .helpers import ConfigMapDir, plan_json
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def _run_once(tmp_path, session, plan_path) -> Warmer:

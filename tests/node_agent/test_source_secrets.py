@@ -5,17 +5,10 @@ still tells versions of a digest-less adapter apart by their whole source."""
 
 from __future__ import annotations
 
-import aiohttp
 import pytest
 
 from loraplex.node_agent.sources import redact
 from loraplex.node_agent.store import AdapterRef, AdapterStore, is_version
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def files_under(root):

@@ -9,19 +9,12 @@ import os
 import shutil
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from loraplex.node_agent.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 
 from .helpers import make_adapter
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def open_store(root: Path, session, clock=None, budget: int = 10**9, downloads: int = 4) -> AdapterStore:

@@ -27,12 +27,6 @@ TIMEOUT = 0.5  # the warmer's per-call timeout in these tests
 
 
 @pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
-@pytest.fixture
 async def hung_server():
     """Ready by /readyz, but every adapter call hangs (a server stuck in a long load)."""
     calls: list[str] = []

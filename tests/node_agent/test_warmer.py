@@ -10,7 +10,6 @@ import json
 import os
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
@@ -19,12 +18,6 @@ from loraplex.node_agent.kube import KubeAPI, KubePods, PlanConfigMap, StatusRep
 from loraplex.node_agent.warmer import PlanError, StaticServers, Warmer, parse_plan
 
 from .helpers import T0, ConfigMapDir, plan_json
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 class FakeNow:
