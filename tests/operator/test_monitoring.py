@@ -588,7 +588,8 @@ KUSTOMIZATION = yaml.safe_load((MONITORING / "kustomization.yaml").read_text())
 
 def test_the_kustomization_lists_every_file():
     assert KUSTOMIZATION["kind"] == "Kustomization" and "namespace" not in KUSTOMIZATION
-    files = {p.name for p in MONITORING.iterdir()} - {"kustomization.yaml"}
+    # (prometheus-adapter-values.yaml is a Helm chart's values, not a kustomize resource)
+    files = {p.name for p in MONITORING.iterdir()} - {"kustomization.yaml", "prometheus-adapter-values.yaml"}
     (generator,) = KUSTOMIZATION["configMapGenerator"]
     dashboards = {f.split("=")[-1] for f in generator["files"]}
     assert set(KUSTOMIZATION["resources"]) | dashboards == files
@@ -613,3 +614,28 @@ def test_kubectl_kustomize_builds_the_monitors_rule_and_dashboard():
     # The common label did not reach the selectors (it would select nothing the operator labels).
     assert built[("ServiceMonitor", "loraplex-servers")]["spec"] == SERVICE_MONITOR["spec"]
     assert built[("PodMonitor", "loraplex-node-agents")]["spec"] == POD_MONITOR["spec"]
+
+
+def test_the_adapter_serves_the_queue_metric_the_readmes_autoscaler_names():
+    """prometheus-adapter-values.yaml: each rule's series is one the scrape holds, with the
+    `namespace` and `pod` labels its resources map; its metricsQuery groups by the pod as the
+    adapter substitutes it; the name it serves is the README's serving.autoscaling metric."""
+    import re
+
+    values = yaml.safe_load((MONITORING / "prometheus-adapter-values.yaml").read_text())
+    series = scraped()
+    served = set()
+    for rule in values["rules"]["custom"]:
+        (metric,) = re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)\{", rule["seriesQuery"])
+        assert metric in series, metric
+        overrides = rule["resources"]["overrides"]
+        assert {"namespace", "pod"} <= set(overrides) <= series[metric], (metric, overrides)
+        assert {v["resource"] for v in overrides.values()} == {"namespace", "pod"}
+        assert re.fullmatch(rule["name"]["matches"], metric)
+        assert "<<.Series>>" in rule["metricsQuery"] and "by (<<.GroupBy>>)" in rule["metricsQuery"]
+        served.add(rule["name"]["as"])
+    readme = (ROOT / "README.md").read_text()
+    autoscaling = readme.split("`serving.autoscaling` puts", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    example = yaml.safe_load(autoscaling)["serving"]["autoscaling"]
+    names = {m["pods"]["metric"]["name"] for m in example["metrics"] if m["type"] == "Pods"}
+    assert names and names <= served
