@@ -37,7 +37,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from loraplex.node_agent.auth import authenticate
+from loraplex.node_agent.auth import authenticate, holds_key
 from loraplex.node_agent.metrics import Metrics
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 from loraplex.node_agent.tasks import TaskGuard
@@ -73,6 +73,7 @@ class AgentConfig:
     server_api_key: str | None = field(default=None, repr=False)  # sent to the servers it warms
     server_api_key_file: Path | None = None  # or read from this file, re-read when it changes
     api_key: str | None = field(default=None, repr=False)  # this API's own key (auth.py): none, open
+    stage_plan_adapters_only: bool = False  # /v1/stage of a name no followed plan lists needs api_key
 
 
 @dataclass
@@ -130,6 +131,18 @@ class Agent:
         ours = [w for w in self.warmers if w.namespace == namespace]
         listed = [w for w in ours if w.plan is not None and name in w.plan.adapters]
         return (listed or ours or self.warmers)[0]
+
+    async def plan_lists(self, namespace: str | None, name: str) -> bool:
+        """Whether a plan this agent follows lists `name` in `namespace`, as the plan stands
+        now: a server may have read a newer plan than the agent's last poll (the plan loop is
+        woken to take it)."""
+        ours = [w for w in self.warmers if w.namespace == namespace]
+        if any(w.plan is not None and name in w.plan.adapters for w in ours):
+            return True
+        for w in ours:
+            if await w.lists_now(name):
+                return True
+        return False
 
     def _listed_elsewhere(self, warmer: Warmer, name: str) -> bool:
         return any(w is not warmer and w.namespace == warmer.namespace and w.plan is not None
@@ -413,6 +426,11 @@ async def stage(request: web.Request) -> web.Response:
     ref = AdapterRef(body["name"], body["source"], body.get("sha256"), body.get("dtype"), body.get("namespace"))
     try:
         ref.validate()
+        if (agent.config.stage_plan_adapters_only and not holds_key(request, agent.config.api_key)
+                and not await agent.plan_lists(ref.namespace, ref.name)):
+            where = f" of namespace {ref.namespace!r}" if ref.namespace else ""
+            return error("NotInPlan", f"{ref.name!r} is in no plan{where} this node follows: this agent stages "
+                         "plan adapters alone (--stage-plan-adapters-only), other names with its API key", 403)
         staged = await agent.warmer_for(ref.namespace, ref.name).stage_on_request(ref)
     except StoreError as e:
         return _store_error(e)

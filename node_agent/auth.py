@@ -12,8 +12,9 @@ added under /v1/ later is not open by mistake.
 
 Open with a key as without one: `POST /v1/stage`, which the servers call when a request
 finds its adapter missing and who hold no agent key (for a name a followed plan lists, it
-stages the plan's version alone: Warmer.stage_refusal), and `/healthz` and `/metrics`, for
-the kubelet's probe and Prometheus.
+stages the plan's version alone: Warmer.stage_refusal; with --stage-plan-adapters-only, other
+names need the key: `holds_key`), and `/healthz` and `/metrics`, for the kubelet's probe and
+Prometheus.
 
 The key is compared by its SHA-256 digest, in constant time, so the time of a refusal tells
 nothing of the key.
@@ -32,6 +33,12 @@ OPEN_PATHS = frozenset({"/v1/stage"})  # under /v1/, taken without the key
 
 def needs_key(path: str) -> bool:
     return path.startswith("/v1/") and path not in OPEN_PATHS
+
+
+def holds_key(request: web.Request, api_key: str | None) -> bool:
+    """Whether `request` sends `api_key` (False when there is none to send)."""
+    token = bearer_token(request.headers.get("Authorization"))
+    return bool(api_key) and token is not None and hmac.compare_digest(key_digest(token), key_digest(api_key))
 
 
 def authenticate(api_key: str | None):

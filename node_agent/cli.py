@@ -99,6 +99,13 @@ class Settings:
     LORAPLEX_NODE_AGENT_API_KEY from a Secret rather than on the command line. Default: none
     (the API is open)."""
 
+    stage_plan_adapters_only: bool = False
+    """POST /v1/stage stages only adapters a followed plan lists (the servers' own requests):
+    any other name is a 403 NotInPlan unless the request sends this agent's --api-key. Without
+    it, any pod that reaches the port may have the agent fetch any source onto the node's disk
+    (within its budget). For agents that follow every plan of their servers (the chart's
+    plan discovery); a new BaseModel's adapters are taken once its plan is found. Default: off."""
+
     port: int = 8081
     """TCP port of the agent's HTTP API. Default: 8081."""
 
@@ -223,6 +230,7 @@ class Settings:
             server_api_key=self.server_api_key,
             server_api_key_file=Path(self.server_api_key_file) if self.server_api_key_file else None,
             api_key=self.api_key,
+            stage_plan_adapters_only=self.stage_plan_adapters_only,
         )
 
 
@@ -251,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         if typing.get_origin(hint) is list:
             parser.add_argument(flag, dest=f.name, action="append", type=str, help=docs[f.name])
+        elif base is bool:  # --flag / --no-flag
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=docs[f.name])
         else:
             parser.add_argument(flag, dest=f.name, type=base, help=docs[f.name])
     return parser

@@ -390,6 +390,15 @@ class Warmer:
             return await self._stage(ref)
         return await self.store.stage(ref)
 
+    async def lists_now(self, name: str) -> bool:
+        """Whether this warmer's plan, read again now, lists `name` (the plan loop woken to
+        take it); False without a plan source or a plan that reads."""
+        newer = await self._read_plan_now()
+        if newer is None or name not in newer.adapters:
+            return False
+        self.wake()
+        return True
+
     async def _read_plan_now(self) -> Plan | None:
         """The plan as its source holds it now, if it reads and parses; the watch is left as it
         is (the plan loop takes a new plan, and reconciles for it, on its next poll)."""

@@ -171,7 +171,9 @@ def test_every_setting_has_a_flag_and_a_docstring():
     fields = set(Settings.__dataclass_fields__)
     assert set(flags) == fields == set(docs)
     for name, opts in flags.items():
-        assert opts == ["--" + name.replace("_", "-")]
+        flag = "--" + name.replace("_", "-")
+        # (an on/off setting takes its --no- form too)
+        assert opts in ([flag], [flag, "--no-" + flag[2:]]), opts
         assert "Default" in docs[name], name
 
 

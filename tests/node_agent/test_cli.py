@@ -71,3 +71,9 @@ def test_the_agents_own_api_key_comes_from_the_environment_or_the_flag_and_is_ne
     assert Settings.from_env_and_args([], {"LORAPLEX_NODE_AGENT_API_KEY": ""}).api_key is None  # set but empty: none
     assert Settings.from_env_and_args([], {"LORAPLEX_SERVER_API_KEY": "sk-server"}).api_key is None
     assert "sk-agent-env" not in repr(s) and "sk-agent-env" not in repr(s.agent_config())
+
+
+def test_stage_plan_adapters_only_is_an_on_off_flag():
+    assert Settings.from_env_and_args([], {}).agent_config().stage_plan_adapters_only is False
+    assert Settings.from_env_and_args(["--stage-plan-adapters-only"], {}).agent_config().stage_plan_adapters_only
+    assert not Settings.from_env_and_args(["--no-stage-plan-adapters-only"], {}).stage_plan_adapters_only

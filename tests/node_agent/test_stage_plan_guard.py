@@ -13,10 +13,11 @@ from loraplex.node_agent.app import AGENT, AgentConfig
 from .helpers import ConfigMapDir, plan_json
 
 
-async def _agent_with_plan(tmp_path, object_store, client_factory, plan):
+async def _agent_with_plan(tmp_path, object_store, client_factory, plan, **config):
     cm = ConfigMapDir(tmp_path / "plan")
     cm.write(plan)
-    client = await client_factory(AgentConfig(tmp_path / "cache", 10**9, plan_file=cm.path, poll_seconds=30))
+    client = await client_factory(AgentConfig(tmp_path / "cache", 10**9, plan_file=cm.path, poll_seconds=30,
+                                              **config))
     warmer = client.server.app[AGENT].warmer
     for _ in range(200):  # the plan loop's first read
         if warmer.plan is not None:
@@ -108,4 +109,31 @@ async def test_names_outside_the_plan_and_agents_without_one_stage_as_asked(tmp_
     assert r.status == 200, await r.text()
     bare = await client_factory(AgentConfig(tmp_path / "cache2", 10**9))
     r = await bare.post("/v1/stage", json={"name": "sql", "source": object_store.source("other-base")})
+    assert r.status == 200, await r.text()
+
+
+async def test_plan_adapters_only_refuses_other_names_unless_the_agents_key_comes(tmp_path, object_store,
+                                                                                   client_factory):
+    """--stage-plan-adapters-only: a pod that reaches the port cannot have the agent fetch
+    sources no followed plan names; the servers' requests (plan names, also of a plan newer
+    than the agent's last poll) and the key holder's are staged."""
+    object_store.add("sql", tmp_path, seed=1)
+    object_store.add("anything", tmp_path, seed=2)
+    object_store.add("added", tmp_path, seed=3)
+    client, cm = await _agent_with_plan(tmp_path, object_store, client_factory, plan_json(object_store, others=["sql"]),
+                                        stage_plan_adapters_only=True, api_key="sk-agent")
+    other = {"name": "anything", "source": object_store.source("anything")}
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+        r = await client.post("/v1/stage", json=other, headers=headers)
+        assert r.status == 403 and (await r.json())["error"]["reason"] == "NotInPlan", await r.text()
+    assert object_store.gets["anything/adapter_model.safetensors"] == 0
+    r = await client.post("/v1/stage", json=other, headers={"Authorization": "Bearer sk-agent"})
+    assert r.status == 200, await r.text()
+    sql = object_store.adapters["sql"].sha256
+    r = await client.post("/v1/stage", json={"name": "sql", "source": object_store.source("sql"), "sha256": sql})
+    assert r.status == 200, await r.text()
+    # A name the plan lists since the agent's last poll (it polls every 30 s here).
+    cm.write(plan_json(object_store, others=["sql", "added"]))
+    added = object_store.adapters["added"].sha256
+    r = await client.post("/v1/stage", json={"name": "added", "source": object_store.source("added"), "sha256": added})
     assert r.status == 200, await r.text()

@@ -525,3 +525,12 @@ def test_the_readme_upgrades_the_crds_before_the_release():
     ((apply, upgrade),) = upgrades
     assert apply == ["kubectl", "apply", "-f", "crds/"]
     assert (ROOT / upgrade[3] / "Chart.yaml").is_file() and (ROOT / upgrade[3] / "crds").resolve() == ROOT / "crds"
+
+
+def test_node_agent_stages_plan_adapters_only_when_the_chart_says_so():
+    (container,) = render_all()[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+    assert not AgentSettings.from_env_and_args(container["args"], env=IN_POD).stage_plan_adapters_only
+    values = copy.deepcopy(VALUES)
+    values["nodeAgent"]["stagePlanAdaptersOnly"] = True
+    (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+    assert AgentSettings.from_env_and_args(container["args"], env=IN_POD).agent_config().stage_plan_adapters_only
