@@ -22,6 +22,24 @@ def _adapter(tmp_path: Path, name: str, seed: int) -> tuple[str, str]:
     return str(d), make_adapter(d, seed=seed)
 
 
+def _hold_first_serving_copy(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """The store's first serving-copy write waits for `go`; `started` is set once it began
+    (later writes run as they are)."""
+    import loraplex.node_agent.store as store_module
+
+    started, go = threading.Event(), threading.Event()
+    real = store_module.write_serving_copy
+
+    def gated(directory, dtype):
+        if not started.is_set():
+            started.set()
+            go.wait(10)
+        return real(directory, dtype)
+
+    monkeypatch.setattr(store_module, "write_serving_copy", gated)
+    return started, go
+
+
 def _size(source: str) -> int:
     return sum((Path(source) / f).stat().st_size for f in (CONFIG_FILE, WEIGHTS_FILE))
 
@@ -41,21 +59,11 @@ async def test_a_version_that_goes_while_its_serving_copy_is_written_is_not_answ
     request was answered 200 with the gone version (its sha256, at a path that now holds
     nothing or another version's weights), so the server loaded what the answer did not
     describe. It must fail as a download of it would: Removed, or Superseded (both 409)."""
-    import loraplex.node_agent.store as store_module
-
     root = tmp_path / "cache"
     src, sha = _adapter(tmp_path, "a", 1)
     store = AdapterStore(root, 10**9, session=session)
     await store.stage(AdapterRef("a", src, sha))  # no dtype: no copy
-    started, go = threading.Event(), threading.Event()
-    real = store_module.write_serving_copy
-
-    def gated(directory, dtype):
-        started.set()
-        go.wait(10)
-        return real(directory, dtype)
-
-    monkeypatch.setattr(store_module, "write_serving_copy", gated)
+    started, go = _hold_first_serving_copy(monkeypatch)
     asked = asyncio.ensure_future(store.stage(AdapterRef("a", src, sha, "bfloat16")))
     assert await asyncio.to_thread(started.wait, 10)
     if how == "removed":
@@ -75,7 +83,6 @@ async def test_a_version_that_goes_while_its_serving_copy_is_written_is_not_answ
 async def test_a_version_evicted_while_its_serving_copy_is_written_is_staged_again(tmp_path, session, monkeypatch):
     """The same, the version evicted for another adapter's room: the request is answered with
     the version on disk again (staged afresh), never with a path that holds nothing."""
-    import loraplex.node_agent.store as store_module
     from loraplex.node_agent.convert import serving_copy_size
 
     root = tmp_path / "cache"
@@ -85,18 +92,7 @@ async def test_a_version_evicted_while_its_serving_copy_is_written_is_staged_aga
     # Room for a, its copy and one more adapter but a byte: staging b evicts a.
     store = AdapterStore(root, 2 * size + copy - 1, session=session)
     await store.stage(AdapterRef("a", src, sha))
-    started, go = threading.Event(), threading.Event()
-    real = store_module.write_serving_copy
-    first = []
-
-    def gated(directory, dtype):
-        if not first:
-            first.append(directory)
-            started.set()
-            go.wait(10)
-        return real(directory, dtype)
-
-    monkeypatch.setattr(store_module, "write_serving_copy", gated)
+    started, go = _hold_first_serving_copy(monkeypatch)
     asked = asyncio.ensure_future(store.stage(AdapterRef("a", src, sha, "bfloat16")))
     assert await asyncio.to_thread(started.wait, 10)
     b_src, b_sha = _adapter(tmp_path, "b", 2)
