@@ -391,9 +391,12 @@ def foreign_owner(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> st
 
 # Keys whose values are Kubernetes quantities, which the API server keeps in canonical form
 # (`nvidia.com/gpu: 1` comes back "1", `cpu: 0.5` as "500m"): ResourceRequirements' requests and
-# limits (a container's, an ephemeral volume's claim), an emptyDir's sizeLimit, a pod's overhead.
-QUANTITY_MAPS = frozenset({"requests", "limits", "overhead"})
-QUANTITY_KEYS = frozenset({"sizeLimit"})
+# limits (a container's, an ephemeral volume's claim), a pod's overhead, an HPA metric's target
+# (its value and averageValue: `averageValue: 4` comes back "4", "1000" as "1k"; its type and
+# averageUtilization are no quantities, and equal only as given), an emptyDir's sizeLimit and a
+# resourceFieldRef's divisor.
+QUANTITY_MAPS = frozenset({"requests", "limits", "overhead", "target"})
+QUANTITY_KEYS = frozenset({"sizeLimit", "divisor"})
 
 
 def _contains(have: Any, want: Any, quantity: bool = False) -> bool:

@@ -132,3 +132,57 @@ async def test_an_operator_without_the_hpa_permission_still_writes_the_workloads
     client = Client()
     assert await handlers._ensure_workloads(client, base(), owner, logging.getLogger("test")) is None
     assert client.written == ["Deployment", "Service"]
+
+
+def test_an_autoscaler_the_api_server_canonicalised_is_no_change():
+    """A metric's target values are quantities, which the API server keeps in canonical form
+    (`averageValue: 4` comes back "4", "0.5" as "500m", "1000" as "1k"): compared as given,
+    every resync and restart replaced the HPA with what it already had."""
+    targets = [{"type": "AverageValue", "averageValue": 4}, {"type": "AverageValue", "averageValue": "0.5"},
+               {"type": "Value", "value": "1000"}]
+    metrics = [{"type": "Pods", "pods": {"metric": {"name": "loraplex_requests_waiting"}, "target": targets[0]}},
+               {"type": "Pods", "pods": {"metric": {"name": "loraplex_requests_running"}, "target": targets[1]}},
+               {"type": "Object", "object": {"metric": {"name": "queue"}, "target": targets[2],
+                                             "describedObject": {"apiVersion": "v1", "kind": "Service",
+                                                                 "name": "llama-3-8b"}}}]
+    written = autoscaler(base({"autoscaling": {"maxReplicas": 4, "metrics": metrics}}))
+    served = copy.deepcopy(written)
+    served["spec"]["metrics"][0]["pods"]["target"]["averageValue"] = "4"
+    served["spec"]["metrics"][1]["pods"]["target"]["averageValue"] = "500m"
+    served["spec"]["metrics"][2]["object"]["target"]["value"] = "1k"
+    assert not needs_update(served, written)
+    # Another value, or another kind of target, is still a change.
+    more = copy.deepcopy(served)
+    more["spec"]["metrics"][1]["pods"]["target"]["averageValue"] = "600m"
+    assert needs_update(more, written)
+    other = copy.deepcopy(served)
+    other["spec"]["metrics"][0]["pods"]["target"]["type"] = "Value"
+    assert needs_update(other, written)
+
+
+async def test_an_autoscaler_in_canonical_form_is_not_replaced_at_a_restart(api, emulator, kubeconfig, crds,
+                                                                            operator_runner, eventually_):
+    """The emulator keeps bodies as sent, so the test writes the API server's form itself."""
+    from loraplex.operator.kube import AUTOSCALERS, BASE_MODELS
+
+    from .test_operator_e2e import NS, base_body
+
+    queue = {"type": "Pods", "pods": {"metric": {"name": "loraplex_requests_waiting"},
+                                      "target": {"type": "AverageValue", "averageValue": 0.5}}}
+    path = AUTOSCALERS.path(NS, "llama-3-8b")
+    async with operator_runner():
+        await api.create(BASE_MODELS.path(NS), base_body(serving={
+            "image": "loraplex/server:test", "autoscaling": {"maxReplicas": 3, "metrics": [queue]}}))
+        hpa = await eventually_(lambda: api.get(path), what="the HPA")
+    hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] = "500m"
+    await api.merge_patch(path, {"spec": {"metrics": hpa["spec"]["metrics"]}})
+    requests_before = len(list(emulator._requests))
+
+    async with operator_runner():
+        async def resumed():  # the resume handler has compared the HPA with its spec
+            return [r for r in list(emulator._requests)[requests_before:] if r.url.path == path]
+        await eventually_(resumed, what="the restarted operator to read the HPA")
+    writes = [r.method for r in list(emulator._requests)[requests_before:]
+              if r.url.path == path and r.method in ("PUT", "PATCH")]
+    assert writes == []
+    assert (await api.get(path))["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "500m"

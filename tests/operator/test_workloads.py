@@ -204,3 +204,18 @@ def test_a_deployment_the_api_server_canonicalised_is_no_change():
     other = copy.deepcopy(live)
     other["spec"]["template"]["spec"]["containers"][0]["args"][-1] = "1000"
     assert needs_update(other, desired)
+
+
+def test_a_resource_field_refs_divisor_the_api_server_canonicalised_is_no_change():
+    """A downward-API env var's divisor is a quantity too (`divisor: 1024Ki` comes back "1Mi")."""
+    ref = {"containerName": "server", "resource": "limits.memory", "divisor": "1024Ki"}
+    base = BaseModelSpec(name="llama-3-8b", namespace="ml", source="s3://m/llama-3-8b", max_lora_rank=16,
+                         memory=Memory(slots=8),
+                         serving=Serving(env=({"name": "MEMORY_MIB", "valueFrom": {"resourceFieldRef": ref}},)))
+    desired = deployment(base, 8)
+    live = copy.deepcopy(desired)
+    env = live["spec"]["template"]["spec"]["containers"][0]["env"]
+    env[-1]["valueFrom"]["resourceFieldRef"]["divisor"] = "1Mi"
+    assert not needs_update(live, desired)
+    env[-1]["valueFrom"]["resourceFieldRef"]["divisor"] = "1Ki"
+    assert needs_update(live, desired)
