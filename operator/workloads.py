@@ -401,12 +401,15 @@ QUANTITY_KEYS = frozenset({"sizeLimit", "divisor"})
 
 def _contains(have: Any, want: Any, quantity: bool = False) -> bool:
     """Recursive subset: every key of `want` is in `have` with a containing value; a key
-    `want` holds as None must be absent or empty in `have` (the API server may show `{}`).
+    `want` holds as None must be absent or empty in `have` (the API server may show `{}`), and
+    one it holds as "" or false may be absent (the API server writes no zero value of an
+    omitempty field: an EnvVar's `value: ""`, a VolumeMount's `readOnly: false`).
     Quantities (`quantity`: under QUANTITY_MAPS or QUANTITY_KEYS) are compared by value."""
     if isinstance(want, Mapping):
         return isinstance(have, Mapping) and all(
             not have.get(k) if v is None else
-            k in have and _contains(have[k], v, quantity or k in QUANTITY_MAPS or k in QUANTITY_KEYS)
+            (k in have or v == "" or v is False)
+            and (k not in have or _contains(have[k], v, quantity or k in QUANTITY_MAPS or k in QUANTITY_KEYS))
             for k, v in want.items())
     if isinstance(want, list):
         return isinstance(have, list) and len(have) == len(want) and all(

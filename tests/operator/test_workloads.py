@@ -219,3 +219,34 @@ def test_a_resource_field_refs_divisor_the_api_server_canonicalised_is_no_change
     assert not needs_update(live, desired)
     env[-1]["valueFrom"]["resourceFieldRef"]["divisor"] = "1Ki"
     assert needs_update(live, desired)
+
+
+def test_empty_strings_and_false_the_api_server_leaves_out_are_no_change():
+    """The API server writes no zero value of an omitempty field of a built-in kind (an
+    EnvVar's `value: ""`, a VolumeMount's or a PVC volume's `readOnly: false`, a toleration's
+    `value: ""`, an emptyDir's `medium: ""`): compared as given, every resync patched the
+    Deployment with what it already had."""
+    serving = Serving(env=({"name": "HF_HUB_OFFLINE", "value": ""},),
+                      volumes=({"name": "weights", "persistentVolumeClaim": {"claimName": "w", "readOnly": False}},
+                               {"name": "scratch", "emptyDir": {"medium": ""}}),
+                      volume_mounts=({"name": "weights", "mountPath": "/models", "readOnly": False},),
+                      tolerations=({"key": "nvidia.com/gpu", "operator": "Exists", "value": "", "effect": "NoSchedule"},))
+    base = BaseModelSpec(name="llama-3-8b", namespace="ml", source="s3://m/llama-3-8b", max_lora_rank=16,
+                         memory=Memory(slots=8), serving=serving)
+    desired = deployment(base, 8)
+    live = copy.deepcopy(desired)
+    pod = live["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    del container["env"][-1]["value"], container["volumeMounts"][-1]["readOnly"], pod["tolerations"][0]["value"]
+    del pod["volumes"][-2]["persistentVolumeClaim"]["readOnly"], pod["volumes"][-1]["emptyDir"]["medium"]
+    assert not needs_update(live, desired)
+    # Another value there is still a change.
+    for path, value in ((("containers", 0, "env", -1, "value"), "1"),
+                        (("containers", 0, "volumeMounts", -1, "readOnly"), True),
+                        (("tolerations", 0, "value"), "h100")):
+        other = copy.deepcopy(live)
+        node = other["spec"]["template"]["spec"]
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        assert needs_update(other, desired), path
