@@ -285,6 +285,12 @@ class AdapterCache:
                 # waits for it: the load is called off, not run later to evict an idle adapter
                 # for nobody (pump drops the name from the queue when it meets it).
                 e.state = "cold"
+            elif name in self.table.stale:
+                # Its slot holds a replaced version and its last request left: reload it now, as
+                # `register` does for one held by no request. The engine releases a request at
+                # the end of the step it finished in; with nothing else to run it takes no step
+                # after, whose ready_slots would.
+                self.table.refresh(None)
             self.table.pump()
 
     def ready_slots(self, running: set[str] | None = None) -> dict[str, int]:

@@ -117,3 +117,30 @@ def test_an_idle_unpinned_adapter_gives_up_its_slot_and_loads_the_new_version_wh
     assert _slot_holds(cache, slot, disk / "a")
     check_invariants(cache)
     cache.close()
+
+
+def test_a_new_version_reloads_when_its_last_request_leaves_with_no_step_after(tmp_path):
+    """A rollout while a request runs on the adapter: its slot is refreshed once none of its
+    requests runs, which only a step's ready_slots did. The engine releases a finished
+    request at the end of the step it finished in, and an engine with nothing else to run
+    takes no further step: the slot kept the old version, admitting nothing, so a pin stayed
+    unloaded and a prefetch or session start for it waited until its timeout (a 503)."""
+    disk = tmp_path
+    write_adapter(disk / "a", seed=1)
+    cache = make_cache(disk, slots=2)
+    try:
+        cache.register("a", sha256=_sha(disk / "a"))
+        cache.pin("a")
+        _until(lambda: cache.ready_slots().get("a") is not None)
+        assert cache.acquire("a") >= 0  # a request runs on version 1
+        _stage_new_version(disk, "a", seed=2)
+        cache.register("a", sha256=_sha(disk / "a"))
+        assert "a" not in cache.ready_slots(running={"a"})
+        cache.release("a")  # it finishes: the engine has no other work, no step follows
+        # The pin loads its new version on its own, and a prefetch answers once it is in.
+        slot = cache.prefetch("a").result(10)
+        assert _slot_holds(cache, slot, disk / "a")
+        assert cache.table.entries["a"].slot == slot and "a" not in cache.table.stale
+        check_invariants(cache)
+    finally:
+        cache.close()
