@@ -198,7 +198,9 @@ class AdapterCache:
             if sha256 is not None:
                 e.sha256 = sha256
             stale = False
-            if e.version != before and e.version[0] == before[0] and before[1] is not None:
+            # (A sha256 given where there was only a source is a new version too: the source's
+            # digest was never known, and the node agent stages by the digest from then on.)
+            if e.version != before and before[1] is not None:
                 self.host.discard(name)
                 self.table.mark_stale(e)
                 stale = name in self.table.stale

@@ -247,3 +247,32 @@ def test_a_pin_failing_for_a_long_time_is_still_retried(tmp_path, monkeypatch):
         assert delays == [cache_module.PIN_RETRY_MAX_S]
     finally:
         cache.close()
+
+
+def test_a_sha256_given_with_a_new_source_is_a_new_version(tmp_path_factory):
+    """A LoRAAdapter without a sha256 rolled out to a new source with one (the user starts
+    pinning digests at that rollout): a new version by every rule (a new source, a new digest),
+    as the node agent takes it. The server compared versions only of the same kind (sha256
+    against sha256, source against source), so this one kept the old version in its slot and
+    its host copy, and served it after every eviction."""
+    import hashlib
+
+    remote, cache_dir = tmp_path_factory.mktemp("bucket"), tmp_path_factory.mktemp("cache")
+    write_adapter(remote / "sql-v1", seed=1)
+    v2 = write_adapter(remote / "sql-v2", seed=2)
+    cfg = json.loads((v2 / "adapter_config.json").read_text())
+    (v2 / "adapter_config.json").write_text(json.dumps(cfg | {"lora_alpha": 3 * cfg["r"]}))  # scaling 3, v1's 2
+    sha = hashlib.sha256((v2 / "adapter_model.safetensors").read_bytes()).hexdigest()
+    cache = make_cache(cache_dir, slots=2)
+    try:
+        cache.register("sql", source=str(remote / "sql-v1"))
+        slot = cache.prefetch("sql").result(10)
+        assert cache.buffers.scales[slot].max().item() == 2.0 and "sql" in cache.host
+        cache.register("sql", source=str(remote / "sql-v2"), sha256=sha)
+        assert "sql" not in cache.host, "the old version's host copy is kept for the new one"
+        assert "sql" not in cache.ready_slots(), "the slot still serves the old version"
+        slot = cache.prefetch("sql").result(10)
+        assert cache.buffers.scales[slot].max().item() == 3.0, "the old version was served as the new one"
+        check_invariants(cache)
+    finally:
+        cache.close()
