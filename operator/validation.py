@@ -20,7 +20,7 @@ import pathlib
 import urllib.parse
 from typing import Any
 
-from loraplex.operator.specs import AdapterSpec, BaseModelSpec, module_names
+from loraplex.operator.specs import ALL_TARGET_MODULES, AdapterSpec, BaseModelSpec, module_names
 from loraplex.server.adapter_names import InvalidAdapterName, check_adapter_name
 
 # adapter_config.json is a few hundred bytes; anything this big is not one.
@@ -83,19 +83,27 @@ def served_name(base: BaseModelSpec) -> str:
 
 
 def normalise_target_modules(value: Any) -> tuple[str, ...] | None:
-    """PEFT writes a list of names or one name ("q_proj", "model.layers.0.self_attn.q_proj")."""
+    """PEFT writes a list of names or one name ("q_proj", "model.layers.0.self_attn.q_proj"),
+    or "all-linear": every projection (as the servers read it, in any case)."""
     if value is None:
         return None
+    if isinstance(value, str) and value.lower() == "all-linear":
+        return module_names(ALL_TARGET_MODULES)
     return module_names([value] if isinstance(value, str) else list(value))
 
 
 def parse_adapter_config(text: str) -> tuple[int | None, tuple[str, ...] | None]:
-    """(rank, target modules) from the text of a PEFT adapter_config.json."""
+    """(rank, target modules) from the text of a PEFT adapter_config.json. The rank is the
+    largest of any module's: `r`, or a rank_pattern's above it ({"down_proj": 64} with r 16 is
+    rank 64), which the servers' buffers must hold (they refuse a module over --max-lora-rank)."""
     config = json.loads(text)
     if not isinstance(config, dict):
         raise ValueError("adapter_config.json is not a JSON object")
     rank = config.get("r")
-    return (int(rank) if rank is not None else None,
+    patterns = config.get("rank_pattern")
+    ranks = [v for v in patterns.values() if isinstance(v, int) and not isinstance(v, bool)] \
+        if isinstance(patterns, dict) else []
+    return (max([int(rank), *ranks]) if rank is not None else None,
             normalise_target_modules(config.get("target_modules")))
 
 

@@ -4,11 +4,12 @@ import json
 
 import pytest
 
-from loraplex.operator.specs import AdapterSpec, BaseModelSpec, SpecError
+from loraplex.operator.specs import ALL_TARGET_MODULES, AdapterSpec, BaseModelSpec, SpecError
 from loraplex.operator.validation import local_path, parse_adapter_config, read_adapter_config, validate
 
 BASE = BaseModelSpec(name="llama-3-8b", namespace="ml", source="s3://m/llama", max_lora_rank=64,
                      target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+ALL_TARGET_MODULES_SORTED = tuple(sorted(ALL_TARGET_MODULES))
 
 
 def adapter(**overrides) -> AdapterSpec:
@@ -112,3 +113,29 @@ def test_peft_target_module_forms():
 def test_local_path_only_for_local_sources():
     assert str(local_path("file:///data/a%20b")) == "/data/a b"
     assert local_path("https://host.invalid/a") is None
+
+
+def test_an_adapters_rank_is_its_largest_module_rank():
+    """PEFT's rank_pattern gives modules ranks other than r, and the servers refuse a module
+    rank over --max-lora-rank (and report the largest as the adapter's rank): read as r alone,
+    an adapter of r 16 with down_proj at rank 64 was Accepted by a base of maxLoraRank 32, and
+    planned as rank 16, which no server then loaded."""
+    config = {"r": 16, "target_modules": ["q_proj", "v_proj"], "rank_pattern": {"model.layers.3.self_attn.v_proj": 64}}
+    assert parse_adapter_config(json.dumps(config)) == (64, ("q_proj", "v_proj"))
+    assert parse_adapter_config(json.dumps({**config, "rank_pattern": {"v_proj": 8}})) == (16, ("q_proj", "v_proj"))
+    assert parse_adapter_config(json.dumps({**config, "rank_pattern": {}})) == (16, ("q_proj", "v_proj"))
+    spec = adapter(rank=None, target_modules=None).with_metadata(*parse_adapter_config(json.dumps(config)))
+    small = BaseModelSpec(name="llama-3-8b", namespace="ml", source="s3://m", max_lora_rank=32,
+                          target_modules=("q_proj", "v_proj"))
+    assert validate(spec, small).reason == "RankTooLarge"
+
+
+def test_all_linear_targets_every_projection():
+    """PEFT's target_modules "all-linear" (the servers read it so) is every projection, not a
+    module of that name, which no base allows (TargetModulesNotAllowed)."""
+    assert parse_adapter_config('{"r": 4, "target_modules": "all-linear"}') == (4, ALL_TARGET_MODULES_SORTED)
+    every = BaseModelSpec(name="llama-3-8b", namespace="ml", source="s3://m", max_lora_rank=8,
+                          target_modules=ALL_TARGET_MODULES)
+    spec = adapter(rank=None, target_modules=None).with_metadata(
+        *parse_adapter_config('{"r": 4, "target_modules": "ALL-LINEAR"}'))
+    assert validate(spec, every).accepted
