@@ -118,11 +118,12 @@ def quantity_value(value: Any) -> Fraction | None:
 
 
 def parse_time(value: str | None) -> datetime.datetime | None:
-    """An RFC 3339 time (`2026-12-01T08:00:00Z`) as an aware UTC datetime."""
+    """An RFC 3339 time (`2026-12-01T08:00:00Z`, or with a lower-case t and z, as RFC 3339 and
+    the API server's date-time format allow) as an aware UTC datetime."""
     if value is None:
         return None
     try:
-        parsed = datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+        parsed = datetime.datetime.fromisoformat(str(value).upper().replace("Z", "+00:00"))
     except ValueError as exc:
         raise SpecError(f"not an RFC 3339 time: {value!r}") from exc
     if parsed.tzinfo is None:

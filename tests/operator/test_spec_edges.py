@@ -81,3 +81,13 @@ def test_the_warmup_lead_the_schema_takes_is_one_the_operator_plans_with():
                                                                  "end": "2027-12-02T08:00:00Z"}))], NOW)
     with pytest.raises(SpecError, match="warmupLeadSeconds"):
         BaseModelSpec.from_body(_base(warmupLeadSeconds=2**62))
+
+
+def test_a_warmup_in_lower_case_rfc_3339_is_read():
+    """RFC 3339 lets "T" and "Z" be lower case, and the API server's date-time format takes
+    them so: parsed as Python's ISO form alone, such an adapter was Rejected (InvalidSpec)."""
+    lower = _adapter("lower", warmup={"start": "2026-12-01t08:00:00z", "end": "2026-12-02t08:00:00.5+01:00"})
+    assert validator("LoRAAdapter").is_valid(lower)
+    warmup = AdapterSpec.from_body(lower).warmup
+    assert warmup is not None
+    assert (warmup.start, warmup.end) == (NOW, NOW + datetime.timedelta(hours=23, milliseconds=500))
