@@ -177,11 +177,11 @@ class AdapterCache:
 
     def register(self, name: str, path: str | Path | None = None, source: str | None = None,
                  sha256: str | None = None) -> None:
-        """Make `name` known: a PEFT directory on disk, and/or a source to fetch it from.
-        A new version (a new sha256; without one, a new source: CachedAdapter.version) drops
-        the host copy, so the next load reads the new files, and a slot holding the old one
-        is reloaded once its running requests finish (`SlotTable.refresh`). AdapterError if
-        `name` is not an adapter name (`adapter_names`)."""
+        """Make `name` known: a PEFT directory on disk, and/or a source to fetch it from
+        (with its sha256, or None: it has none). A new version (a new sha256; without one, a
+        new source: CachedAdapter.version) drops the host copy, so the next load reads the new
+        files, and a slot holding the old one is reloaded once its running requests finish
+        (`SlotTable.refresh`). AdapterError if `name` is not an adapter name (`adapter_names`)."""
         self._check_name(name)
         with self._lock:
             e = self.table.entries.get(name)
@@ -194,8 +194,10 @@ class AdapterCache:
             if path is not None:
                 e.path = Path(path)
             if source is not None:
-                e.source = source
-            if sha256 is not None:
+                # A source comes with its digest, or with none (the plan's entry: a sha256 taken
+                # out of a LoRAAdapter is gone, not kept to check the new source's files against).
+                e.source, e.sha256 = source, sha256
+            elif sha256 is not None:
                 e.sha256 = sha256
             stale = False
             # (A sha256 given where there was only a source is a new version too: the source's

@@ -276,3 +276,31 @@ def test_a_sha256_given_with_a_new_source_is_a_new_version(tmp_path_factory):
         check_invariants(cache)
     finally:
         cache.close()
+
+
+def test_a_sha256_the_plan_no_longer_gives_is_forgotten(tmp_path_factory):
+    """A LoRAAdapter's sha256 taken out (rolled out to a new source without one): the plan's
+    entry then has no sha256, but register kept the old one, as if not given. The row kept
+    its old version (served from its slot and its host copy), and every later load of the
+    new source was checked against the old digest and failed."""
+    import hashlib
+
+    remote, cache_dir = tmp_path_factory.mktemp("bucket"), tmp_path_factory.mktemp("cache")
+    v1 = write_adapter(remote / "sql-v1", seed=1)
+    v2 = write_adapter(remote / "sql-v2", seed=2)
+    cfg = json.loads((v2 / "adapter_config.json").read_text())
+    (v2 / "adapter_config.json").write_text(json.dumps(cfg | {"lora_alpha": 3 * cfg["r"]}))  # scaling 3, v1's 2
+    sha = hashlib.sha256((v1 / "adapter_model.safetensors").read_bytes()).hexdigest()
+    cache = make_cache(cache_dir, slots=2)
+    try:
+        cache.apply_plan({"adapters": [{"name": "sql", "source": str(v1), "sha256": sha}]})
+        slot = cache.prefetch("sql").result(10)
+        assert cache.buffers.scales[slot].max().item() == 2.0
+        cache.apply_plan({"adapters": [{"name": "sql", "source": str(v2), "sha256": None}]})
+        assert cache.table.entries["sql"].sha256 is None
+        assert "sql" not in cache.host and "sql" not in cache.ready_slots(), "the old version is served on"
+        slot = cache.prefetch("sql").result(10)
+        assert cache.buffers.scales[slot].max().item() == 3.0
+        check_invariants(cache)
+    finally:
+        cache.close()
