@@ -282,9 +282,15 @@ def _extra_args(value: Any) -> tuple[str, ...]:
 
 
 # Environment variables the operator sets on the server container (workloads.deployment), and
-# the server's environment forms of its key flags: API keys come through serving.apiKeys alone.
+# the server's environment forms of the flags it sets: the server reads LORAPLEX_<FIELD> for a
+# flag its command line leaves out (--served-model-name without serving.servedModelName,
+# --lora-modules, --device, ... always), so LORAPLEX_SERVED_MODEL_NAME would rename the base the
+# status and the adapter-name check go by, and LORAPLEX_LORA_MODULES serve adapters outside the
+# plan. API keys come through serving.apiKeys alone.
 API_KEY_ENV: frozenset[str] = frozenset({"LORAPLEX_API_KEY", "LORAPLEX_API_KEY_FILE", "LORAPLEX_API_KEYS_FILE"})
-OPERATOR_ENV: frozenset[str] = frozenset({"NODE_IP", "TRITON_CACHE_DIR"}) | API_KEY_ENV
+FLAG_ENV: frozenset[str] = frozenset("LORAPLEX_" + flag[2:].upper().replace("-", "_") for flag in OPERATOR_FLAGS
+                                     if not flag.startswith("--no-"))  # (the off form of a flag: no variable)
+OPERATOR_ENV: frozenset[str] = frozenset({"NODE_IP", "TRITON_CACHE_DIR"}) | FLAG_ENV
 
 
 def _env(value: Any) -> tuple[Mapping[str, Any], ...]:
@@ -296,7 +302,8 @@ def _env(value: Any) -> tuple[Mapping[str, Any], ...]:
         raise SpecError("serving.env must be a list of EnvVars, each with a name")
     owned = sorted({e["name"] for e in value} & OPERATOR_ENV)
     if owned:
-        use = " (use serving.apiKeys)" if set(owned) <= API_KEY_ENV else ""
+        use = " (use serving.apiKeys)" if set(owned) <= API_KEY_ENV else \
+            " (use serving.engine and the rest of the spec)" if set(owned) <= FLAG_ENV else ""
         raise SpecError(f"serving.env may not set {', '.join(owned)}: the operator sets them{use}")
     return tuple(dict(e) for e in value)
 

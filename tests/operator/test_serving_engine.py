@@ -111,3 +111,24 @@ def test_engine_rows_that_leave_no_room_say_so():
 def test_specs_that_would_contradict_the_operator_are_refused(serving, says):
     with pytest.raises(SpecError, match=says.replace("-", r"\-")):
         BaseModelSpec.from_body(body(serving))
+
+
+@pytest.mark.parametrize("name", ["LORAPLEX_SERVED_MODEL_NAME", "LORAPLEX_LORA_MODULES", "LORAPLEX_DUMMY_WEIGHTS",
+                                  "LORAPLEX_DEVICE", "LORAPLEX_EVICTION_POLICY", "LORAPLEX_MAX_LORAS"])
+def test_the_environment_form_of_a_flag_the_operator_sets_is_refused(name):
+    """The server reads LORAPLEX_<FIELD> for any flag its command line leaves out: refused in
+    extraArgs, --served-model-name came in through env all the same, and the servers served
+    the base under a name the BaseModel's status and the adapter-name check did not know
+    (LORAPLEX_LORA_MODULES: adapters outside the plan; LORAPLEX_DUMMY_WEIGHTS: no checkpoint)."""
+    with pytest.raises(SpecError, match=name):
+        BaseModelSpec.from_body(body({"env": [{"name": name, "value": "x"}]}))
+
+
+def test_every_variable_refused_is_one_the_server_reads():
+    from loraplex.operator.specs import OPERATOR_ENV, OPERATOR_FLAGS
+    from loraplex.server.settings import ServerSettings
+
+    read = {f"LORAPLEX_{f.name.upper()}" for f in ServerSettings.__dataclass_fields__.values()}
+    flags = {"LORAPLEX_" + f[2:].upper().replace("-", "_") for f in OPERATOR_FLAGS if not f.startswith("--no-")}
+    assert flags <= read and flags <= OPERATOR_ENV
+    assert OPERATOR_ENV - flags == {"NODE_IP", "TRITON_CACHE_DIR"}
