@@ -284,11 +284,12 @@ class AdapterCache:
                 return
             if e.unloading and e.state not in ("loading", "staging"):  # their end drops it
                 self.table.drop(e)
-            elif e.state == "pending" and not e.pinned and all(f.done() for f in e.waiters):
-                # Its last request left (an abort) before its load started, and no prefetch
-                # waits for it: the load is called off, not run later to evict an idle adapter
-                # for nobody (pump drops the name from the queue when it meets it).
-                e.state = "cold"
+            elif e.state == "pending" and not wanted_by_others(e):
+                # Its last request left (an abort) before its load started, and no pin or
+                # prefetch wants it (the wait of a pin taken off since does not): the load is
+                # called off, not run later to evict an idle adapter for nobody (pump drops the
+                # name from the queue when it meets it), as `unpin` calls one off.
+                call_off(e)
             elif name in self.table.stale:
                 # Its slot holds a replaced version and its last request left: reload it now, as
                 # `register` does for one held by no request. The engine releases a request at

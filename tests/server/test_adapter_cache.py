@@ -1188,6 +1188,26 @@ def test_a_pending_load_whose_requests_all_left_is_called_off(disk):
     check_invariants(cache)
 
 
+def test_a_pending_load_unpinned_then_left_by_its_requests_is_called_off(disk):
+    """As above, with a pin in between: "b" pinned (its load waits, the only slot in use), a
+    request for it, the pin taken off (the request still wants it), the request aborted. The
+    pin's own wait, which wants nothing once unpinned, was taken for a prefetch waiting, so
+    the load ran when "a" was released, evicting "a" for nobody."""
+    cache = make_cache(disk, slots=1)
+    assert use(cache, "a") == 0
+    assert cache.acquire("a") == 0
+    pin = cache.pin("b")
+    assert cache.acquire("b") == -1  # pending: the only slot is in use
+    assert cache.unpin("b") is False
+    cache.release("b")  # its request is aborted before the load could start
+    cache.release("a")
+    time.sleep(0.2)
+    assert cache.ready_slots() == {"a": 0} and cache.in_flight == 0
+    assert {r["name"]: r["state"] for r in cache.describe()}["b"] == "idle"
+    assert pin.cancelled()
+    check_invariants(cache)
+
+
 def test_a_server_start_removes_what_a_crash_of_its_fetches_left(tmp_path):
     """Without a node agent the server downloads into its cache dir itself; a folder a killed
     fetch left there (idle past ABANDONED_FETCH_SECONDS) is removed when a cache starts on it,
