@@ -397,18 +397,24 @@ def foreign_owner(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> st
 # resourceFieldRef's divisor.
 QUANTITY_MAPS = frozenset({"requests", "limits", "overhead", "target"})
 QUANTITY_KEYS = frozenset({"sizeLimit", "divisor"})
+# Fields of the built-in kinds (not map entries, which are kept whatever their value) whose ""
+# or false the API server leaves out (Go's omitempty): an EnvVar's or a toleration's value, a
+# toleration's key, operator and effect, a VolumeMount's (or a volume source's) readOnly,
+# subPath and subPathExpr, an emptyDir's medium.
+OMITTED_ZERO_KEYS = frozenset({"value", "key", "operator", "effect", "readOnly", "subPath", "subPathExpr",
+                               "medium"})
 
 
 def _contains(have: Any, want: Any, quantity: bool = False) -> bool:
     """Recursive subset: every key of `want` is in `have` with a containing value; a key
     `want` holds as None must be absent or empty in `have` (the API server may show `{}`), and
-    one it holds as "" or false may be absent (the API server writes no zero value of an
-    omitempty field: an EnvVar's `value: ""`, a VolumeMount's `readOnly: false`).
+    one of OMITTED_ZERO_KEYS it holds as "" or false may be absent (the API server writes no
+    zero value of an omitempty field: an EnvVar's `value: ""`, a VolumeMount's `readOnly: false`).
     Quantities (`quantity`: under QUANTITY_MAPS or QUANTITY_KEYS) are compared by value."""
     if isinstance(want, Mapping):
         return isinstance(have, Mapping) and all(
             not have.get(k) if v is None else
-            (k in have or v == "" or v is False)
+            (k in have or (k in OMITTED_ZERO_KEYS and (v == "" or v is False)))
             and (k not in have or _contains(have[k], v, quantity or k in QUANTITY_MAPS or k in QUANTITY_KEYS))
             for k, v in want.items())
     if isinstance(want, list):

@@ -250,3 +250,17 @@ def test_empty_strings_and_false_the_api_server_leaves_out_are_no_change():
             node = node[key]
         node[path[-1]] = value
         assert needs_update(other, desired), path
+
+
+def test_an_empty_value_in_a_map_is_still_a_change():
+    """Map entries are kept whatever their value: a nodeSelector on a label without one
+    (`node-role.kubernetes.io/gpu: ""`) that the live Deployment lacks is to be written, not
+    taken for an omitted zero value."""
+    base = BaseModelSpec(name="llama-3-8b", namespace="ml", source="s3://m/llama-3-8b", max_lora_rank=16,
+                         memory=Memory(slots=8), serving=Serving(node_selector={"node-role.kubernetes.io/gpu": ""}))
+    desired = deployment(base, 8)
+    live = copy.deepcopy(desired)
+    live["spec"]["template"]["spec"]["nodeSelector"] = {"zone": "a"}
+    assert needs_update(live, desired)
+    del live["spec"]["template"]["spec"]["nodeSelector"]
+    assert needs_update(live, desired)
