@@ -20,6 +20,10 @@ log = logging.getLogger("loraplex.server")
 # (model, prompt); None is the base, by its served name ("base" unless --served-model-name).
 DEMO_PROMPTS = [(None, "The quick brown fox"), ("sql-expert", "SELECT name FROM"),
                 ("poet", "Shall I compare thee"), ("pirate", "Ahoy matey")]
+# A structured output the demo asks of an adapter when the grammar engine is installed.
+DEMO_SCHEMA = {"type": "object", "properties": {"table": {"enum": ["users", "orders", "items"]},
+                                                "limit": {"enum": [10, 100]}, "desc": {"type": "boolean"}},
+               "required": ["table", "limit", "desc"], "additionalProperties": False}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,8 +108,11 @@ async def _serve(settings: ServerSettings) -> None:
 
 
 async def _demo_requests(server, settings: ServerSettings) -> None:
-    """Once the server listens: one request per demo model, all at once (one mixed batch)."""
+    """Once the server listens: one request per demo model, all at once (one mixed batch);
+    then, with the grammar engine installed, one held to a JSON schema."""
     import httpx
+
+    from .structured import available as structured_outputs_available
 
     while not server.started:
         await asyncio.sleep(0.1)
@@ -117,9 +124,9 @@ async def _demo_requests(server, settings: ServerSettings) -> None:
     admin = settings.api_key or (read_key_file(settings.api_key_file) if settings.api_key_file else None)
     auth = {"Authorization": f"Bearer {admin}"} if admin else {}
     async with httpx.AsyncClient(base_url=url, timeout=60, headers=auth) as client:
-        async def one(model: str, prompt: str) -> tuple[str, str, str]:
+        async def one(model: str, prompt: str, **extra) -> tuple[str, str, str]:
             r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
-                                                          "temperature": 0})
+                                                          "temperature": 0, **extra})
             if r.is_error:  # the server's own reason, not httpx's "Client error ... for url"
                 try:
                     why = r.json()["error"]["message"]
@@ -134,10 +141,17 @@ async def _demo_requests(server, settings: ServerSettings) -> None:
         except httpx.HTTPError as e:
             log.error("demo requests failed: %s", e)
             results = None
-    if results is not None:
-        log.info("demo: a random tiny model answered four requests in one batch (gibberish is expected):")
-        for model, prompt, text in results:
-            log.info("  model=%-10s prompt=%r -> %r", model, prompt, text)
+        if results is not None:
+            log.info("demo: a random tiny model answered four requests in one batch (gibberish is expected):")
+            for model, prompt, text in results:
+                log.info("  model=%-10s prompt=%r -> %r", model, prompt, text)
+        if results is not None and structured_outputs_available():
+            fmt = {"type": "json_schema", "json_schema": {"name": "query", "schema": DEMO_SCHEMA}}
+            try:
+                _, _, text = await one("sql-expert", "SELECT name FROM", response_format=fmt, max_tokens=100)
+                log.info("demo: the same adapter held to a JSON schema (response_format) -> %s", text)
+            except httpx.HTTPError as e:
+                log.error("demo structured output failed: %s", e)
     keyed = settings.api_key or settings.api_key_file or settings.api_keys_file
     key = " -H 'Authorization: Bearer <your API key>'" if keyed else ""
     log.info("try it:  curl %s/v1/completions%s -H 'Content-Type: application/json' "

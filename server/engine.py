@@ -49,6 +49,7 @@ from .sampling import Sampled, Sampler, SamplingParams
 from .scheduler import Scheduler
 from .settings import ServerSettings
 from .slot_sizing import resolve_max_loras
+from .structured import Grammars, GrammarState
 from .tokenizer import Tokenizer, check_tokenizer
 from .weights import check_checkpoint, dummy_weights, load_weights
 
@@ -234,6 +235,9 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = tuple(sorted(eos))
+        # Structured outputs' grammars over this model's vocabulary (None without a tokenizer:
+        # a grammar matches text). Built on the first request that asks for one.
+        self.grammars = Grammars(tokenizer, cfg.vocab_size, self.eos_ids) if tokenizer is not None else None
         self._rng = random.Random(settings.seed)
         self._ids = itertools.count()
         # Requests ended between steps (aborted, failed), queued or running: `_reap` takes them
@@ -319,6 +323,8 @@ class LLMEngine:
         # wrapped around 64 bits: distinct seeds draw distinct samples.
         seed = (seed + (1 << 63)) % (1 << 64) - (1 << 63)
         req = Request.new(request_id or f"req-{next(self._ids)}", prompt_ids, params, adapter, seed, self.tokenizer)
+        if params.grammar is not None:
+            req.grammar = GrammarState(params.grammar, self.eos_ids + tuple(sorted(params.stop_ids)))
         if adapter is not None:
             try:
                 req.slot = self.adapters.acquire(adapter)
@@ -427,7 +433,7 @@ class LLMEngine:
         return self.sampler.launch(logits, [r.params for r in reqs], [r.seed for r in reqs],
                                    [len(r.output_ids) for r in reqs], rows, [r.output_ids for r in reqs],
                                    [r.distinct_prompt_ids if r.params.repetition_penalty != 1 else None for r in reqs],
-                                   [r.banned_tokens(self.eos_ids) for r in reqs])
+                                   [r.banned_tokens(self.eos_ids) for r in reqs], [r.grammar for r in reqs])
 
     def _look_ahead(self, launched: list[tuple[list[Request], Sampled]]) -> LookAhead | None:
         """Launch the next step's decode now, on the tokens just sampled, still on the device:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .sampling import SamplingParams, TokenLogprobs
+from .structured import GrammarState
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -63,6 +64,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None  # set with finish_reason "error"
     detok: IncrementalDetokenizer | None = None
+    grammar: GrammarState | None = None  # with a structured output: where its output stands in the grammar
     _emitted_ids: int = 0
     _emitted_chars: int = 0
     _text_end: int | None = None  # where a stop string cut the text
@@ -100,10 +102,16 @@ class Request:
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
         p = self.params
+        if self.grammar is not None and not self.grammar.accept(token):
+            # The sampler's mask allows only tokens it accepts.
+            return self.fail(f"structured output: token {token} does not continue the output's grammar")
         # A stop token (EOS, or one of stop_token_ids) ends the request and its text stays out
         # of the answer, as a stop string's does (vLLM's rule; with include_stop_str_in_output
-        # its text is kept, when it has one); it is still an output token.
-        if (not p.ignore_eos and token in eos_ids) or token in p.stop_ids:
+        # its text is kept, when it has one); it is still an output token. After a whole match
+        # of a structured output's grammar, only a stop token could come: it ends the request
+        # even with ignore_eos.
+        if ((not p.ignore_eos and token in eos_ids) or token in p.stop_ids
+                or (self.grammar is not None and self.grammar.terminated)):
             if p.include_stop_str_in_output and self.detok is not None:
                 self.detok.add(token)
             return self._finish("stop")
@@ -122,7 +130,8 @@ class Request:
         as vLLM's bad_words."""
         p = self.params
         banned: tuple[int, ...] = ()
-        if len(self.output_ids) < p.min_tokens:
+        if len(self.output_ids) < p.min_tokens and not (self.grammar is not None and self.grammar.complete):
+            # (a whole match of a structured output's grammar can only stop: min_tokens yields)
             banned = (() if p.ignore_eos else tuple(eos_ids)) + tuple(p.stop_ids)
         if p.bad_words_ids:
             out = self.output_ids

@@ -8,8 +8,9 @@ the Gumbel-max form: token = argmax(log p_masked + g) with g = -log(-log u) (exa
 from p_masked), so masks never renumber the noise.
 
 Order, per row, as vLLM's sampler: raw logits -> logit_bias added, tokens outside
-allowed_token_ids masked (and EOS / stop tokens before min_tokens, and bad_words' next
-tokens: the request's `banned` tokens) -> penalties -> greedy argmax, or temperature -> min-p ->
+allowed_token_ids masked, tokens its structured output's grammar does not allow next masked
+(`structured.mask_logits`), and EOS / stop tokens before min_tokens and bad_words' next
+tokens (the request's `banned` tokens) -> penalties -> greedy argmax, or temperature -> min-p ->
 top-k -> top-p -> Gumbel draw. Logprobs are of the raw logits (log_softmax in float32 before the bias,
 penalties, temperature and masks: vLLM's default "raw_logprobs"), so they describe the model,
 not the sampler: a token that a +100 bias made certain keeps its own (maybe low) logprob.
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from .structured import mask_logits
 
 _M32 = 0xFFFFFFFF
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
@@ -76,6 +79,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # vLLM's skip_special_tokens: False keeps special tokens' text (<|eot_id|>, say) in the output.
     skip_special_tokens: bool = True
+    # Structured output: the compiled grammar (`structured.Grammars.compile`) the output must
+    # match; each request of it walks the grammar with a `GrammarState` of its own.
+    grammar: object | None = field(default=None, repr=False, compare=False)
     # stop_token_ids as a set: the engine thread checks every sampled token against it (a
     # list of a million ids cost each of the request's steps 26 ms).
     stop_ids: frozenset = field(init=False, repr=False, compare=False, default=frozenset())
@@ -323,15 +329,16 @@ class Sampled:
 class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                counters: list[int], rows: list[int] | None = None, generated: list[list[int]] | None = None,
-               prompts: list | None = None,
-               banned: list | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+               prompts: list | None = None, banned: list | None = None,
+               grammars: list | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
         """One token per request, and its logprobs where the request asks for them (None where
         it does not): `launch`, then its result."""
-        return self.launch(logits, params, seeds, counters, rows, generated, prompts, banned).result()
+        return self.launch(logits, params, seeds, counters, rows, generated, prompts, banned, grammars).result()
 
     def launch(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                counters: list[int], rows: list[int] | None = None, generated: list[list[int]] | None = None,
-               prompts: list | None = None, banned: list | None = None) -> Sampled:
+               prompts: list | None = None, banned: list | None = None,
+               grammars: list | None = None) -> Sampled:
         """Queue the sampling on the logits' device, and the copies of what the host reads
         back, with no synchronisation: `Sampled.result` waits for them.
 
@@ -341,7 +348,9 @@ class Sampler:
         distinct ids as an int64 array; None without a repetition penalty) the repetition penalty.
         `logits` is read, never written (on CUDA it is the decode graph's output buffer).
         params[i].logit_bias is added to its row first. banned[i]: token ids request i may not
-        sample this step (EOS and stop_token_ids before its min_tokens); empty or None for most."""
+        sample this step (EOS and stop_token_ids before its min_tokens); empty or None for most.
+        grammars[i]: request i's `structured.GrammarState` (None for most): only the tokens
+        its grammar allows next may be sampled."""
         rows = list(range(len(params))) if rows is None else rows
         device = logits.device
         raw = logits
@@ -350,6 +359,9 @@ class Sampler:
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         if biased:  # a copy, the biases added to their rows only; the others as they were
             logits = apply_logit_bias(logits, [rows[i] for i in biased], [params[i] for i in biased])
+        # What a grammar's row falls back to where the masks below leave it no token its
+        # grammar allows: its grammar then wins over them (the output still matches it).
+        unmasked = logits
         allowed = [i for i, p in enumerate(params) if p.allowed_ids is not None]
         if allowed:  # every other token at -inf in those rows, in a copy
             logits = apply_allowed_tokens(logits, [rows[i] for i in allowed], [params[i] for i in allowed])
@@ -357,9 +369,13 @@ class Sampler:
             # Those tokens at -inf in their rows, in a copy (the input is the graph's buffer).
             vocab = logits.shape[-1]
             pairs = [(rows[i], t) for i, ids in enumerate(banned) for t in ids or () if 0 <= t < vocab]
-            logits = logits.clone() if logits is raw else logits
+            # (a grammar's fallback is kept unbanned too)
+            logits = logits.clone() if logits is raw or (grammars and logits is unmasked) else logits
             logits[to_device([r for r, _ in pairs], torch.int64, device),
                    to_device([t for _, t in pairs], torch.int64, device)] = float("-inf")
+        held = [i for i, g in enumerate(grammars or ()) if g is not None]
+        if held:  # the tokens the grammars do not allow at -inf in their rows, in a copy
+            logits = mask_logits(logits, [rows[i] for i in held], [grammars[i] for i in held], unmasked)
         # A row is penalised once it has tokens to penalise: its output, or (repetition) its prompt.
         penalised = [i for i, p in enumerate(params) if p.penalised and (
             generated[i] or (p.repetition_penalty != 1 and prompts[i] is not None and len(prompts[i])))]

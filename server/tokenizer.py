@@ -120,6 +120,37 @@ class Tokenizer:
             return bytes(_BYTE_LEVEL[c] for c in piece)
         return text.encode()
 
+    def vocabulary_bytes(self) -> list[bytes | None]:
+        """Every token's bytes as they stand inside a decoded text, by id (None for a special
+        token: it writes no text): what a grammar matches the output against
+        (`structured.Grammars`). A byte-level piece's characters each stand for a byte
+        ("Ġfox" -> b" fox"); a SentencePiece piece's "▁" is a space ("▁fox" -> b" fox", where
+        `token_bytes` gives the first token's text, without it) and "<0xE6>" one byte; an
+        added token that is not special is its own text."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        parts = decoder.get("decoders") or [decoder]
+        kinds = {d.get("type") for d in parts if isinstance(d, dict)}
+        byte_level = "ByteLevel" in kinds
+        byte_fallback = "ByteFallback" in kinds
+        added = self._tok.get_added_tokens_decoder()
+        out: list[bytes | None] = []
+        for i in range(self.vocab_size):
+            if i in self.special_ids:
+                out.append(None)
+                continue
+            piece = self._tok.id_to_token(i)
+            if piece is None:  # a gap in the ids
+                out.append(None)
+            elif i in added:
+                out.append(added[i].content.encode())
+            elif byte_level and all(c in _BYTE_LEVEL for c in piece):
+                out.append(bytes(_BYTE_LEVEL[c] for c in piece))
+            elif byte_fallback and (byte := _BYTE_FALLBACK.fullmatch(piece)):
+                out.append(bytes([int(byte.group(1), 16)]))
+            else:
+                out.append(piece.replace("\u2581", " ").encode())
+        return out
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, template_kwargs: dict | None = None,
                             documents: list[dict] | None = None, add_special_tokens: bool = False) -> list[int]:

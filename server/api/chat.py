@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 
 from ..engine import AsyncEngine
 from .auth import get_caller
-from .deps import get_engine, merged, open_choices, resolve_adapter, until_disconnected
+from .deps import compile_grammar, get_engine, merged, open_choices, resolve_adapter, until_disconnected
 from .errors import APIError
 from .logprobs import chat_logprobs, prompt_logprobs
 from .schemas import ChatCompletionRequest, new_id, now, usage
@@ -46,7 +46,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         raise APIError(400, str(e), param="messages") from None
     # Without max_tokens a chat reply may use the rest of the context (as vLLM does).
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, eng.max_model_len - len(prompt))
-    params = body.sampling(max_tokens, tokenizer=eng.tokenizer)
+    grammar = await compile_grammar(engine, body.grammar_spec())
+    params = body.sampling(max_tokens, tokenizer=eng.tokenizer, grammar=grammar)
     streams = open_choices(engine, [prompt], body, params, adapter)
     rid, created = new_id("chatcmpl"), now()
     echoed = body.echoed()

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from ..engine import AsyncEngine, RequestError
 from ..sampling import TokenLogprobs
 from .auth import get_caller
-from .deps import get_engine, merged, open_choices, resolve_adapter, until_disconnected
+from .deps import compile_grammar, get_engine, merged, open_choices, resolve_adapter, until_disconnected
 from .errors import APIError
 from .logprobs import CompletionLogprobs, prompt_logprobs
 from .schemas import CompletionRequest, new_id, now, usage
@@ -69,7 +69,9 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
     if tokenizer is None and body.bad_words:
         raise APIError(400, "this server has no tokenizer: bad_words cannot be tokenized; use logit_bias",
                        param="bad_words")
-    params = body.sampling(16 if body.max_tokens is None else body.max_tokens, echo=body.echo, tokenizer=tokenizer)
+    grammar = await compile_grammar(engine, body.grammar_spec())
+    params = body.sampling(16 if body.max_tokens is None else body.max_tokens, echo=body.echo, tokenizer=tokenizer,
+                           grammar=grammar)
     if params.stop and tokenizer is None:
         # Without a tokenizer there is no text to find a stop string in: refused (as vLLM does
         # without detokenization), not ignored while the request runs on to max_tokens.

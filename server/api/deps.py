@@ -14,6 +14,8 @@ from fastapi.responses import Response
 from ..engine import AsyncEngine, RequestError, RequestStream, UnknownModelError
 from ..request import RequestOutput
 from ..sampling import SamplingParams
+from ..structured import GrammarError, GrammarSpec
+from ..structured import available as structured_outputs_available
 from .auth import OPEN, Caller
 from .errors import APIError, model_not_found
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -39,6 +41,25 @@ def resolve_adapter(engine: AsyncEngine, model: str, caller: Caller = OPEN) -> s
     if cache.has(model) and caller.may_use(cache.tenant_of(model)):
         return model
     raise model_not_found(model)
+
+
+async def compile_grammar(engine: AsyncEngine, spec: GrammarSpec | None):
+    """The compiled grammar of a request's structured output (None without one), compiled
+    on a worker thread (a large schema takes a while, and the event loop serves every
+    stream); a 400 naming the field when it cannot be."""
+    if spec is None:
+        return None
+    grammars = engine.engine.grammars
+    if grammars is None:
+        raise APIError(400, "this server has no tokenizer: a structured output cannot be matched", param=spec.param)
+    if not structured_outputs_available():
+        raise APIError(400, "structured outputs need the xgrammar package on this server "
+                            "(pip install 'loraplex[structured]')", param=spec.param,
+                       code="structured_outputs_unavailable")
+    try:
+        return await asyncio.to_thread(grammars.compile, spec)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=spec.param) from None
 
 
 def open_streams(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,

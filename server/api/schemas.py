@@ -13,6 +13,7 @@ top_logprobs, penalties, logit_bias) are refused with a 400 naming the parameter
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 import uuid
@@ -21,6 +22,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from ..sampling import LOGIT_BIAS_LIMIT, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from ..structured import MAX_CHOICES, MAX_SPEC_CHARS, GrammarSpec
 from ..tokenizer import bad_words_token_ids
 
 MAX_N = 16  # the most choices one request may ask for (`n`); each is a batch row of its own
@@ -108,13 +110,123 @@ class RequestBody(BaseModel):
 # change nothing (accepted); any other value is refused with a 400 naming the field, never
 # silently dropped. Each maps to its neutral values.
 UNSUPPORTED: dict[str, tuple] = {
-    "guided_json": (None,), "guided_regex": (None, ""), "guided_choice": (None, []), "guided_grammar": (None, ""),
-    "guided_decoding_backend": (None, ""), "structured_outputs": (None, {}),
+    # vLLM's per-request pick of a structured-output backend: xgrammar is this server's one.
+    "guided_decoding_backend": (None, "", "auto", "xgrammar"), "guided_whitespace_pattern": (None, ""),
     "logits_processors": (None, []),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
     "structural_tag": (None, ""), "prompt_embeds": (None,), "tool_choice": (None, "none", "auto"),
 }
+
+
+class SpecRefused(ValueError):
+    """A structured-output field the server cannot take: why, and the field."""
+
+    def __init__(self, why: str, param: str):
+        super().__init__(why)
+        self.why, self.param = why, param
+
+
+def _text_spec(kind: str, value, param: str) -> GrammarSpec:
+    """A regex's or a grammar's spec: a non-empty string of bounded length."""
+    if not isinstance(value, str) or not value:
+        raise SpecRefused(f"{param} must be a non-empty string", param)
+    if len(value) > MAX_SPEC_CHARS:
+        raise SpecRefused(f"{param} may have at most {MAX_SPEC_CHARS} characters", param)
+    return GrammarSpec(kind, value, param)
+
+
+def _json_spec(schema, param: str) -> GrammarSpec:
+    """A JSON schema's spec, from the schema object or its JSON text (key order kept: it is
+    the order the properties are written in)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise SpecRefused(f"{param}: the schema is not JSON: {e}", param) from None
+    if not isinstance(schema, dict):
+        raise SpecRefused(f"{param} must be a JSON schema object", param)
+    return _text_spec("json", json.dumps(schema, ensure_ascii=False), param)
+
+
+def _choice_spec(choices, param: str) -> GrammarSpec:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise SpecRefused(f"{param} must be a non-empty list of non-empty strings", param)
+    if len(choices) > MAX_CHOICES:
+        raise SpecRefused(f"{param} takes at most {MAX_CHOICES} choices, got {len(choices)}", param)
+    return _text_spec("choice", json.dumps(choices, ensure_ascii=False), param)
+
+
+def _response_format_spec(fmt: dict | None) -> GrammarSpec | None:
+    """OpenAI's response_format: {"type": "text"}, {"type": "json_object"}, or
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", "response_format")
+    if kind == "json_schema":
+        inner = fmt.get("json_schema")
+        if not isinstance(inner, dict) or "schema" not in inner:
+            raise SpecRefused("response_format json_schema needs json_schema.schema, a JSON schema object",
+                              "response_format")
+        return _json_spec(inner["schema"], "response_format")
+    raise SpecRefused(f"response_format type {kind!r} is not supported (text, json_object or json_schema)",
+                      "response_format")
+
+
+# vLLM's structured_outputs keys this server reads; the rest (its options for other backends)
+# are refused unless neutral.
+_STRUCTURED_NEUTRAL = {"disable_fallback": (None, False, True), "disable_any_whitespace": (None, False, True),
+                       "whitespace_pattern": (None,), "structural_tag": (None,)}
+
+
+def _structured_outputs_spec(so: dict | None) -> GrammarSpec | None:
+    """vLLM's structured_outputs: one of json (a schema), regex, choice, grammar (EBNF) or
+    json_object (true). JSON is written without free whitespace whatever
+    disable_any_whitespace says (structured.py)."""
+    if not so:
+        return None
+    param = "structured_outputs"
+    asked = {k: v for k, v in so.items() if k in ("json", "regex", "choice", "grammar", "json_object")
+             and v is not None and v is not False}
+    for key, value in so.items():
+        if key not in ("json", "regex", "choice", "grammar", "json_object") and \
+                not any(value == v and type(value) is type(v) for v in _STRUCTURED_NEUTRAL.get(key, ())):
+            raise SpecRefused(f"structured_outputs.{key} is not supported", param)
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise SpecRefused(f"structured_outputs takes one of json, regex, choice, grammar or json_object, "
+                          f"got {sorted(asked)}", param)
+    (key, value), = asked.items()
+    if key == "json":
+        return _json_spec(value, param)
+    if key == "json_object":
+        if value is not True:
+            raise SpecRefused("structured_outputs.json_object must be true or false", param)
+        return GrammarSpec("json_object", "", param)
+    if key == "choice":
+        return _choice_spec(value, param)
+    return _text_spec(key, value, param)
+
+
+def _guided_spec(body) -> GrammarSpec | None:
+    """vLLM's older guided_json / guided_regex / guided_choice / guided_grammar, one of them."""
+    given = [(name, getattr(body, name)) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+             if getattr(body, name) is not None]
+    if len(given) > 1:
+        raise SpecRefused(f"only one of {' and '.join(n for n, _ in given)} may be given", given[1][0])
+    if not given:
+        return None
+    (name, value), = given
+    if name == "guided_json":
+        return _json_spec(value, name)
+    if name == "guided_choice":
+        return _choice_spec(value, name)
+    return _text_spec(name.removeprefix("guided_"), value, name)
 
 
 class StreamOptions(BaseModel):
@@ -158,10 +270,17 @@ class _SamplingFields(RequestBody):
     # vLLM's: each prompt token's logprob and rank, and this many most likely tokens there,
     # as `prompt_logprobs` beside the choices (not streamed, as vLLM refuses it with stream).
     prompt_logprobs: int | None = None
-    # Parts of the OpenAI API this server does not implement: refused when they would change
-    # the output (a 400 naming them), accepted when neutral (empty, or plain text), never
-    # silently dropped.
+    # Structured outputs (structured.py; `grammar_spec` reads them): OpenAI's response_format
+    # (text, json_object, json_schema), vLLM's structured_outputs (json, regex, choice,
+    # grammar, json_object) and its older guided_* fields. One of them per request.
     response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Parts of the OpenAI API this server does not implement: refused when they would change
+    # the output (a 400 naming them), accepted when neutral (empty), never silently dropped.
     tools: list | None = None
 
     def top_logprobs_k(self) -> int | None:
@@ -207,9 +326,10 @@ class _SamplingFields(RequestBody):
             return f"bad_words takes at most {MAX_BAD_WORDS_GIVEN} words, got {len(words)}", "bad_words"
         if any(len(w) > MAX_BAD_WORD_CHARS for w in words):
             return f"a bad word may have at most {MAX_BAD_WORD_CHARS} characters", "bad_words"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return f"response_format {self.response_format.get('type')!r} is not supported (only text)", \
-                "response_format"
+        try:
+            self.grammar_spec()
+        except SpecRefused as e:
+            return e.why, e.param
         if self.tools:
             return "tools are not supported", "tools"
         limit = self.max_tokens_asked()
@@ -226,6 +346,18 @@ class _SamplingFields(RequestBody):
         if self.repetition_penalty is not None and not 0.0 < self.repetition_penalty < float("inf"):
             return f"repetition_penalty must be greater than 0, got {self.repetition_penalty}", "repetition_penalty"
         return None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The structured output the request asks for (None: free text). SpecRefused (why, the
+        field) when a field is malformed, names what this server does not do, or when more
+        than one field asks for one."""
+        asked = [spec for spec in (_response_format_spec(self.response_format),
+                                   _structured_outputs_spec(self.structured_outputs),
+                                   _guided_spec(self)) if spec is not None]
+        if len(asked) > 1:
+            raise SpecRefused("only one structured output may be asked for, got "
+                              + " and ".join(sorted({a.param for a in asked})), asked[1].param)
+        return asked[0] if asked else None
 
     def vocab_refusal(self, vocab_size: int) -> tuple[str, str] | None:
         """(why, parameter) when logit_bias names a token outside a vocabulary of `vocab_size`
@@ -245,9 +377,10 @@ class _SamplingFields(RequestBody):
             return f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name
         return None
 
-    def sampling(self, max_tokens: int, echo: bool = False, tokenizer=None) -> SamplingParams:
+    def sampling(self, max_tokens: int, echo: bool = False, tokenizer=None, grammar=None) -> SamplingParams:
         """The request's SamplingParams; `tokenizer` tokenizes bad_words (the API refuses
-        bad_words on a server without one)."""
+        bad_words on a server without one); `grammar`, the compiled grammar of its
+        `grammar_spec` (deps.compile_grammar)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -274,6 +407,7 @@ class _SamplingFields(RequestBody):
             skip_special_tokens=self.skip_special_tokens,
             # (a stream shows none: 0 is all one may ask for with one, and costs nothing then)
             prompt_logprobs_top=None if self.stream else self.prompt_logprobs,
+            grammar=grammar,
         )
 
     def choice_params(self, params: SamplingParams) -> list[SamplingParams]:

@@ -53,6 +53,23 @@ def test_demo_requests_use_the_served_model_name(tmp_path):
     assert "model=tiny-base" in log and "model=poet" in log, log
 
 
+def test_the_demo_shows_an_adapter_held_to_a_json_schema(tmp_path):
+    import json
+
+    import pytest
+
+    from loraplex.server.cli import DEMO_SCHEMA
+    from loraplex.server.structured import available
+
+    if not available():
+        pytest.skip("xgrammar is not installed")
+    log = demo_log(tmp_path)
+    line = next((ln for ln in log.splitlines() if "held to a JSON schema" in ln), None)
+    assert line is not None, log
+    value = json.loads(line.split("-> ", 1)[1])
+    assert set(value) == set(DEMO_SCHEMA["required"]) and value["table"] in ("users", "orders", "items"), line
+
+
 def test_a_refused_demo_request_says_why_and_how_to_reach_the_server(tmp_path):
     log = demo_log(tmp_path, "--max-model-len", "16")
     assert "demo requests failed" in log and "400" in log and "maximum context length" in log, log

@@ -150,7 +150,7 @@ def test_error_shapes(served):
         # values (as some clients always send) are served.
         chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        for field, value in (("response_format", {"type": "json_object"}), ("tools", [tool])):
+        for field, value in (("response_format", {"type": "structural_tag"}), ("tools", [tool])):
             r = c.post("/v1/chat/completions", json=chat | {field: value})
             assert r.status_code == 400 and error_of(r)["param"] == field, (field, r.text)
         for field, value in (("response_format", {"type": "text"}), ("tools", [])):

@@ -90,8 +90,7 @@ def test_min_tokens_holds_off_a_stop_token_over_http(served):
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("guided_regex", "a+"),
-    ("structured_outputs", {"json": {}}), ("use_beam_search", True),
+    ("structured_outputs", {"whitespace_pattern": " "}), ("use_beam_search", True),
     ("functions", [{"name": "f"}]), ("logits_processors", ["p"]), ("truncate_prompt_tokens", 4),
 ])
 def test_unimplemented_fields_are_refused_naming_themselves_over_http(served, field, value):
