@@ -318,6 +318,16 @@ class LLMEngine:
             if bad:
                 raise RequestError(f"logit_bias token ids {sorted(bad)[:5]} are outside the vocabulary "
                                    f"(size {self.cfg.vocab_size})")
+        if params.allowed_ids is not None and params.grammar is None:
+            # Tokens the first step may not sample: one-token bad words, and before min_tokens
+            # the stop tokens. Where they hold every allowed token, nothing is left to sample
+            # (a grammar would win over them: Sampler.launch).
+            never = {w[0] for w in params.bad_words_ids if len(w) == 1}
+            if params.min_tokens > 0:
+                never |= set(params.stop_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            if never.issuperset(params.allowed_ids.tolist()):
+                raise RequestError("allowed_token_ids leaves no token to sample: each is a one-token bad word"
+                                   + (", or a stop token before min_tokens" if params.min_tokens else ""))
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         # Any int64 (the API's range) as itself, and one past its ends (a seed + j of n choices)
         # wrapped around 64 bits: distinct seeds draw distinct samples.

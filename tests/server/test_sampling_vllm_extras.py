@@ -142,6 +142,26 @@ def test_allowed_token_ids_over_http(served):
         assert words in r.json()["error"]["message"]
 
 
+def test_allowed_token_ids_that_leave_nothing_to_sample_are_a_400(served):
+    """allowed_token_ids of EOS alone before min_tokens, or of a one-token bad word alone: no
+    token may be sampled (the sampler would have drawn token 0, which was never allowed)."""
+    eos = served.engine.eos_ids[0]
+    r = complete(served, max_tokens=4, min_tokens=2, allowed_token_ids=[eos])
+    assert r.status_code == 400 and "leaves no token" in r.json()["error"]["message"], r.text
+    tok = served.engine.tokenizer
+    word = next(w for t in range(40, 300) if (w := tok.decode([t])) == w.strip() and w.isalpha()
+                and tok.encode(w, add_special_tokens=False) == [t])
+    (t,) = tok.encode(word, add_special_tokens=False)
+    r = complete(served, max_tokens=4, allowed_token_ids=[t], bad_words=[word])
+    assert r.status_code == 400 and "bad word" in r.json()["error"]["message"], r.text
+    # Another allowed token, or EOS with ignore_eos (not banned then): served.
+    r = complete(served, max_tokens=2, min_tokens=2, allowed_token_ids=[eos, 40], logprobs=0,
+                 return_tokens_as_token_ids=True)
+    assert r.status_code == 200 and output_ids(r) == [40, 40], r.text
+    r = complete(served, max_tokens=2, min_tokens=2, allowed_token_ids=[eos], ignore_eos=True)
+    assert r.status_code == 200, r.text
+
+
 def test_bad_words_over_http(served):
     tok = served.engine.tokenizer
     free = output_ids(complete(served, max_tokens=8, logprobs=0, return_tokens_as_token_ids=True, ignore_eos=True))
