@@ -185,11 +185,14 @@ def plan_read(weights: Path, targets: list[tuple[str, torch.Tensor]], chunk_byte
         if dtype is None:  # the spec was checked against another file: a new version renamed in since
             raise AdapterError(f"{weights.name}: no floating-point tensor {key!r} (the file changed since "
                                f"it was checked?)")
+        if info["shape"] != list(dst.shape):  # a converting copy_ would broadcast [1, in] into [r, in]
+            raise AdapterError(f"{weights.name}: tensor {key!r} has shape {info['shape']}, the adapter's is "
+                               f"{list(dst.shape)} (the file changed since it was checked, or is another version's?)")
         start, end = (8 + n + o for o in info["data_offsets"])
         if end > size:
             raise AdapterError(f"{weights.name}: tensor {key!r} ends past the file's {size} bytes (cut short?)")
         at = dst.data_ptr() - base
-        if dtype == dst.dtype and dst.is_contiguous() and list(dst.shape) == info["shape"]:
+        if dtype == dst.dtype and dst.is_contiguous():
             reads.append((start, end - start, at, None))
         else:
             reads.append((start, end - start, at, Convert(staged_bytes, end - start, dtype, tuple(info["shape"]), dst.dtype,

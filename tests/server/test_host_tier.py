@@ -323,6 +323,23 @@ def test_a_staged_copy_in_the_slots_dtype_is_read_in_place_of_the_f32_file(tmp_p
     assert read_into_host(path, spec, f32, pin=False).flat[read].abs().sum() == 0
 
 
+def test_a_staged_copy_whose_shapes_are_not_the_originals_is_refused_not_broadcast(tmp_path):
+    """read_adapter checks the original's shapes; the tensors are read from the node agent's
+    copy in the slots' dtype. One whose header gives other shapes (a rank-1 copy left beside a
+    retrained rank-3 original, or a lying header: its sizes add up) was read through the
+    converting path, whose copy_ broadcasts: lora_A [1, in] filled every rank row of [3, in]
+    with its one row, and the slot served weights that are in neither file."""
+    path = write_mixed_adapter(tmp_path / "a")
+    spec = read_adapter(path, base_spec())
+    one = {}
+    for key, t in load_file(str(path / WEIGHTS_FILE)).items():  # every tensor at rank 1
+        one[key] = (t[:1] if ".lora_A." in key else t[:, :1]).to(torch.bfloat16).contiguous()
+    save_file(one, str(path / "adapter_model.bfloat16.safetensors"))
+    buffers = LoRABuffers(ODD, 1, R_MAX, torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(AdapterError, match="shape"):
+        read_into_host(path, spec, buffers, pin=False)
+
+
 @pytest.mark.parametrize("threads", [0, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16: every tensor converted
 def test_ranges_handed_on_tile_the_copy_and_are_final_when_handed_on(tmp_path, monkeypatch, threads, dtype):
