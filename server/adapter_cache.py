@@ -186,8 +186,8 @@ class AdapterCache:
         with self._lock:
             e = self.table.entries.get(name)
             if e is not None and e.unloading:
-                raise AdapterError(f"adapter {name!r} is being unloaded (requests still use it); try again "
-                                   f"when they finish")
+                raise AdapterExistsError(f"adapter {name!r} is being unloaded (requests still use it); try "
+                                         f"again when they finish")
             if e is None:
                 e = self.table.entries[name] = CachedAdapter(name)
             before = e.version
@@ -409,7 +409,9 @@ class AdapterCache:
         it (its warm-up window ended: the campaign is over) is evicted before any other until
         it is requested again, so an ended
         campaign does not hold slots until its counts age out (bench/results/cache_sim_notes.md,
-        "The end of a campaign"). Plan format: operator/plan.py."""
+        "The end of a campaign"). AdapterExistsError, once the rest is applied, when an adapter
+        of the plan is still being unloaded (it left an earlier plan): apply it again later.
+        Plan format: operator/plan.py."""
         prefetch = {p["name"] for p in plan.get("prefetch") or [] if p.get("name")}
         pinned = set(plan.get("pinned") or [])
         adapters = {a.get("name") for a in plan.get("adapters") or []}
@@ -432,9 +434,12 @@ class AdapterCache:
                     e.expired = False
         if ended:
             log.info("plan: warm-up window ended for %s", ", ".join(sorted(ended)))
+        unloading = set()  # left an earlier plan and still being unloaded: this plan is applied again
         for a in plan.get("adapters") or []:
             try:
                 self.register(a["name"], source=a.get("source"), sha256=a.get("sha256"))
+            except AdapterExistsError:
+                unloading.add(a["name"])
             except AdapterError as err:
                 log.warning("plan: %s", err)
             if a.get("pinned"):
@@ -454,7 +459,8 @@ class AdapterCache:
             try:
                 self.pin(name, plan=True)
             except KeyError:
-                log.warning("plan pins %s, which is known nowhere (no source, not on disk)", name)
+                if name not in unloading:
+                    log.warning("plan pins %s, which is known nowhere (no source, not on disk)", name)
         for name in sorted(entered - pinned):
             # A warm-up window entered the list (the operator lists it warmupLeadSeconds before
             # its start): load it now, so the campaign's first requests hit. The node agent asks
@@ -473,6 +479,15 @@ class AdapterCache:
                     continue
                 now = self.unload(name)
             log.info("plan: %s left the plan; unloaded%s", name, "" if now else " once its requests finish")
+        if unloading:
+            # Back in the plan before the requests that held up their unload finished: the
+            # plan watcher applies the plan again at each look until they can be registered
+            # (else they stayed unknown, and unpinned, until the plan file changed again); a
+            # warm-up window of theirs that entered with this plan is entered then.
+            with self._lock:
+                self._plan_prefetch -= unloading
+            raise AdapterExistsError(f"plan: {', '.join(sorted(unloading))} left an earlier plan and are still "
+                                     f"being unloaded (requests still use them); the plan is applied again")
 
     # -- vLLM-style admin and benchmarks ---------------------------------------------------------
 

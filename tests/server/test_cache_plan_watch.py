@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -167,3 +168,42 @@ def test_a_good_plan_whose_apply_fails_is_tried_again_until_applied(tmp_path):
         assert watcher.check() is False and watcher.applied == 1  # applied once; unchanged since
     finally:
         watcher.stop()
+
+
+def test_an_adapter_back_in_the_plan_while_its_unload_waits_is_registered_once_it_can_be(tmp_path):
+    """Adapters leave the plan while requests run on them (their unload waits for the
+    requests), and come back, a pinned and b in a warm-up window, before the requests end (a
+    LoRAAdapter deleted and created again, a base moved and back). register refuses a name
+    being unloaded, and apply_plan only logged that: the plan counted as applied, the rows were
+    dropped when the requests ended, and with no new plan file the adapters stayed unknown
+    (their sources with them: requests for them were a 404), a unpinned and b not warmed up.
+    Now the plan is applied again until they can be registered."""
+    srcs = {n: write_adapter(tmp_path / "bucket" / n, seed=ord(n)) for n in "ab"}  # their sources only
+    cache = make_cache(tmp_path / "cache", slots=3, plan_scoped=True)
+    plan_file = tmp_path / "plan.json"
+    back = {"pinned": ["a"], "prefetch": [{"name": "b"}],
+            "adapters": [{"name": n, "source": str(src), "sha256": None} for n, src in srcs.items()]}
+    try:
+        plan_file.write_text(json.dumps(back | {"prefetch": []}))
+        watcher = PlanWatcher(plan_file, cache.apply_plan)
+        assert watcher.check()
+        for name in "ab":
+            cache.prefetch(name).result(10)
+            assert cache.acquire(name) >= 0  # a request runs on it
+        plan_file.write_text(json.dumps({"pinned": [], "prefetch": [], "adapters": []}))
+        os.utime(plan_file, ns=(1, 1))
+        assert watcher.check() and not cache.has("a") and not cache.has("b")  # unloading, once their requests end
+        plan_file.write_text(json.dumps(back))
+        os.utime(plan_file, ns=(2, 2))
+        watcher.check()  # back in the plan: still being unloaded
+        for name in "ab":
+            cache.release(name)  # the requests end: the old rows go
+        watcher.check()  # the next look at the plan (the file unchanged since)
+        assert cache.has("a") and cache.has("b") and _pinned(cache) == {"a"}
+        assert watcher.last_error is None
+        deadline = time.monotonic() + 10
+        while set(cache.ready_slots()) != {"a", "b"}:  # the pin and the warm-up window loaded
+            assert time.monotonic() < deadline, cache.describe()
+            time.sleep(0.005)
+    finally:
+        cache.close()
