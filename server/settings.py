@@ -32,6 +32,8 @@ from .adapter_names import InvalidAdapterName, check_adapter_name, is_namespace
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The levels both `logging` and uvicorn's `log_level` take (in any case).
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# --tool-call-parser: the ways of writing a tool call that api/tools.py reads.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 # Kubernetes puts `<SERVICE>_PORT=tcp://10.96.0.12:8000` into every pod of a namespace for each
 # Service there: a Service named `loraplex` sets LORAPLEX_PORT so. That is no --port.
 SERVICE_LINK = re.compile(r"^(tcp|udp|sctp)://\S+:\d+$")
@@ -93,6 +95,16 @@ class ServerSettings:
     """Prefill a prompt longer than the step's --max-prefill-tokens budget in chunks over
     several steps, decoding the running requests between chunks, so a long prompt does not
     stall them; a prompt that asks for prompt logprobs (echo) is never chunked. Default: off."""
+
+    enable_auto_tool_choice: bool = False
+    """Let a chat request with tools and tool_choice "auto" (OpenAI's default with tools)
+    have the model decide whether to call them, its reply read by --tool-call-parser (as in
+    vLLM; "required" and a named tool need neither). Default: off."""
+
+    tool_call_parser: str | None = None
+    """How a reply under tool_choice "auto" calls tools: hermes (<tool_call>{"name",
+    "arguments"}</tool_call> blocks: Qwen2.5, Hermes) or llama3_json (a JSON object
+    {"name", "parameters"}, several joined by ";": Llama 3.1 and later). Default: none."""
 
     max_loras: int = 0
     """Adapter slots in the device buffers (the GPU tier): adapters resident at once; 0 sizes
@@ -250,6 +262,10 @@ class ServerSettings:
             if not self.adapter_cache_dir:  # the agent stages into its cache: the server reads it there
                 raise ValueError("--node-agent-url needs --adapter-cache-dir, the agent's cache folder as this "
                                  "server sees it (without it the agent would never be asked)")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r}: use {', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model's replies call tools)")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"--log-level {self.log_level!r}: use {', '.join(LOG_LEVELS)}")
 

@@ -153,13 +153,15 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, template_kwargs: dict | None = None,
-                            documents: list[dict] | None = None, add_special_tokens: bool = False) -> list[int]:
+                            documents: list[dict] | None = None, add_special_tokens: bool = False,
+                            tools: list[dict] | None = None) -> list[int]:
         """Token ids of the conversation, rendered as transformers renders it (what vLLM's
         chat endpoint sends the model): the assistant turn's opening unless
         `add_generation_prompt` is false; with `continue_final_message`, the chat cut right
         after the last message's content, so that the reply continues it; `template_kwargs`,
         more variables for the template (vLLM's `chat_template_kwargs`, over the ones named
-        here, as there), `documents` its documents; `add_special_tokens`, BOS added when
+        here, as there), `documents` its documents, `tools` the tools a reply may call (OpenAI's
+        shape); `add_special_tokens`, BOS added when
         tokenizing besides what the template writes (vLLM's chat default: false)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
@@ -171,7 +173,7 @@ class Tokenizer:
             messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
         if self._template is None:
             self._template = _template_environment().from_string(self.chat_template)
-        variables = dict(add_generation_prompt=add_generation_prompt, tools=None, documents=documents,
+        variables = dict(add_generation_prompt=add_generation_prompt, tools=tools, documents=documents,
                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         variables.update(template_kwargs or {})
         variables["messages"] = messages

@@ -20,6 +20,7 @@ from .deps import compile_grammar, get_engine, merged, open_choices, resolve_ada
 from .errors import APIError
 from .logprobs import chat_logprobs, prompt_logprobs
 from .schemas import ChatCompletionRequest, new_id, now, usage
+from .tools import ToolStream, finish_reason, parse_content
 from .sse import sse_response
 
 router = APIRouter(tags=["chat"])
@@ -39,6 +40,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     refusal = body.prompt_refusal(eng.tokenizer.chat_template)
     if refusal:
         raise APIError(400, refusal[0], param=refusal[1])
+    tools = body.tool_mode()
+    if tools == "auto" and not (eng.settings.enable_auto_tool_choice and eng.settings.tool_call_parser):
+        # vLLM's rule: what "auto" calls is read out of the reply, so the server must know how.
+        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                            'set (or send tool_choice "required", a named tool, or "none")', param="tool_choice")
+    # How each reply is read for calls: a parser (auto), the held JSON (required, named), or not at all.
+    parser = eng.settings.tool_call_parser if tools == "auto" else None
+    reads_calls = tools != "none"
     try:  # off the event loop, which serves every stream: a long conversation takes seconds
         prompt = await asyncio.to_thread(eng.tokenizer.apply_chat_template, body.chat_messages(),
                                          **body.template_options())
@@ -75,14 +84,28 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                     yield chunk([{"index": j, "delta": {"content": echoed}, "logprobs": None,
                                   "finish_reason": None}], "chat.completion.chunk")
             counts = [0] * len(streams)
+            splits = [ToolStream(parser, body) for _ in streams] if reads_calls else None
             async for j, out in merged(streams):
                 counts[j] = out.completion_tokens
+                text, calls, reason = out.text, [], out.finish_reason
+                if splits is not None:  # a call's text is held back; the calls come at the end
+                    text = splits[j].feed(out.text)
+                    if out.finished:
+                        rest, calls = splits[j].end()
+                        text += rest
+                        reason = finish_reason(tools, calls, reason)
                 # Tokens whose text is held back (a possible stop string) still bring their logprobs.
-                if out.text or out.finished or (want_logprobs and out.token_ids):
+                if text or out.finished or (want_logprobs and out.token_ids):
                     lp = (chat_logprobs(lp_tokenizer, out.token_ids, out.logprobs, body.skip_special_tokens)
                           if want_logprobs else None)
-                    yield chunk([{"index": j, "delta": {"content": out.text} if out.text else {},
-                                  "logprobs": lp, "finish_reason": out.finish_reason if out.finished else None}],
+                    if calls:
+                        yield chunk([{"index": j, "delta": {"content": text} if text else {}, "logprobs": lp,
+                                      "finish_reason": None}], "chat.completion.chunk")
+                        yield chunk([{"index": j, "delta": {"tool_calls": [c.as_openai(k) for k, c in enumerate(calls)]},
+                                      "logprobs": None, "finish_reason": reason}], "chat.completion.chunk")
+                        continue
+                    yield chunk([{"index": j, "delta": {"content": text} if text else {},
+                                  "logprobs": lp, "finish_reason": reason if out.finished else None}],
                                 "chat.completion.chunk")
             if include_usage:
                 yield chunk([], "chat.completion.chunk", total(counts))
@@ -106,7 +129,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                 lps[j] += out.logprobs
             if out.finished:
                 reasons[j] = out.finish_reason
-        response = chunk([{"index": j, "message": {"role": "assistant", "content": texts[j]},
+        messages = [{"role": "assistant", "content": texts[j]} for j in range(len(streams))]
+        if reads_calls:
+            for j, message in enumerate(messages):
+                split = ToolStream(parser, body)
+                split.feed(texts[j])
+                rest, calls = split.end()
+                if calls:
+                    content = parse_content(parser, texts[j]) if parser else None
+                    messages[j] = {"role": "assistant", "content": content,
+                                   "tool_calls": [c.as_openai() for c in calls]}
+                    reasons[j] = finish_reason(tools, calls, reasons[j])
+        response = chunk([{"index": j, "message": messages[j],
                            "logprobs": (chat_logprobs(lp_tokenizer, ids[j], lps[j], body.skip_special_tokens)
                                         if want_logprobs else None),
                            "finish_reason": reasons[j]} for j in range(len(streams))], "chat.completion",

@@ -17,7 +17,7 @@ import json
 import re
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
@@ -281,7 +281,9 @@ class _SamplingFields(RequestBody):
     guided_grammar: str | None = None
     # Parts of the OpenAI API this server does not implement: refused when they would change
     # the output (a 400 naming them), accepted when neutral (empty), never silently dropped.
+    # (Chat completions take tools: ChatCompletionRequest.)
     tools: list | None = None
+    TAKES_TOOLS: ClassVar[bool] = False
 
     def top_logprobs_k(self) -> int | None:
         """How many alternatives per token the response lists (None: no logprobs)."""
@@ -330,7 +332,7 @@ class _SamplingFields(RequestBody):
             self.grammar_spec()
         except SpecRefused as e:
             return e.why, e.param
-        if self.tools:
+        if self.tools and not self.TAKES_TOOLS:
             return "tools are not supported", "tools"
         limit = self.max_tokens_asked()
         if self.min_tokens and limit is not None and self.min_tokens > limit:
@@ -446,16 +448,78 @@ class TextContent(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(BaseModel):
+    """A call an assistant message made (an earlier turn of the conversation)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContent] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     def text(self) -> str:
         """The content as one string; text parts joined by newlines, as vLLM joins them."""
         if isinstance(self.content, list):
             return "\n".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: {"role", "content"}, and where given its
+        name, tool_call_id and tool_calls, each call's arguments as the object their JSON
+        text holds (templates write them with `tojson`, as vLLM hands them over)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        return out
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None: any object
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatPromptFields(RequestBody):
@@ -472,8 +536,8 @@ class ChatPromptFields(RequestBody):
     documents: list[dict] | None = None
 
     def chat_messages(self) -> list[dict]:
-        """The messages as the chat template reads them ({"role", "content"}, text joined)."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """The messages as the chat template reads them (ChatMessage.for_template)."""
+        return [m.for_template() for m in self.messages]
 
     def prompt_refusal(self, template: str | None) -> tuple[str, str] | None:
         """(why, parameter) when these fields ask for a prompt the tokenizer does not render
@@ -490,10 +554,13 @@ class ChatPromptFields(RequestBody):
             return "chat_template_kwargs may not set messages", "chat_template_kwargs"
         return None
 
+    def template_tools(self) -> list[dict] | None:
+        return None  # (chat completions show their tools to the template)
+
     def template_options(self) -> dict:
         """Tokenizer.apply_chat_template's keyword arguments for these fields."""
         return dict(add_generation_prompt=self.add_generation_prompt is not False,
-                    continue_final_message=bool(self.continue_final_message),
+                    continue_final_message=bool(self.continue_final_message), tools=self.template_tools(),
                     template_kwargs=self.chat_template_kwargs, documents=self.documents or None,
                     add_special_tokens=bool(self.add_special_tokens))
 
@@ -504,6 +571,41 @@ class ChatCompletionRequest(_SamplingFields, ChatPromptFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None  # alternatives per token; needs logprobs: true
     echo: bool = False  # vLLM's: the reply starts with a final assistant message's content
+    # Tool calling (api/tools.py): the tools shown to the chat template, and what the reply may be.
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: "required" makes one call at most
+    TAKES_TOOLS: ClassVar[bool] = True
+
+    def tool_mode(self) -> str:
+        """none, auto, required or named: what tool_choice asks (with tools, auto by default)."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def named_tool(self) -> ToolDef:
+        name = self.tool_choice.function.name
+        return next(t for t in self.tools if t.function.name == name)
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template reads them (OpenAI's shape), None without."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """A structured output the request asks for, or the one its tool_choice holds the
+        reply to (named or required); both at once are refused."""
+        from .tools import tool_grammar_spec
+
+        asked = super().grammar_spec()
+        if self.tool_mode() == "named" and self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+            raise SpecRefused(f"tool_choice names {self.tool_choice.function.name!r}, which is not one of the tools",
+                              "tool_choice")
+        tools = tool_grammar_spec(self)
+        if asked is not None and tools is not None:
+            raise SpecRefused(f"tool_choice {self.tool_mode()} cannot be combined with {asked.param}", "tool_choice")
+        return tools or asked
 
     def echoed(self) -> str:
         """What echo puts before each reply: the last message's content when it is the
@@ -520,6 +622,8 @@ class ChatCompletionRequest(_SamplingFields, ChatPromptFields):
     def refusal(self) -> tuple[str, str | None] | None:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs: true", "top_logprobs"
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            return "tool_choice needs tools", "tool_choice"
         return super().refusal() or self._logprobs_bound("top_logprobs", self.top_logprobs)
 
 

@@ -1,0 +1,207 @@
+"""Tool calling on chat completions: OpenAI's `tools` and `tool_choice`, served as vLLM
+serves them.
+
+The tools are shown to the chat template (its `tools` variable); what the reply may be
+depends on `tool_choice`:
+
+- "none": text, as without tools.
+- a named tool (`{"type": "function", "function": {"name": "f"}}`): the reply is held to f's
+  parameters schema (a structured output, structured.py) and comes back as one call of f,
+  finish_reason "stop" (OpenAI's, for a forced function).
+- "required": the reply is held to a JSON array of calls, `[{"name": <a tool's>,
+  "parameters": <its schema>}, ...]` (one call at most with `parallel_tool_calls: false`),
+  and comes back as those calls, finish_reason "tool_calls".
+- "auto", the default with tools (the server needs `--enable-auto-tool-choice` and
+  `--tool-call-parser`): the model writes text, or calls as its template taught it, and a
+  parser reads them out of the reply (`hermes`: `<tool_call>{"name", "arguments"}</tool_call>`
+  blocks, text before them the content; `llama3_json`: a reply that is a JSON object
+  `{"name", "parameters"}`, or several joined by ";"). A reply the parser cannot read as
+  calls is the content, whole.
+
+Streamed, the text that cannot be part of a call is sent as it comes; a call's text is held
+back and the calls come in one delta at the end (`ToolStream`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from ..structured import GrammarSpec
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's `function.arguments`
+
+    def as_openai(self, index: int | None = None) -> dict:
+        """The call as a message's `tool_calls` entry (with `index`, a stream delta's)."""
+        return {**({"index": index} if index is not None else {}), "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+                "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _parameters(tool) -> dict:
+    """A tool's parameters schema; a tool without one takes any object."""
+    return tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
+
+
+def required_schema(tools: list, one: bool) -> dict:
+    """The JSON schema of a "required" reply: an array of calls of the given tools."""
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    return {"type": "array", "minItems": 1, **({"maxItems": 1} if one else {}),
+            "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+
+
+def tool_grammar_spec(body) -> GrammarSpec | None:
+    """The structured output a request's tool_choice holds its reply to: the named tool's
+    parameters, or (required) an array of calls; None for "none" and "auto"."""
+    choice = body.tool_choice
+    if not body.tools or choice in (None, "none", "auto"):
+        return None
+    if choice == "required":
+        schema = required_schema(body.tools, one=body.parallel_tool_calls is False)
+    else:
+        schema = _parameters(body.named_tool())
+    return GrammarSpec("json", json.dumps(schema, ensure_ascii=False), "tool_choice")
+
+
+def forced_calls(body, text: str) -> list[ToolCall] | None:
+    """The calls of a reply held by tool_choice (named or "required"); None when the reply is
+    not a whole one (max_tokens or a stop string cut it)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if body.tool_choice == "required":
+        if not isinstance(value, list):
+            return None
+        return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+    return [ToolCall(body.named_tool().function.name, json.dumps(value, ensure_ascii=False))]
+
+
+# -- "auto": reading calls out of a reply --------------------------------------------------------
+
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)$", re.S)
+_PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's opening of a call, where its template writes one
+
+
+def _call_of(obj, arguments_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(arguments_key, obj.get("arguments" if arguments_key == "parameters" else "parameters", {}))
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a hermes-style reply: `<tool_call>` blocks of JSON (the last one
+    may be cut before its closing tag), the text before the first one the content."""
+    if _HERMES_OPEN not in text:
+        return text, []
+    calls = []
+    for m in _HERMES_CALL.finditer(text):
+        try:
+            call = _call_of(json.loads((m.group(1) if m.group(1) is not None else m.group(2)).strip()), "arguments")
+        except ValueError:
+            call = None
+        if call is None:
+            return text, []
+        calls.append(call)
+    content = text[:text.index(_HERMES_OPEN)].strip()
+    return content or None, calls
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a Llama 3 reply: calls when the whole reply is JSON objects
+    {"name", "parameters"} (after an optional <|python_tag|>), joined by ";"; else content."""
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder = json.JSONDecoder()
+    calls, at = [], 0
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        call = _call_of(obj, "parameters")
+        if call is None:
+            return text, []
+        calls.append(call)
+        at = end
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return None, calls
+
+
+PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+
+
+class ToolStream:
+    """A streamed reply's text split as it comes: `feed` returns the text that can be sent as
+    content now; `end` returns the rest of the content and the calls.
+
+    hermes: content streams until a `<tool_call>` (text that could begin one is held back);
+    llama3_json: a reply that starts with "{" (or the python tag) is held whole;
+    forced (named or required): all of it is held."""
+
+    def __init__(self, parser: str | None, body=None):
+        self.parser = parser
+        self.body = body  # for a forced reply (parser None)
+        self.text = ""
+        self._sent = 0  # characters of text sent as content
+        self._holding = parser is None
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self._holding:
+            return ""
+        if self.parser == "llama3_json":
+            head = self.text.lstrip()
+            if self._sent == 0:  # undecided: calls, or text
+                if head.startswith("{") or head.startswith(_PYTHON_TAG):
+                    self._holding = True
+                    return ""
+                if not head or _PYTHON_TAG.startswith(head):  # whitespace, or maybe the tag
+                    return ""
+            out, self._sent = self.text[self._sent:], len(self.text)
+            return out
+        # hermes
+        at = self.text.find(_HERMES_OPEN, self._sent)
+        if at >= 0:
+            self._holding = True
+            out, self._sent = self.text[self._sent:at], at
+            return out
+        keep = next((n for n in range(min(len(_HERMES_OPEN) - 1, len(self.text)), 0, -1)
+                     if self.text.endswith(_HERMES_OPEN[:n])), 0)
+        end = len(self.text) - keep
+        out = self.text[self._sent:end] if end > self._sent else ""
+        self._sent = max(self._sent, end)
+        return out
+
+    def end(self) -> tuple[str, list[ToolCall]]:
+        """(content not sent yet, the calls) once the reply is whole."""
+        if self.parser is None:
+            calls = forced_calls(self.body, self.text)
+            return ("", calls) if calls is not None else (self.text, [])
+        content, calls = PARSERS[self.parser](self.text)
+        if not calls:
+            return self.text[self._sent:], []
+        # The content was streamed up to the first call; what is left of it (nothing, for
+        # hermes: the text before the tag went out) is not sent again.
+        return "", calls
+
+
+def parse_content(parser: str, text: str) -> str | None:
+    """The content of an "auto" reply that made calls: the text beside them (None if none)."""
+    return PARSERS[parser](text)[0]
+
+
+def finish_reason(mode: str, calls: list[ToolCall], reason: str | None) -> str | None:
+    """vLLM's: "tool_calls" where an "auto" reply made calls; a forced reply (named,
+    required) keeps the engine's reason ("stop"), as does a reply without calls."""
+    return "tool_calls" if mode == "auto" and calls else reason
