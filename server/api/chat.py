@@ -20,7 +20,7 @@ from .deps import compile_grammar, get_engine, merged, open_choices, resolve_ada
 from .errors import APIError
 from .logprobs import chat_logprobs, prompt_logprobs
 from .schemas import ChatCompletionRequest, new_id, now, usage
-from .tools import ToolStream, finish_reason, parse_content
+from .tools import ToolStream, finish_reason, read_reply
 from .sse import sse_response
 
 router = APIRouter(tags=["chat"])
@@ -131,12 +131,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                 reasons[j] = out.finish_reason
         messages = [{"role": "assistant", "content": texts[j]} for j in range(len(streams))]
         if reads_calls:
-            for j, message in enumerate(messages):
-                split = ToolStream(parser, body)
-                split.feed(texts[j])
-                rest, calls = split.end()
+            for j in range(len(streams)):
+                content, calls = read_reply(parser, body, texts[j])
                 if calls:
-                    content = parse_content(parser, texts[j]) if parser else None
                     messages[j] = {"role": "assistant", "content": content,
                                    "tool_calls": [c.as_openai() for c in calls]}
                     reasons[j] = finish_reason(tools, calls, reasons[j])

@@ -185,20 +185,19 @@ class ToolStream:
 
     def end(self) -> tuple[str, list[ToolCall]]:
         """(content not sent yet, the calls) once the reply is whole."""
-        if self.parser is None:
-            calls = forced_calls(self.body, self.text)
-            return ("", calls) if calls is not None else (self.text, [])
-        content, calls = PARSERS[self.parser](self.text)
-        if not calls:
-            return self.text[self._sent:], []
-        # The content was streamed up to the first call; what is left of it (nothing, for
-        # hermes: the text before the tag went out) is not sent again.
-        return "", calls
+        _, calls = read_reply(self.parser, self.body, self.text)
+        # With calls, the content went out as it came (hermes: the text before the first
+        # call; forced and llama3_json replies have none); without, what was held goes now.
+        return ("", calls) if calls else (self.text[self._sent:], [])
 
 
-def parse_content(parser: str, text: str) -> str | None:
-    """The content of an "auto" reply that made calls: the text beside them (None if none)."""
-    return PARSERS[parser](text)[0]
+def read_reply(parser: str | None, body, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole reply: read by `parser` under "auto", else (parser None)
+    a reply held by tool_choice, which is all calls; a reply without calls is all content."""
+    if parser is not None:
+        return PARSERS[parser](text)
+    calls = forced_calls(body, text)
+    return (None, calls) if calls else (text, [])
 
 
 def finish_reason(mode: str, calls: list[ToolCall], reason: str | None) -> str | None:
