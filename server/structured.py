@@ -140,7 +140,11 @@ class GrammarState:
     def __init__(self, compiled, stop_ids: tuple[int, ...]):
         import xgrammar as xgr
 
-        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids) or None)
+        # A stop_token_ids entry outside the vocabulary is never sampled (the sampler drops it
+        # too); the matcher refuses one.
+        vocab = compiled.tokenizer_info.vocab_size
+        stops = [t for t in stop_ids if 0 <= t < vocab]
+        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         """Row `index` of `bitmask` (int32 [n, ceil(V / 32)], on the CPU): bit t set where

@@ -210,6 +210,19 @@ def test_bad_specs_are_400s_and_the_server_goes_on(served):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+@needs_xgrammar
+def test_stop_token_ids_outside_the_vocabulary_change_nothing_under_a_grammar(served):
+    """Such ids are never sampled, with a grammar as without one (the sampler drops them);
+    the grammar engine refused them as stop tokens: a 503 that showed its C++ source line."""
+    vocab = served.engine.cfg.vocab_size
+    plain = complete(served, max_tokens=10, guided_regex="[0-9]{3}")
+    assert plain.status_code == 200, plain.text
+    r = complete(served, max_tokens=10, guided_regex="[0-9]{3}", stop_token_ids=[vocab, 10**6, -1])
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"] == plain.json()["choices"]
+    assert re.fullmatch("[0-9]{3}", r.json()["choices"][0]["text"])
+
+
 def test_without_the_grammar_engine_a_structured_request_is_a_400_and_others_are_served(served, monkeypatch):
     import loraplex.server.api.deps as deps
 
