@@ -127,6 +127,11 @@ class Grammars:
             raise
         except Exception as e:  # xgrammar raises RuntimeError (and ValueError) with the cause
             raise GrammarError(f"{spec.param}: {_client_message(e)}") from None
+        start = GrammarState(grammar, self.stop_ids)
+        if not start.matched and not start.allowed().any():
+            # Rules that only call themselves ("root ::= item", "item ::= root") compile, but
+            # no token may come first: each of its requests would fail at its first step.
+            raise GrammarError(f"{spec.param}: the {spec.kind} matches no output")
         with self._lock:
             if len(self._cache) >= COMPILED_CACHE:
                 self._cache.pop(next(iter(self._cache)))
@@ -142,7 +147,7 @@ class GrammarState:
 
         # A stop_token_ids entry outside the vocabulary is never sampled (the sampler drops it
         # too); the matcher refuses one.
-        vocab = compiled.tokenizer_info.vocab_size
+        self._vocab = vocab = compiled.tokenizer_info.vocab_size
         stops = [t for t in stop_ids if 0 <= t < vocab]
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
 
@@ -150,6 +155,17 @@ class GrammarState:
         """Row `index` of `bitmask` (int32 [n, ceil(V / 32)], on the CPU): bit t set where
         token t may come next."""
         self._matcher.fill_next_token_bitmask(bitmask, index)
+
+    def allowed(self) -> torch.Tensor:
+        """bool [V]: the tokens that may come next (stop tokens among them), on the CPU."""
+        bitmask = torch.empty((1, (self._vocab + 31) // 32), dtype=torch.int32)
+        self.fill(bitmask, 0)
+        return _unpack(bitmask, self._vocab)[0]
+
+    @property
+    def matched(self) -> bool:
+        """The output so far is a whole match (a longer one may still continue it)."""
+        return self._matcher.is_completed()
 
     def accept(self, token: int) -> bool:
         """Move on by `token`; False if the grammar does not allow it (nothing changes then)."""
@@ -164,6 +180,13 @@ class GrammarState:
     def terminated(self) -> bool:
         """A stop token came after a whole match."""
         return self._matcher.is_terminated()
+
+
+def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [n, vocab] from a bitmask int32 [n, ceil(vocab / 32)]: token t is bit t % 32 of
+    word t // 32 (xgrammar sets the bits past the vocabulary: they are cut off)."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> bits) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int], states: list[GrammarState],
@@ -181,9 +204,7 @@ def mask_logits(logits: torch.Tensor, rows: list[int], states: list[GrammarState
     for j, state in enumerate(states):
         state.fill(bitmask, j)
     device = logits.device
-    packed = bitmask.to(device, non_blocking=True)
-    bits = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = ((packed[:, :, None] >> bits) & 1).view(len(rows), words * 32)[:, :vocab].bool()
+    allowed = _unpack(bitmask.to(device, non_blocking=True), vocab)
     index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
     held = logits[index].masked_fill(~allowed, float("-inf"))
     if fallback is not None and fallback is not logits:

@@ -211,6 +211,18 @@ def test_bad_specs_are_400s_and_the_server_goes_on(served):
 
 
 @needs_xgrammar
+@pytest.mark.parametrize("grammar", ["root ::= item\nitem ::= root", 'root ::= root "a"'])
+def test_a_grammar_that_matches_nothing_is_a_400(served, grammar):
+    """Rules that only ever call themselves compile, but allow no first token: the request
+    sampled a token its grammar refused, and ended in a 500 (adapter_load_failed)."""
+    for body, param in ((dict(guided_grammar=grammar), "guided_grammar"),
+                        (dict(structured_outputs={"grammar": grammar}), "structured_outputs")):
+        for r in (complete(served, max_tokens=4, **body), chat(served, max_tokens=4, **body)):
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and "matches no output" in err["message"], err
+
+@needs_xgrammar
 def test_stop_token_ids_outside_the_vocabulary_change_nothing_under_a_grammar(served):
     """Such ids are never sampled, with a grammar as without one (the sampler drops them);
     the grammar engine refused them as stop tokens: a 503 that showed its C++ source line."""
