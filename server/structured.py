@@ -132,6 +132,9 @@ class Grammars:
             # Rules that only call themselves ("root ::= item", "item ::= root") compile, but
             # no token may come first: each of its requests would fail at its first step.
             raise GrammarError(f"{spec.param}: the {spec.kind} matches no output")
+        if spec.kind == "json" and start.matched:
+            # An empty anyOf or oneOf compiles to the empty output, which is no JSON.
+            raise GrammarError(f"{spec.param}: the schema matches no JSON value")
         with self._lock:
             if len(self._cache) >= COMPILED_CACHE:
                 self._cache.pop(next(iter(self._cache)))

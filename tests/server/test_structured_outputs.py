@@ -222,6 +222,22 @@ def test_a_grammar_that_matches_nothing_is_a_400(served, grammar):
             err = r.json()["error"]
             assert err["param"] == param and "matches no output" in err["message"], err
 
+
+@needs_xgrammar
+@pytest.mark.parametrize("schema", [{"anyOf": []}, {"oneOf": []}])
+def test_a_json_schema_that_matches_only_the_empty_output_is_a_400(served, schema):
+    """xgrammar compiles an empty anyOf or oneOf to a grammar of the empty output: the answer
+    was "" with finish_reason "stop", which no JSON parser reads. (An empty output stays
+    allowed where a regex or a grammar asks for it.)"""
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    for r in (complete(served, max_tokens=8, response_format=fmt), chat(served, max_tokens=8, response_format=fmt)):
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "response_format" and "no JSON value" in err["message"], err
+    r = complete(served, max_tokens=8, guided_regex="(ab)?")
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("", "ab"), r.text
+
+
 @needs_xgrammar
 def test_stop_token_ids_outside_the_vocabulary_change_nothing_under_a_grammar(served):
     """Such ids are never sampled, with a grammar as without one (the sampler drops them);
