@@ -153,6 +153,7 @@ class GrammarState:
         self._vocab = vocab = compiled.tokenizer_info.vocab_size
         stops = [t for t in stop_ids if 0 <= t < vocab]
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
+        self._stops = stops or list(compiled.tokenizer_info.stop_token_ids)
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         """Row `index` of `bitmask` (int32 [n, ceil(V / 32)], on the CPU): bit t set where
@@ -176,8 +177,13 @@ class GrammarState:
 
     @property
     def complete(self) -> bool:
-        """The output so far is a whole match: only a stop token may come next."""
-        return self._matcher.is_completed()
+        """Only a stop token may come next: the output so far is a whole match that no longer
+        one continues (for "[0-9]+", "7" is matched but not complete: "78" continues it)."""
+        if not self._matcher.is_completed():
+            return False
+        others = self.allowed()
+        others[self._stops] = False
+        return not others.any()
 
     @property
     def terminated(self) -> bool:

@@ -181,6 +181,20 @@ def test_the_grammar_ends_the_output_even_with_ignore_eos_and_before_min_tokens(
 
 
 @needs_xgrammar
+def test_min_tokens_holds_where_the_grammar_may_go_on(served):
+    """min_tokens yields only where the grammar allows nothing but a stop token: after "7",
+    "[0-9]+" is matched whole but "78" continues it, so EOS stays banned until min_tokens, as
+    without a grammar. (min_tokens yielded at every whole match: EOS, +100 here, came second.)"""
+    eos = served.engine.tokenizer.eos_token_id
+    for extra in (dict(), dict(ignore_eos=True, stop_token_ids=[eos])):
+        r = complete(served, max_tokens=20, min_tokens=4, logit_bias={str(eos): 100}, guided_regex="[0-9]+", **extra)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert re.fullmatch("[0-9]+", choice["text"]) and choice["finish_reason"] == "stop", (extra, choice)
+        assert r.json()["usage"]["completion_tokens"] == 5, (extra, r.json())  # 4 digits' tokens, then EOS
+
+
+@needs_xgrammar
 def test_the_grammar_wins_over_masks_that_leave_it_nothing(served):
     tok = served.engine.tokenizer
     other = tok.encode("zzz", add_special_tokens=False)
