@@ -105,7 +105,9 @@ class Grammars:
     def compile(self, spec: GrammarSpec):
         """The compiled grammar of `spec` (cached); GrammarError when it does not compile."""
         with self._lock:
-            hit = self._cache.get(spec)
+            hit = self._cache.pop(spec, None)
+            if hit is not None:  # now the last used: the cache evicts the least recently used
+                self._cache[spec] = hit
         if hit is not None:
             return hit
         compiler = self._engine()

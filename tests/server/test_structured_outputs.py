@@ -66,6 +66,22 @@ def test_malformed_or_doubled_asks_are_refused_naming_the_field(fields, param, w
     assert body.refusal() == (e.value.why, param)
 
 
+@needs_xgrammar
+def test_a_grammar_in_use_stays_compiled_while_others_come_and_go(hf_llama):
+    """The cache keeps the grammars used last: a spec every other request asks for is not
+    compiled again each time COMPILED_CACHE others have come (it was evicted first-in, first-out)."""
+    from loraplex.server.structured import COMPILED_CACHE, Grammars
+    from loraplex.server.tokenizer import Tokenizer
+
+    tok = Tokenizer(hf_llama)
+    grammars = Grammars(tok, tok.vocab_size, (tok.eos_token_id,))
+    hot = GrammarSpec("json", json.dumps(SCHEMA), "response_format")
+    compiled = grammars.compile(hot)
+    for i in range(2 * COMPILED_CACHE):
+        grammars.compile(GrammarSpec("regex", f"x{i}[a-z]", "guided_regex"))
+        assert grammars.compile(hot) is compiled, i
+
+
 # -- over HTTP ---------------------------------------------------------------------------------
 
 
