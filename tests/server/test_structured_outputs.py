@@ -254,6 +254,18 @@ def test_a_grammar_that_matches_nothing_is_a_400(served, grammar):
 
 
 @needs_xgrammar
+@pytest.mark.xfail(strict=True, reason="a request its grammar leaves no token ends in a RequestFailedError, which "
+                   "api/errors.py and api/sse.py report as a 500 adapter_load_failed (the fix is in the report)")
+def test_a_grammar_that_dead_ends_mid_output_is_the_clients_error_not_an_adapter_failure(served):
+    """After "ok" this grammar allows no token (tail only calls itself): no compile-time check
+    sees that, and the request cannot go on. It is the spec's fault, not the adapter's."""
+    grammar = 'root ::= "ok" tail\ntail ::= tail'
+    r = complete(served, max_tokens=8, guided_grammar=grammar)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] != "adapter_load_failed", r.text
+
+
+@needs_xgrammar
 @pytest.mark.parametrize("schema", [{"anyOf": []}, {"oneOf": []}])
 def test_a_json_schema_that_matches_only_the_empty_output_is_a_400(served, schema):
     """xgrammar compiles an empty anyOf or oneOf to a grammar of the empty output: the answer
