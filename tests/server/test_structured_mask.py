@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from loraplex.server.structured import mask_logits
+from loraplex.server.structured import Grammars, GrammarSpec, GrammarState, available, mask_logits
 from loraplex.server.tokenizer import Tokenizer
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
@@ -149,3 +149,20 @@ def test_the_mask_keeps_each_rows_allowed_tokens_and_falls_back_to_the_grammar_a
     assert torch.equal(out[0, [31, 69]], logits[0, [31, 69]])
     assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [5, 63]
     assert torch.equal(out[2, [5, 63]], logits[2, [5, 63]])
+
+
+@pytest.mark.skipif(not available(), reason="xgrammar is not installed")
+def test_ids_past_the_tokenizers_vocabulary_are_never_allowed(hf_llama):
+    """A model's logits may be wider than its tokenizer's vocabulary (padded to a multiple of
+    64, say): the grammar pads it with tokens it never allows, whatever their logits."""
+    tok = Tokenizer(hf_llama)
+    width = tok.vocab_size + 40
+    grammars = Grammars(tok, width, (tok.eos_token_id,))
+    state = GrammarState(grammars.compile(GrammarSpec("regex", "[^x]*", "guided_regex")), (tok.eos_token_id,))
+    assert state.allowed().shape == (width,) and state.allowed()[:tok.vocab_size].any()
+    assert not state.allowed()[tok.vocab_size:].any()
+    logits = torch.zeros(2, width)
+    logits[:, tok.vocab_size:] = 100.0
+    out = mask_logits(logits, [1], [state], fallback=logits)
+    assert torch.isneginf(out[1, tok.vocab_size:]).all() and out[1].argmax() < tok.vocab_size
+    assert torch.equal(out[0], logits[0])
