@@ -39,10 +39,14 @@ load takes a slot or a load worker (on as many staging threads), so slow fetches
 up the loads from host memory or disk behind them. A failed load frees its slot; it, or a
 failed fetch, fails its waiters
 (`take_failures` for the engine's queued requests, `failed_load` for one queued after that)
-and is retried by the next request; a pin's also on its own, after a back-off (`_retry_pin`). Under overload (every slot's adapter always has
-requests) a cold request would starve: after `drain_after` seconds one busy adapter stops
-admitting and gives up its slot once its running requests finish (`SlotTable.drain`), round
-robin through the slots.
+and is retried by the next request; a pin's also on its own, after a back-off (`_retry_pin`).
+Not a load that failed on the adapter's files, while they are unchanged (`AdapterLoader.broken`:
+the same stamp of config, weights and served copy): a request, prefetch or pin of it fails at
+once with that error (`_refused`), taking no slot, so traffic to one broken adapter evicts no
+healthy one; once the files change, or a new version is registered, a load is tried again.
+Under overload (every slot's adapter always has requests) a cold request would starve: after
+`drain_after` seconds one busy adapter stops admitting and gives up its slot once its running
+requests finish (`SlotTable.drain`), round robin through the slots.
 
 Threads: one lock (`_lock`) guards the slot table, its rows and the eviction policy; the
 HTTP thread (`acquire`, `prefetch`, `pin`), the engine thread (`ready_slots`, `release`,
@@ -122,6 +126,7 @@ class AdapterCache:
                              on_evict=lambda name: self.metrics.evictions.labels("host").inc())
         self.wake: Callable[[], None] = lambda: None  # the engine loop's wake-up (set by AsyncEngine)
         self._pin_orders = itertools.count(1)  # pins are numbered as made: the newest yields first
+        self._pin_retries: dict[str, object] = {}  # name -> its newest pin retry timer's token
         self._lock = threading.RLock()
         self._plan_prefetch: set[str] = set()  # the last plan's prefetch list (open warm-up windows)
         self._closed = False
@@ -271,7 +276,8 @@ class AdapterCache:
                 return e.slot
             e.misses += 1  # (a slot of a replaced version admits it only once reloaded)
             e.prefetch = False
-            self.table.want(e)
+            if self._refused(e) is None:  # else the engine fails the request (`failed_load`)
+                self.table.want(e)
             return -1
 
     def release(self, name: str) -> None:
@@ -356,6 +362,12 @@ class AdapterCache:
                 if session:
                     e.leases.append(self.clock() + self.session_lease_s)
                 fut.set_result(e.slot)
+                return fut
+            error = self._refused(e)
+            if error is not None:
+                if e.pinned and not asked:  # a pin: it loads on its own once the files change
+                    self._arm_pin_retry(e)
+                fut.set_exception(error)
                 return fut
             e.waiters.append(fut)
             if e.state == "cold":
@@ -688,6 +700,22 @@ class AdapterCache:
             return (d / WEIGHTS_FILE).stat().st_size
         return None
 
+    def _refused(self, e: CachedAdapter) -> AdapterLoadError | None:
+        """For a row no load of which is on its way: the error of its last load if that failed
+        on its files and they are unchanged since (`AdapterLoader.broken`), a new one of the
+        same words for each caller; None: a load may start. A load would take a slot (evicting
+        an idle adapter) to fail the same way. Counted as a failed load, as each was before
+        (loraplex_adapter_load_failures_total keeps rising while traffic hits the adapter)."""
+        if e.state != "cold":
+            return None
+        failed = self.loader.broken(e)
+        if failed is None:
+            return None
+        self.metrics.load_failures.labels(failed.reason).inc()
+        error = AdapterLoadError(e.name, failed.reason, "")
+        error.args = failed.args
+        return error
+
     def _update_pinned_gauge(self) -> None:
         self.metrics.pinned.set(sum(1 for e in self.table.entries.values() if e.pinned and not e.unloading))
 
@@ -727,21 +755,39 @@ class AdapterCache:
         for fut in waiters:
             tell(fut, slot, error)
         if retry:
-            # The exponent capped: 2.0 ** 1024 overflows a float (some 34 hours of failures).
-            delay = min(PIN_RETRY_MAX_S, PIN_RETRY_FIRST_S * 2.0 ** min(e.failed_in_row - 1, 64))
-            timer = threading.Timer(delay, self._retry_pin, (e,))
-            timer.daemon = True
-            timer.start()
+            self._arm_pin_retry(e)
         self.wake()
 
-    def _retry_pin(self, e: CachedAdapter) -> None:
+    def _arm_pin_retry(self, e: CachedAdapter) -> None:
+        """`_retry_pin` of `e` after its back-off: 2 s doubled after each failure in a row, up
+        to 2 minutes. The newest timer of a name is the one that looks again at files its load
+        failed on (`_retry_pin`), so one chain of them runs however many pins and failures
+        started one."""
+        # The exponent capped: 2.0 ** 1024 overflows a float (some 34 hours of failures).
+        delay = min(PIN_RETRY_MAX_S, PIN_RETRY_FIRST_S * 2.0 ** min(max(e.failed_in_row, 1) - 1, 64))
+        token = object()
+        with self._lock:
+            self._pin_retries[e.name] = token
+        timer = threading.Timer(delay, self._retry_pin, (e, token))
+        timer.daemon = True
+        timer.start()
+
+    def _retry_pin(self, e: CachedAdapter, token: object) -> None:
         """Load a pin again after its load failed, if it is still this name's row, pinned and
         cold: a pin is wanted resident whether or not a request asks for it (a plan's pins
         would otherwise stay cold after one failure, the node agent down for a moment, say,
-        until traffic or a new plan came)."""
+        until traffic or a new plan came). Files its load failed on, unchanged, are not loaded
+        (`_refused`): they are looked at again after a longer back-off, by the newest timer."""
+        again = False
         with self._lock:
             if self._closed:
                 return
             if self.table.entries.get(e.name) is e and e.pinned and not e.unloading and e.state == "cold":
-                log.info("adapter %s: pinned, its last load failed (%s); loading it again", e.name, e.error)
-                self.table.want(e)
+                if self.loader.broken(e) is None:
+                    log.info("adapter %s: pinned, its last load failed (%s); loading it again", e.name, e.error)
+                    self.table.want(e)
+                elif self._pin_retries.get(e.name) is token:
+                    e.failed_in_row += 1
+                    again = True
+        if again:
+            self._arm_pin_retry(e)

@@ -25,8 +25,13 @@ One load, fastest tier that holds the adapter first::
     slot     copy_to_slot: on CUDA a side stream and an event, so the decode loop never waits on PCIe
 
 Every failure becomes one AdapterLoadError (`load_error`), handed to `done`; it fails only
-that adapter. The disk lookups here (`disk_dir`, `staged`) also serve the cache's lazy
-discovery of adapters the node agent staged.
+that adapter. One that lies in the adapter's files (FILE_FAILURES: a cut or garbled file,
+shapes that do not fit, a config that is not JSON, a file missing) is kept with those files'
+stamp (`BrokenFiles`): while the files are the same, `broken` gives that error back and the
+cache starts no load of them, which would take a slot (evicting an idle adapter) to fail the
+same way. Other failures (out of memory, a fetch) are not kept: the next try may work. The disk
+lookups here (`disk_dir`, `staged`) also serve the cache's lazy discovery of adapters the node
+agent staged.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,7 +61,7 @@ from .adapter_names import is_adapter_name
 from .adapter_sources import (AdapterLoadError, Fetched, fetch_adapter, load_error, redact,
                               sweep_abandoned_fetches)
 from .adapters import AdapterId, LoRABuffers
-from .disk_read import DiskRead, PlanCache, files_stamp
+from .disk_read import DiskRead, PlanCache, StalePlan, files_stamp
 from .host_tier import HostCopy, HostTier, read_into_host
 from .slot_table import CachedAdapter
 
@@ -69,8 +75,25 @@ LoadDone = Callable[[CachedAdapter, int, str, AdapterLoadError | None, float], N
 StageDone = Callable[[CachedAdapter, tuple, Fetched | None, AdapterLoadError | None], None]
 
 
+# The reasons (AdapterLoadError.reason) of a failure that lies in the files read: the same
+# files fail the same way at every load, so none is tried again until they change.
+FILE_FAILURES = frozenset({"corrupt", "mismatch", "missing"})
+
+
 class Unstaged(Exception):
     """A load found its adapter not on local disk (host_copy): it is staged before it loads."""
+
+
+@dataclass
+class BrokenFiles:
+    """A load of `row` (of `version`: CachedAdapter.version) failed on the files under `path`,
+    whose stamp (files_stamp) was `stamp`, with `error` (its reason one of FILE_FAILURES)."""
+
+    row: CachedAdapter
+    version: tuple[str, str | None]
+    path: Path
+    stamp: tuple
+    error: AdapterLoadError
 
 
 class AdapterLoader:
@@ -101,6 +124,9 @@ class AdapterLoader:
         self.pin_memory = buffers.device.type == "cuda"
         self.dtype_name = str(buffers.dtype).removeprefix("torch.")  # the slots' dtype, as files name it
         self.read_plans = PlanCache()  # the first read of a fleet's next adapter is planned already
+        # name -> the files its last load failed on (`broken`); under the cache's lock. A row
+        # dropped since (an unload) is a stale entry, let go at the next look.
+        self._broken: dict[str, BrokenFiles] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, max_concurrent_loads),
                                                            thread_name_prefix="loraplex-load")
         # Fetches (seconds each) on their own threads: they hold no slot and no load worker.
@@ -140,6 +166,28 @@ class AdapterLoader:
         if e.path is not None and (e.path / CONFIG_FILE).is_file():
             return e.path
         return self.staged(e.name)
+
+    def files_stamp(self, path: Path) -> tuple:
+        """The stamp of the adapter files under `path` as a load reads them (files_stamp: the
+        folder, config, weights and the served copy of the weights)."""
+        return files_stamp(path, serving_weights(path, self.dtype_name))
+
+    def broken(self, e: CachedAdapter) -> AdapterLoadError | None:
+        """The error of `e`'s last load if it failed on its files (FILE_FAILURES) and a load now
+        would read those same files: the same row and version, the folder it would load from
+        the one that failed (or none on disk: a plan's local source, read in place), the same
+        stamp. None once any of that changed (a new version staged or registered, the files
+        rewritten, an unload): then a load is tried again. Under the cache's lock: a few stat
+        calls, for a row whose files failed only."""
+        failed = self._broken.get(e.name)
+        if failed is None:
+            return None
+        where = self.disk_dir(e)
+        if (failed.row is not e or failed.version != e.version or e.memory is not None or e.name in self.host
+                or (where is not None and where != failed.path) or self.files_stamp(failed.path) != failed.stamp):
+            del self._broken[e.name]
+            return None
+        return failed.error
 
     # -- staging: the source onto local disk, before a slot (staging thread) ------------------------
 
@@ -246,7 +294,7 @@ class AdapterLoader:
             if self.unstaged is not None:
                 raise Unstaged(e.name)
             path, tier = self._fetch(e.name, version, source, admin, missing), "source"
-        copy, spec, stamp = self._read_disk(e, path, writer)
+        copy, spec, stamp = self._read_disk(e, path, writer, identity)
         if not admin and not _holds(path, version, source):  # replaced again, meanwhile or by the staging
             raise AdapterLoadError(e.name, "fetch", f"{path} holds another version than the plan's "
                                    f"(another adapter of that name staged on this node?)")
@@ -272,9 +320,11 @@ class AdapterLoader:
     # weights.
     DISK_READ_ATTEMPTS = 5
 
-    def _read_disk(self, e: CachedAdapter, path: Path, writer: "SlotWriter | None"
+    def _read_disk(self, e: CachedAdapter, path: Path, writer: "SlotWriter | None", identity: tuple
                    ) -> tuple[HostCopy, AdapterSpec, tuple]:
-        """Read `e`'s files under `path` into a new host copy; (copy, spec, the files' stamp).
+        """Read `e`'s files (of version `identity`) under `path` into a new host copy; (copy,
+        spec, the files' stamp). A read that fails on the files (FILE_FAILURES) while they stay
+        as they were is kept with their stamp (`broken`), and a read that works forgets it.
 
         A reload (its host copy dropped) of the same files reuses the spec and the read plan of
         the last read: parsing, checking and planning again cost 4-8 ms for Llama-3-8B
@@ -286,7 +336,7 @@ class AdapterLoader:
         on_region = writer.weights if writer is not None else None
 
         def files_now() -> tuple:
-            return files_stamp(path, serving_weights(path, self.dtype_name))
+            return self.files_stamp(path)
 
         for _ in range(self.DISK_READ_ATTEMPTS):
             stamp = files_now()
@@ -301,12 +351,19 @@ class AdapterLoader:
                     spec = read_adapter(path, self.base)
                     copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock,
                                           self.read_pool, on_region=on_region, plans=self.read_plans)
-            except (AdapterError, RuntimeError, OSError):  # StalePlan among them
-                if files_now() == stamp:
-                    raise  # the files are as they were: the error is theirs
-                log.info("adapter %s: its files changed during a read that failed; reading them again", e.name)
-                continue
+            except (AdapterError, RuntimeError, OSError) as err:  # StalePlan among them
+                if files_now() != stamp:
+                    log.info("adapter %s: its files changed during a read that failed; reading them again", e.name)
+                    continue
+                # The files are as they were: the error is theirs, or the host's (out of memory).
+                error = load_error(e.name, err)
+                if error.reason in FILE_FAILURES and not isinstance(err, StalePlan):
+                    with self._lock:
+                        self._broken[e.name] = BrokenFiles(e, identity, path, stamp, error)
+                raise error from err
             if files_now() == stamp:
+                with self._lock:
+                    self._broken.pop(e.name, None)
                 return copy, spec, stamp
             log.info("adapter %s: its files changed during the read; reading them again", e.name)
         raise AdapterError(f"its files changed during each of {self.DISK_READ_ATTEMPTS} reads (a new version "

@@ -9,7 +9,9 @@ serves them beside the engine's).
     loraplex_adapter_loads_pending               loads waiting for a load worker or a free slot
                                                  (an adapter being fetched first is in neither)
     loraplex_adapter_evictions_total{tier}       adapters evicted from gpu slots / the host tier
-    loraplex_adapter_load_failures_total{reason} failed loads (missing, corrupt, mismatch, oom, fetch, other)
+    loraplex_adapter_load_failures_total{reason} failed loads (missing, corrupt, mismatch, oom, fetch, other);
+                                                 a load refused at once, as its last failed on the same
+                                                 files (AdapterCache._refused), counts as one too
     loraplex_adapters_pinned / _host             pinned adapters (resident or not) / host copies
 
 Hits and misses count requests only (prefetches and pins are not traffic). Resident
