@@ -7,9 +7,13 @@ not: a cheap `stat` (following links) about every second sees (inode, mtime, siz
 A new plan is parsed, its shape checked, and handed to `apply` (AdapterCache.apply_plan). A
 plan that does not parse, or whose fields are not of their shape, is logged and skipped
 whole; the last good one stays in force. A good plan whose `apply` fails is tried again at
-each check until it is applied, also at start (the server starts serving meanwhile). The
-loop runs in one daemon thread, logs its own failures, and never dies of one (`last_error`
-shows it).
+each check until it is applied, also at start (the server starts serving meanwhile). A plan
+file not there yet is waited for (a ConfigMap mounted late); one that cannot be read
+(permission denied, a path through a regular file, a folder where the file should be) is
+looked at again at each check, and the server serves meanwhile, with the last plan or none:
+each of these is said once, with its reason, and again only when the reason changes, never
+as a traceback per check. The loop runs in one daemon thread, logs its own failures, and
+never dies of one (`last_error` shows it).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from .plan_file import check_plan, read_plan_file  # plain or gzipped (the operator gzips a large plan)
+from .plan_file import check_plan, decode_plan  # plain or gzipped (the operator gzips a large plan)
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +49,25 @@ class PlanWatcher:
                 log.warning("plan file %s is gone; keeping the last plan", self.path)
             self._seen = None
             return False
+        except OSError as e:  # PermissionError, NotADirectoryError, a symlink loop...
+            self._unreadable(e)
+            return False
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
         if key == self._seen:
             return False
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:  # gone since the stat (a mount's swap): the next check reads what replaced it
+            self._seen = None
+            return False
+        except OSError as e:  # a folder at the path, permission denied: not a plan's content
+            self._unreadable(e)
+            return False
         self._seen = key
         try:
-            plan = read_plan_file(self.path)
+            plan = decode_plan(raw)
             check_plan(plan)  # all of it, before any of it is applied
-        except (OSError, ValueError) as e:
+        except ValueError as e:
             self.last_error = f"{type(e).__name__}: {e}"
             log.error("plan file %s: %s; keeping the last plan", self.path, self.last_error)
             return False
@@ -69,6 +84,17 @@ class PlanWatcher:
         self.last_error = None
         return True
 
+    def _unreadable(self, e: OSError) -> None:
+        """The plan file is there but cannot be read: looked at again at the next check (a fix,
+        a chmod say, need not move its mtime); said once per reason, as a warning."""
+        self._seen = None
+        error = f"{type(e).__name__}: {e}"
+        if error != self.last_error:
+            log.warning("plan file %s cannot be read (%s); %s, looking again every %gs", self.path, error,
+                        "keeping the last plan" if self.applied else "serving without a plan until it can be",
+                        self.interval)
+        self.last_error = error
+
     def start(self) -> None:
         self.check()  # the first plan before serving, when there is one
         self._thread = threading.Thread(target=self._run, name="loraplex-plan-watch", daemon=True)
@@ -84,5 +110,7 @@ class PlanWatcher:
             try:
                 self.check()
             except Exception as e:  # noqa: BLE001 - a bad plan must not stop the watcher
-                self.last_error = f"{type(e).__name__}: {e}"
-                log.exception("applying plan %s failed", self.path)
+                error = f"{type(e).__name__}: {e}"
+                if error != self.last_error:  # once, not every second
+                    log.exception("following plan %s failed", self.path)
+                self.last_error = error
