@@ -84,7 +84,17 @@ class UnknownModelError(KeyError):
 
 
 class RequestFailedError(RuntimeError):
-    """A queued request ended with an error (its adapter failed to load); others go on."""
+    """A queued request ended with an error (its adapter failed to load; its structured
+    output's grammar allowed no next token); others go on. `code` names which."""
+
+    def __init__(self, message: str, code: str = "adapter_load_failed"):
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def status(self) -> int:
+        """The client's error (400) where its own grammar dead-ended; else the server's (500)."""
+        return 400 if self.code == "grammar_dead_end" else 500
 
 
 class EngineStoppedError(RuntimeError):
@@ -673,7 +683,7 @@ class RequestStream:
                     self.finished = True
                     if self.owner.error is not None:  # ended by the crash (LLMEngine.fail_all)
                         raise EngineStoppedError(out.error)
-                    raise RequestFailedError(out.error)
+                    raise RequestFailedError(out.error, out.error_code or "adapter_load_failed")
                 self.finished = out.finished
                 yield out
         finally:

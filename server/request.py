@@ -44,6 +44,7 @@ class RequestOutput:
     # With echo and logprobs, in the request's first output only: one per prompt token, the
     # first None (see LlamaModel.prefill).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error_code: str | None = None  # with error: adapter_load_failed or grammar_dead_end (Request.fail)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, with echo + logprobs
     finish_reason: str | None = None
     error: str | None = None  # set with finish_reason "error"
+    error_code: str | None = None  # with it: adapter_load_failed (the default), grammar_dead_end
     detok: IncrementalDetokenizer | None = None
     grammar: GrammarState | None = None  # with a structured output: where its output stands in the grammar
     _emitted_ids: int = 0
@@ -104,7 +106,8 @@ class Request:
         p = self.params
         if self.grammar is not None and not self.grammar.accept(token):
             # The sampler's mask allows only tokens it accepts.
-            return self.fail(f"structured output: token {token} does not continue the output's grammar")
+            return self.fail("structured output: its grammar allows no token after the output so far",
+                             code="grammar_dead_end")
         # A stop token (EOS, or one of stop_token_ids) ends the request and its text stays out
         # of the answer, as a stop string's does (vLLM's rule; with include_stop_str_in_output
         # its text is kept, when it has one); it is still an output token. After a whole match
@@ -156,9 +159,10 @@ class Request:
     def abort(self) -> None:
         self._finish("abort")
 
-    def fail(self, error: str) -> None:
-        """End the request with an error its client sees (its adapter failed to load)."""
-        self.error = error
+    def fail(self, error: str, code: str = "adapter_load_failed") -> None:
+        """End the request with an error its client sees (its adapter failed to load; `code`
+        grammar_dead_end: its grammar allowed no token after the output so far)."""
+        self.error, self.error_code = error, code
         self._finish("error")
 
     def _finish(self, reason: str) -> None:
@@ -238,7 +242,8 @@ class Request:
                 text = full[self._emitted_chars:end]
                 self._emitted_chars = end
         return RequestOutput(self.request_id, new_ids, text, self.finished, self.finish_reason,
-                             len(self.prompt_ids), len(self.output_ids), self.error, logprobs, prompt_logprobs)
+                             len(self.prompt_ids), len(self.output_ids), self.error, logprobs, prompt_logprobs,
+                             self.error_code)
 
 
 def _prefix_function(s: str) -> list[int]:

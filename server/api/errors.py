@@ -76,7 +76,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestFailedError)
     async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
         # e.g. the request's adapter failed to load (missing or corrupt files, wrong shapes)
-        return JSONResponse(error_body(500, str(exc), code="adapter_load_failed"), status_code=500)
+        return JSONResponse(error_body(exc.status, str(exc), code=exc.code), status_code=exc.status)
 
     @app.exception_handler(EngineStoppedError)
     async def _engine_stopped(_: Request, exc: EngineStoppedError) -> JSONResponse:

@@ -28,7 +28,7 @@ def sse_response(chunks: AsyncIterator[dict]) -> StreamingResponse:
             async for chunk in chunks:
                 yield sse_event(chunk)
         except RequestFailedError as e:  # the status line is sent: the error goes in the stream
-            yield sse_event(error_body(500, str(e), code="adapter_load_failed"))
+            yield sse_event(error_body(e.status, str(e), code=e.code))
         except EngineStoppedError as e:
             yield sse_event(error_body(503, str(e), type="service_unavailable", code="engine_stopped"))
         except Exception as e:  # e.g. the engine stopped: an error event, not a cut connection

@@ -254,15 +254,20 @@ def test_a_grammar_that_matches_nothing_is_a_400(served, grammar):
 
 
 @needs_xgrammar
-@pytest.mark.xfail(strict=True, reason="a request its grammar leaves no token ends in a RequestFailedError, which "
-                   "api/errors.py and api/sse.py report as a 500 adapter_load_failed (the fix is in the report)")
 def test_a_grammar_that_dead_ends_mid_output_is_the_clients_error_not_an_adapter_failure(served):
     """After "ok" this grammar allows no token (tail only calls itself): no compile-time check
     sees that, and the request cannot go on. It is the spec's fault, not the adapter's."""
     grammar = 'root ::= "ok" tail\ntail ::= tail'
     r = complete(served, max_tokens=8, guided_grammar=grammar)
     err = r.json()["error"]
-    assert r.status_code == 400 and err["code"] != "adapter_load_failed", r.text
+    assert r.status_code == 400 and err["code"] == "grammar_dead_end", r.text
+    import httpx
+
+    with httpx.stream("POST", served.url + "/v1/completions", timeout=60, json={
+            "model": "tiny-llama", "prompt": "The fox", "max_tokens": 8, "stream": True,
+            "guided_grammar": grammar}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "grammar_dead_end", events
 
 
 @needs_xgrammar
