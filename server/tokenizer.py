@@ -125,14 +125,18 @@ class Tokenizer:
         token: it writes no text): what a grammar matches the output against
         (`structured.Grammars`). A byte-level piece's characters each stand for a byte
         ("Ġfox" -> b" fox"); a SentencePiece piece's "▁" is a space ("▁fox" -> b" fox", where
-        `token_bytes` gives the first token's text, without it) and "<0xE6>" one byte; an
-        added token that is not special is its own text."""
+        `token_bytes` gives the first token's text, without it) and "<0xE6>" one byte. An
+        added token that is not special goes through the decoder as a piece does ("Ġzz" is
+        b" zz" under ByteLevel)."""
         decoder = json.loads(self._tok.to_str()).get("decoder") or {}
         parts = decoder.get("decoders") or [decoder]
         kinds = {d.get("type") for d in parts if isinstance(d, dict)}
         byte_level = "ByteLevel" in kinds
         byte_fallback = "ByteFallback" in kinds
-        added = self._tok.get_added_tokens_decoder()
+        # "▁" is a space where the decoder says so (Metaspace, or Replace of it); a byte-level
+        # decoder keeps it as the character it is.
+        spaces = "Metaspace" in kinds or any(d.get("type") == "Replace" and d.get("pattern") == {"String": "\u2581"}
+                                             for d in parts if isinstance(d, dict))
         out: list[bytes | None] = []
         for i in range(self.vocab_size):
             if i in self.special_ids:
@@ -141,14 +145,12 @@ class Tokenizer:
             piece = self._tok.id_to_token(i)
             if piece is None:  # a gap in the ids
                 out.append(None)
-            elif i in added:
-                out.append(added[i].content.encode())
             elif byte_level and all(c in _BYTE_LEVEL for c in piece):
                 out.append(bytes(_BYTE_LEVEL[c] for c in piece))
             elif byte_fallback and (byte := _BYTE_FALLBACK.fullmatch(piece)):
                 out.append(bytes([int(byte.group(1), 16)]))
             else:
-                out.append(piece.replace("\u2581", " ").encode())
+                out.append((piece.replace("\u2581", " ") if spaces else piece).encode())
         return out
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

@@ -92,8 +92,6 @@ def test_metaspace_tokens_have_their_spaces(tmp_path):
     assert tok.decode(ids + ids) == "hello world" + b"".join(vocab[i] for i in ids).decode()
 
 
-@pytest.mark.xfail(strict=True, reason="vocabulary_bytes takes an added token's content for its text, but the "
-                   "decoder rewrites it as it does a piece's (server/tokenizer.py; the fix is in the report)")
 @pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
 def test_added_tokens_are_the_text_the_decoder_writes_for_them(hf_llama, tmp_path, kind):
     """An added token that is not special goes through the decoder as a piece does: "\u0120zz"
