@@ -131,7 +131,7 @@ def test_a_load_that_fails_before_its_request_is_queued_still_fails_it(disk):
     run_to_end(engine, [good, bad])
     assert good.finish_reason == "length"
     assert bad.finish_reason == "error" and "'bad' failed to load" in bad.error
-    # A later request for it tries the load again (and fails again, the file being still cut short).
+    # A later request for it fails at once with the same error (its files are unchanged).
     again = engine.make_request(PROMPT, params, adapter="bad")
     engine.add_request(again)
     run_to_end(engine, [again])
