@@ -338,12 +338,17 @@ class AdapterStore:
         now = self._entries.get(ref.key)
         if now is e:
             return self._info(e)
+        err = None
         if self._generation.get(ref.key, 0) != generation:
-            raise StoreError("Removed", f"{ref.name} was removed (it left the plan) while its {ref.dtype} copy"
+            err = StoreError("Removed", f"{ref.name} was removed (it left the plan) while its {ref.dtype} copy"
                              " was written")
-        if now is not None and not is_version(now, ref):
-            raise StoreError("Superseded", f"{ref.name}: version {e.sha256[:12]} was replaced by version"
+        elif now is not None and not is_version(now, ref):
+            err = StoreError("Superseded", f"{ref.name}: version {e.sha256[:12]} was replaced by version"
                              f" {now.sha256[:12]}, asked for after it, while its {ref.dtype} copy was written")
+        if err is not None:
+            # Counted as a download that ended so is (_download): the same failure series.
+            self.metrics.failures.labels(err.reason).inc()
+            raise err
         return await self.stage(ref)  # evicted meanwhile (or staged again): as asked anew
 
     def _download_done(self, key: tuple[Key, str, int], fut: asyncio.Future) -> None:

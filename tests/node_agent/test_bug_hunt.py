@@ -71,10 +71,14 @@ async def test_a_version_that_goes_while_its_serving_copy_is_written_is_not_answ
     else:
         new_src, new_sha = _adapter(tmp_path, "a-new", 2)
         await store.stage(AdapterRef("a", new_src, new_sha))
+    reason = "Removed" if how == "removed" else "Superseded"
+    failures = store.metrics.failures.labels(reason)
+    before = failures._value.get()
     go.set()
     with pytest.raises(StoreError) as err:
         await asked
-    assert err.value.reason == ("Removed" if how == "removed" else "Superseded") and err.value.status == 409
+    assert err.value.reason == reason and err.value.status == 409
+    assert failures._value.get() == before + 1  # in the failure series, as a download that ends so is
     assert store._reserved == 0
     if how == "replaced":
         assert store.get("a").sha256 == new_sha  # the later version stays
