@@ -10,7 +10,7 @@ depends on `tool_choice`:
   finish_reason "stop" (OpenAI's, for a forced function).
 - "required": the reply is held to a JSON array of calls, `[{"name": <a tool's>,
   "parameters": <its schema>}, ...]` (one call at most with `parallel_tool_calls: false`),
-  and comes back as those calls, finish_reason "tool_calls".
+  and comes back as those calls, finish_reason "tool_calls" (OpenAI's and vLLM's).
 - "auto", the default with tools (the server needs `--enable-auto-tool-choice` and
   `--tool-call-parser`): the model writes text, or calls as its template taught it, and a
   parser reads them out of the reply (`hermes`: `<tool_call>{"name", "arguments"}</tool_call>`
@@ -201,6 +201,9 @@ def read_reply(parser: str | None, body, text: str) -> tuple[str | None, list[To
 
 
 def finish_reason(mode: str, calls: list[ToolCall], reason: str | None) -> str | None:
-    """vLLM's: "tool_calls" where an "auto" reply made calls; a forced reply (named,
-    required) keeps the engine's reason ("stop"), as does a reply without calls."""
-    return "tool_calls" if mode == "auto" and calls else reason
+    """OpenAI's, as vLLM gives it: "tool_calls" where an "auto" reply made calls, or a
+    "required" one made them and ended by itself ("stop"); a named tool's call keeps
+    "stop" (OpenAI's, for a forced function), and a reply without calls its own reason."""
+    if calls and (mode == "auto" or (mode == "required" and reason == "stop")):
+        return "tool_calls"
+    return reason

@@ -175,7 +175,7 @@ def test_required_makes_calls_of_the_tools(served, model):
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     calls = choice["message"]["tool_calls"]
-    assert choice["message"]["content"] is None and calls and choice["finish_reason"] == "stop", choice
+    assert choice["message"]["content"] is None and calls and choice["finish_reason"] == "tool_calls", choice
     for call in calls:
         check_call(call, [WEATHER, TIME])
     r = chat(served.url, model=model, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)

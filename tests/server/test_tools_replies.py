@@ -1,0 +1,67 @@
+"""Tool calling's replies over HTTP, as OpenAI's clients read them: finish_reason, calls with
+echo, tools without parameters or with `$defs`, and the refusals of tools the server cannot
+serve as asked (server/api/tools.py, server/api/chat.py)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from loraplex.server.structured import available
+
+from .conftest import serve_tiny_llama
+
+needs_xgrammar = pytest.mark.skipif(not available(), reason="xgrammar is not installed")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def served(hf_llama, llama_adapters):
+    with serve_tiny_llama(hf_llama, llama_adapters) as server:
+        yield server
+
+
+def body(**fields) -> dict:
+    return {"model": "tiny-llama", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "temperature": 0, "max_tokens": 120, **fields}
+
+
+def chat(url, **fields) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=60, json=body(**fields))
+
+
+def stream(url, **fields) -> list[dict]:
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json=body(stream=True, **fields)) as s:
+        assert s.status_code == 200, s.read()
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def streamed_reply(events: list[dict], index: int = 0) -> tuple[str, list[dict], str | None]:
+    """(content, calls, finish_reason) of one choice of a stream."""
+    choices = [c for e in events for c in e["choices"] if c["index"] == index]
+    content = "".join(c["delta"].get("content") or "" for c in choices)
+    calls = [t for c in choices for t in c["delta"].get("tool_calls", [])]
+    return content, calls, choices[-1]["finish_reason"]
+
+
+@needs_xgrammar
+def test_required_calls_finish_with_tool_calls_streamed_too(served):
+    # OpenAI's (and vLLM's) finish_reason where "required" made calls; a named tool's is "stop".
+    content, calls, reason = streamed_reply(stream(served.url, tools=[WEATHER, TIME], tool_choice="required"))
+    assert calls and reason == "tool_calls" and content == "", (content, calls, reason)
+    assert chat(served.url, tools=[WEATHER, TIME], tool_choice="required").json()["choices"][0]["finish_reason"] \
+        == "tool_calls"
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert chat(served.url, tools=[WEATHER, TIME], tool_choice=named).json()["choices"][0]["finish_reason"] == "stop"
+    # Cut by max_tokens, no call is whole: the text is the content, finish_reason "length".
+    choice = chat(served.url, tools=[WEATHER, TIME], tool_choice="required", max_tokens=4).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"], choice
