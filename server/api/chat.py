@@ -132,9 +132,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         messages = [{"role": "assistant", "content": texts[j]} for j in range(len(streams))]
         if reads_calls:
             for j in range(len(streams)):
-                content, calls = read_reply(parser, body, texts[j])
+                # The reply alone is read for calls (as streamed); the echoed message stays its content's start.
+                content, calls = read_reply(parser, body, texts[j][len(echoed):])
                 if calls:
-                    messages[j] = {"role": "assistant", "content": content,
+                    messages[j] = {"role": "assistant", "content": (echoed + (content or "")) or None,
                                    "tool_calls": [c.as_openai() for c in calls]}
                     reasons[j] = finish_reason(tools, calls, reasons[j])
         response = chunk([{"index": j, "message": messages[j],

@@ -65,3 +65,17 @@ def test_required_calls_finish_with_tool_calls_streamed_too(served):
     # Cut by max_tokens, no call is whole: the text is the content, finish_reason "length".
     choice = chat(served.url, tools=[WEATHER, TIME], tool_choice="required", max_tokens=4).json()["choices"][0]
     assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"], choice
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_echo_keeps_the_calls_as_streamed(served, tool_choice):
+    # vLLM's echo: the final assistant message starts the content; the reply after it is
+    # still read for calls (the stream read them; the whole response read the echo as JSON).
+    fields = dict(messages=[{"role": "user", "content": "time?"}, {"role": "assistant", "content": "Sure"}],
+                  add_generation_prompt=False, continue_final_message=True, echo=True, tools=[WEATHER, TIME],
+                  tool_choice=tool_choice)
+    message = chat(served.url, **fields).json()["choices"][0]["message"]
+    content, calls, _ = streamed_reply(stream(served.url, **fields))
+    assert message["content"] == content == "Sure", (message, content)
+    assert [c["function"] for c in message.get("tool_calls", [])] == [c["function"] for c in calls] != [], message
