@@ -31,6 +31,7 @@ import re
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -82,6 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "off; for comparison)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up that compiles every kernel (for comparison)")
+    p.add_argument("--structured-rows", default="",
+                   help="also time, per adapter count, the batch with this many rows held to a JSON schema's "
+                        "grammar (over a synthetic tokenizer of the shape's vocabulary; needs xgrammar), e.g. 8,64, "
+                        "each beside the same batch without, in turn")
     p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                    help="projections each adapter targets (default all seven; PEFT's default for Llama is "
                         "q_proj,v_proj)")
@@ -116,6 +121,27 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / min(times)
 
 
+# --structured-rows: a schema no 64-step output completes (200 strings at least), so each
+# held row stays held through the timed steps.
+STRUCTURED_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 200}
+
+
+def structured_grammar(vocab: int, eos_ids: tuple[int, ...]):
+    """STRUCTURED_SCHEMA compiled over a synthetic byte-level tokenizer of `vocab` tokens
+    (structured_bench.py's): dummy weights come with no tokenizer."""
+    import tempfile
+
+    from structured_bench import synthetic_tokenizer
+
+    from loraplex.server.structured import Grammars, GrammarSpec
+    from loraplex.server.tokenizer import Tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic_tokenizer(Path(tmp), vocab)
+        grammars = Grammars(Tokenizer(tmp), vocab, eos_ids)
+        return grammars.compile(GrammarSpec("json", json.dumps(STRUCTURED_SCHEMA), "bench"))
+
+
 def make_requests(args, vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(1234)
     return torch.randint(3, vocab, (args.batch, args.prompt_len), generator=gen).tolist()
@@ -126,15 +152,17 @@ def assignment(batch: int, n_adapters: int) -> list[str | None]:
     return [None if n_adapters == 0 else f"a{i % n_adapters}" for i in range(batch)]
 
 
-def run_loraplex(args, engine: LLMEngine, prompts, names) -> dict:
-    """One untimed pass (captures the CUDA graphs), then a timed pass on the same requests."""
+def run_loraplex(args, engine: LLMEngine, prompts, names, grammar=None, grammar_rows: int = 0) -> dict:
+    """One untimed pass (captures the CUDA graphs), then a timed pass on the same requests;
+    the first `grammar_rows` rows held to `grammar` (a compiled structured output)."""
     max_tokens = args.decode_steps + 2
     result = {}
     before = engine.decoder.num_graphs
     for timed in (False, True):
-        for prompt, name in zip(prompts, names):
-            engine.add_request(engine.make_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                          ignore_eos=True), name))
+        for i, (prompt, name) in enumerate(zip(prompts, names)):
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                    grammar=grammar if i < grammar_rows else None)
+            engine.add_request(engine.make_request(prompt, params, name))
         t0 = time.perf_counter()
         engine.step()  # admits and prefills everyone (and their first decode is next)
         prefill_s = time.perf_counter() - t0
@@ -156,6 +184,14 @@ def run_loraplex(args, engine: LLMEngine, prompts, names) -> dict:
             engine.abort(req.request_id)
         while engine.has_work():
             engine.step()
+        held = [r for r in running if r.grammar is not None]
+        if held:  # each held row ran to max_tokens inside its grammar, which a fresh walk accepts
+            from loraplex.server.structured import GrammarState
+
+            for r in held:
+                walk = GrammarState(grammar, engine.eos_ids)
+                assert r.finish_reason == "length", (r.finish_reason, r.error)
+                assert all(walk.accept(t) for t in r.output_ids), "an output its grammar does not accept"
         # Only full-batch steps count (the last one may be partial).
         times, positions = times[: args.decode_steps], positions[: args.decode_steps]
         if not timed:
@@ -412,6 +448,17 @@ def main(argv=None) -> int:
             every_slot.append(e)
             log.info("  grid for every slot: %9.1f tok/s  step %.2f ms (ours %.3fx)", e["decode_tok_s"],
                      e["step_ms_median"], e["vs_step_adapters_grid"])
+    structured = []
+    if args.structured_rows:
+        grammar = structured_grammar(cfg.vocab_size, engine.eos_ids)
+        for n in args.adapter_counts:
+            for rows in (int(x) for x in args.structured_rows.split(",")):
+                free = run_loraplex(args, engine, prompts, assignment(args.batch, n))
+                held = run_loraplex(args, engine, prompts, assignment(args.batch, n), grammar, rows)
+                structured.append({"adapters": n, "structured_rows": rows, "without": free, "with": held,
+                                   "ratio": held["decode_tok_s"] / free["decode_tok_s"]})
+                log.info("structured: adapters=%d, %d rows held to a JSON schema: %.1f against %.1f tok/s (%.3fx)",
+                         n, rows, held["decode_tok_s"], free["decode_tok_s"], structured[-1]["ratio"])
     profiles = {}
     if args.profile:
         for n in sorted({0, min(32, n_max)}):
@@ -490,6 +537,7 @@ def main(argv=None) -> int:
             "copy_bandwidth_GBps": bw / 1e9,
             "loraplex": results,
             "loraplex_grid_for_every_slot": every_slot,
+            "structured": structured,
             "hf_peft": hf,
             "floor": floor,
             "checks": checks,
