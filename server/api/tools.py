@@ -48,10 +48,38 @@ def _parameters(tool) -> dict:
     return tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
 
 
+# Keywords whose values are JSON values, not schemas (a "$ref" key there is data), and those
+# whose values map names to schemas (the names are no keywords).
+_VALUES = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _moved(schema, at: str):
+    """`schema` placed at JSON pointer `at` of a larger schema: its references within itself
+    ("#", "#/$defs/City") rewritten to where it now lies ("#" + at + "/$defs/City")."""
+    if isinstance(schema, list):
+        return [_moved(s, at) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            value = "#" + at + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _moved(s, at) for name, s in value.items()}
+        elif key not in _VALUES:
+            value = _moved(value, at)
+        out[key] = value
+    return out
+
+
 def required_schema(tools: list, one: bool) -> dict:
-    """The JSON schema of a "required" reply: an array of calls of the given tools."""
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    """The JSON schema of a "required" reply: an array of calls of the given tools. Each
+    tool's parameters sit inside it, so their own references ($defs) are moved with them."""
+    at = ["/items" if len(tools) == 1 else f"/items/anyOf/{i}" for i in range(len(tools))]
+    calls = [{"type": "object", "properties": {
+        "name": {"const": t.function.name}, "parameters": _moved(_parameters(t), f"{at[i]}/properties/parameters")},
+        "required": ["name", "parameters"], "additionalProperties": False} for i, t in enumerate(tools)]
     return {"type": "array", "minItems": 1, **({"maxItems": 1} if one else {}),
             "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
 

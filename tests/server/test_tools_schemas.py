@@ -1,0 +1,67 @@
+"""The schemas a forced tool_choice holds a reply to (server/api/tools.py): tools whose
+parameters refer within themselves ($defs, "#"), checked by jsonschema and over HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from loraplex.server.api.schemas import ChatCompletionRequest
+from loraplex.server.api.tools import required_schema
+from loraplex.server.structured import available
+
+from .conftest import serve_tiny_llama
+
+needs_xgrammar = pytest.mark.skipif(not available(), reason="xgrammar is not installed")
+
+# Pydantic's shape of a model with a nested model and an enum: references into $defs.
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "$defs": {"City": {"enum": ["Paris", "Oslo"]},
+                                "Stay": {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"},
+                                                                          "nights": {"enum": [1, 2]}},
+                                         "required": ["city", "nights"], "additionalProperties": False}},
+    "properties": {"stay": {"$ref": "#/$defs/Stay"}}, "required": ["stay"], "additionalProperties": False}}}
+# A recursive one ("#": the parameters themselves), with a property named like a keyword.
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"const": {"enum": ["x"]},
+                                     "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    "required": ["const", "child"], "additionalProperties": False}}}
+
+
+def tools_of(*tools) -> list:
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=list(tools)).tools
+
+
+@pytest.mark.parametrize("tools", [[BOOK], [BOOK, TREE]])
+def test_a_required_schema_keeps_the_tools_references(tools):
+    schema = required_schema(tools_of(*tools), one=False)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    good = [{"name": "book", "parameters": {"stay": {"city": "Oslo", "nights": 2}}}]
+    if len(tools) == 2:
+        good.append({"name": "tree", "parameters": {"const": "x", "child": {"const": "x", "child": None}}})
+    jsonschema.validate(good, schema)
+    bad = [{"name": "book", "parameters": {"stay": {"city": "Rome", "nights": 2}}}]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+    if len(tools) == 2:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "tree", "parameters": {"const": "x", "child": {"child": None}}}], schema)
+    # The tools' own schemas are left as they were.
+    assert tools_of(*tools)[0].function.parameters["properties"]["stay"] == {"$ref": "#/$defs/Stay"}
+
+
+@needs_xgrammar
+def test_required_calls_of_tools_with_defs_over_http(hf_llama, llama_adapters):
+    import httpx
+
+    with serve_tiny_llama(hf_llama, llama_adapters) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny-llama", "messages": [{"role": "user", "content": "book Oslo"}], "temperature": 0,
+            "max_tokens": 200, "tools": [BOOK, TREE], "tool_choice": "required"})
+        assert r.status_code == 200, r.text
+        calls = r.json()["choices"][0]["message"]["tool_calls"]
+        for call in calls:
+            tool = {"book": BOOK, "tree": TREE}[call["function"]["name"]]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
