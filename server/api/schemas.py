@@ -503,7 +503,7 @@ class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
     description: str | None = None
-    parameters: dict | None = None  # a JSON schema; None: any object
+    parameters: dict | None = None  # a JSON schema; None (or {}): no parameters
     strict: bool | None = None
 
 

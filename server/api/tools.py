@@ -44,8 +44,9 @@ class ToolCall:
 
 
 def _parameters(tool) -> dict:
-    """A tool's parameters schema; a tool without one takes any object."""
-    return tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
+    """A tool's parameters schema. Without one (or with {}) the tool takes none, as OpenAI
+    defines it ("an empty parameter list") and vLLM holds it: its arguments are {}."""
+    return tool.function.parameters or {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 # Keywords whose values are JSON values, not schemas (a "$ref" key there is data), and those

@@ -79,3 +79,15 @@ def test_echo_keeps_the_calls_as_streamed(served, tool_choice):
     content, calls, _ = streamed_reply(stream(served.url, **fields))
     assert message["content"] == content == "Sure", (message, content)
     assert [c["function"] for c in message.get("tool_calls", [])] == [c["function"] for c in calls] != [], message
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("function", [{"name": "ping"}, {"name": "ping", "parameters": {}}])
+def test_a_tool_without_parameters_is_called_with_none(served, function):
+    # OpenAI: "omitting parameters defines a function with an empty parameter list". Held to
+    # any object instead, the random model wrote keys until max_tokens cut the call.
+    ping = {"type": "function", "function": function}
+    for tool_choice in ("required", {"type": "function", "function": {"name": "ping"}}):
+        choice = chat(served.url, tools=[ping], tool_choice=tool_choice, max_tokens=40).json()["choices"][0]
+        calls = choice["message"].get("tool_calls")
+        assert calls and all(c["function"] == {"name": "ping", "arguments": "{}"} for c in calls), choice
