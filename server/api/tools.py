@@ -128,7 +128,8 @@ def _call_of(obj, arguments_key: str) -> ToolCall | None:
 
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a hermes-style reply: `<tool_call>` blocks of JSON (the last one
-    may be cut before its closing tag), the text before the first one the content."""
+    may be cut before its closing tag), the text before the first one the content (the
+    whitespace that ends it, before the tag, left out: so ToolStream sends it)."""
     if _HERMES_OPEN not in text:
         return text, []
     calls = []
@@ -140,7 +141,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
         if call is None:
             return text, []
         calls.append(call)
-    content = text[:text.index(_HERMES_OPEN)].strip()
+    content = text[:text.index(_HERMES_OPEN)].rstrip()
     return content or None, calls
 
 
@@ -174,7 +175,8 @@ class ToolStream:
     """A streamed reply's text split as it comes: `feed` returns the text that can be sent as
     content now; `end` returns the rest of the content and the calls.
 
-    hermes: content streams until a `<tool_call>` (text that could begin one is held back);
+    hermes: content streams until a `<tool_call>` (text that could begin one, and whitespace
+    at the end, are held back);
     llama3_json: a reply that starts with "{" (or the python tag) is held whole;
     forced (named or required): all of it is held."""
 
@@ -199,15 +201,16 @@ class ToolStream:
                     return ""
             out, self._sent = self.text[self._sent:], len(self.text)
             return out
-        # hermes
+        # hermes: whitespace at the end is held too, for it ends the content if a call follows.
         at = self.text.find(_HERMES_OPEN, self._sent)
         if at >= 0:
             self._holding = True
-            out, self._sent = self.text[self._sent:at], at
+            end = max(self._sent, len(self.text[:at].rstrip()))
+            out, self._sent = self.text[self._sent:end], end
             return out
         keep = next((n for n in range(min(len(_HERMES_OPEN) - 1, len(self.text)), 0, -1)
                      if self.text.endswith(_HERMES_OPEN[:n])), 0)
-        end = len(self.text) - keep
+        end = len(self.text[:len(self.text) - keep].rstrip())
         out = self.text[self._sent:end] if end > self._sent else ""
         self._sent = max(self._sent, end)
         return out
