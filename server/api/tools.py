@@ -120,10 +120,23 @@ _PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's opening of a call, where its templ
 
 
 def _call_of(obj, arguments_key: str) -> ToolCall | None:
+    """The call a parsed {"name", arguments_key} object makes. Arguments a model wrote as a
+    string of JSON ("{\"city\": \"Paris\"}") are that JSON; any other string is a JSON string,
+    for `function.arguments` is always JSON text (clients json.loads it)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get(arguments_key, obj.get("arguments" if arguments_key == "parameters" else "parameters", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    if isinstance(args, str) and _is_json(args):
+        return ToolCall(obj["name"], args)
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:

@@ -52,3 +52,16 @@ def test_hermes_content_ends_before_the_whitespace_that_leads_to_the_call():
         ("Let me check.", [ToolCall("get_weather", '{"city": "Zürich"}')])
     assert read_reply("hermes", None, f"\n \n<tool_call>{CALL}</tool_call>")[0] is None
     assert read_reply("hermes", None, f"\n  Hi <tool_call>{CALL}</tool_call>")[0] == "\n  Hi"
+
+
+@pytest.mark.parametrize("parser,key", [("hermes", "arguments"), ("llama3_json", "parameters")])
+def test_arguments_written_as_a_string_are_json_text(parser, key):
+    def reply(args: str) -> str:
+        call = f'{{"name": "f", "{key}": {args}}}'
+        return f"<tool_call>{call}</tool_call>" if parser == "hermes" else call
+
+    # A string of JSON is that JSON; a string that is no JSON is a JSON string, never bare
+    # text that a client's json.loads(arguments) fails on.
+    assert read_reply(parser, None, reply('"{\\"city\\": \\"Oslo\\"}"'))[1] == [ToolCall("f", '{"city": "Oslo"}')]
+    assert read_reply(parser, None, reply('"Oslo"'))[1] == [ToolCall("f", '"Oslo"')]
+    assert read_reply(parser, None, reply('{"q": "日本"}'))[1] == [ToolCall("f", '{"q": "日本"}')]
