@@ -227,3 +227,12 @@ def test_peer_layer_headline_is_its_json():
                       r"triton_v2 with its own side-stream overlap, at ([\d.]+)x-([\d.]+)x the best peer's layer "
                       r"\(geomean ([\d.]+)x;"):
         assert list(got) == want, (got, want)
+
+
+def test_structured_rows_claim_is_its_json():
+    run = load("engine_h200_structured_rows.json")
+    assert run["config"]["batch"] == 64
+    ratios = {(s["adapters"], s["structured_rows"]): s["ratio"] for s in run["structured"]}
+    (all_rows, some_rows), = claims(r"rows held to a JSON schema decode at ([\d.]+)x the tokens/s of the same batch "
+                                    r"without grammars when all 64 rows are held, and ([\d.]+)x when 8 are")
+    assert all_rows == f2(ratios[(0, 64)]) and some_rows == f2(ratios[(0, 8)])
