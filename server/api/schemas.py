@@ -19,7 +19,8 @@ import time
 import uuid
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator,
+                      model_validator)
 
 from ..sampling import LOGIT_BIAS_LIMIT, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from ..structured import MAX_CHOICES, MAX_SPEC_CHARS, GrammarSpec
@@ -555,7 +556,7 @@ class ChatPromptFields(RequestBody):
         return None
 
     def template_tools(self) -> list[dict] | None:
-        return None  # (chat completions show their tools to the template)
+        return None  # (chat completions and /tokenize show their tools to the template)
 
     def template_options(self) -> dict:
         """Tokenizer.apply_chat_template's keyword arguments for these fields."""
@@ -590,8 +591,7 @@ class ChatCompletionRequest(_SamplingFields, ChatPromptFields):
         return next(t for t in self.tools if t.function.name == name)
 
     def template_tools(self) -> list[dict] | None:
-        """The tools as the chat template reads them (OpenAI's shape), None without."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return _template_tools(self.tools)
 
     def grammar_spec(self) -> GrammarSpec | None:
         """A structured output the request asks for, or the one its tool_choice holds the
@@ -636,17 +636,31 @@ class TokenizeCompletionRequest(RequestBody):
     return_token_strs: bool | None = False
 
 
+def _template_tools(tools: list[ToolDef] | None) -> list[dict] | None:
+    """The tools as the chat template reads them (OpenAI's shape), None without."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 class TokenizeChatRequest(ChatPromptFields):
-    """vLLM's POST /tokenize of a conversation, rendered as chat completions render it."""
+    """vLLM's POST /tokenize of a conversation, rendered as chat completions render it (its
+    tools too: they are part of the prompt)."""
 
     model: str | None = None
     return_token_strs: bool | None = False
     tools: list | None = None
 
-    def prompt_refusal(self, template: str | None) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools are not supported", "tools"
-        return super().prompt_refusal(template)
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list | None) -> list[ToolDef] | None:
+        """Each a ToolDef, as chat completions take it; what is wrong is named under "tools"."""
+        try:
+            return TypeAdapter(list[ToolDef] | None).validate_python(tools)
+        except ValidationError as e:
+            raise ValueError("; ".join(f"tools.{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                                       for err in e.errors())) from None
+
+    def template_tools(self) -> list[dict] | None:
+        return _template_tools(self.tools)
 
 
 def _tokenize_kind(body) -> str:

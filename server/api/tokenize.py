@@ -4,7 +4,7 @@ tokens with the served model's own tokenizer:
     POST /tokenize {"model": "sql-expert", "prompt": "SELECT 1"}
       -> {"count": 4, "max_model_len": 2048, "tokens": [1, 5003, 220, 16], "token_strs": null}
     POST /tokenize {"messages": [{"role": "user", "content": "hi"}]}   (the chat prompt, rendered
-      as /v1/chat/completions renders it; add_generation_prompt etc. as there)
+      as /v1/chat/completions renders it; add_generation_prompt, tools etc. as there)
     POST /detokenize {"tokens": [1, 5003]} -> {"prompt": "<s>SELECT"}
 
 `model` may be left out (the base); named, it must be one the caller may use (a 404 as
