@@ -624,6 +624,10 @@ class ChatCompletionRequest(_SamplingFields, ChatPromptFields):
             return "top_logprobs needs logprobs: true", "top_logprobs"
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             return "tool_choice needs tools", "tool_choice"
+        names = [t.function.name for t in self.tools or ()]
+        twice = next((name for name in names if names.count(name) > 1), None)
+        if twice is not None:  # a call names its function only: which of two would it be?
+            return f"tools: function names must be unique, {twice!r} is given twice", "tools"
         return super().refusal() or self._logprobs_bound("top_logprobs", self.top_logprobs)
 
 

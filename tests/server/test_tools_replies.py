@@ -91,3 +91,14 @@ def test_a_tool_without_parameters_is_called_with_none(served, function):
         choice = chat(served.url, tools=[ping], tool_choice=tool_choice, max_tokens=40).json()["choices"][0]
         calls = choice["message"].get("tool_calls")
         assert calls and all(c["function"] == {"name": "ping", "arguments": "{}"} for c in calls), choice
+
+
+def test_two_tools_of_one_name_are_refused(served):
+    # A call names its function and nothing else, so a client could not tell which of the two
+    # it is; a named tool_choice held the reply to the first one's parameters, silently.
+    other = {"type": "function", "function": {"name": "get_weather", "parameters": TIME["function"]["parameters"]}}
+    for tool_choice in ("none", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = chat(served.url, tools=[WEATHER, other], tool_choice=tool_choice, max_tokens=5)
+        assert r.status_code == 400, (tool_choice, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "tools" and "get_weather" in error["message"], error
