@@ -603,6 +603,9 @@ class ChatCompletionRequest(_SamplingFields, ChatPromptFields):
             raise SpecRefused(f"tool_choice names {self.tool_choice.function.name!r}, which is not one of the tools",
                               "tool_choice")
         tools = tool_grammar_spec(self)
+        if tools is not None and len(tools.value) > MAX_SPEC_CHARS:  # the bound of any structured output
+            raise SpecRefused(f"the tools' parameters schemas may have at most {MAX_SPEC_CHARS} characters in all "
+                              f"under tool_choice {self.tool_mode()}, got {len(tools.value)}", "tools")
         if asked is not None and tools is not None:
             raise SpecRefused(f"tool_choice {self.tool_mode()} cannot be combined with {asked.param}", "tool_choice")
         return tools or asked

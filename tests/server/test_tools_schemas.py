@@ -65,3 +65,24 @@ def test_required_calls_of_tools_with_defs_over_http(hf_llama, llama_adapters):
         for call in calls:
             tool = {"book": BOOK, "tree": TREE}[call["function"]["name"]]
             jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "pick"}}])
+def test_tools_schemas_are_bounded_as_any_structured_output(tool_choice):
+    from loraplex.server.structured import MAX_SPEC_CHARS
+
+    # The same schema as a response_format is refused at once; as tools it went to the grammar
+    # compiler (a 1.4M-character enum took a minute there), whatever the size.
+    values = [f"value-{i:06d}" for i in range(MAX_SPEC_CHARS // 14)]
+    pick = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"x": {"enum": values}}, "required": ["x"]}}}
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[pick],
+                                 tool_choice=tool_choice)
+    why, param = body.refusal()
+    assert param == "tools" and str(MAX_SPEC_CHARS) in why, why
+    as_format = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], response_format={
+        "type": "json_schema", "json_schema": {"name": "p", "schema": pick["function"]["parameters"]}})
+    assert as_format.refusal()[1] == "response_format"
+    # With tool_choice none (or auto) nothing is compiled: the tools only reach the template.
+    assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[pick],
+                                 tool_choice="none").refusal() is None
