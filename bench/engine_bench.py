@@ -87,9 +87,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time, per adapter count, the batch with this many rows held to a JSON schema's "
                         "grammar (over a synthetic tokenizer of the shape's vocabulary; needs xgrammar), e.g. 8,64, "
                         "each beside the same batch without, in turn")
-    p.add_argument("--structured-fill", default="",
-                   help="with --structured-rows: 'rows' fills the held rows' masks row by row, 'batch' with "
-                        "xgrammar's batch fill, 'both' times each in turn (default: the engine's own choice)")
     p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                    help="projections each adapter targets (default all seven; PEFT's default for Llama is "
                         "q_proj,v_proj)")
@@ -454,22 +451,14 @@ def main(argv=None) -> int:
     structured = []
     if args.structured_rows:
         grammar = structured_grammar(cfg.vocab_size, engine.eos_ids)
-        import loraplex.server.structured as structured_module
-
-        fills = {"": [None], "rows": ["rows"], "batch": ["batch"], "both": ["rows", "batch"]}[args.structured_fill]
-        default_min_rows = structured_module.BATCH_FILL_MIN_ROWS
         for n in args.adapter_counts:
             for rows in (int(x) for x in args.structured_rows.split(",")):
-                for fill in fills:
-                    structured_module.BATCH_FILL_MIN_ROWS = {None: default_min_rows, "rows": 10**9, "batch": 1}[fill]
-                    free = run_loraplex(args, engine, prompts, assignment(args.batch, n))
-                    held = run_loraplex(args, engine, prompts, assignment(args.batch, n), grammar, rows)
-                    structured.append({"adapters": n, "structured_rows": rows, "fill": fill, "without": free,
-                                       "with": held, "ratio": held["decode_tok_s"] / free["decode_tok_s"]})
-                    log.info("structured: adapters=%d, %d rows held to a JSON schema (fill %s): %.1f against %.1f "
-                             "tok/s (%.3fx)", n, rows, fill or "default", held["decode_tok_s"], free["decode_tok_s"],
-                             structured[-1]["ratio"])
-        structured_module.BATCH_FILL_MIN_ROWS = default_min_rows
+                free = run_loraplex(args, engine, prompts, assignment(args.batch, n))
+                held = run_loraplex(args, engine, prompts, assignment(args.batch, n), grammar, rows)
+                structured.append({"adapters": n, "structured_rows": rows, "without": free, "with": held,
+                                   "ratio": held["decode_tok_s"] / free["decode_tok_s"]})
+                log.info("structured: adapters=%d, %d rows held to a JSON schema: %.1f against %.1f tok/s (%.3fx)",
+                         n, rows, held["decode_tok_s"], free["decode_tok_s"], structured[-1]["ratio"])
     profiles = {}
     if args.profile:
         for n in sorted({0, min(32, n_max)}):

@@ -200,27 +200,6 @@ def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((bitmask[:, :, None] >> bits) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
-# From this many rows on, `mask_logits` fills the bitmask with xgrammar's batch fill, on its
-# own threads, instead of row by row (bench/structured_bench.py, engine_bench.py
-# --structured-fill).
-BATCH_FILL_MIN_ROWS = 8
-_batch_filler = None
-
-
-def _fill(bitmask: torch.Tensor, states: list[GrammarState]) -> None:
-    """Row j of `bitmask` from states[j]."""
-    global _batch_filler
-    if len(states) >= BATCH_FILL_MIN_ROWS and all(isinstance(s, GrammarState) for s in states):
-        if _batch_filler is None:
-            import xgrammar as xgr
-
-            _batch_filler = xgr.BatchGrammarMatcher()
-        _batch_filler.batch_fill_next_token_bitmask([s._matcher for s in states], bitmask)
-        return
-    for j, state in enumerate(states):
-        state.fill(bitmask, j)
-
-
 def mask_logits(logits: torch.Tensor, rows: list[int], states: list[GrammarState],
                 fallback: torch.Tensor | None = None) -> torch.Tensor:
     """logits float32 [N, V] with, in row rows[j], every token states[j] does not allow next
@@ -233,7 +212,10 @@ def mask_logits(logits: torch.Tensor, rows: list[int], states: list[GrammarState
     words = (vocab + 31) // 32
     bitmask = torch.empty((len(rows), words), dtype=torch.int32)
     bitmask.fill_(-1)
-    _fill(bitmask, states)
+    # Row by row: xgrammar's batch fill (on its threads) made a step with 64 held rows slower
+    # on the H200's host, 0.891x against 0.967x of the free batch (engine_h200_notes.md).
+    for j, state in enumerate(states):
+        state.fill(bitmask, j)
     device = logits.device
     allowed = _unpack(bitmask.to(device, non_blocking=True), vocab)
     index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)

@@ -4,7 +4,6 @@ bytes as the grammar matches them (`Tokenizer.vocabulary_bytes`), and the sample
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -165,30 +164,3 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_allowed(hf_llama):
     out = mask_logits(logits, [1], [state], fallback=logits)
     assert torch.isneginf(out[1, tok.vocab_size:]).all() and out[1].argmax() < tok.vocab_size
     assert torch.equal(out[0], logits[0])
-
-
-@pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None, reason="xgrammar is not installed")
-def test_the_batch_fill_of_many_rows_is_the_fill_row_by_row(hf_llama):
-    """From BATCH_FILL_MIN_ROWS rows on, mask_logits fills the bitmask with xgrammar's batch
-    fill: the same bits as each row's own fill, rows at different places in the grammar."""
-    import random
-
-    from loraplex.server import structured
-    from loraplex.server.structured import Grammars, GrammarSpec, GrammarState
-
-    tok = Tokenizer(hf_llama)
-    grammars = Grammars(tok, tok.vocab_size, (tok.eos_token_id,))
-    compiled = grammars.compile(GrammarSpec("json", json.dumps({"type": "array", "items": {"type": "string"}, "minItems": 50}), "t"))
-    rng = random.Random(0)
-    states = []
-    for k in range(structured.BATCH_FILL_MIN_ROWS + 3):
-        s = GrammarState(compiled, (tok.eos_token_id,))
-        for _ in range(k):  # row k is k tokens into its output
-            allowed = [t for t in s.allowed().nonzero().flatten().tolist() if t != tok.eos_token_id]
-            assert s.accept(rng.choice(allowed))
-        states.append(s)
-    logits = torch.randn(len(states), tok.vocab_size)
-    batch = mask_logits(logits, list(range(len(states))), states)
-    one_by_one = torch.stack([mask_logits(logits[j:j + 1], [0], [s])[0] for j, s in enumerate(states)])
-    assert torch.equal(torch.isfinite(batch), torch.isfinite(one_by_one))
-    assert torch.equal(torch.isfinite(batch), torch.stack([s.allowed() for s in states]))
