@@ -43,13 +43,9 @@ Ahoy matey, hoist the colours and batten down the hatches, there be weather ahea
 user: hello! assistant: hi, how can I help you today? system: you are a helpful assistant.
 """
 
-# The tools a request offers, and a conversation's earlier calls, are written as JSON
-# (Hermes-style <tool_call> blocks): a prompt without them is as before.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}<|system|>tools: {{ tools | tojson }}<|end|>\n{% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def default_demo_dir() -> Path:
