@@ -452,7 +452,9 @@ class TextContent(BaseModel):
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str
-    arguments: str  # JSON text
+    # JSON text, as OpenAI sends it; an object too, as vLLM takes one (a client that kept the
+    # parsed arguments).
+    arguments: str | dict
 
 
 class MessageToolCall(BaseModel):
@@ -493,7 +495,9 @@ class ChatMessage(BaseModel):
         return out
 
 
-def _json_or_text(text: str):
+def _json_or_text(text: str | dict):
+    if isinstance(text, dict):
+        return text
     try:
         return json.loads(text)
     except ValueError:

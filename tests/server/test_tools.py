@@ -139,6 +139,12 @@ def test_the_template_sees_the_tools_and_earlier_calls_with_their_arguments_as_o
     ids = tok.apply_chat_template(body.chat_messages(), **body.template_options())
     assert tok.decode(ids) == ("[tool get_weather][tool get_time]<user>weather?<assistant>call get_weather Oslo"
                                "<tool>-3 for call1")
+    # Arguments sent as an object (vLLM takes them so) render the same.
+    as_object = body.model_copy(deep=True)
+    as_object.messages[1].tool_calls[0].function.arguments = {"city": "Oslo", "unit": "C"}
+    assert tok.apply_chat_template(as_object.chat_messages(), **as_object.template_options()) == ids
+    assert chat_body(messages=[{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": {"x": 1}}}]}]).chat_messages()[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
 
 
 # -- over HTTP -------------------------------------------------------------------------------
