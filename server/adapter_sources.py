@@ -228,7 +228,10 @@ def load_error(name: str, err: BaseException) -> AdapterLoadError:
         # read_adapter: files missing, a cut or garbled safetensors file, or weights that do not fit
         if msg.endswith((f"no {WEIGHTS_FILE}", f"no {CONFIG_FILE}", "not a directory")) or f"no {WEIGHTS_FILE} (" in msg:
             return AdapterLoadError(name, "missing", msg)
-        broken = msg.startswith(f"{WEIGHTS_FILE}:") or any(w in msg for w in ("holds no", "invalid JSON"))
+        # (a config that is JSON but no object, or the node agent's serving copy cut or
+        # garbled, is broken too: its name is not WEIGHTS_FILE's)
+        broken = msg.startswith(f"{WEIGHTS_FILE}:") or any(
+            w in msg for w in ("holds no", "invalid JSON", "not a JSON object", "not a safetensors file"))
         return AdapterLoadError(name, "corrupt" if broken else "mismatch", msg)
     if isinstance(err, torch.OutOfMemoryError) or "out of memory" in msg.lower():
         return AdapterLoadError(name, "oom", f"out of memory: {msg}")
