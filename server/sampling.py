@@ -8,9 +8,10 @@ the Gumbel-max form: token = argmax(log p_masked + g) with g = -log(-log u) (exa
 from p_masked), so masks never renumber the noise.
 
 Order, per row, as vLLM's sampler: raw logits -> logit_bias added, tokens outside
-allowed_token_ids masked, tokens its structured output's grammar does not allow next masked
-(`structured.mask_logits`), and EOS / stop tokens before min_tokens and bad_words' next
-tokens (the request's `banned` tokens) -> penalties -> greedy argmax, or temperature -> min-p ->
+allowed_token_ids masked, EOS / stop tokens before min_tokens and bad_words' next tokens
+(the request's `banned` tokens) masked, then the tokens its structured output's grammar does
+not allow next (`structured.mask_logits`; the grammar's mask alone where the others left it
+no token) -> penalties -> greedy argmax, or temperature -> min-p ->
 top-k -> top-p -> Gumbel draw. Logprobs are of the raw logits (log_softmax in float32 before the bias,
 penalties, temperature and masks: vLLM's default "raw_logprobs"), so they describe the model,
 not the sampler: a token that a +100 bias made certain keeps its own (maybe low) logprob.
