@@ -178,21 +178,30 @@ class KubeClient:
             raise NotOwned(desired["kind"], meta["namespace"], meta["name"], why)
         if not workloads.needs_update(existing, desired):
             return "unchanged"
+        have = existing.get("metadata") or {}
+        refs = workloads.owner_references(existing, desired)  # ours, beside others' (kept)
         if desired["kind"] in REPLACED_KINDS:
             # The spec replaced whole; of the metadata, what others put there (labels,
-            # annotations, finalizers) is kept beside ours.
+            # annotations, owner references, finalizers) is kept beside ours.
             body = copy.deepcopy(dict(desired))
-            have = existing.get("metadata") or {}
             body["metadata"] = {**body["metadata"], "resourceVersion": have.get("resourceVersion"),
                                 "labels": {**(have.get("labels") or {}), **(meta.get("labels") or {})},
                                 "annotations": {**(have.get("annotations") or {}), **(meta.get("annotations") or {})},
+                                **({"ownerReferences": refs} if refs is not None else {}),
                                 **({"finalizers": have["finalizers"]} if have.get("finalizers") else {})}
             await self._request("PUT", path, json=body)  # a 409 (changed meanwhile): the next run tries again
             return "replaced"
         owned = {key: desired[key] for key in ("spec", "data", "binaryData") if key in desired}
         if desired["kind"] == "ConfigMap":  # a key lives in data or binaryData, never both
             owned = {"data": None, "binaryData": None, **owned}
-        patch_meta = {key: meta[key] for key in ("labels", "annotations", "ownerReferences") if meta.get(key)}
+        patch_meta = {key: meta[key] for key in ("labels", "annotations") if meta.get(key)}
+        if refs is not None and refs != (have.get("ownerReferences") or []):
+            # A merge patch replaces the list whole: it carries others' entries, and the version
+            # they were read at, so that one added meanwhile is not dropped (409: the next run
+            # tries again). Left out when ours are in place, the list is not touched.
+            patch_meta["ownerReferences"] = refs
+            if have.get("resourceVersion"):
+                patch_meta["resourceVersion"] = have["resourceVersion"]
         patch = {"metadata": patch_meta, **owned}
         await self.merge_patch(path, patch)
         return "patched"

@@ -337,16 +337,17 @@ def service(base: BaseModelSpec) -> dict[str, Any]:
 def needs_update(existing: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> bool:
     """Whether `existing` lacks or differs in any part of `desired` we own.
 
-    Compared: labels and owner references we set, and `spec` / `data` as a subset (the API
-    server adds defaults such as a Service's clusterIP, which are not ours to fight).
+    Compared: labels and owner references we set (others' references are theirs:
+    `owner_references`), and `spec` / `data` as a subset (the API server adds defaults such as
+    a Service's clusterIP, which are not ours to fight).
     """
     if existing is None:
         return True
     want_meta, have_meta = desired.get("metadata", {}), existing.get("metadata", {})
     if not _contains(have_meta.get("labels") or {}, want_meta.get("labels") or {}):
         return True
-    if want_meta.get("ownerReferences") and \
-            want_meta["ownerReferences"] != have_meta.get("ownerReferences"):
+    refs = owner_references(existing, desired)
+    if refs is not None and refs != (have_meta.get("ownerReferences") or []):
         return True
     if not _contains(have_meta.get("annotations") or {}, want_meta.get("annotations") or {}):
         return True
@@ -354,6 +355,41 @@ def needs_update(existing: Mapping[str, Any] | None, desired: Mapping[str, Any])
         if key in desired and not _contains(existing.get(key), desired[key]):
             return True
     return False
+
+
+def owner_references(existing: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The owner references `existing` is to have: its own, with each of `desired`'s (ours,
+    the BaseModel's, as `kopf.adopt` writes it) in place of the entry for the same owner (by
+    uid, or by group, kind and name: a BaseModel made again under its name), or after them when
+    it has none; None when `desired` sets none (a plan mirror). Others' entries stay as they are,
+    where they are: Kubernetes lets an object have several owners (a GitOps tool's, a
+    higher-level controller's), one of them its controller, and a merge patch that sets the
+    list replaces it whole, so the list written carries theirs.
+
+        existing [Application serving, BaseModel llama-3-8b uid u-1], desired [BaseModel llama-3-8b uid u-2]
+        -> [Application serving, BaseModel llama-3-8b uid u-2]
+    """
+    want = [dict(r) for r in desired.get("metadata", {}).get("ownerReferences") or ()]
+    if not want:
+        return None
+    have = ((existing or {}).get("metadata") or {}).get("ownerReferences") or ()
+    merged: list[dict[str, Any]] = []
+    placed: set[int] = set()
+    for ref in have:
+        mine = next((i for i, w in enumerate(want) if _same_owner(ref, w)), None)
+        if mine is None:
+            merged.append(dict(ref))
+        elif mine not in placed:  # a second entry for one owner of ours goes
+            merged.append(want[mine])
+            placed.add(mine)
+    return merged + [w for i, w in enumerate(want) if i not in placed]
+
+
+def _same_owner(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    if a.get("uid") and a.get("uid") == b.get("uid"):
+        return True
+    return (str(a.get("apiVersion", "")).split("/")[0] == str(b.get("apiVersion", "")).split("/")[0]
+            and a.get("kind") == b.get("kind") and a.get("name") == b.get("name"))
 
 
 def foreign_owner(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> str | None:

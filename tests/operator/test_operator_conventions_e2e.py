@@ -69,6 +69,70 @@ async def test_a_service_deleted_by_hand_comes_back_at_the_resync(api, emulator,
         await eventually_(recreated, timeout=5, what="the Service recreated")
 
 
+async def test_other_owners_references_survive_the_resync_and_the_operators_writes(
+        api, emulator, kubeconfig, crds, operator_runner, eventually_, settled, monkeypatch):
+    """Kubernetes lets an object have several owners, at most one of them its controller: a
+    reference that another controller (a GitOps tool's Application, say) adds to the serving
+    objects must stay, neither stripped at every resync (the two fighting over the list) nor
+    dropped when the operator next writes the object for a change of its own."""
+    from loraplex.operator import handlers
+    from loraplex.operator.kube import AUTOSCALERS
+
+    monkeypatch.setattr(handlers, "RESYNC_SECONDS", 1.0)
+    theirs = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Application", "name": "serving", "uid": "u-app"}
+    queue = {"type": "Pods", "pods": {"metric": {"name": "loraplex_requests_waiting"},
+                                      "target": {"type": "AverageValue", "averageValue": "4"}}}
+    paths = [CONFIG_MAPS.path(NS, "llama-3-8b-plan"), DEPLOYMENTS.path(NS, "llama-3-8b"),
+             SERVICES.path(NS, "llama-3-8b"), AUTOSCALERS.path(NS, "llama-3-8b")]
+
+    def serving(**autoscaling: Any) -> dict[str, Any]:
+        return {"image": "loraplex/server:test", "autoscaling": {"maxReplicas": 3, "metrics": [queue], **autoscaling}}
+
+    async def refs(path: str) -> list[dict[str, Any]]:
+        return (await api.get(path))["metadata"]["ownerReferences"]
+
+    def requests_since(mark: int, path: str, *methods: str) -> list[Any]:
+        return [r for r in list(emulator._requests)[mark:] if r.url.path == path and r.method in methods]
+
+    async with operator_runner():
+        await api.create(BASE_MODELS.path(NS), base_body(serving=serving()))
+
+        async def written():
+            return all([await api.get(path) for path in paths])
+        await eventually_(written, what="the plan, Deployment, Service and HPA")
+        await settled()
+        ours = {path: await refs(path) for path in paths}
+        assert all(len(r) == 1 and r[0]["controller"] for r in ours.values()), ours
+        for path in paths:
+            await api.merge_patch(path, {"metadata": {"ownerReferences": [*ours[path], theirs]}})
+        mark = len(list(emulator._requests))
+
+        async def resynced():  # each object read twice since: a whole resync compared it with theirs
+            return all(len(requests_since(mark, path, "GET")) >= 2 for path in paths)
+        await eventually_(resynced, timeout=6, what="a resync after their owner reference was added")
+        for path in paths:
+            assert requests_since(mark, path, "PATCH", "PUT") == [], path
+            assert await refs(path) == [*ours[path], theirs], path
+
+        # Writes of the operator's own: a new image (Deployment patched), a new maximum (HPA
+        # replaced), an adapter (plan patched), and the Service's own reference lost (put back).
+        await api.merge_patch(BASE_MODELS.path(NS, "llama-3-8b"), {"spec": {"serving": serving(maxReplicas=4)
+                                                                            | {"image": "loraplex/server:v2"}}})
+        await api.create(ADAPTERS.path(NS), adapter_body("a", 1))
+        await api.merge_patch(paths[2], {"metadata": {"ownerReferences": [theirs]}})
+
+        async def rewritten():
+            dep, hpa = await api.get(paths[1]), await api.get(paths[3])
+            return (dep["spec"]["template"]["spec"]["containers"][0]["image"] == "loraplex/server:v2"
+                    and hpa["spec"]["maxReplicas"] == 4 and [a["name"] for a in (await plan_of(api))["adapters"]] == ["a"]
+                    and len(await refs(paths[2])) == 2)
+        await eventually_(rewritten, timeout=6, what="the operator's writes")
+        await settled()
+        for path in paths:
+            assert sorted(await refs(path), key=lambda r: r["uid"]) == \
+                sorted([*ours[path], theirs], key=lambda r: r["uid"]), path
+
+
 async def test_the_resync_runs_while_a_warmup_window_is_far_off(api, emulator, kubeconfig, crds, operator_runner,
                                                                 eventually_, monkeypatch):
     """A warm-up window that opens after the next resync (a campaign next month, as in
