@@ -81,6 +81,7 @@ class AdapterRecord:
     spec: AdapterSpec | None
     error: str | None
     status: Mapping[str, Any]
+    deleting: bool = False  # deletionTimestamp set (as spec.deleting, which an invalid spec has none of)
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> AdapterRecord:
@@ -95,7 +96,7 @@ class AdapterRecord:
             spec, error = None, str(exc)
         return cls(str(meta.get("namespace") or "default"), str(meta.get("name")), str(meta.get("uid") or ""),
                    str((body.get("spec") or {}).get("baseModel") or ""), spec, error,
-                   dict(body.get("status") or {}))
+                   dict(body.get("status") or {}), bool(meta.get("deletionTimestamp")))
 
     def with_local_metadata(self) -> AdapterRecord:
         """This record with rank and modules read again from a local adapter_config.json, if
@@ -280,9 +281,9 @@ class Planner:
 
         cm_name = workloads.plan_config_map_name(name)
         known = _known_status(state, base.uid, base.status)
-        invalid = sum(1 for r in adapters.get(key, ()) if r.spec is None)  # Rejected by their handler
         desired_base = statuses.base_status(plan, known, state.ready_replicas, cm_name, now, plan_error,
-                                            plan_error_reason, state.workload_error, invalid)
+                                            plan_error_reason, state.workload_error,
+                                            invalid_adapters(adapters.get(key, ())))
         if statuses.differs(base.status, desired_base) and state.written_status.get(base.uid) != desired_base:
             try:
                 await self.client.patch_status(kube.BASE_MODELS, namespace, name, desired_base)
@@ -429,6 +430,13 @@ class Planner:
                    "metadata": {"name": record.name, "namespace": record.namespace, "uid": record.uid}}
             _warn_on_failure(ref, _known_status(state, record.uid, record.status), desired, "Rejected")
             state.written_status[record.uid] = state.last_status[record.uid] = desired
+
+
+def invalid_adapters(records: Iterable[AdapterRecord]) -> int:
+    """How many of a base's adapters have an invalid spec (Rejected by their own handler, in no
+    plan's verdicts: the base's rejectedCount adds them), not counting those being deleted: an
+    adapter being deleted counts in no count of its base, as `build_plan` leaves it out."""
+    return sum(1 for r in records if r.spec is None and not r.deleting)
 
 
 def _known_status(state: _BaseState, uid: str, indexed: Mapping[str, Any]) -> Mapping[str, Any]:

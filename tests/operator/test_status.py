@@ -2,6 +2,8 @@
 
 import datetime
 
+import pytest
+
 from loraplex.operator.plan import build_plan
 from loraplex.operator.specs import AdapterSpec, BaseModelSpec, Memory, Serving
 from loraplex.operator.status import adapter_status, base_status, differs, merge_conditions, staging_summary
@@ -90,3 +92,37 @@ def test_a_plan_that_does_not_fit_is_reported():
     # Its servers follow the last plan that fit, not this one: not Ready, whatever the replicas
     # say (the CRD: Failed when "its plan or workloads cannot be written").
     assert status["phase"] == "Failed"
+
+
+def _record(name: str, deleting: bool, **spec):
+    from loraplex.operator.reconciler import AdapterRecord
+
+    meta = {"name": name, "namespace": "ml", "uid": f"uid-{name}", "generation": 1,
+            **({"deletionTimestamp": "2026-12-01T08:00:00Z", "finalizers": ["loraplex.io/operator"]} if deleting else {})}
+    return AdapterRecord.from_body({"metadata": meta, "spec": {"baseModel": "b", "source": f"s3://{name}", "rank": 8,
+                                                               "targetModules": ["q_proj"], **spec}})
+
+
+# (spec, counted as): accepted (and pinned: 4 slots), rejected for the base, or of an invalid spec.
+BACKWARDS = {"warmup": {"start": "2026-12-02T00:00:00Z", "end": "2026-12-01T00:00:00Z"}}
+KINDS = {"accepted": {}, "rejected": {"rank": 64}, "invalid": BACKWARDS}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_an_adapter_being_deleted_counts_in_no_count_of_its_base(kind):
+    """An adapter being deleted (its finalizer waits for a plan without it) is in no plan or
+    verdict, so in no count of its base: adapterCount, pinnedCount, rejectedCount alike. One of
+    an invalid spec, in no verdict at all, was counted in rejectedCount until it was gone."""
+    from loraplex.operator.reconciler import invalid_adapters
+
+    def counts(records):
+        plan = build_plan(BASE, [r.spec for r in records if r.spec is not None], T1)
+        status = base_status(plan, None, 2, "b-plan", T1, invalid_adapters=invalid_adapters(records))
+        return status["adapterCount"], status["pinnedCount"], status["rejectedCount"]
+
+    live = _record("x", False, **KINDS[kind])
+    assert (live.spec is None) == (kind == "invalid")
+    assert counts([live]) == {"accepted": (1, 1, 0), "rejected": (0, 0, 1), "invalid": (0, 0, 1)}[kind]
+    assert counts([_record("x", True, **KINDS[kind])]) == (0, 0, 0)
+    others = [_record(k, False, **spec) for k, spec in KINDS.items()]  # one of each, live, beside it
+    assert counts([*others, _record("x", True, **KINDS[kind])]) == counts(others) == (1, 1, 2)
