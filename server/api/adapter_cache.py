@@ -43,8 +43,10 @@ class SessionRequest(RequestBody):
     model: str = Field(min_length=1)
 
 
-def _row(engine: AsyncEngine, name: str) -> dict:
-    for row in engine.engine.adapters.describe():
+async def _row(engine: AsyncEngine, name: str) -> dict:
+    """`name`'s row of GET /v1/adapters, described on a worker thread: `describe` stats
+    every folder of the node's cache, which would stall every stream on the event loop."""
+    for row in await asyncio.to_thread(engine.engine.adapters.describe):
         if row["name"] == name:
             return row
     raise model_not_found(name)
@@ -92,7 +94,7 @@ async def pin(name: str, engine: AsyncEngine = Depends(get_engine), caller: Call
         engine.engine.adapters.pin(name)
     except KeyError:
         raise model_not_found(name) from None
-    return _row(engine, name)
+    return await _row(engine, name)
 
 
 @router.post("/v1/adapters/{name:path}/unpin")
@@ -102,7 +104,7 @@ async def unpin(name: str, engine: AsyncEngine = Depends(get_engine), caller: Ca
         engine.engine.adapters.unpin(name)
     except KeyError:
         raise model_not_found(name) from None
-    return _row(engine, name)
+    return await _row(engine, name)
 
 
 @router.post("/v1/adapters/{name:path}/prefetch")
@@ -115,9 +117,9 @@ async def prefetch(name: str, wait: bool = Query(True, description="answer once 
             engine.engine.adapters.prefetch(name)
         except KeyError:
             raise model_not_found(name) from None
-        return JSONResponse(_row(engine, name), status_code=202)
+        return JSONResponse(await _row(engine, name), status_code=202)
     await _wait_resident(engine, name, timeout)
-    return _row(engine, name)
+    return await _row(engine, name)
 
 
 @router.post("/v1/sessions")
@@ -128,5 +130,5 @@ async def start_session(body: SessionRequest, timeout: float = Query(120.0, gt=0
         return {**session, "tier": "gpu", "adapter": None}
     _check_visible(engine, body.model, caller)
     await _wait_resident(engine, body.model, timeout, session=True)
-    row = _row(engine, body.model)
+    row = await _row(engine, body.model)
     return {**session, "tier": row["tier"], "adapter": row}

@@ -363,3 +363,34 @@ def test_plan_file_pins_without_a_restart(serve, tmp_path_factory):
         assert pinned(client) == {"c"}
         r = client.post("/v1/adapters/c/prefetch")
         assert r.json()["tier"] == "gpu" and r.json()["pinned"]
+
+
+def test_pin_and_prefetch_answers_are_described_off_the_event_loop(serve, monkeypatch):
+    """A pin's or a prefetch's answer is its row of GET /v1/adapters, and `describe` stats every
+    folder of the node's cache: on the event loop, a large cache stalled every stream and
+    health probe for as long. Here describe takes 1.5 s (a slow disk): /healthz still answers."""
+    import time
+
+    server = serve()
+    cache = server.engine.adapters
+    real = cache.describe
+
+    def slow_describe():
+        time.sleep(1.5)
+        return real()
+
+    monkeypatch.setattr(cache, "describe", slow_describe)
+    answer = {}
+
+    def pin() -> None:
+        answer["pin"] = httpx.post(server.url + "/v1/adapters/a/pin", timeout=30)
+
+    t = threading.Thread(target=pin)
+    t.start()
+    time.sleep(0.3)  # the pin is being described
+    t0 = time.monotonic()
+    assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
+    health_seconds = time.monotonic() - t0
+    t.join()
+    assert answer["pin"].status_code == 200 and answer["pin"].json()["pinned"] is True
+    assert health_seconds < 0.8, health_seconds
