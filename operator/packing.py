@@ -103,6 +103,41 @@ def base_weight_bytes(arch: Architecture, dtype_bytes: int) -> int:
     return params * dtype_bytes
 
 
+# The largest integer a status field holds: the API server's int64, which refuses a write
+# past it (and the operator would try that write again for ever).
+INT64_MAX = 2**63 - 1
+
+
+def out_of_range(base: BaseModelSpec) -> str | None:
+    """Why a figure of `base`'s packing math would pass INT64_MAX bytes, or None: one slot at
+    maxLoraRank (status.slotBytes), and unless memory.slots skips the math, the base weights and
+    the KV cache computed from the architecture and serving.engine, and what the base needs
+    beside its adapters (base weights + KV cache + overhead; status.adapterRoomBytes is gpuMemory
+    less that). The schema's integers have no maximum; no GPU has such memory anyway.
+
+        hiddenSize 2**62 -> "one adapter slot at maxLoraRank 16 is 3.1e+22 bytes, past the 2^63-1 ..."
+    """
+    figures: list[tuple[str, int | None, str]] = [
+        (f"one adapter slot at maxLoraRank {base.max_lora_rank}", slot_bytes_at(base, base.max_lora_rank),
+         "architecture, maxLoraRank and targetModules")]
+    arch, mem = base.architecture, base.memory
+    if mem.slots is None:
+        weights = mem.base_weights
+        if weights is None and arch is not None and arch.vocab_size:
+            weights = base_weight_bytes(arch, base.dtype_bytes)
+            figures.append(("the base weights computed from the architecture", weights,
+                            "architecture, or set memory.baseWeights"))
+        kv = kv_bytes(base)
+        figures += [("the KV cache of serving.engine (maxNumSeqs x maxModelLen)", kv,
+                     "serving.engine and architecture"),
+                    ("base weights + KV cache + overhead", (weights or 0) + kv + mem.overhead, "memory")]
+    for what, value, check in figures:
+        if value is not None and value > INT64_MAX:
+            return (f"{what} is {value:.2g} bytes, past the 2^63-1 an integer of the status holds"
+                    f" (no GPU has that memory): check {check}")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Packing:
     """The outcome of the packing math for one base. `slots == 0` comes with a reason."""

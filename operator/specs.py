@@ -568,7 +568,7 @@ class BaseModelSpec:
             lead = int(spec.get("warmupLeadSeconds", 600))
             if not 0 <= lead <= MAX_WARMUP_LEAD_SECONDS:
                 raise SpecError(f"warmupLeadSeconds {lead} is not within 0..{MAX_WARMUP_LEAD_SECONDS}")
-            return cls(
+            base = cls(
                 name=str(meta["name"]),
                 namespace=str(meta.get("namespace") or "default"),
                 source=str(spec["source"]),
@@ -583,6 +583,12 @@ class BaseModelSpec:
                 generation=int(meta.get("generation") or 0),
                 uid=str(meta.get("uid") or ""),
             )
+            from loraplex.operator.packing import out_of_range  # (packing imports this module)
+
+            problem = out_of_range(base)
+            if problem is not None:
+                raise SpecError(problem)
+            return base
         except KeyError as exc:
             raise SpecError(f"missing field {exc.args[0]!r}") from exc
         except (TypeError, ValueError) as exc:

@@ -79,10 +79,13 @@ def adapter_size(plan: Plan | None, adapter: AdapterSpec,
     if plan is None or plan.base.architecture is None or adapter.rank is None or not adapter.target_modules:
         return None
     try:
-        return packing.adapter_bytes(plan.base.architecture, adapter.target_modules,
-                                     adapter.rank, plan.base.dtype_bytes)
+        size = packing.adapter_bytes(plan.base.architecture, adapter.target_modules,
+                                   adapter.rank, plan.base.dtype_bytes)
     except ValueError:
         return None
+    # The base's shape is checked for the modules it serves at maxLoraRank (packing.out_of_range):
+    # an adapter of others, or of a larger rank (Rejected), can pass what the status holds.
+    return size if size <= packing.INT64_MAX else None
 
 
 @dataclasses.dataclass(frozen=True)

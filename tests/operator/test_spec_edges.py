@@ -91,3 +91,84 @@ def test_a_warmup_in_lower_case_rfc_3339_is_read():
     warmup = AdapterSpec.from_body(lower).warmup
     assert warmup is not None
     assert (warmup.start, warmup.end) == (NOW, NOW + datetime.timedelta(hours=23, milliseconds=500))
+
+
+INT64_MAX = 2**63 - 1
+# Llama-3-8B's shape; the test's absurd values are each one field of it, or of the engine, blown up.
+ARCH = {"hiddenSize": 4096, "intermediateSize": 14336, "numLayers": 32, "numAttentionHeads": 32,
+        "numKeyValueHeads": 8, "vocabSize": 128256}
+PACKED = {"gpuMemory": "80G", "overhead": "8G"}
+
+
+def _integers(value):
+    """Every integer in a status, however deep."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _integers(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _integers(item)
+
+
+@pytest.mark.parametrize(("spec", "what"), [
+    ({"architecture": {**ARCH, "hiddenSize": 2**62}}, "one adapter slot at maxLoraRank 16"),
+    ({"architecture": {**ARCH, "numLayers": 2**58}}, "one adapter slot"),
+    ({"memory": {"slots": 10}, "architecture": {**ARCH, "numLayers": 2**58}}, "one adapter slot"),  # slotBytes written
+    ({"architecture": {**ARCH, "vocabSize": 2**62}}, "the base weights"),
+    ({"serving": {"engine": {"maxNumSeqs": 2**31, "maxModelLen": 2**40}}}, "the KV cache"),
+    ({"architecture": None, "memory": {**PACKED, "adapterBytes": "40M", "baseWeights": str(2**62),
+                                       "kvCacheReserve": str(2**62)}}, "base weights + KV cache + overhead"),
+])
+def test_a_spec_whose_packing_figures_pass_int64_is_refused_with_a_reason(spec, what):
+    """The schema's integers have no maximum: a huge hiddenSize (or maxNumSeqs x maxModelLen)
+    put a status integer (slotBytes, adapterRoomBytes) past int64, the API server refused the
+    status write, and the operator retried it for ever. Refused as an invalid spec instead."""
+    fields = {"architecture": ARCH, "memory": PACKED, **spec}
+    body = _base(**{k: v for k, v in fields.items() if v is not None})
+    assert validator("BaseModel").is_valid(body)
+    with pytest.raises(SpecError, match="2\\^63-1") as refused:
+        BaseModelSpec.from_body(body)
+    assert what in str(refused.value)
+
+
+def test_the_largest_packing_figures_that_parse_fit_the_status():
+    """At the edge: what the base needs beside its adapters at 2^63-1 bytes parses, and every
+    integer of its status fits int64 (adapterRoomBytes negative: NoRoom); one byte more is refused."""
+    from loraplex.operator.status import base_status
+
+    memory = {"gpuMemory": "80G", "adapterBytes": "40M", "baseWeights": str(2**62), "overhead": str(2**62 - 1)}
+    base = BaseModelSpec.from_body(_base(memory=memory))
+    status = base_status(build_plan(base, [], NOW), None, 0, "b-plan", NOW)
+    assert status["adapterRoomBytes"] == 80 * 10**9 - INT64_MAX and status["slots"] == 0
+    assert all(-INT64_MAX - 1 <= n <= INT64_MAX for n in _integers(status))
+    with pytest.raises(SpecError, match="2\\^63-1"):
+        BaseModelSpec.from_body(_base(memory={**memory, "overhead": str(2**62)}))
+    # A large real base (Llama-3.1-405B's shape, rank 256, 1024 rows of 128k tokens) is no edge.
+    big = {"hiddenSize": 16384, "intermediateSize": 53248, "numLayers": 126, "numAttentionHeads": 128,
+           "numKeyValueHeads": 8, "vocabSize": 128256}
+    BaseModelSpec.from_body(_base(architecture=big, maxLoraRank=256, memory={"gpuMemory": "141G"},
+                                  serving={"engine": {"maxNumSeqs": 1024, "maxModelLen": 131072}}))
+
+
+def test_an_adapters_size_past_int64_is_not_written():
+    """An adapter's sizeBytes is computed from its rank and modules on the base's shape, which
+    is checked for the modules the base serves alone: one of other modules (down_proj, on a
+    base of attention modules whose intermediateSize is absurd) is Rejected, and its size,
+    past int64, left unknown rather than written (the API server would refuse the status)."""
+    from loraplex.operator.status import adapter_status
+
+    arch = {k: v for k, v in ARCH.items() if k != "vocabSize"} | {"intermediateSize": 2**60}
+    base = BaseModelSpec.from_body(_base(architecture=arch, memory={**PACKED, "baseWeights": "16G"}))
+    mlp = AdapterSpec.from_body(_adapter("mlp", targetModules=["down_proj"]))
+    attention = AdapterSpec.from_body(_adapter("attention"))
+    plan = build_plan(base, [mlp, attention], NOW)
+    status = adapter_status(mlp, plan.verdicts["mlp"], plan, None, False, NOW)
+    assert status["phase"] == "Rejected" and status["sizeBytes"] is None
+    assert all(-INT64_MAX - 1 <= n <= INT64_MAX for n in _integers(status))
+    # rank 8, q_proj (4096 in, 4096 out), 32 layers, bfloat16
+    assert adapter_status(attention, plan.verdicts["attention"], plan, None, False, NOW)["sizeBytes"] == \
+        8 * 8192 * 32 * 2
