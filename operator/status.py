@@ -151,7 +151,9 @@ def adapter_status(adapter: AdapterSpec, verdict: Verdict, plan: Plan | None,
         "observedGeneration": gen,
         "phase": phase,
         "pinned": pinned,
-        "rank": adapter.rank,
+        # A rank read from adapter_config.json has no schema's bounds: one past what the status
+        # holds is Rejected (RankTooLarge names it) and written as unknown.
+        "rank": adapter.rank if adapter.rank is None or adapter.rank <= packing.INT64_MAX else None,
         "sizeBytes": adapter_size(plan, adapter, nodes),
         "targetModules": list(adapter.target_modules) if adapter.target_modules else None,
         "conditions": merge_conditions(current.get("conditions"), conditions, now),

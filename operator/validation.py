@@ -103,8 +103,10 @@ def parse_adapter_config(text: str) -> tuple[int | None, tuple[str, ...] | None]
     patterns = config.get("rank_pattern")
     ranks = [v for v in patterns.values() if isinstance(v, int) and not isinstance(v, bool)] \
         if isinstance(patterns, dict) else []
-    return (max([int(rank), *ranks]) if rank is not None else None,
-            normalise_target_modules(config.get("target_modules")))
+    largest = max([int(rank), *ranks]) if rank is not None else None
+    if largest is not None and largest < 1:  # as the schema bounds spec.rank
+        raise ValueError(f"adapter_config.json gives rank {largest}; a LoRA rank is at least 1")
+    return largest, normalise_target_modules(config.get("target_modules"))
 
 
 def local_path(source: str) -> pathlib.Path | None:
@@ -132,5 +134,5 @@ def read_adapter_config(source: str) -> tuple[int | None, tuple[str, ...] | None
         return None, None
     try:
         return parse_adapter_config(data.decode("utf-8"))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):  # OverflowError: an "r" JSON reads as infinity (1e400)
         return None, None

@@ -172,3 +172,30 @@ def test_an_adapters_size_past_int64_is_not_written():
     # rank 8, q_proj (4096 in, 4096 out), 32 layers, bfloat16
     assert adapter_status(attention, plan.verdicts["attention"], plan, None, False, NOW)["sizeBytes"] == \
         8 * 8192 * 32 * 2
+
+
+def test_a_rank_from_adapter_config_json_past_int64_is_rejected_not_written(tmp_path):
+    """A file:// adapter's rank comes from its adapter_config.json, where no schema bounds it:
+    a rank past int64 is Rejected (RankTooLarge, the message naming it) with no rank written
+    (the status would be refused for ever); one that JSON reads as infinity (1e400) is
+    unreadable (MetadataUnknown), not an OverflowError out of the adapter's index entry, and so
+    is one below 1, as the schema bounds spec.rank (it was Accepted, its rank written)."""
+    from loraplex.operator.reconciler import AdapterRecord
+    from loraplex.operator.status import adapter_status
+
+    base = BaseModelSpec.from_body(_base())
+    for r, reason, message in (("100000000000000000000000000000", "RankTooLarge",
+                                "rank 100000000000000000000000000000 > maxLoraRank 16"),
+                               ("1e400", "MetadataUnknown", "rank and target modules unknown"),
+                               ("-100000000000000000000000000000", "MetadataUnknown", "rank and target modules unknown")):
+        (tmp_path / "adapter_config.json").write_text(f'{{"r": {r}, "target_modules": ["q_proj"]}}')
+        body = _adapter("local", source=f"file://{tmp_path}")
+        del body["spec"]["rank"]
+        record = AdapterRecord.from_body(body)
+        assert record.spec is not None
+        plan = build_plan(base, [record.spec], NOW)
+        status = adapter_status(record.spec, plan.verdicts["local"], plan, None, False, NOW)
+        accepted = {c["type"]: c for c in status["conditions"]}["Accepted"]
+        assert accepted["reason"] == reason and message in accepted["message"], r
+        assert status["rank"] is None, r
+        assert all(-INT64_MAX - 1 <= n <= INT64_MAX for n in _integers(status)), r
