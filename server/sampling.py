@@ -363,6 +363,7 @@ class Sampler:
         # What a grammar's row falls back to where the masks below leave it no token its
         # grammar allows: its grammar then wins over them (the output still matches it).
         unmasked = logits
+        held = [i for i, g in enumerate(grammars or ()) if g is not None]
         allowed = [i for i, p in enumerate(params) if p.allowed_ids is not None]
         if allowed:  # every other token at -inf in those rows, in a copy
             logits = apply_allowed_tokens(logits, [rows[i] for i in allowed], [params[i] for i in allowed])
@@ -371,10 +372,9 @@ class Sampler:
             vocab = logits.shape[-1]
             pairs = [(rows[i], t) for i, ids in enumerate(banned) for t in ids or () if 0 <= t < vocab]
             # (a grammar's fallback is kept unbanned too)
-            logits = logits.clone() if logits is raw or (grammars and logits is unmasked) else logits
+            logits = logits.clone() if logits is raw or (held and logits is unmasked) else logits
             logits[to_device([r for r, _ in pairs], torch.int64, device),
                    to_device([t for _, t in pairs], torch.int64, device)] = float("-inf")
-        held = [i for i, g in enumerate(grammars or ()) if g is not None]
         if held:  # the tokens the grammars do not allow at -inf in their rows, in a copy
             logits = mask_logits(logits, [rows[i] for i in held], [grammars[i] for i in held], unmasked)
         # A row is penalised once it has tokens to penalise: its output, or (repetition) its prompt.
