@@ -187,6 +187,9 @@ class LoRABuffers:
         # The same on the host, per slot as a bit mask (group_mask): the step reads which groups
         # its rows' adapters target without a device sync, and skips the others' launches.
         self.group_masks = [0] * num_slots
+        # Per slot, how many times its weights were written (a load, or cleared): what a KV
+        # row's prefix was computed under is (slot, this count) (prefix_cache.py).
+        self.writes = [0] * num_slots
 
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
@@ -222,6 +225,7 @@ class LoRABuffers:
         ranks = projection_ranks(spec)
         self.ranks[slot] = torch.tensor(ranks, dtype=torch.int32)
         self.group_masks[slot] = group_mask(ranks)
+        self.writes[slot] += 1
 
     @property
     def held_mask(self) -> int:
@@ -241,6 +245,7 @@ class LoRABuffers:
         self.scales[slot].zero_()
         self.ranks[slot] = 0
         self.group_masks[slot] = 0
+        self.writes[slot] += 1
 
 
 @dataclass(frozen=True)

@@ -4,18 +4,18 @@ Decode inputs live in static device buffers of `max_rows` entries (the CUDA grap
 them at fixed addresses); each step fills a pinned host copy and sends it in one
 non-blocking copy per tensor. Row r of the decode batch is KV row r; rows with no request
 decoded feed token 0 with slot -1 (base only), and their outputs are ignored. A free row
-goes at position 0, so its attention reads one key (at the cache's last position, which
-no sequence uses, each one read the whole cache in a graph's decode: max_len keys for
-every free row of the bucket); its keys are dead, and the prefill of its next request
-writes position 0 again, after this step. A row that a request holds but this step does
-not decode (mid chunked prefill, or prefilled this step) goes at the cache's last
-position, which no sequence uses (a sequence feeds positions up to max_len - 2), so its
-prompt's keys stay.
+goes at position `KVCache.kept[row]`: 0, or just past the prefix it keeps for prefix caching
+(prefix_cache.py), so its attention reads that many keys and one more, and the keys it keeps
+stay (at the cache's last position, which no sequence uses, each one read the whole cache in
+a graph's decode: max_len keys for every free row of the bucket). A row that a request holds
+but this step does not decode (mid chunked prefill, or prefilled this step) goes at the
+cache's last position, which no sequence uses (a sequence feeds positions up to max_len - 2),
+so its prompt's keys stay.
 
 Running example, max_rows 8, two requests in KV rows 0 and 2, span 3 -> bucket 4::
 
     tokens      [ 901,   0, 417,   0]     last sampled token of each row
-    positions   [  12,   0,  40,   0]     where that token goes (0: a free row)
+    positions   [  12,   0,  40,   0]     where that token goes (free rows: KVCache.kept, here 0)
     token_slots [   3,  -1,  -1,  -1]     row 0 uses the adapter in slot 3, row 2 the base
     kv_len      2048                      keys read at most: with graphs the cache's length (kv_bucket)
 
@@ -247,7 +247,7 @@ class DecodeRunner:
         # numpy views of the pinned host buffers: element writes cost ~100 ns, not a torch call.
         tokens, positions, slots = (self._nps[turn][k] for k in ("tokens", "positions", "token_slots"))
         tokens[:b] = 0
-        positions[:b] = 0  # free rows (module docstring)
+        positions[:b] = self.model.kv.kept[:b]  # free rows: past what they keep for the prefix cache
         for row in self.model.kv.busy - running.keys():  # held, not decoded: keep their keys
             if row < b:
                 positions[row] = self.model.kv.max_len - 1

@@ -43,6 +43,7 @@ from .config import ModelConfig, named_shape
 from .kv_cache import KVCache
 from .metrics import EngineMetrics
 from .model import LlamaModel
+from .prefix_cache import PrefixCache
 from .plan_watch import PlanWatcher
 from .request import Request, RequestOutput, State
 from .sampling import Sampled, Sampler, SamplingParams
@@ -226,10 +227,14 @@ class LLMEngine:
                                 triton_gemm=None if settings.triton_gemm else False)
         self.decoder = DecodeRunner(self.model, settings.max_num_seqs, settings.kv_block, settings.cuda_graphs)
         self.metrics.describe_kv_cache(settings.kv_block, self.kv.rows, self.kv.max_len,
-                                       str(self.dtype).removeprefix("torch."))
+                                       str(self.dtype).removeprefix("torch."), settings.enable_prefix_caching)
         self.decoder.capture_guard = self.adapters.cuda_lock
+        # Prefix caching: a prompt's first tokens found in a KV row (of the same adapter slot
+        # and load of it, or the base) are copied, not prefilled (prefix_cache.py).
+        self.prefixes = PrefixCache(self.kv) if settings.enable_prefix_caching else None
         self.scheduler = Scheduler(self.kv, settings.max_prefill_tokens,
-                                   chunked_prefill=settings.enable_chunked_prefill)
+                                   chunked_prefill=settings.enable_chunked_prefill, prefixes=self.prefixes,
+                                   prefix_key=self.prefix_key)
         log.info("KV cache %.2f GB (%d rows x %d tokens), adapter slots %.2f GB (%d x rank %d)",
                  self.kv.nbytes() / 1e9, self.kv.rows, self.kv.max_len, self.lora.nbytes() / 1e9,
                  self.lora.num_slots, self.lora.max_rank)
@@ -352,6 +357,12 @@ class LLMEngine:
                 raise UnknownModelError(adapter) from None
         return req
 
+    def prefix_key(self, req: Request) -> tuple[int, int]:
+        """What a request's K/V is computed under, for the prefix cache: its adapter slot and
+        the count of that slot's writes (another adapter, or another version, loaded there
+        since is another key); (-1, 0) for the base."""
+        return (req.slot, self.lora.writes[req.slot]) if req.slot >= 0 else (-1, 0)
+
     def check_token_ids(self, ids: list[int]) -> None:
         """RequestError unless every id is in the vocabulary."""
         bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
@@ -389,7 +400,7 @@ class LLMEngine:
         # Whole prompts of the admitted requests, or (chunked prefill) chunks of them.
         chunks = self.scheduler.schedule(self.adapters.ready_slots(running))
         for c in chunks:
-            if c.pos == 0:
+            if c.pos == c.req.cached_tokens:  # its first chunk: it was admitted now
                 self.metrics.queue_seconds.observe(time.monotonic() - c.req.arrival)
         # Rows mid chunked prefill have no token yet: they are not decoded.
         decoding = {row: r for row, r in self.scheduler.running.items() if r.output_ids}
@@ -409,8 +420,7 @@ class LLMEngine:
             else:
                 logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, max_adapters, lora_groups=groups), {}
             last = [i for i, c in enumerate(chunks) if c.last]  # only these sample a first token
-            for c in chunks:
-                c.req.num_computed = c.pos + c.length
+            self.scheduler.prefilled(chunks)
             for i in last:
                 reqs[i].prefilled(prompt_logprobs.get(i))
                 prefilled.append(reqs[i])
@@ -418,6 +428,8 @@ class LLMEngine:
             if rows:
                 launched.append(([reqs[i] for i in rows], self._launch_sample([reqs[i] for i in rows], logits, rows)))
             self.metrics.prompt_tokens.inc(tokens.shape[0])
+        if self.prefixes is not None:
+            self.metrics.count_prefix_cache(self.prefixes.queries, self.prefixes.hits)
         ahead, self._ahead = self._ahead, None
         if decoding:
             if ahead is not None and ahead.covers(decoding):

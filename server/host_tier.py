@@ -138,6 +138,7 @@ class HostCopy:
         buffers.scales[slot].copy_(self.scales, non_blocking=True)
         buffers.ranks[slot].copy_(self.rank, non_blocking=True)
         buffers.group_masks[slot] = group_mask(self.rank.tolist())  # the host's copy of the ranks
+        buffers.writes[slot] += 1
 
 
 def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pin: bool,

@@ -6,18 +6,23 @@ A sequence owns one row from admission to finish; its token at position p lives 
 [row, :, p]. Decode runs the batch over rows 0..n-1 (n = highest busy row + 1, rounded up
 to a bucket), so a decode step's batch row *is* its KV row: no gather, no copy, and the
 attention reads `k[layer][:n, :, :kv_len]` as one strided view. Free rows inside that range
-compute masked garbage at position 0 that nobody reads. `alloc` hands out the lowest free
-row to keep busy rows packed at the front.
+compute masked garbage that nobody reads, at position `kept[row]`: 0, or just past the
+prefix the row keeps for prefix caching (prefix_cache.py). `alloc` hands out the lowest
+free row to keep busy rows packed at the front; with prefix caching the prefix cache picks
+the row (PrefixCache.victim), which keeps finished requests' rows while others are free.
 
-This is the simplest cache that supports continuous batching and CUDA-graph decode; a paged
-cache (block tables) would let rows share prefixes and waste less memory on short
-sequences, at the cost of an attention kernel that reads through a block table.
+This is the simplest cache that supports continuous batching and CUDA-graph decode; rows
+share a prefix by copying it (`copy_prefix`: one token's K/V over all layers is 128 KB for
+Llama-3-8B, where recomputing it is a prefill). A paged cache (block tables) would share
+prefixes without the copy and waste less memory on short sequences, at the cost of an
+attention kernel that reads through a block table.
 """
 
 from __future__ import annotations
 
 import heapq
 
+import numpy as np
 import torch
 
 from .config import ModelConfig
@@ -32,6 +37,9 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self._free = list(range(rows))  # a heap: lowest free row first
         self._busy: set[int] = set()
+        # Per row, the tokens at its front that a free row keeps for prefix caching (written by
+        # PrefixCache); a decode step writes a free row's garbage at that position.
+        self.kept = np.zeros(rows, dtype=np.int64)
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -45,12 +53,30 @@ class KVCache:
     def num_free(self) -> int:
         return len(self._free)
 
-    def alloc(self) -> int:
+    def alloc(self, row: int | None = None) -> int:
+        """The lowest free row, or `row` (free) when given, now busy."""
         if not self._free:
             raise RuntimeError("no free KV row")
-        row = heapq.heappop(self._free)
+        if row is None:
+            row = heapq.heappop(self._free)
+        else:
+            self._free.remove(row)  # ValueError if it is not free
+            heapq.heapify(self._free)
         self._busy.add(row)
         return row
+
+    @property
+    def free_rows(self) -> list[int]:
+        """The free rows (in no order)."""
+        return list(self._free)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy the K/V of positions 0..n-1 of row `src` into row `dst`, in every layer (queued
+        on the current stream, so it runs after every write to `src` queued before it and
+        before any queued after)."""
+        dsts = [t[dst, :, :n] for t in self.k + self.v]
+        srcs = [t[src, :, :n] for t in self.k + self.v]
+        torch._foreach_copy_(dsts, srcs)
 
     def free(self, row: int) -> None:
         if row not in self._busy:

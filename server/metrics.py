@@ -70,14 +70,31 @@ class EngineMetrics:
         # metrics as failed. `describe_kv_cache` sets it once.
         self.vllm_cache_config = Gauge("vllm:cache_config_info", "KV cache configuration (in the labels)",
                                        CACHE_CONFIG_LABELS, registry=r)
+        # Prefix caching, in prompt tokens, under vLLM's names: asked for (the prompts admitted
+        # with it on) and found in a KV row (not prefilled). hits / queries is the hit rate.
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        self._prefix_counted = (0, 0)
 
-    def describe_kv_cache(self, block_size: int, rows: int, max_len: int, dtype: str) -> None:
+    def count_prefix_cache(self, queries: int, hits: int) -> None:
+        """The prefix cache's running totals (PrefixCache.queries, .hits): the counters move by
+        what came since the last call."""
+        q0, h0 = self._prefix_counted
+        if queries > q0:
+            self.prefix_queries.inc(queries - q0)
+        if hits > h0:
+            self.prefix_hits.inc(hits - h0)
+        self._prefix_counted = (queries, hits)
+
+    def describe_kv_cache(self, block_size: int, rows: int, max_len: int, dtype: str,
+                          prefix_caching: bool = False) -> None:
         """The KV cache as vLLM's labels describe one: `rows` x `max_len` tokens, preallocated,
         counted in blocks of `block_size` tokens (the granularity a decode step reads it in;
-        there is no paging and no prefix caching)."""
+        there is no paging), and whether prefix caching is on."""
         blocks = rows * -(-max_len // block_size)
         self.vllm_cache_config.labels(block_size=str(block_size), num_gpu_blocks=str(blocks), cache_dtype=dtype,
-                                      enable_prefix_caching="False").set(1)
+                                      enable_prefix_caching=str(bool(prefix_caching))).set(1)
 
     def refresh(self, engine) -> None:
         """Gauges read from the engine at scrape time."""

@@ -59,6 +59,8 @@ class Request:
     state: State = State.WAITING
     row: int = -1  # KV row while RUNNING
     num_computed: int = 0  # prompt tokens in its KV row; < len(prompt_ids) mid chunked prefill
+    cached_tokens: int = 0  # of those, found in the prefix cache at admission (not prefilled)
+    prefix_key: tuple | None = None  # what its K/V is computed under, for the prefix cache (scheduler)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, with echo + logprobs

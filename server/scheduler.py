@@ -11,17 +11,24 @@ prompt tokens: first the next chunks of requests admitted earlier whose prompts 
 complete (they hold their KV row and adapter but are not decoded yet), then new requests,
 the last one cut to what is left of the budget. Budget 8, a running 20-token prompt with 16
 done and a new 30-token one queued -> [chunk(a, pos 16, 4), chunk(b, pos 0, 4)].
+
+With prefix caching (prefix_cache.py) a new request's row comes with the first tokens of its
+prompt that another row held, and its prefill starts after them: chunk(b, pos 24, 6) for a
+30-token prompt 24 of whose tokens were found. Rows record what they hold as prefills
+complete and as requests leave (the prompt and every output token but the last, whose K/V
+no step computed).
 """
 
 from __future__ import annotations
 
 import sys
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 from .kv_cache import KVCache
+from .prefix_cache import PrefixCache
 from .request import Request, State
 
 
@@ -72,8 +79,12 @@ class Scheduler:
     bench/results/engine_h200_notes.md), and each abort walked it again to find its request."""
 
     def __init__(self, kv: KVCache, max_prefill_tokens: int, policy: AdmissionPolicy | None = None,
-                 chunked_prefill: bool = False):
+                 chunked_prefill: bool = False, prefixes: PrefixCache | None = None,
+                 prefix_key: Callable[[Request], Hashable] | None = None):
         self.kv = kv
+        # Prefix caching (None: off); prefix_key(request): what its K/V is computed under.
+        self.prefixes = prefixes
+        self.prefix_key = prefix_key or (lambda req: (req.slot,))
         self.max_prefill_tokens = max_prefill_tokens
         self.policy = policy or FcfsPolicy()
         self.chunked_prefill = chunked_prefill
@@ -121,7 +132,8 @@ class Scheduler:
         """This step's prefill (`ready_slots` as in `admit`): the whole prompts of the admitted
         requests, or with chunked prefill the chunks described in the module docstring."""
         if not self.chunked_prefill:
-            return [PrefillChunk(r, 0, len(r.prompt_ids)) for r in self.admit(ready_slots)]
+            return [PrefillChunk(r, r.num_computed, len(r.prompt_ids) - r.num_computed)
+                    for r in self.admit(ready_slots)]
         budget = self.max_prefill_tokens
         chunks = []
         for req in self.running.values():  # in admission order (dict insertion order)
@@ -145,7 +157,17 @@ class Scheduler:
             new.append(PrefillChunk(req, 0, n))
             budget -= n
         self._start([c.req for c in new])
+        for c in new:  # a prompt's cached tokens are not prefilled (the budget counted them)
+            c.pos, c.length = c.req.num_computed, min(c.length, len(c.req.prompt_ids) - c.req.num_computed)
         return chunks + new
+
+    def prefilled(self, chunks: list[PrefillChunk]) -> None:
+        """This step's prefill of `chunks` is launched: their prompts' K/V is there up to each
+        chunk's end, from the next queued work on (the prefix cache may match it)."""
+        for c in chunks:
+            c.req.num_computed = c.pos + c.length
+            if self.prefixes is not None:
+                self.prefixes.keep(c.req.row, c.req.prefix_key, c.req.prompt_ids[: c.req.num_computed])
 
     def _ready(self, ready_slots: dict[str, int] | None) -> Iterator[Request]:
         """The waiting requests whose adapter is resident, in queue order, each given its slot
@@ -170,7 +192,14 @@ class Scheduler:
                 skipped.append(req)
         self.waiting.extendleft(reversed(skipped))
         for req in picked:
-            req.row = self.kv.alloc()
+            if self.prefixes is None:
+                req.row = self.kv.alloc()
+            else:
+                # A prompt whose every token's logprob is asked for is prefilled whole.
+                req.prefix_key = self.prefix_key(req)
+                req.row, n = self.prefixes.admit(req.prefix_key, req.prompt_ids,
+                                                 match=req.params.prompt_logprobs is None)
+                req.num_computed = req.cached_tokens = n
             req.state = State.RUNNING
             self.running[req.row] = req
         _unqueue(self._waiting_adapters, picked)
@@ -188,6 +217,11 @@ class Scheduler:
         for req in reqs:
             if req.row >= 0 and self.running.get(req.row) is req:
                 del self.running[req.row]
+                if self.prefixes is not None:
+                    # Every output token but the last went through a decode step: its K/V is there.
+                    done = req.num_computed == len(req.prompt_ids)
+                    self.prefixes.keep(req.row, req.prefix_key,
+                                       req.prompt_ids[: req.num_computed] + (req.output_ids[:-1] if done else []))
                 self.kv.free(req.row)
                 req.row = -1
                 ended.append(req)

@@ -96,6 +96,13 @@ class ServerSettings:
     several steps, decoding the running requests between chunks, so a long prompt does not
     stall them; a prompt that asks for prompt logprobs (echo) is never chunked. Default: off."""
 
+    enable_prefix_caching: bool = True
+    """Prefix caching: a prompt whose first tokens a KV row holds already (a running or
+    finished request of the same adapter, or of the base, whose prompt, or prompt and answer,
+    began the same way: a system prompt, the turns of a chat so far) has them copied from that
+    row instead of prefilled; at least 16 tokens, matched in blocks of 16. Off: every prompt is
+    prefilled whole. Default: on (as in vLLM)."""
+
     enable_auto_tool_choice: bool = False
     """Let a chat request with tools and tool_choice "auto" (OpenAI's default with tools)
     have the model decide whether to call them, its reply read by --tool-call-parser (as in

@@ -93,7 +93,7 @@ def test_metrics_is_prometheus_text_0_0_4(server):
     tokens = int(config.labels["block_size"]) * int(config.labels["num_gpu_blocks"])
     assert config.value == 1 and int(config.labels["block_size"]) == engine.settings.kv_block
     assert engine.kv.rows * engine.kv.max_len <= tokens < engine.kv.rows * (engine.kv.max_len + engine.settings.kv_block)
-    assert config.labels["enable_prefix_caching"] == "False" and config.labels["cache_dtype"] == "float32"
+    assert config.labels["enable_prefix_caching"] == "True" and config.labels["cache_dtype"] == "float32"
 
 
 def test_cache_token_and_queue_values_after_requests_loads_evictions_and_pins(server):

@@ -56,10 +56,10 @@ def run_mixed_batch(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[st
     return {name: r.output_ids for name, r in reqs.items()}
 
 
-def engine_for(base_dir, adapters: dict, backend: str = "auto") -> LLMEngine:
+def engine_for(base_dir, adapters: dict, backend: str = "auto", **overrides) -> LLMEngine:
     settings = ServerSettings(model=str(base_dir), device="cpu", dtype="float32", max_num_seqs=8,
                               max_model_len=128, max_loras=8, max_lora_rank=16, kernel_backend=backend,
-                              lora_modules=[f"{n}={p}" for n, p in adapters.items()])
+                              lora_modules=[f"{n}={p}" for n, p in adapters.items()], **overrides)
     return LLMEngine.from_settings(settings)
 
 
