@@ -1,0 +1,192 @@
+"""Prefix caching benchmark: requests that share a system prompt, with the prefix cache on
+and off, on the same engine and the same requests, in one run.
+
+    python3 bench/prefix_bench.py --out $OUT/prefix.json                   # one GPU: Llama-3-8B shape, bf16
+    python3 bench/prefix_bench.py --shape tiny --quick --out /tmp/p.json    # CPU smoke test
+
+`--requests` requests, each `--system-len` tokens of one of `--adapters` system prompts (one
+per adapter: rank-16 adapters on all seven projections, round-robin; 0: the base) followed
+by `--question-len` tokens of its own, `--max-tokens` greedy tokens each, EOS ignored, run
+closed-loop: `--concurrency` requests in flight, the next one added as one finishes. For
+each mode it reports the wall time of the whole run, requests/s, the prompt tokens
+prefilled, the time to first token (from a request's add to the step that gave its first
+token) p50 and p95, and how many requests' outputs equal the other mode's. Modes alternate
+(`--rounds` each), after an untimed pass with the cache on that compiles and captures what
+the run needs; the cache is emptied before each timed pass (every row forgotten), so each
+pass starts cold, as a server's first requests do.
+
+Writes one JSON document (and prints a short table on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from checkout import engine_parser, use_checkout  # bench/ is sys.path[0]
+
+use_checkout()
+
+from loraplex.server.adapters import AdapterId, random_adapter  # noqa: E402
+from loraplex.server.config import named_shape  # noqa: E402
+from loraplex.server.engine import LLMEngine  # noqa: E402
+from loraplex.server.prefix_cache import PrefixCache  # noqa: E402
+from loraplex.server.sampling import SamplingParams  # noqa: E402
+from loraplex.server.settings import ServerSettings  # noqa: E402
+
+log = logging.getLogger("prefix_bench")
+
+
+def parse_args(argv=None):
+    p = engine_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=128, help="requests per pass (default 128)")
+    p.add_argument("--concurrency", type=int, default=32, help="requests in flight (default 32)")
+    p.add_argument("--system-len", type=int, default=1024, help="shared system prompt tokens (default 1024)")
+    p.add_argument("--question-len", type=int, default=64, help="each request's own tokens (default 64)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    p.add_argument("--adapters", type=int, default=4, help="distinct adapters, one system prompt each (default 4)")
+    p.add_argument("--rounds", type=int, default=2, help="timed passes per mode (default 2)")
+    p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.requests, a.concurrency, a.system_len, a.question_len, a.max_tokens, a.adapters, a.rounds = \
+            12, 4, 48, 8, 4, 2, 1
+    return a
+
+
+def make_workload(args, vocab: int) -> list[tuple[list[int], str | None]]:
+    rng = random.Random(0)
+    systems = [[rng.randrange(3, vocab) for _ in range(args.system_len)] for _ in range(max(args.adapters, 1))]
+    work = []
+    for i in range(args.requests):
+        k = i % max(args.adapters, 1)
+        work.append((systems[k] + [rng.randrange(3, vocab) for _ in range(args.question_len)],
+                     f"a{k}" if args.adapters else None))
+    return work
+
+
+def set_prefix_caching(engine: LLMEngine, on: bool) -> None:
+    """Turn the engine's prefix cache on (empty) or off between passes, as the flag would."""
+    engine.kv.kept[:] = 0
+    engine.prefixes = PrefixCache(engine.kv) if on else None
+    engine.scheduler.prefixes = engine.prefixes
+    engine.metrics._prefix_counted = (0, 0)
+
+
+def run_pass(args, engine: LLMEngine, work) -> dict:
+    device = engine.device
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    todo = list(enumerate(work))
+    todo.reverse()
+    added: dict[str, tuple[int, float]] = {}
+    reqs = {}
+    ttft = {}
+    prefilled0 = engine.metrics.prompt_tokens._value.get()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+
+    def add_one() -> None:
+        i, (prompt, adapter) = todo.pop()
+        r = engine.make_request(prompt, params, adapter)
+        engine.add_request(r)
+        added[r.request_id] = (i, time.perf_counter())
+        reqs[i] = r
+
+    while todo and len(added) < args.concurrency:
+        add_one()
+    in_flight = len(added)
+    while in_flight:
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            i, t_add = added[o.request_id]
+            if i not in ttft and o.token_ids:
+                ttft[i] = now - t_add
+            if o.finished:
+                in_flight -= 1
+                if todo:
+                    add_one()
+                    in_flight += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    times = sorted(ttft.values())
+    return {
+        "wall_s": wall,
+        "requests_per_s": len(work) / wall,
+        "prompt_tokens_prefilled": engine.metrics.prompt_tokens._value.get() - prefilled0,
+        "prompt_tokens": sum(len(p) for p, _ in work),
+        "cached_tokens": sum(r.cached_tokens for r in reqs.values()),
+        "ttft_ms_p50": 1e3 * statistics.median(times),
+        "ttft_ms_p95": 1e3 * times[min(len(times) - 1, int(0.95 * len(times)))],
+        "outputs": [reqs[i].output_ids for i in range(len(work))],
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("loraplex.server.adapters").setLevel(logging.WARNING)
+    cfg = named_shape(args.shape)
+    prompt_len = args.system_len + args.question_len
+    settings = ServerSettings(
+        dummy_weights=args.shape, device=args.device, dtype=args.dtype, max_num_seqs=args.concurrency,
+        max_model_len=prompt_len + args.max_tokens + 8, max_prefill_tokens=max(4096, prompt_len),
+        max_loras=max(args.adapters, 1), max_lora_rank=args.rank, warmup=True)
+    engine = LLMEngine.from_settings(settings)
+    for i in range(args.adapters):
+        spec, tensors = random_adapter(cfg, args.rank, seed=100 + i, device=engine.device, dtype=engine.dtype)
+        engine.adapters.install(AdapterId(f"a{i}", f"random-{i}", "memory"), spec, tensors)
+    engine.warm_up()
+    work = make_workload(args, cfg.vocab_size)
+    set_prefix_caching(engine, True)
+    first = run_pass(args, engine, work)  # compiles the prefill shapes of both modes' first steps
+    set_prefix_caching(engine, False)
+    run_pass(args, engine, work[: args.concurrency])
+    log.info("untimed first pass: %.2f s", first["wall_s"])
+    passes: dict[str, list[dict]] = {"off": [], "on": []}
+    for _ in range(args.rounds):
+        for mode in ("off", "on"):
+            set_prefix_caching(engine, mode == "on")
+            r = run_pass(args, engine, work)
+            passes[mode].append(r)
+            log.info("prefix cache %-3s  %.2f s  %6.1f req/s  prefilled %7d of %7d prompt tokens  ttft p50 %7.1f ms"
+                     "  p95 %7.1f ms", mode, r["wall_s"], r["requests_per_s"], r["prompt_tokens_prefilled"],
+                     r["prompt_tokens"], r["ttft_ms_p50"], r["ttft_ms_p95"])
+    off, on = passes["off"], passes["on"]
+    same = sum(a == b for a, b in zip(off[-1]["outputs"], on[-1]["outputs"]))
+    med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+    summary = {
+        "speedup_wall": med(off, "wall_s") / med(on, "wall_s"),
+        "ttft_p50_ratio_on_over_off": med(on, "ttft_ms_p50") / med(off, "ttft_ms_p50"),
+        "ttft_p95_ratio_on_over_off": med(on, "ttft_ms_p95") / med(off, "ttft_ms_p95"),
+        "prefilled_ratio_on_over_off": med(on, "prompt_tokens_prefilled") / med(off, "prompt_tokens_prefilled"),
+        "outputs_equal": f"{same} of {len(work)}",
+    }
+    log.info("on vs off: %.2fx wall, ttft p50 %.3fx, p95 %.3fx, prefilled %.3fx; outputs equal %s",
+             summary["speedup_wall"], summary["ttft_p50_ratio_on_over_off"], summary["ttft_p95_ratio_on_over_off"],
+             summary["prefilled_ratio_on_over_off"], summary["outputs_equal"])
+    for rs in passes.values():
+        for r in rs:
+            r.pop("outputs")
+    doc = {
+        "meta": {"device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else
+                 platform.processor() or "cpu", "dtype": str(engine.dtype), "torch": torch.__version__,
+                 "shape": args.shape, "args": {k: v for k, v in vars(args).items() if k != "out"}},
+        "summary": summary, "off": off, "on": on,
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
