@@ -77,7 +77,6 @@ def set_prefix_caching(engine: LLMEngine, on: bool) -> None:
     engine.kv.kept[:] = 0
     engine.prefixes = PrefixCache(engine.kv) if on else None
     engine.scheduler.prefixes = engine.prefixes
-    engine.metrics._prefix_counted = (0, 0)
 
 
 def run_pass(args, engine: LLMEngine, work) -> dict:

@@ -398,7 +398,11 @@ class LLMEngine:
         # Requests whose adapter is still loading stay queued; the batch goes on without them.
         running = {r.adapter for r in self.scheduler.running.values() if r.adapter}
         # Whole prompts of the admitted requests, or (chunked prefill) chunks of them.
+        looked_up = (self.prefixes.queries, self.prefixes.hits) if self.prefixes is not None else None
         chunks = self.scheduler.schedule(self.adapters.ready_slots(running))
+        if looked_up is not None:  # what this step's admissions looked up and found
+            self.metrics.prefix_queries.inc(self.prefixes.queries - looked_up[0])
+            self.metrics.prefix_hits.inc(self.prefixes.hits - looked_up[1])
         for c in chunks:
             if c.pos == c.req.cached_tokens:  # its first chunk: it was admitted now
                 self.metrics.queue_seconds.observe(time.monotonic() - c.req.arrival)
@@ -428,8 +432,6 @@ class LLMEngine:
             if rows:
                 launched.append(([reqs[i] for i in rows], self._launch_sample([reqs[i] for i in rows], logits, rows)))
             self.metrics.prompt_tokens.inc(tokens.shape[0])
-        if self.prefixes is not None:
-            self.metrics.count_prefix_cache(self.prefixes.queries, self.prefixes.hits)
         ahead, self._ahead = self._ahead, None
         if decoding:
             if ahead is not None and ahead.covers(decoding):

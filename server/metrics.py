@@ -75,17 +75,6 @@ class EngineMetrics:
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
-        self._prefix_counted = (0, 0)
-
-    def count_prefix_cache(self, queries: int, hits: int) -> None:
-        """The prefix cache's running totals (PrefixCache.queries, .hits): the counters move by
-        what came since the last call."""
-        q0, h0 = self._prefix_counted
-        if queries > q0:
-            self.prefix_queries.inc(queries - q0)
-        if hits > h0:
-            self.prefix_hits.inc(hits - h0)
-        self._prefix_counted = (queries, hits)
 
     def describe_kv_cache(self, block_size: int, rows: int, max_len: int, dtype: str,
                           prefix_caching: bool = False) -> None:

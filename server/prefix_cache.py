@@ -49,11 +49,16 @@ class RowPrefix:
     used: int = 0  # when it was last written or matched (PrefixCache's count of those)
 
 
+def key_hash(key: Hashable) -> int:
+    """What the chain of a prefix's block hashes starts from: its key's."""
+    return hash(("loraplex-prefix", key))
+
+
 def chain_hashes(key: Hashable, tokens: list[int], start: int = 0, seed: int | None = None) -> list[int]:
-    """The chain hashes of blocks start.. of `tokens` (whole blocks only): each hashes the one
-    before it (or the key) with its own tokens, so equal hashes mean equal prefixes, short of
-    a collision."""
-    h = hash(("loraplex-prefix", key)) if seed is None else seed
+    """The chain hashes of blocks start.. of `tokens` (whole blocks only), `seed` the hash of
+    block start - 1: each hashes the one before it (or the key) with its own tokens, so equal
+    hashes mean equal prefixes, short of a collision."""
+    h = key_hash(key) if seed is None else seed
     out = []
     for lo in range(start * BLOCK, len(tokens) - BLOCK + 1, BLOCK):
         h = hash((h, tuple(tokens[lo: lo + BLOCK])))
@@ -80,7 +85,7 @@ class PrefixCache:
         whole-block match, the one used most recently."""
         found: set[int] = set()
         depth = 0  # whole blocks found
-        h = hash(("loraplex-prefix", key))
+        h = key_hash(key)
         for lo in range(0, min(limit, len(tokens)) - BLOCK + 1, BLOCK):
             h = hash((h, tuple(tokens[lo: lo + BLOCK])))
             rows = self._index.get(h)

@@ -83,8 +83,10 @@ class Scheduler:
                  prefix_key: Callable[[Request], Hashable] | None = None):
         self.kv = kv
         # Prefix caching (None: off); prefix_key(request): what its K/V is computed under.
+        if prefixes is not None and prefix_key is None:
+            raise ValueError("prefix caching needs prefix_key: what a request's K/V is computed under")
         self.prefixes = prefixes
-        self.prefix_key = prefix_key or (lambda req: (req.slot,))
+        self.prefix_key = prefix_key
         self.max_prefill_tokens = max_prefill_tokens
         self.policy = policy or FcfsPolicy()
         self.chunked_prefill = chunked_prefill

@@ -20,7 +20,7 @@ import torch
 from loraplex.server.config import named_shape
 from loraplex.server.engine import LLMEngine
 from loraplex.server.kv_cache import KVCache
-from loraplex.server.prefix_cache import BLOCK, PrefixCache
+from loraplex.server.prefix_cache import BLOCK, PrefixCache, key_hash
 from loraplex.server.sampling import SamplingParams
 from loraplex.server.settings import ServerSettings
 
@@ -74,7 +74,7 @@ def test_a_hash_collision_is_a_miss_and_forget_drops_the_row():
     cache.keep(1, ("a",), list(range(32)))
     other = [9] * 32
     # Make the other prompt's first block hash to the held row's, as a collision would.
-    h = hash((hash(("loraplex-prefix", ("a",))), tuple(other[:BLOCK])))
+    h = hash((key_hash(("a",)), tuple(other[:BLOCK])))
     cache._index[h] = {1}
     cache.rows[1].hashes.append(h)
     assert cache.match(("a",), other, 31) == (-1, 0)
