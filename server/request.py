@@ -45,6 +45,7 @@ class RequestOutput:
     # first None (see LlamaModel.prefill).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error_code: str | None = None  # with error: adapter_load_failed or grammar_dead_end (Request.fail)
+    cached_tokens: int = 0  # of prompt_tokens, found in the prefix cache (Request.cached_tokens)
 
 
 @dataclass
@@ -245,7 +246,7 @@ class Request:
                 self._emitted_chars = end
         return RequestOutput(self.request_id, new_ids, text, self.finished, self.finish_reason,
                              len(self.prompt_ids), len(self.output_ids), self.error, logprobs, prompt_logprobs,
-                             self.error_code)
+                             self.error_code, self.cached_tokens)
 
 
 def _prefix_function(s: str) -> list[int]:

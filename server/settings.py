@@ -103,6 +103,11 @@ class ServerSettings:
     row instead of prefilled; at least 16 tokens, matched in blocks of 16. Off: every prompt is
     prefilled whole. Default: on (as in vLLM)."""
 
+    enable_prompt_tokens_details: bool = False
+    """Add `prompt_tokens_details: {"cached_tokens": N}` to a response's usage, as vLLM's flag
+    of this name does: N of the prompt tokens were found in the prefix cache, not prefilled (0,
+    or 16 and more; a prompt's once with n choices). Default: off."""
+
     enable_auto_tool_choice: bool = False
     """Let a chat request with tools and tool_choice "auto" (OpenAI's default with tools)
     have the model decide whether to call them, its reply read by --tool-call-parser (as in

@@ -68,9 +68,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         return {"id": rid, "object": object_, "created": created, "model": body.model, "choices": choices,
                 **({"usage": usage_} if usage_ is not None else {})}
 
+    details = eng.settings.enable_prompt_tokens_details
+    cached = [0] * len(streams)  # each choice's prompt tokens found in the prefix cache
+
     def total(completion_tokens: list[int]) -> dict:
-        """The prompt counts once, however many choices."""
-        return usage(len(prompt), sum(completion_tokens))
+        """The prompt counts once, however many choices (its cached tokens: the first's)."""
+        return usage(len(prompt), sum(completion_tokens), cached[0] if details else None)
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -86,7 +89,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
             counts = [0] * len(streams)
             splits = [ToolStream(parser, body) for _ in streams] if reads_calls else None
             async for j, out in merged(streams):
-                counts[j] = out.completion_tokens
+                counts[j], cached[j] = out.completion_tokens, out.cached_tokens
                 text, calls, reason = out.text, [], out.finish_reason
                 if splits is not None:  # a call's text is held back; the calls come at the end
                     text = splits[j].feed(out.text)
@@ -123,7 +126,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
             if out.prompt_logprobs is not None and prompt_lps is None:
                 prompt_lps = out.prompt_logprobs
             texts[j] += out.text
-            counts[j] = out.completion_tokens
+            counts[j], cached[j] = out.completion_tokens, out.cached_tokens
             if want_logprobs:
                 ids[j] += out.token_ids
                 lps[j] += out.logprobs

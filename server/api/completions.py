@@ -103,9 +103,13 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
                 ids, lps = prompts[k // n] + ids, echo + lps
         return text, ids, lps
 
-    def total(counts: list[tuple[int, int]]) -> dict:
-        """Usage from each choice's (prompt tokens, completion tokens): a prompt counts once, however many choices."""
-        return usage(sum(c[0] for c in counts[::n]), sum(c[1] for c in counts))
+    details = engine.engine.settings.enable_prompt_tokens_details
+
+    def total(counts: list[tuple[int, int, int]]) -> dict:
+        """Usage from each choice's (prompt tokens, completion tokens, cached prompt tokens): a
+        prompt counts once, however many choices (its cached tokens: its first choice's)."""
+        return usage(sum(c[0] for c in counts[::n]), sum(c[1] for c in counts),
+                     sum(c[2] for c in counts[::n]) if details else None)
 
     def chunk(choices: list[dict], usage_: dict | None = None) -> dict:
         return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
@@ -115,9 +119,9 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events() -> AsyncIterator[dict]:
-            counts = [(len(prompts[k // n]), 0) for k in range(len(streams))]
+            counts = [(len(prompts[k // n]), 0, 0) for k in range(len(streams))]
             async for k, out in merged(streams):
-                counts[k] = (out.prompt_tokens, out.completion_tokens)
+                counts[k] = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)
                 first = not echoed[k]
                 text, ids, lps = delta(k, out)
                 # Tokens whose text is held back (a possible stop string) still bring their logprobs.
@@ -133,13 +137,13 @@ async def create_completion(body: CompletionRequest, request: Request, engine: A
     async def collect() -> dict:
         texts = [""] * len(streams)
         reasons: list[str | None] = [None] * len(streams)
-        counts = [(len(prompts[k // n]), 0) for k in range(len(streams))]
+        counts = [(len(prompts[k // n]), 0, 0) for k in range(len(streams))]
         ids: list[list[int]] = [[] for _ in streams]
         lps: list[list] = [[] for _ in streams]
         async for k, out in merged(streams):
             text, new_ids, new_lps = delta(k, out)
             texts[k] += text
-            counts[k] = (out.prompt_tokens, out.completion_tokens)
+            counts[k] = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)
             if want_logprobs:
                 ids[k] += new_ids
                 lps[k] += new_lps
