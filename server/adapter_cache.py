@@ -39,7 +39,8 @@ load takes a slot or a load worker (on as many staging threads), so slow fetches
 up the loads from host memory or disk behind them. A failed load frees its slot; it, or a
 failed fetch, fails its waiters
 (`take_failures` for the engine's queued requests, `failed_load` for one queued after that)
-and is retried by the next request; a pin's also on its own, after a back-off (`_retry_pin`).
+and is retried by the next request (a failed fetch only once its back-off ran out:
+`AdapterLoader.fetch_backoff`); a pin's also on its own, after a back-off (`_retry_pin`).
 Not a load that failed on the adapter's files, while they are unchanged (`AdapterLoader.broken`:
 the same stamp of config, weights and served copy): a request, prefetch or pin of it fails at
 once with that error (`_refused`), taking no slot, so traffic to one broken adapter evicts no
@@ -703,16 +704,22 @@ class AdapterCache:
     def _refused(self, e: CachedAdapter) -> AdapterLoadError | None:
         """For a row no load of which is on its way: the error of its last load if that failed
         on its files and they are unchanged since (`AdapterLoader.broken`), a new one of the
-        same words for each caller; None: a load may start. A load would take a slot (evicting
-        an idle adapter) to fail the same way. Counted as a failed load, as each was before
+        same words for each caller; or of its last fetch, while that one's back-off runs
+        (`AdapterLoader.fetch_backoff`); None: a load may start. A load would take a slot
+        (evicting an idle adapter) to fail the same way; a fetch would download again what
+        has just failed. Counted as a failed load, as each was before
         (loraplex_adapter_load_failures_total keeps rising while traffic hits the adapter)."""
         if e.state != "cold":
             return None
+        backoff = self.loader.fetch_backoff(e)
+        if backoff is not None:
+            self.metrics.load_failures.labels(backoff.reason).inc()
+            return backoff
         failed = self.loader.broken(e)
         if failed is None:
             return None
         self.metrics.load_failures.labels(failed.reason).inc()
-        error = AdapterLoadError(e.name, failed.reason, "")
+        error = AdapterLoadError(e.name, failed.reason, failed.message)
         error.args = failed.args
         return error
 

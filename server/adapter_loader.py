@@ -79,6 +79,11 @@ StageDone = Callable[[CachedAdapter, tuple, Fetched | None, AdapterLoadError | N
 # files fail the same way at every load, so none is tried again until they change.
 FILE_FAILURES = frozenset({"corrupt", "mismatch", "missing"})
 
+# A failed fetch is not tried again for a while (`fetch_backoff`), as the kubelet backs off an
+# image pull: 2 s, doubled after each failure in a row, up to 2 minutes.
+FETCH_RETRY_FIRST_S = 2.0
+FETCH_RETRY_MAX_S = 120.0
+
 
 class Unstaged(Exception):
     """A load found its adapter not on local disk (host_copy): it is staged before it loads."""
@@ -94,6 +99,19 @@ class BrokenFiles:
     path: Path
     stamp: tuple
     error: AdapterLoadError
+
+
+@dataclass
+class FailedFetch:
+    """The fetches of `row` (of `version`: CachedAdapter.version) failed `count` times in a
+    row, the last with `error` at clock `at`; none is started again before clock `until`."""
+
+    row: CachedAdapter
+    version: tuple[str, str | None]
+    error: AdapterLoadError
+    count: int
+    at: float
+    until: float
 
 
 class AdapterLoader:
@@ -127,6 +145,8 @@ class AdapterLoader:
         # name -> the files its last load failed on (`broken`); under the cache's lock. A row
         # dropped since (an unload) is a stale entry, let go at the next look.
         self._broken: dict[str, BrokenFiles] = {}
+        # name -> its fetches' failures in a row (`fetch_backoff`); under the cache's lock.
+        self._failed_fetches: dict[str, FailedFetch] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, max_concurrent_loads),
                                                            thread_name_prefix="loraplex-load")
         # Fetches (seconds each) on their own threads: they hold no slot and no load worker.
@@ -189,6 +209,40 @@ class AdapterLoader:
             return None
         return failed.error
 
+    def fetch_backoff(self, e: CachedAdapter) -> AdapterLoadError | None:
+        """The error of `e`'s last fetch if it failed and its back-off has not run out (2 s,
+        doubled after each failure in a row, up to 2 minutes): a request meanwhile fails at once
+        with it, instead of starting another download of what has just failed (a CR whose
+        sha256 does not match its source would otherwise download the whole file again for
+        every request, on as many staging threads). None once the back-off ran out, the row or
+        its version changed (a new CR, a new sha256), or a fetch is no longer needed (the node
+        agent staged it meanwhile). Under the cache's lock."""
+        failed = self._failed_fetches.get(e.name)
+        if failed is None:
+            return None
+        if failed.row is not e or failed.version != e.version:
+            del self._failed_fetches[e.name]
+            return None
+        left = failed.until - self.clock()
+        if left <= 0 or not self.needs_fetch(e):
+            return None  # kept: the count goes on if the next fetch fails too
+        times = "once" if failed.count == 1 else f"{failed.count} times in a row"
+        return AdapterLoadError(e.name, failed.error.reason,
+                                f"{failed.error.message} (its fetch failed {times}; the next is "
+                                f"tried in {left:.1f} s, or at once for a new version)")
+
+    def _record_fetch(self, e: CachedAdapter, version: tuple, error: AdapterLoadError | None) -> None:
+        """Count a fetch of `e` (for `version`) that failed, or forget the failures of one that
+        worked. Under the cache's lock."""
+        if error is None:
+            self._failed_fetches.pop(e.name, None)
+            return
+        last = self._failed_fetches.get(e.name)
+        count = last.count + 1 if last is not None and last.row is e and last.version == version else 1
+        now = self.clock()
+        delay = min(FETCH_RETRY_MAX_S, FETCH_RETRY_FIRST_S * 2.0 ** min(count - 1, 16))
+        self._failed_fetches[e.name] = FailedFetch(e, version, error, count, now, now + delay)
+
     # -- staging: the source onto local disk, before a slot (staging thread) ------------------------
 
     def needs_fetch(self, e: CachedAdapter) -> bool:
@@ -224,6 +278,8 @@ class AdapterLoader:
             error = err
         except BaseException as err:  # noqa: BLE001 - any failure fails this adapter only
             error = load_error(e.name, err)
+        with self._lock:
+            self._record_fetch(e, identity, error)
         self.staged_done(e, identity, fetched, error)
 
     def _fetch(self, name: str, version: str | None, source: str | None, admin: bool,

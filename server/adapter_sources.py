@@ -47,6 +47,7 @@ class AdapterLoadError(RuntimeError):
         super().__init__(f"adapter {name!r} failed to load: {message}")
         self.adapter = name
         self.reason = reason
+        self.message = message
 
 
 @dataclass(frozen=True)

@@ -722,7 +722,7 @@ def test_plan_file_pins_follow_a_symlink_swap(disk, tmp_path, tmp_path_factory):
 
 
 class _Files(threading.Thread):
-    """A loopback HTTP server: GET serves `root`; POST /v1/stage acts as the node agent (copies
+    """A loopback HTTP server: GET serves `root` (each path asked for kept in `gets`); POST /v1/stage acts as the node agent (copies
     the named source folder into `cache_dir/<name>/` and answers 200, or 404 if absent). With
     `delay`, each GET and POST waits that many seconds first (a slow source or agent)."""
 
@@ -735,6 +735,7 @@ class _Files(threading.Thread):
 
         class Handler(http.server.SimpleHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
+                outer.gets.append(self.path)
                 time.sleep(outer.delay)
                 super().do_GET()
 
@@ -758,6 +759,7 @@ class _Files(threading.Thread):
 
         self.delay = delay
         self.staged: list[dict] = []
+        self.gets: list[str] = []
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
                                                       functools.partial(Handler, directory=str(root)))
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
