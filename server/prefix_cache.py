@@ -79,10 +79,12 @@ class PrefixCache:
         self.hits = 0
         self._clock = 0
 
-    def match(self, key: Hashable, tokens: list[int], limit: int) -> tuple[int, int]:
+    def match(self, key: Hashable, tokens: list[int], limit: int, touch: bool = True) -> tuple[int, int]:
         """(row, n): a row holding tokens[:n] computed under `key`, n <= limit as long as any
-        row's is, at least one block; (-1, 0) when none is. Among the rows of the longest
-        whole-block match, the one used most recently."""
+        row's is, at least one block; (-1, 0) when none is. Of the rows of the longest
+        whole-block match, the one that holds the most tokens past it (each row is extended
+        token by token, less than a block), the most recently used of those; it counts as
+        used now unless not `touch` (a look that admits nothing)."""
         found: set[int] = set()
         depth = 0  # whole blocks found
         h = key_hash(key)
@@ -92,18 +94,20 @@ class PrefixCache:
             if not rows:
                 break
             found, depth = rows, depth + 1
-        if not found:
-            return -1, 0
-        row = max(found, key=lambda r: self.rows[r].used)
-        held = self.rows[row]
-        n = depth * BLOCK
-        if held.key != key or held.tokens[:n] != tokens[:n]:
-            return -1, 0  # a hash collision: miss
-        end = min(limit, len(held.tokens), len(tokens))
-        while n < end and held.tokens[n] == tokens[n]:
-            n += 1
-        held.used = self._touch()
-        return row, n
+        best, best_n = -1, 0
+        for row in sorted(found, key=lambda r: -self.rows[r].used):
+            held = self.rows[row]
+            n = depth * BLOCK
+            if held.key != key or held.tokens[:n] != tokens[:n]:
+                continue  # a hash collision: not this row
+            end = min(limit, len(held.tokens), len(tokens))
+            while n < end and held.tokens[n] == tokens[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = row, n
+        if best >= 0 and touch:
+            self.rows[best].used = self._touch()
+        return best, best_n
 
     def _touch(self) -> int:
         self._clock += 1

@@ -16,7 +16,9 @@ With prefix caching (prefix_cache.py) a new request's row comes with the first t
 prompt that another row held, and its prefill starts after them: chunk(b, pos 24, 6) for a
 30-token prompt 24 of whose tokens were found. Rows record what they hold as prefills
 complete and as requests leave (the prompt and every output token but the last, whose K/V
-no step computed).
+no step computed). Requests picked in one step that share most of a prompt (n choices, a
+burst with one system prompt) are not prefilled side by side: the first goes, the others a
+step later, copying its prefill (`_share_prefills`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .kv_cache import KVCache
-from .prefix_cache import PrefixCache
+from .prefix_cache import BLOCK, PrefixCache
 from .request import Request, State
 
 
@@ -126,7 +128,8 @@ class Scheduler:
         `ready_slots` ({adapter: slot} of the resident adapters, from the adapter cache): a
         request whose adapter is not in it is still loading and stays in the queue, not the
         batch; the others get their slot. None: every adapter is resident."""
-        picked = self.policy.select(self._ready(ready_slots), self.kv.num_free, self.max_prefill_tokens)
+        picked = self._share_prefills(
+            self.policy.select(self._ready(ready_slots), self.kv.num_free, self.max_prefill_tokens))
         self._start(picked)
         return picked
 
@@ -145,7 +148,7 @@ class Scheduler:
                 budget -= chunks[-1].length
         # The policy orders the queue; the budget is cut here, chunk by chunk.
         new = []
-        for req in self.policy.select(self._ready(ready_slots), self.kv.num_free, sys.maxsize):
+        for req in self._share_prefills(self.policy.select(self._ready(ready_slots), self.kv.num_free, sys.maxsize)):
             n = len(req.prompt_ids)
             if req.params.prompt_logprobs is not None:
                 # Never chunked (its prompt logprobs come out of one whole prefill): it waits for
@@ -162,6 +165,31 @@ class Scheduler:
         for c in new:  # a prompt's cached tokens are not prefilled (the budget counted them)
             c.pos, c.length = c.req.num_computed, min(c.length, len(c.req.prompt_ids) - c.req.num_computed)
         return chunks + new
+
+    def _share_prefills(self, picked: list[Request]) -> list[Request]:
+        """`picked` less the requests that wait a step to share an earlier one's prefill: one
+        whose prompt has at least half of itself (and a block) in common with the prompt of a
+        request picked before it, under the same key, more than a row holds already. Admitted
+        together, both would compute the common part; a step later the first one's row holds
+        it, and the other's prefill copies it (n choices of one prompt, a burst of requests
+        with one system prompt: the first step prefills one of them, not all). The first of
+        each group goes now, so each step admits some of every group."""
+        if self.prefixes is None or len(picked) < 2:
+            return picked
+        firsts: dict[tuple, Request] = {}  # (key, first block) -> the first picked request of them
+        out = []
+        for req in picked:
+            tokens = req.prompt_ids
+            if len(tokens) > BLOCK:
+                key = self.prefix_key(req)
+                first = firsts.setdefault((key, tuple(tokens[:BLOCK])), req)
+                if first is not req and req.params.prompt_logprobs is None:
+                    limit = len(tokens) - 1  # the last token is always prefilled
+                    shared = _common_prefix(first.prompt_ids, tokens, limit)
+                    if 2 * shared >= len(tokens) and shared >= self.prefixes.match(key, tokens, limit, touch=False)[1] + BLOCK:
+                        continue
+            out.append(req)
+        return out
 
     def prefilled(self, chunks: list[PrefillChunk]) -> None:
         """This step's prefill of `chunks` is launched: their prompts' K/V is there up to each
@@ -244,6 +272,14 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many first tokens `a` and `b` share, at most `limit`."""
+    n, end = 0, min(limit, len(a), len(b))
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _unqueue(by_adapter: dict[str, dict[int, Request]], reqs: Iterable[Request]) -> None:

@@ -22,6 +22,7 @@ from loraplex.server.engine import LLMEngine
 from loraplex.server.kv_cache import KVCache
 from loraplex.server.prefix_cache import BLOCK, PrefixCache, key_hash
 from loraplex.server.sampling import SamplingParams
+from loraplex.server.scheduler import PrefillChunk
 from loraplex.server.settings import ServerSettings
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -45,13 +46,18 @@ def test_match_takes_whole_blocks_then_tokens_and_keeps_keys_apart():
     assert cache.match(("a",), held, 20) == (2, 20)  # the limit holds
     assert cache.match(("a",), [1] + held[1:], 39) == (-1, 0)  # the first block differs
     assert cache.kv.kept[2] == 40 and cache.kv.kept[1] == 0
-    # A row holding the longest whole-block prefix wins; among equals the one used last.
+    # Of the rows of the longest whole-block prefix, the one holding the most past it wins
+    # (row 3 was used last, row 2 holds 7 more); among equals the one used last.
     cache.keep(0, ("a",), held[:BLOCK])
     cache.keep(3, ("a",), held[:32] + [5] * 8)
-    assert cache.match(("a",), held, 39) == (3, 32)
-    cache.match(("a",), held[:37], 36)  # row 2 (37 tokens) is used now, row 3 matched too, before it
-    assert cache.match(("a",), held, 39)[0] == 3
-    assert cache.rows[3].used > cache.rows[2].used
+    assert cache.match(("a",), held, 39) == (2, 39)
+    assert cache.match(("a",), held[:32] + [5] * 8, 39) == (3, 39)
+    assert cache.match(("a",), held[:32] + [9], 32) == (3, 32)  # row 3 was used last
+    assert cache.match(("a",), held[:32] + [9], 32, touch=False) == (3, 32)
+    cache.match(("a",), held[:37], 36)  # row 2 is used now
+    assert cache.match(("a",), held[:32] + [9], 32, touch=False)[0] == 2
+    used = cache.rows[2].used
+    assert cache.match(("a",), held, 39, touch=False) == (2, 39) and cache.rows[2].used == used
 
 
 def test_a_new_request_gets_an_empty_free_row_then_the_least_recently_used():
@@ -164,6 +170,48 @@ def test_shared_prompts_and_chat_turns_hit_and_answer_the_same(engines):
     # A prompt held whole: all but its last token is found, which computes the first logits.
     (again,) = both(engines, [(turn, "all-r16", 4)])
     assert again.cached_tokens == len(turn) - 1
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_requests_admitted_together_share_one_prefill(hf_llama, llama_adapters, chunked):
+    """A burst of one system prompt (and n choices of one prompt) added at once: the first of
+    them is prefilled, the others wait a step and copy what it computed; a prompt that shares
+    less than half of itself with it, or another adapter's, goes at once."""
+    rng = random.Random(11)
+    system = [1] + [rng.randrange(3, 320) for _ in range(47)]
+    own = [[rng.randrange(3, 320) for _ in range(5)] for _ in range(2)]
+    short = system[:20] + [rng.randrange(3, 320) for _ in range(30)]  # 20 of 50 in common
+    overrides = dict(enable_chunked_prefill=True, max_prefill_tokens=64) if chunked else {}
+    engines = [engine_for(hf_llama, llama_adapters, max_num_seqs=6, enable_prefix_caching=on, **overrides)
+               for on in (True, False)]
+    first, b, n1, n2, half, other = both(engines, [
+        (system + own[0], "all-r16", 4), (system + own[1], "all-r16", 4), (system + own[0], "all-r16", 3),
+        (system + own[0], "all-r16", 5), (short, "all-r16", 4), (system + own[0], "qv-r8", 4)])
+    assert first.cached_tokens == 0 and other.cached_tokens == 0 and half.cached_tokens == 0
+    assert b.cached_tokens >= len(system) and n1.cached_tokens == n2.cached_tokens == len(system + own[0]) - 1
+    assert engines[0].metrics.prompt_tokens._value.get() < engines[1].metrics.prompt_tokens._value.get() - 2 * len(system)
+
+
+def test_a_request_waits_for_a_shared_prefill_once():
+    """The scheduler's rule alone: of requests picked together under one key, a later one with
+    at least half of its prompt (and a block) in common with an earlier one waits a step;
+    once a row holds that part (the first one admitted), it is admitted."""
+    from loraplex.server.request import Request
+    from loraplex.server.scheduler import Scheduler
+
+    cache = small_cache(rows=4)
+    sched = Scheduler(cache.kv, 4096, prefixes=cache, prefix_key=lambda r: r.adapter)
+    prompt = list(range(3, 43))
+
+    def req(i, tokens, adapter="a"):
+        return Request(f"r{i}", tokens, SamplingParams(max_tokens=2), adapter, seed=0)
+
+    reqs = [req(0, prompt), req(1, prompt[:39] + [1]), req(2, prompt, "b"), req(3, prompt[:17] + [1] * 23)]
+    for r in reqs:
+        sched.add(r)
+    assert [r.request_id for r in sched.admit()] == ["r0", "r2", "r3"]
+    sched.prefilled([c for c in (PrefillChunk(r, 0, len(r.prompt_ids)) for r in (reqs[0], reqs[2], reqs[3]))])
+    assert [r.request_id for r in sched.admit()] == ["r1"] and reqs[1].cached_tokens == 39
 
 
 def test_a_free_row_keeps_its_keys_while_other_rows_decode(hf_llama, llama_adapters):
