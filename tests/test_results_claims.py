@@ -236,3 +236,16 @@ def test_structured_rows_claim_is_its_json():
     (all_rows, some_rows), = claims(r"rows held to a JSON schema decode at ([\d.]+)x the tokens/s of the same batch "
                                     r"without grammars when all 64 rows are held, and ([\d.]+)x when 8 are")
     assert all_rows == f2(ratios[(0, 64)]) and some_rows == f2(ratios[(0, 8)])
+
+
+def test_prefix_caching_cpu_figures():
+    run = load("prefix_cpu_tiny_shared.json")
+    args, summary = run["meta"]["args"], run["summary"]
+    assert (args["requests"], args["concurrency"], args["system_len"], args["adapters"]) == (64, 8, 512, 4)
+    assert summary["outputs_equal"] == "64 of 64"
+    want = (f2(summary["speedup_wall"]), f"{summary['prefilled_ratio_on_over_off']:.3f}",
+            f"{summary['ttft_p50_ratio_on_over_off']:.3f}", f"{summary['ttft_p95_ratio_on_over_off']:.3f}")
+    for got in claims(r"a run took ([\d.]+)x less time with it than without, prefilled ([\d.]+)x the prompt "
+                      r"tokens \(each system prompt once\), cut the time to first token at p50 to ([\d.]+)x and "
+                      r"at p95 to ([\d.]+)x"):
+        assert got == want
