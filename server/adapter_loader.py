@@ -58,7 +58,7 @@ from .adapter_format import (
     staged_version,
 )
 from .adapter_names import is_adapter_name
-from .adapter_sources import (AdapterLoadError, Fetched, fetch_adapter, load_error, redact,
+from .adapter_sources import (AdapterLoadError, Fetched, FetchThreads, fetch_adapter, load_error, redact,
                               sweep_abandoned_fetches)
 from .adapters import AdapterId, LoRABuffers
 from .disk_read import DiskRead, PlanCache, StalePlan, files_stamp
@@ -151,8 +151,7 @@ class AdapterLoader:
                                                            thread_name_prefix="loraplex-load")
         # Fetches (seconds each) on their own threads: they hold no slot and no load worker.
         self.max_concurrent_fetches = max(1, max_concurrent_fetches or max_concurrent_loads)
-        self._stage_pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrent_fetches,
-                                                                 thread_name_prefix="loraplex-stage")
+        self._staging = FetchThreads(self.max_concurrent_fetches, "loraplex-stage")
         # One file is read as a few MB-sized chunks at once: a single thread copies from the page
         # cache at well under the host's memory bandwidth.
         self.read_threads = read_threads or min(8, os.cpu_count() or 1)
@@ -163,7 +162,9 @@ class AdapterLoader:
         self.cuda_lock = threading.Lock()
 
     def close(self) -> None:
-        self._stage_pool.shutdown(wait=True, cancel_futures=True)  # first: a staging ends in a load
+        # First (a staging ends in a load), and without waiting for fetches: a download in
+        # flight ends at its next chunk, a node agent's answer is not waited for.
+        self._staging.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.read_pool.shutdown(wait=True)
 
@@ -256,7 +257,7 @@ class AdapterLoader:
 
     def stage(self, e: CachedAdapter) -> None:
         """Bring `e` onto local disk on a staging thread; `staged_done` hears how it went."""
-        self._stage_pool.submit(self._stage_run, e)
+        self._staging.submit(self._stage_run, e)
 
     def _stage_run(self, e: CachedAdapter) -> None:
         t0 = self.clock()
@@ -287,7 +288,8 @@ class AdapterLoader:
         """Fetch adapter `name` (the version of sha256 `version` or of `source`) onto local
         disk: its folder there. `missing`: its registered folder, for the error message."""
         path = fetch_adapter(name, source, version, self.cache_dir, self.node_agent_url,
-                             missing=missing, dtype=self.dtype_name, namespace=self.namespace)
+                             missing=missing, dtype=self.dtype_name, namespace=self.namespace,
+                             stop=self._staging.stopping)
         if not admin and not _holds(path, version, source):  # replaced by another staging meanwhile
             raise AdapterLoadError(name, "fetch", f"{path} holds another version than the plan's "
                                    f"(another adapter of that name staged on this node?)")

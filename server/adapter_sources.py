@@ -21,8 +21,11 @@ import logging
 import os
 import re
 import shutil
+import queue
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +65,59 @@ class Fetched:
     seconds: float
 
 
+class FetchThreads:
+    """Up to `n` daemon threads that run fetch jobs in the order given. A fetch in flight does
+    not hold up the server's exit, as a ThreadPoolExecutor's threads would (the interpreter
+    joins them): `stop` sets `stopping`, which a direct download sees at its next chunk (it
+    ends and removes its temporary folder), waits `grace` seconds for the jobs to end, and
+    leaves the rest (a POST to the node agent waits for its answer up to 10 minutes; the
+    agent goes on staging) to end with the process. Jobs not started by then never start."""
+
+    def __init__(self, n: int, name: str):
+        self.n = max(1, n)
+        self.name = name
+        self.stopping = threading.Event()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._unfinished = 0  # jobs given and not ended
+
+    def submit(self, fn: Callable[..., None], *args) -> None:
+        """Run fn(*args) on one of the threads (it handles its own errors)."""
+        if self.stopping.is_set():
+            return
+        with self._lock:
+            self._jobs.put((fn, args))
+            self._unfinished += 1
+            if self._unfinished > len(self._threads) < self.n:  # started as needed, as an executor's
+                t = threading.Thread(target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None or self.stopping.is_set():
+                return
+            fn, args = job
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - a job's own failure must not end the thread
+                log.exception("%s: a fetch job failed", self.name)
+            with self._lock:
+                self._unfinished -= 1
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.stopping.set()
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads:
+            self._jobs.put(None)
+        deadline = time.monotonic() + grace
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
 def redact(uri: str | None) -> str | None:
     """A source without its query string (tokens, signatures) and its user info (a password)
     for logs, the API and the version record of a fetch."""
@@ -77,12 +133,13 @@ def redact(uri: str | None) -> str | None:
 
 def fetch_adapter(name: str, source: str | None, sha256: str | None, cache_dir: Path | None,
                   node_agent_url: str | None, missing: Path | None = None, dtype: str | None = None,
-                  namespace: str | None = None) -> Path:
+                  namespace: str | None = None, stop: threading.Event | None = None) -> Path:
     """The adapter's directory on local disk, fetched from `source` (see the module docstring).
     `missing`: where it was looked for, for the error message when there is no source;
     `dtype`: the slots' (the node agent also stages a copy of F32 weights in it); `namespace`:
     the server's Kubernetes namespace (the agent stages it in its folder for that namespace,
-    which is `cache_dir` as this server sees it).
+    which is `cache_dir` as this server sees it); `stop`: once set (the server stops), a
+    download here ends at its next chunk, its temporary folder removed.
     A name that is not an adapter name (`adapter_names`: "../x", "/abs", "a/b") is refused
     before any path is made of it: `<cache_dir>/<name>` must stay inside `cache_dir`."""
     try:
@@ -94,7 +151,7 @@ def fetch_adapter(name: str, source: str | None, sha256: str | None, cache_dir: 
         raise AdapterLoadError(name, "missing", f"no adapter files at {where} and no source to fetch from")
     if node_agent_url and cache_dir is not None:
         return _stage_through_agent(name, source, sha256, cache_dir, node_agent_url, dtype, namespace)
-    return _fetch_direct(name, source, sha256, cache_dir)
+    return _fetch_direct(name, source, sha256, cache_dir, stop)
 
 
 def _stage_through_agent(name: str, source: str, sha256: str | None, cache_dir: Path, url: str,
@@ -153,7 +210,8 @@ def sweep_abandoned_fetches(cache_dir: Path, now: float | None = None,
     return removed
 
 
-def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | None) -> Path:
+def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | None,
+                  stop: threading.Event | None = None) -> Path:
     src = source[len("file://"):] if source.startswith("file://") else source
     if "://" not in src:
         path = Path(src)
@@ -181,7 +239,10 @@ def _fetch_direct(name: str, source: str, sha256: str | None, cache_dir: Path | 
                 if r.status_code != 200:
                     raise AdapterLoadError(name, "fetch", f"GET {redact(url)}: HTTP {r.status_code}")
                 with (tmp / filename).open("wb") as f:
-                    for chunk in r.iter_bytes(1 << 20):
+                    for chunk in r.iter_bytes():  # as they come: a stop is seen at the next one
+                        if stop is not None and stop.is_set():
+                            raise AdapterLoadError(name, "fetch", f"the server stopped during the download of "
+                                                   f"{redact(url)}")
                         f.write(chunk)
                     f.flush()
                     os.fsync(f.fileno())
