@@ -10,7 +10,11 @@ by `--question-len` tokens of its own, `--max-tokens` greedy tokens each, EOS ig
 closed-loop: `--concurrency` requests in flight, the next one added as one finishes. For
 each mode it reports the wall time of the whole run, requests/s, the prompt tokens
 prefilled, the time to first token (from a request's add to the step that gave its first
-token) p50 and p95, and how many requests' outputs equal the other mode's. Modes alternate
+token) p50 and p95, and how many requests' outputs equal the other mode's (whole, and their
+first tokens), against how many equal between two passes with the cache off that batch the
+requests differently (one fewer in flight): in bfloat16 a model of random weights has
+near-ties that any change of a GEMM's shape can flip, so that is the floor such a count can
+reach there. Modes alternate
 (`--rounds` each), after an untimed pass with the cache on that compiles and captures what
 the run needs; the cache is emptied before each timed pass (every row forgotten), so each
 pass starts cold, as a server's first requests do.
@@ -54,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--adapters", type=int, default=4, help="distinct adapters, one system prompt each (default 4)")
     p.add_argument("--rounds", type=int, default=2, help="timed passes per mode (default 2)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one more pass with the cache on (torch.profiler): its top ops on stderr")
     a = p.parse_args(argv)
     if a.quick:
         a.requests, a.concurrency, a.system_len, a.question_len, a.max_tokens, a.adapters, a.rounds = \
@@ -79,8 +85,9 @@ def set_prefix_caching(engine: LLMEngine, on: bool) -> None:
     engine.scheduler.prefixes = engine.prefixes
 
 
-def run_pass(args, engine: LLMEngine, work) -> dict:
+def run_pass(args, engine: LLMEngine, work, concurrency: int | None = None) -> dict:
     device = engine.device
+    concurrency = concurrency or args.concurrency
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     todo = list(enumerate(work))
     todo.reverse()
@@ -99,12 +106,17 @@ def run_pass(args, engine: LLMEngine, work) -> dict:
         added[r.request_id] = (i, time.perf_counter())
         reqs[i] = r
 
-    while todo and len(added) < args.concurrency:
+    while todo and len(added) < concurrency:
         add_one()
     in_flight = len(added)
+    steps = {"prefill": [0, 0.0], "decode": [0, 0.0]}  # steps that prefilled (and decoded) or only decoded: count, s
     while in_flight:
+        t_step, before = time.perf_counter(), engine.metrics.prompt_tokens._value.get()
         outs = engine.step()
         now = time.perf_counter()
+        kind = steps["prefill" if engine.metrics.prompt_tokens._value.get() > before else "decode"]
+        kind[0] += 1
+        kind[1] += now - t_step
         for o in outs:
             i, t_add = added[o.request_id]
             if i not in ttft and o.token_ids:
@@ -126,8 +138,23 @@ def run_pass(args, engine: LLMEngine, work) -> dict:
         "cached_tokens": sum(r.cached_tokens for r in reqs.values()),
         "ttft_ms_p50": 1e3 * statistics.median(times),
         "ttft_ms_p95": 1e3 * times[min(len(times) - 1, int(0.95 * len(times)))],
+        "prefill_steps": steps["prefill"][0], "prefill_steps_s": steps["prefill"][1],
+        "decode_only_steps": steps["decode"][0], "decode_only_steps_s": steps["decode"][1],
         "outputs": [reqs[i].output_ids for i in range(len(work))],
     }
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How far two passes' greedy outputs (per request) agree: whole, first token, and the
+    mean number of tokens before they first differ."""
+    common = []
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        common.append(n)
+    return {"equal": sum(x == y for x, y in zip(a, b)), "first_equal": sum(n > 0 for n in common),
+            "mean_common": statistics.mean(common)}
 
 
 def main(argv=None) -> int:
@@ -158,21 +185,44 @@ def main(argv=None) -> int:
             r = run_pass(args, engine, work)
             passes[mode].append(r)
             log.info("prefix cache %-3s  %.2f s  %6.1f req/s  prefilled %7d of %7d prompt tokens  ttft p50 %7.1f ms"
-                     "  p95 %7.1f ms", mode, r["wall_s"], r["requests_per_s"], r["prompt_tokens_prefilled"],
-                     r["prompt_tokens"], r["ttft_ms_p50"], r["ttft_ms_p95"])
+                     "  p95 %7.1f ms  steps: %d prefilling %.2f s, %d decoding only %.2f s", mode, r["wall_s"],
+                     r["requests_per_s"], r["prompt_tokens_prefilled"], r["prompt_tokens"], r["ttft_ms_p50"],
+                     r["ttft_ms_p95"], r["prefill_steps"], r["prefill_steps_s"], r["decode_only_steps"],
+                     r["decode_only_steps_s"])
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        set_prefix_caching(engine, True)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            run_pass(args, engine, work)
+        table = prof.key_averages()
+        for key in (["self_cuda_time_total"] if engine.device.type == "cuda" else []) + ["self_cpu_time_total"]:
+            log.info("profile of a pass with the cache on, by %s:\n%s", key, table.table(sort_by=key, row_limit=18))
+    set_prefix_caching(engine, False)
+    rebatched = run_pass(args, engine, work, concurrency=max(1, args.concurrency - 1))
     off, on = passes["off"], passes["on"]
-    same = sum(a == b for a, b in zip(off[-1]["outputs"], on[-1]["outputs"]))
+    same = agreement(off[-1]["outputs"], on[-1]["outputs"])
+    floor = agreement(off[-1]["outputs"], rebatched["outputs"])
+    log.info("cache off, %d in flight, against %d: outputs equal %d, first tokens %d of %d",
+             args.concurrency, max(1, args.concurrency - 1), floor["equal"], floor["first_equal"], len(work))
     med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
     summary = {
         "speedup_wall": med(off, "wall_s") / med(on, "wall_s"),
         "ttft_p50_ratio_on_over_off": med(on, "ttft_ms_p50") / med(off, "ttft_ms_p50"),
         "ttft_p95_ratio_on_over_off": med(on, "ttft_ms_p95") / med(off, "ttft_ms_p95"),
         "prefilled_ratio_on_over_off": med(on, "prompt_tokens_prefilled") / med(off, "prompt_tokens_prefilled"),
-        "outputs_equal": f"{same} of {len(work)}",
+        "outputs_equal": f"{same['equal']} of {len(work)}",
+        "first_tokens_equal": f"{same['first_equal']} of {len(work)}",
+        "mean_tokens_before_a_difference": same["mean_common"],
+        "off_rebatched": {"concurrency": max(1, args.concurrency - 1),
+                          "outputs_equal": f"{floor['equal']} of {len(work)}",
+                          "first_tokens_equal": f"{floor['first_equal']} of {len(work)}",
+                          "mean_tokens_before_a_difference": floor["mean_common"]},
     }
-    log.info("on vs off: %.2fx wall, ttft p50 %.3fx, p95 %.3fx, prefilled %.3fx; outputs equal %s",
+    log.info("on vs off: %.2fx wall, ttft p50 %.3fx, p95 %.3fx, prefilled %.3fx; outputs equal %s, first tokens %s",
              summary["speedup_wall"], summary["ttft_p50_ratio_on_over_off"], summary["ttft_p95_ratio_on_over_off"],
-             summary["prefilled_ratio_on_over_off"], summary["outputs_equal"])
+             summary["prefilled_ratio_on_over_off"], summary["outputs_equal"], summary["first_tokens_equal"])
     for rs in passes.values():
         for r in rs:
             r.pop("outputs")

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from loraplex.kernels import LoRABatch, add_lora
 
@@ -282,11 +283,14 @@ class LlamaModel:
             raise ValueError("prompt logprobs need the whole prompt in one prefill (pos 0)")
         positions = torch.cat([torch.arange(s.pos, s.pos + s.length, device=self.device) for s in seqs])
         lora = self._step_lora(token_slots, max_adapters, lora_groups)
-        # Later chunks read the row's keys 0..end-1. is_causal would align the triangle top-left
-        # (query i sees keys 0..i), so their mask is explicit: query i (position pos + i) sees
-        # key j iff j <= pos + i.  {seq start: bool [n, pos + n]}, built once for every layer.
-        visible = {s.start: torch.arange(s.pos + s.length, device=self.device)[None, :]
-                   <= positions[s.start: s.start + s.length, None] for s in seqs if s.pos}
+        # Later chunks (and prompts after a cached prefix) read the row's keys 0..end-1: query i
+        # (position pos + i) sees key j iff j <= pos + i, the causal triangle aligned bottom
+        # right (is_causal aligns it top left). As a CausalBias, not a mask tensor: SDPA with
+        # an explicit mask and GQA has no fused kernel and falls back to its math backend,
+        # which builds the [heads, n, pos + n] scores in float32 (2.3 GB for a 1,024-token
+        # chunk after 16,384 tokens); lower right, it runs the flash kernel of a whole prefill
+        # on CUDA (the same math as the mask elsewhere).
+        visible = {s.start: causal_lower_right(s.length, s.pos + s.length) for s in seqs if s.pos}
         x = self.w.embed[tokens]
         rope = self._rope_tables(positions, x.dtype)
         for i, lw in enumerate(self.w.layers):

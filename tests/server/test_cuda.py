@@ -281,3 +281,29 @@ def test_cuda_prefix_caching_gives_what_whole_prefills_give():
     cached, engine = run(True)
     assert [r.output_ids for r in cached.values()] == [r.output_ids for r in plain.values()]
     assert sum(r.cached_tokens for r in cached.values()) >= 8 * 32 and engine.decoder.num_graphs >= 2
+
+
+def test_cuda_attention_after_a_cached_prefix_needs_no_score_matrix():
+    """A prefill after a cached prefix (or a later chunk) attends to the row's keys with the
+    causal triangle aligned bottom right. As an explicit mask with GQA, SDPA has no fused
+    kernel: its math backend builds the [heads, n, keys] scores in float32 (2.3 GB for a
+    1,024-token chunk after 16,384 cached tokens); as a lower-right CausalBias it runs the
+    flash kernel of a whole prefill, with no such matrix, and gives the whole prefill's rows
+    to within a bfloat16 step."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    torch.manual_seed(0)
+    heads, kv_heads, d, pos, n = 32, 8, 128, 16384, 1024
+    q = torch.randn(1, heads, pos + n, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, kv_heads, pos + n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    opts = dict(scale=d ** -0.5, enable_gqa=True)
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, **opts)[:, :, pos:].float()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    after = F.scaled_dot_product_attention(q[:, :, pos:], k, v, attn_mask=causal_lower_right(n, pos + n), **opts)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 64 << 20, f"{extra / 2**20:.0f} MiB for a {n}-token chunk after {pos}"
+    assert (after.float() - whole).abs().max().item() <= 4e-3
