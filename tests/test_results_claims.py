@@ -249,3 +249,18 @@ def test_prefix_caching_cpu_figures():
                       r"tokens \(each system prompt once\), cut the time to first token at p50 to ([\d.]+)x and "
                       r"at p95 to ([\d.]+)x"):
         assert got == want
+
+
+def test_prefix_caching_h200_figures():
+    runs = [load("prefix_h200.json"), load("prefix_h200_base.json")]
+    assert [r["meta"]["args"]["adapters"] for r in runs] == [4, 0] and runs[0]["meta"]["dtype"] == "torch.bfloat16"
+    assert all(r["meta"]["args"]["requests"] == 128 and r["meta"]["args"]["concurrency"] == 32 for r in runs)
+    assert load("prefix_h200_fp32.json")["summary"]["outputs_equal"] == "64 of 64"
+    s = [r["summary"] for r in runs]
+    want = (f2(s[0]["speedup_wall"]), f2(s[1]["speedup_wall"]), f"{s[0]['prefilled_ratio_on_over_off']:.3f}",
+            f"{s[1]['prefilled_ratio_on_over_off']:.3f}", f"{s[0]['ttft_p50_ratio_on_over_off']:.3f}",
+            f"{s[1]['ttft_p50_ratio_on_over_off']:.3f}")
+    for got in claims(r"it took ([\d.]+)x less time with four adapters and ([\d.]+)x less for the base, "
+                      r"prefilling ([\d.]+)x and ([\d.]+)x the prompt tokens, time to first token p50 "
+                      r"([\d.]+)x and ([\d.]+)x"):
+        assert got == want
