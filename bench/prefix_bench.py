@@ -58,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--adapters", type=int, default=4, help="distinct adapters, one system prompt each (default 4)")
     p.add_argument("--rounds", type=int, default=2, help="timed passes per mode (default 2)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
+    p.add_argument("--sdpa-prefill", action="store_true",
+                   help="prefill attention as SDPA per prompt, not the fused ops' one launch per layer")
     p.add_argument("--profile", action="store_true",
                    help="profile one more pass with the cache on (torch.profiler): its top ops on stderr")
     a = p.parse_args(argv)
@@ -168,6 +170,7 @@ def main(argv=None) -> int:
         max_model_len=prompt_len + args.max_tokens + 8, max_prefill_tokens=max(4096, prompt_len),
         max_loras=max(args.adapters, 1), max_lora_rank=args.rank, warmup=True)
     engine = LLMEngine.from_settings(settings)
+    engine.model.prefill_kernel = not args.sdpa_prefill
     for i in range(args.adapters):
         spec, tensors = random_adapter(cfg, args.rank, seed=100 + i, device=engine.device, dtype=engine.dtype)
         engine.adapters.install(AdapterId(f"a{i}", f"random-{i}", "memory"), spec, tensors)

@@ -18,7 +18,9 @@ down one each; a group no adapter of the step targets has no `add_lora` call at 
 
 With `fused_ops` (the default on CUDA) the small ops between those GEMMs run as the Triton
 kernels of server/ops: in decode RoPE + KV write, attention, residual add + RMSNorm and
-silu*mul; in prefill silu*mul. Without it (the CPU, and the reference) they are torch ops.
+silu*mul; in prefill silu*mul and the attention of every prompt of the step in one launch
+(`ops.prefill_attention`, after one K/V write per layer). Without it (the CPU, and the
+reference) they are torch ops, prefill attention one SDPA call per prompt.
 
 With `triton_gemm` (the default on CUDA with the Triton backend, on GPUs with programmatic
 dependent launch: Hopper and later) a step of up to
@@ -145,6 +147,9 @@ class LlamaModel:
         if triton_gemm is None:
             triton_gemm = self.device.type == "cuda" and kernel_backend != "torch" and _overlaps(self.device)
         self.triton_gemm = triton_gemm
+        # With the fused ops, prefill attention as ops.prefill_attention (all prompts in one
+        # launch per layer) rather than SDPA per prompt.
+        self.prefill_kernel = True
         self.dtype = weights.embed.dtype
         self.scale = cfg.head_dim ** -0.5
         # RoPE tables [max_len, head_dim], float32 like transformers, cast at use.
@@ -281,39 +286,27 @@ class LlamaModel:
         cfg = self.cfg
         if prompt_logprobs and any(seqs[i].pos for i in prompt_logprobs):
             raise ValueError("prompt logprobs need the whole prompt in one prefill (pos 0)")
-        positions = torch.cat([torch.arange(s.pos, s.pos + s.length, device=self.device) for s in seqs])
         lora = self._step_lora(token_slots, max_adapters, lora_groups)
-        # Later chunks (and prompts after a cached prefix) read the row's keys 0..end-1: query i
-        # (position pos + i) sees key j iff j <= pos + i, the causal triangle aligned bottom
-        # right (is_causal aligns it top left). As a CausalBias, not a mask tensor: SDPA with
-        # an explicit mask and GQA has no fused kernel and falls back to its math backend,
-        # which builds the [heads, n, pos + n] scores in float32 (2.3 GB for a 1,024-token
-        # chunk after 16,384 tokens); lower right, it runs the flash kernel of a whole prefill
-        # on CUDA (the same math as the mask elsewhere).
-        visible = {s.start: causal_lower_right(s.length, s.pos + s.length) for s in seqs if s.pos}
+        # With the fused ops, one K/V write and one attention launch per layer for every prompt
+        # (ops/prefill_attention.py), not one SDPA call and two writes per prompt.
+        plan = None
+        if self.fused_ops and self.prefill_kernel:
+            from .ops import PrefillPlan
+
+            plan = PrefillPlan.build([(s.start, s.length, s.pos, s.row) for s in seqs],
+                                     cfg.num_heads // cfg.num_kv_heads, self.device)
+            positions = plan.positions
+        else:
+            positions = torch.cat([torch.arange(s.pos, s.pos + s.length, device=self.device) for s in seqs])
         x = self.w.embed[tokens]
         rope = self._rope_tables(positions, x.dtype)
         for i, lw in enumerate(self.w.layers):
             h = self._rms_norm(x, lw.input_norm)
             q, k, v = self._qkv(h, i, rope, lora)
-            attn = torch.empty_like(q)
-            kc, vc = self.kv.k[i], self.kv.v[i]
-            for s in seqs:
-                sl = slice(s.start, s.start + s.length)
-                ks, vs = k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # [kv_heads, n, d]
-                end = s.pos + s.length
-                kc[s.row, :, s.pos: end] = ks
-                vc[s.row, :, s.pos: end] = vs
-                if s.pos == 0:
-                    out = F.scaled_dot_product_attention(
-                        q[sl].transpose(0, 1).unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
-                        is_causal=True, scale=1.0, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
-                else:
-                    out = F.scaled_dot_product_attention(
-                        q[sl].transpose(0, 1).unsqueeze(0), kc[s.row, :, :end].unsqueeze(0),
-                        vc[s.row, :, :end].unsqueeze(0), attn_mask=visible[s.start], scale=1.0,
-                        enable_gqa=cfg.num_heads != cfg.num_kv_heads)
-                attn[sl] = out[0].transpose(0, 1)
+            if plan is not None:
+                attn = self._prefill_attention_fused(q, k, v, i, plan)
+            else:
+                attn = self._prefill_attention_torch(q, k, v, i, seqs)
             x = x + self._linear(attn.reshape(x.shape[0], cfg.q_size), lw.o, lw.o_bias, i, "o", lora)
             x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, lora)
         last = to_device([s.start + s.length - 1 for s in seqs], torch.int64, self.device)
@@ -321,6 +314,47 @@ class LlamaModel:
         if prompt_logprobs is None:
             return logits
         return logits, self._prompt_logprobs(x, tokens, seqs, prompt_logprobs)
+
+    def _prefill_attention_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                                 plan) -> torch.Tensor:
+        """Write the step's K/V into their rows, then attend every prompt in one launch."""
+        from .ops import prefill_attention
+
+        kc, vc = self.kv.k[layer], self.kv.v[layer]
+        kc[plan.rows_index, :, plan.positions] = k
+        vc[plan.rows_index, :, plan.positions] = v
+        return prefill_attention(q, kc, vc, plan)
+
+    def _prefill_attention_torch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                                 seqs: list[PrefillSeq]) -> torch.Tensor:
+        """Per prompt: write its K/V into its row, then SDPA. A later chunk (or a prompt after a
+        cached prefix) reads the row's keys 0..end-1: query i (position pos + i) sees key j iff
+        j <= pos + i, the causal triangle aligned bottom right (is_causal aligns it top left).
+        As a CausalBias, not a mask tensor: SDPA with an explicit mask and GQA has no fused
+        kernel and falls back to its math backend, which builds the [heads, n, pos + n] scores
+        in float32 (2.3 GB for a 1,024-token chunk after 16,384 tokens); lower right, it runs
+        the flash kernel of a whole prefill on CUDA (the same math as the mask elsewhere)."""
+        cfg = self.cfg
+        gqa = cfg.num_heads != cfg.num_kv_heads
+        kc, vc = self.kv.k[layer], self.kv.v[layer]
+        attn = torch.empty_like(q)
+        for s in seqs:
+            sl = slice(s.start, s.start + s.length)
+            ks, vs = k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # [kv_heads, n, d]
+            end = s.pos + s.length
+            kc[s.row, :, s.pos: end] = ks
+            vc[s.row, :, s.pos: end] = vs
+            qs = q[sl].transpose(0, 1).unsqueeze(0)
+            if s.pos == 0:
+                out = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True,
+                                                     scale=1.0, enable_gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(qs, kc[s.row, :, :end].unsqueeze(0),
+                                                     vc[s.row, :, :end].unsqueeze(0),
+                                                     attn_mask=causal_lower_right(s.length, end), scale=1.0,
+                                                     enable_gqa=gqa)
+            attn[sl] = out[0].transpose(0, 1)
+        return attn
 
     def _prompt_logprobs(self, x: torch.Tensor, tokens: torch.Tensor, seqs: list[PrefillSeq],
                          wanted: dict[int, int]) -> dict[int, list[TokenLogprobs | None]]:

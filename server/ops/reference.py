@@ -70,3 +70,20 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         p = torch.softmax(torch.einsum("hd,hnd->hn", q[b].float(), k), dim=-1)
         out[b] = torch.einsum("hn,hnd->hd", p, v).to(q.dtype)
     return out
+
+
+def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                seqs: list[tuple[int, int, int, int]]) -> torch.Tensor:
+    """q [T, heads, d] (already scaled), caches [rows, kv_heads, max_len, d], seqs (start,
+    length, pos, row) -> [T, heads, d]: token i of a prompt attends to keys 0..pos + i of its
+    row, kv head h // (heads / kv_heads); no scale is applied here."""
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    out = torch.empty_like(q)
+    for start, n, pos, row in seqs:
+        k = k_cache[row, :, : pos + n].float().repeat_interleave(heads // kv_heads, dim=0)  # [heads, keys, d]
+        v = v_cache[row, :, : pos + n].float().repeat_interleave(heads // kv_heads, dim=0)
+        scores = torch.einsum("thd,hnd->htn", q[start: start + n].float(), k)
+        visible = torch.arange(pos + n)[None, :] <= torch.arange(pos, pos + n)[:, None]
+        p = torch.softmax(scores.masked_fill(~visible.to(scores.device), float("-inf")), dim=-1)
+        out[start: start + n] = torch.einsum("htn,hnd->thd", p, v).to(q.dtype)
+    return out
