@@ -264,3 +264,13 @@ def test_prefix_caching_h200_figures():
                       r"prefilling ([\d.]+)x and ([\d.]+)x the prompt tokens, time to first token p50 "
                       r"([\d.]+)x and ([\d.]+)x"):
         assert got == want
+
+
+def test_prefill_attention_kernel_figures():
+    kernel, sdpa = load("prefix_h200_kernel.json"), load("prefix_h200_sdpa.json")
+    assert not kernel["meta"]["args"]["sdpa_prefill"] and sdpa["meta"]["args"]["sdpa_prefill"]
+    assert kernel["meta"]["args"]["adapters"] == sdpa["meta"]["args"]["adapters"] == 4
+    want = (f2(kernel["summary"]["speedup_wall"]), f2(sdpa["summary"]["speedup_wall"]))
+    for got in claims(r"the four-adapter case took ([\d.]+)x less time with the cache than without, "
+                      r"against ([\d.]+)x with SDPA per prompt"):
+        assert got == want
