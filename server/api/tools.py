@@ -237,10 +237,14 @@ class ToolStream:
 
 
 def read_reply(parser: str | None, body, text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole reply: read by `parser` under "auto", else (parser None)
-    a reply held by tool_choice, which is all calls; a reply without calls is all content."""
+    """(content, calls) of a whole reply: read by `parser` under "auto" (its first call only
+    with `parallel_tool_calls: false`), else (parser None) a reply held by tool_choice, which
+    is all calls; a reply without calls is all content."""
     if parser is not None:
-        return PARSERS[parser](text)
+        content, calls = PARSERS[parser](text)
+        if calls and body is not None and body.parallel_tool_calls is False:
+            calls = calls[:1]  # as vLLM: the reply's first call alone, the others dropped
+        return content, calls
     calls = forced_calls(body, text)
     return (None, calls) if calls else (text, [])
 

@@ -65,3 +65,23 @@ def test_arguments_written_as_a_string_are_json_text(parser, key):
     assert read_reply(parser, None, reply('"{\\"city\\": \\"Oslo\\"}"'))[1] == [ToolCall("f", '{"city": "Oslo"}')]
     assert read_reply(parser, None, reply('"Oslo"'))[1] == [ToolCall("f", '"Oslo"')]
     assert read_reply(parser, None, reply('{"q": "日本"}'))[1] == [ToolCall("f", '{"q": "日本"}')]
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", f"First.\n<tool_call>{CALL}</tool_call>\n<tool_call>{{\"name\": \"t\", \"arguments\": {{}}}}</tool_call>"),
+    ("llama3_json", '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}'),
+])
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_parallel_tool_calls_false_keeps_the_first_call(parser, text, parallel):
+    """As vLLM: under "auto" a reply of two calls gives its first one alone when the request
+    says parallel_tool_calls false, whole and streamed; both otherwise (the default: true)."""
+    from types import SimpleNamespace
+
+    body = SimpleNamespace(parallel_tool_calls=parallel)
+    content, calls = read_reply(parser, body, text)
+    assert len(calls) == (1 if parallel is False else 2)
+    assert calls[0].name == ("get_weather" if parser == "hermes" else "a")
+    stream = ToolStream(parser, body)
+    sent = "".join(stream.feed(ch) for ch in text)
+    rest, streamed = stream.end()
+    assert [c.name for c in streamed] == [c.name for c in calls] and (sent + rest or None) == content
