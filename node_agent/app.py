@@ -16,7 +16,9 @@
     GET  /metrics      -> Prometheus text
 
 With an API key (AgentConfig.api_key, --api-key), every endpoint under /v1/ but /v1/stage
-needs `Authorization: Bearer KEY` (auth.py); /v1/stage, /healthz and /metrics stay open.
+needs `Authorization: Bearer KEY` (auth.py); /healthz and /metrics stay open, and /v1/stage
+too unless --stage-token-audience makes it take a server's service-account token, for the
+token's namespace alone (stage_auth.py).
 
 Errors: {"error": {"reason": "DigestMismatch", "message": "..."}} with 400 (bad request,
 unsupported source), 401 (no or a wrong API key, where one is needed), 404 (source or plan adapter not found, or no such endpoint), 405 (wrong
@@ -39,12 +41,13 @@ from prometheus_client import generate_latest
 
 from loraplex.node_agent.auth import authenticate, holds_key
 from loraplex.node_agent.metrics import Metrics
+from loraplex.node_agent.stage_auth import StageAuth, TokenReviewError
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 from loraplex.node_agent.tasks import TaskGuard
 from loraplex.node_agent.kube import FoundPlan, KubeAPI, KubePods, ListedPlan, PlanConfigMap, PlanMirrors, StatusReporter
 from loraplex.node_agent.warmer import PlanFile, PlanSource, ServerDiscovery, StaticServers, Warmer
 from loraplex.server.adapter_names import is_namespace
-from loraplex.server.api_keys import WatchedFile, read_key_file  # stdlib only
+from loraplex.server.api_keys import WatchedFile, bearer_token, read_key_file  # stdlib only
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,9 @@ class AgentConfig:
     server_api_key_file: Path | None = None  # or read from this file, re-read when it changes
     api_key: str | None = field(default=None, repr=False)  # this API's own key (auth.py): none, open
     stage_plan_adapters_only: bool = False  # /v1/stage of a name no followed plan lists needs api_key
+    # /v1/stage needs a service-account token of this audience, of the namespace it stages for
+    # (stage_auth.py; needs kube_api_url); None: open
+    stage_token_audience: str | None = None
 
 
 @dataclass
@@ -111,6 +117,7 @@ class Agent:
         self.warmers: list[Warmer] = []
         self.discovered: dict[str, _Discovered] = {}  # "namespace/name" of a found plan -> it
         self._api: KubeAPI | None = None
+        self.stage_auth: StageAuth | None = None
         self._mirrors: PlanMirrors | None = None
         self._reporters: dict[str, StatusReporter] = {}
         self._keyed = False  # errors keyed "namespace/name", task names suffixed (several plans, or discovery)
@@ -165,6 +172,10 @@ class Agent:
             self._api = KubeAPI(c.kube_api_url, self.session, token_file=c.kube_token_file, ca_file=c.kube_ca_file)
         if (c.plan_configmaps or c.plan_selector) and self._api is None:
             raise ValueError("plan_configmaps and plan_selector need kube_api_url")
+        if c.stage_token_audience:
+            if self._api is None:
+                raise ValueError("stage_token_audience needs kube_api_url (its tokens are reviewed by the API)")
+            self.stage_auth = StageAuth(self._api, c.stage_token_audience)
         if c.plan_selector and not c.plan_namespace:
             raise ValueError("plan_selector needs plan_namespace")
         # (plan source, its namespace, its record of adapters under the cache, a name for its loops)
@@ -426,6 +437,9 @@ async def stage(request: web.Request) -> web.Response:
     ref = AdapterRef(body["name"], body["source"], body.get("sha256"), body.get("dtype"), body.get("namespace"))
     try:
         ref.validate()
+        refused = await _stage_refusal(request, agent, ref.namespace)
+        if refused is not None:
+            return refused
         if (agent.config.stage_plan_adapters_only and not holds_key(request, agent.config.api_key)
                 and not await agent.plan_lists(ref.namespace, ref.name)):
             where = f" of namespace {ref.namespace!r}" if ref.namespace else ""
@@ -435,6 +449,37 @@ async def stage(request: web.Request) -> web.Response:
     except StoreError as e:
         return _store_error(e)
     return web.json_response({"adapter": staged.as_json()})
+
+
+async def _stage_refusal(request: web.Request, agent: "Agent", namespace: str | None) -> web.Response | None:
+    """With --stage-token-audience: a 401 for a request without a service-account token of
+    that audience (or the agent's API key), a 403 for one of another namespace than the one
+    it stages for (the request's, else the agent's --namespace), a 503 when the API cannot
+    review it; None: it may stage."""
+    auth = agent.stage_auth
+    if auth is None or holds_key(request, agent.config.api_key):
+        return None
+    def unauthorized(message: str) -> web.Response:
+        refusal = error("Unauthorized", message, 401)
+        refusal.headers["WWW-Authenticate"] = "Bearer"
+        return refusal
+
+    token = bearer_token(request.headers.get("Authorization"))
+    if token is None:
+        return unauthorized(f"staging needs a service-account token of audience {auth.audience!r} as "
+                            "'Authorization: Bearer TOKEN' (a server's --node-agent-token-file)")
+    try:
+        caller = await auth.namespace_of(token)
+    except TokenReviewError as e:
+        return error("TokenReviewFailed", f"{e}; try again", 503)
+    if caller is None:
+        return unauthorized(f"the token is no service-account token of audience {auth.audience!r}")
+    wanted = namespace or agent.config.namespace
+    if caller != wanted:
+        where = f"namespace {wanted!r}" if wanted else "the cache's top folder (no namespace)"
+        return error("Forbidden", f"a pod of namespace {caller!r} stages its own namespace's adapters, not {where}",
+                     403)
+    return None
 
 
 async def start_session(request: web.Request) -> web.Response:

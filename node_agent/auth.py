@@ -10,11 +10,12 @@ without their key. So `GET /v1/adapters` (every namespace's staged adapter names
 the key holder's alone; a path this module does not name is guarded too, so an endpoint
 added under /v1/ later is not open by mistake.
 
-Open with a key as without one: `POST /v1/stage`, which the servers call when a request
-finds its adapter missing and who hold no agent key (for a name a followed plan lists, it
-stages the plan's version alone: Warmer.stage_refusal; with --stage-plan-adapters-only, other
-names need the key: `holds_key`), and `/healthz` and `/metrics`, for the kubelet's probe and
-Prometheus.
+Not guarded here, with a key as without one: `POST /v1/stage`, which the servers call when a
+request finds its adapter missing and who hold no agent key. With --stage-token-audience it
+takes their service-account tokens instead (stage_auth.py, or this key: `holds_key`);
+without, it is open (for a name a followed plan lists, it stages the plan's version alone:
+Warmer.stage_refusal; with --stage-plan-adapters-only, other names need the key). And
+`/healthz` and `/metrics`, for the kubelet's probe and Prometheus.
 
 The key is compared by its SHA-256 digest, in constant time, so the time of a refusal tells
 nothing of the key.

@@ -106,6 +106,15 @@ class Settings:
     (within its budget). For agents that follow every plan of their servers (the chart's
     plan discovery); a new BaseModel's adapters are taken once its plan is found. Default: off."""
 
+    stage_token_audience: str | None = None
+    """POST /v1/stage needs a Kubernetes service-account token of this audience as
+    'Authorization: Bearer TOKEN' (the operator mounts one into each server pod, which sends
+    it with each staging), reviewed by the API (TokenReview), and stages only
+    for the token's namespace: a server stages its own namespace's adapters, no other
+    tenant's, and a pod without a token none (401; another namespace: 403). This agent's
+    --api-key passes too. Needs the Kubernetes API; the chart sets loraplex-node-agent.
+    Default: none (open)."""
+
     port: int = 8081
     """TCP port of the agent's HTTP API. Default: 8081."""
 
@@ -161,6 +170,9 @@ class Settings:
                 raise ValueError(f"--plan-configmap must be NAMESPACE/NAME, got {item!r}")
         if len(set(self.plan_configmap)) != len(self.plan_configmap):
             raise ValueError("--plan-configmap names one plan twice")
+        if self.stage_token_audience is not None and (not self.stage_token_audience.strip() or self.kube_api_url is None):
+            raise ValueError("--stage-token-audience needs an audience and the Kubernetes API (--kube-api-url, "
+                             "or run in a pod), which reviews the tokens")
         if self.plan_configmap and self.kube_api_url is None:
             raise ValueError("--plan-configmap needs the Kubernetes API (--kube-api-url, or run in a pod)")
         if self.plan_selector is not None:
@@ -231,6 +243,7 @@ class Settings:
             server_api_key_file=Path(self.server_api_key_file) if self.server_api_key_file else None,
             api_key=self.api_key,
             stage_plan_adapters_only=self.stage_plan_adapters_only,
+            stage_token_audience=self.stage_token_audience,
         )
 
 

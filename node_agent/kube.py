@@ -58,6 +58,15 @@ class KubeAPI:
                 raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=(await r.text())[:200])
             return await r.json()
 
+    async def post_json(self, path: str, body: dict) -> tuple[int, Any]:
+        """POST a JSON body; (HTTP status, the JSON answer or None)."""
+        async with self._session.post(self.api_url + path, json=body, headers=self._headers(), ssl=self._ssl,
+                                      timeout=aiohttp.ClientTimeout(total=10)) as r:
+            try:
+                return r.status, await r.json(content_type=None)
+            except ValueError:
+                return r.status, None
+
     async def merge_patch(self, path: str, body: dict) -> int:
         """PATCH with a JSON merge patch; returns the HTTP status."""
         headers = {**self._headers(), "Content-Type": "application/merge-patch+json"}

@@ -201,7 +201,8 @@ EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu-aged", "wtinylfu")
 OPERATOR_FLAGS: frozenset[str] = frozenset({
     "--model", "--served-model-name", "--dummy-weights", "--demo", "--demo-dir", "--host", "--port",
     "--device", "--dtype", "--plan-file", "--max-loras", "--max-lora-rank", "--lora-target-modules",
-    "--lora-modules", "--adapter-cache-dir", "--adapter-namespace", "--node-agent-url", "--max-num-seqs",
+    "--lora-modules", "--adapter-cache-dir", "--adapter-namespace", "--node-agent-url", "--node-agent-token-file",
+    "--max-num-seqs",
     "--max-model-len",
     "--max-prefill-tokens", "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-cpu-loras",
     "--max-concurrent-loads", "--eviction-policy",
@@ -309,14 +310,15 @@ def _env(value: Any) -> tuple[Mapping[str, Any], ...]:
 
 
 # The pod volumes the operator gives every server (workloads.deployment) and where it mounts
-# them: the plan, the node's adapter cache, the node's kernel cache and (with
-# serving.apiKeys.tenantKeysSecret) the tenants' keys. A serving.volumes entry of one of these
+# them: the plan, the node's adapter cache, the node's kernel cache, the node agent's token
+# and (with serving.apiKeys.tenantKeysSecret) the tenants' keys. A serving.volumes entry of one of these
 # names, or a serving.volumeMounts entry naming one or mounted at (or under) one of these
 # paths, would make a Deployment the API server refuses (a duplicate volume name or mount
 # path) or a server that reads the user's files as the operator's.
-OPERATOR_VOLUMES: tuple[str, ...] = ("plan", "adapters", "kernel-cache", "api-keys")
+OPERATOR_VOLUMES: tuple[str, ...] = ("plan", "adapters", "kernel-cache", "node-agent-token", "api-keys")
 OPERATOR_MOUNT_PATHS: tuple[str, ...] = ("/etc/loraplex/plan", "/var/lib/loraplex/adapters",
-                                         "/var/lib/loraplex/kernel-cache", "/etc/loraplex/api-keys")
+                                         "/var/lib/loraplex/kernel-cache", "/var/run/secrets/loraplex/node-agent",
+                                         "/etc/loraplex/api-keys")
 
 
 def _named_list(value: Any, field: str, what: str, keys: tuple[str, ...]) -> tuple[Mapping[str, Any], ...]:

@@ -71,6 +71,13 @@ SERVER_PORT = 8000
 STARTUP_SECONDS = 900
 # The node agent's API on each node (the DaemonSet's hostPort), reached at the node's IP.
 NODE_AGENT_PORT = 8081
+# The server's service-account token for the node agent (its --stage-token-audience): a
+# projected token of this audience, which the kubelet rotates before it expires; the agent
+# stages for the token's namespace alone.
+NODE_AGENT_AUDIENCE = "loraplex-node-agent"
+NODE_AGENT_TOKEN_DIR = "/var/run/secrets/loraplex/node-agent"
+NODE_AGENT_TOKEN_FILE = f"{NODE_AGENT_TOKEN_DIR}/token"
+NODE_AGENT_TOKEN_SECONDS = 3600
 
 
 def namespace_cache_dir(namespace: str) -> str:
@@ -203,6 +210,7 @@ def server_args(base: BaseModelSpec, slots: int) -> list[str]:
         "--adapter-cache-dir", ADAPTER_CACHE_DIR,
         "--adapter-namespace", base.namespace,
         "--node-agent-url", f"http://$(NODE_IP):{NODE_AGENT_PORT}",
+        "--node-agent-token-file", NODE_AGENT_TOKEN_FILE,
         # The engine's rows and lengths size the KV cache the packing math counted.
         *base.serving.engine.args(),
         *(["--api-key-file", ADMIN_KEY_FILE] if base.serving.api_keys.admin_key_secret else []),
@@ -228,9 +236,10 @@ def _api_key_parts(base: BaseModelSpec) -> tuple[list[dict[str, Any]], list[dict
 def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
     """The serving Deployment: the plan ConfigMap mounted read-only at /etc/loraplex/plan, the
     BaseModel's namespace's folder of the node's adapter cache (where the node agent stages
-    its adapters) from the host, read-only, and the node's compiled-kernel cache
-    (TRITON_CACHE_DIR), read-write; with serving.apiKeys, the keys from their Secrets (the
-    probes' /healthz and /readyz need none).
+    its adapters) from the host, read-only, the node's compiled-kernel cache
+    (TRITON_CACHE_DIR), read-write, and a service-account token for the node agent (audience
+    NODE_AGENT_AUDIENCE), which it stages this namespace's adapters for; with
+    serving.apiKeys, the keys from their Secrets (the probes' /healthz and /readyz need none).
     With no room for adapters (slots 0) the server still gets --max-loras 1; the BaseModel's
     status says Failed / NoRoom."""
     serving = base.serving
@@ -253,6 +262,7 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
             {"name": "plan", "mountPath": PLAN_DIR, "readOnly": True},
             {"name": "adapters", "mountPath": ADAPTER_CACHE_DIR, "readOnly": True},
             {"name": "kernel-cache", "mountPath": KERNEL_CACHE_DIR},
+            {"name": "node-agent-token", "mountPath": NODE_AGENT_TOKEN_DIR, "readOnly": True},
             *key_mounts,
             *copy.deepcopy(list(serving.volume_mounts)),
         ],
@@ -267,6 +277,8 @@ def deployment(base: BaseModelSpec, slots: int) -> dict[str, Any]:
             {"name": "adapters", "hostPath": {"path": namespace_cache_dir(base.namespace),
                                               "type": "DirectoryOrCreate"}},
             {"name": "kernel-cache", "hostPath": {"path": KERNEL_CACHE_DIR, "type": "DirectoryOrCreate"}},
+            {"name": "node-agent-token", "projected": {"sources": [{"serviceAccountToken": {
+                "audience": NODE_AGENT_AUDIENCE, "expirationSeconds": NODE_AGENT_TOKEN_SECONDS, "path": "token"}}]}},
             *key_volumes,
             *copy.deepcopy(list(serving.volumes)),
         ],

@@ -103,6 +103,7 @@ class AdapterCache:
     def __init__(self, buffers: LoRABuffers, base: BaseSpec, *, policy: str = "lru", max_cpu_loras: int = 0,
                  max_concurrent_loads: int = 4, cache_dir: str | Path | None = None,
                  node_agent_url: str | None = None, namespace: str | None = None,
+                 node_agent_token_file: str | None = None,
                  metrics: CacheMetrics | None = None,
                  clock: Callable[[], float] = time.perf_counter, base_name: str | None = None,
                  plan_scoped: bool = False, session_lease_s: float = SESSION_LEASE_S):
@@ -134,6 +135,7 @@ class AdapterCache:
         self.loader = AdapterLoader(buffers, base, self.host, lock=self._lock, done=self._loaded,
                                     max_concurrent_loads=max_concurrent_loads, cache_dir=cache_dir,
                                     node_agent_url=node_agent_url, namespace=namespace, clock=clock,
+                                    node_agent_token_file=node_agent_token_file,
                                     staged=self._staged,
                                     unstaged=self._unstaged)
         self.table = SlotTable(buffers.num_slots, self.policy, self.host, self.metrics,
@@ -149,6 +151,7 @@ class AdapterCache:
         return cls(buffers, base, policy=settings.eviction_policy, max_cpu_loras=settings.max_cpu_loras,
                    max_concurrent_loads=settings.max_concurrent_loads, cache_dir=settings.adapter_cache_dir,
                    node_agent_url=settings.node_agent_url, namespace=settings.adapter_namespace, metrics=metrics,
+                   node_agent_token_file=settings.node_agent_token_file,
                    base_name=base_name,
                    plan_scoped=bool(settings.plan_file),
                    session_lease_s=float(getattr(settings, "session_lease_seconds", SESSION_LEASE_S)))

@@ -125,7 +125,7 @@ class AdapterLoader:
                  node_agent_url: str | None = None, namespace: str | None = None, clock: Callable[[], float],
                  read_threads: int | None = None,
                  staged: StageDone | None = None, unstaged: Callable[[CachedAdapter, int], None] | None = None,
-                 max_concurrent_fetches: int | None = None):
+                 max_concurrent_fetches: int | None = None, node_agent_token_file: str | Path | None = None):
         self.buffers = buffers
         self.base = base
         self.host = host
@@ -138,6 +138,7 @@ class AdapterLoader:
         if self.cache_dir is not None and self.node_agent_url is None:
             sweep_abandoned_fetches(self.cache_dir)  # what a crash of this server's fetches left
         self.namespace = namespace  # the server's Kubernetes namespace: the node agent's folder for it
+        self.node_agent_token_file = Path(node_agent_token_file) if node_agent_token_file else None
         self.clock = clock
         self.pin_memory = buffers.device.type == "cuda"
         self.dtype_name = str(buffers.dtype).removeprefix("torch.")  # the slots' dtype, as files name it
@@ -289,7 +290,7 @@ class AdapterLoader:
         disk: its folder there. `missing`: its registered folder, for the error message."""
         path = fetch_adapter(name, source, version, self.cache_dir, self.node_agent_url,
                              missing=missing, dtype=self.dtype_name, namespace=self.namespace,
-                             stop=self._staging.stopping)
+                             stop=self._staging.stopping, agent_token_file=self.node_agent_token_file)
         if not admin and not _holds(path, version, source):  # replaced by another staging meanwhile
             raise AdapterLoadError(name, "fetch", f"{path} holds another version than the plan's "
                                    f"(another adapter of that name staged on this node?)")

@@ -133,13 +133,15 @@ def redact(uri: str | None) -> str | None:
 
 def fetch_adapter(name: str, source: str | None, sha256: str | None, cache_dir: Path | None,
                   node_agent_url: str | None, missing: Path | None = None, dtype: str | None = None,
-                  namespace: str | None = None, stop: threading.Event | None = None) -> Path:
+                  namespace: str | None = None, stop: threading.Event | None = None,
+                  agent_token_file: Path | None = None) -> Path:
     """The adapter's directory on local disk, fetched from `source` (see the module docstring).
     `missing`: where it was looked for, for the error message when there is no source;
     `dtype`: the slots' (the node agent also stages a copy of F32 weights in it); `namespace`:
     the server's Kubernetes namespace (the agent stages it in its folder for that namespace,
     which is `cache_dir` as this server sees it); `stop`: once set (the server stops), a
-    download here ends at its next chunk, its temporary folder removed.
+    download here ends at its next chunk, its temporary folder removed; `agent_token_file`: a
+    service-account token sent to the node agent (read now: the kubelet rotates it).
     A name that is not an adapter name (`adapter_names`: "../x", "/abs", "a/b") is refused
     before any path is made of it: `<cache_dir>/<name>` must stay inside `cache_dir`."""
     try:
@@ -150,18 +152,26 @@ def fetch_adapter(name: str, source: str | None, sha256: str | None, cache_dir: 
         where = missing or (cache_dir / name if cache_dir else None)
         raise AdapterLoadError(name, "missing", f"no adapter files at {where} and no source to fetch from")
     if node_agent_url and cache_dir is not None:
-        return _stage_through_agent(name, source, sha256, cache_dir, node_agent_url, dtype, namespace)
+        return _stage_through_agent(name, source, sha256, cache_dir, node_agent_url, dtype, namespace,
+                                    agent_token_file)
     return _fetch_direct(name, source, sha256, cache_dir, stop)
 
 
 def _stage_through_agent(name: str, source: str, sha256: str | None, cache_dir: Path, url: str,
-                         dtype: str | None = None, namespace: str | None = None) -> Path:
+                         dtype: str | None = None, namespace: str | None = None,
+                         token_file: Path | None = None) -> Path:
     import httpx
 
     body = ({"name": name, "source": source, "sha256": sha256} | ({"dtype": dtype} if dtype else {})
             | ({"namespace": namespace} if namespace else {}))
+    headers = {}
+    if token_file is not None:
+        try:
+            headers["Authorization"] = "Bearer " + token_file.read_text().strip()
+        except OSError as err:
+            raise AdapterLoadError(name, "fetch", f"cannot read --node-agent-token-file {token_file}: {err}") from None
     try:
-        r = httpx.post(f"{url.rstrip('/')}/v1/stage", timeout=600, json=body)
+        r = httpx.post(f"{url.rstrip('/')}/v1/stage", timeout=600, json=body, headers=headers)
     except httpx.HTTPError as err:
         raise AdapterLoadError(name, "fetch", f"node agent at {url} unreachable: {err}") from None
     if r.status_code != 200:

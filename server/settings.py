@@ -156,6 +156,12 @@ class ServerSettings:
     http://$(NODE_IP):8081 (http://fd00::5:8081 is read as [fd00::5], port 8081); without it a
     plan source is fetched directly. Default: none."""
 
+    node_agent_token_file: str | None = None
+    """A service-account token to send the node agent as 'Authorization: Bearer TOKEN' when
+    it stages an adapter (a projected token of the audience the agent reviews tokens for,
+    which the operator mounts into each server pod); re-read for each staging, as the kubelet
+    rotates it. Default: none."""
+
     adapter_namespace: str | None = None
     """The Kubernetes namespace of this server's adapters: the node agent stages those it is
     asked for in its cache's folder for that namespace (<cache>/.namespaces/<namespace>/, which
@@ -274,6 +280,8 @@ class ServerSettings:
             if not self.adapter_cache_dir:  # the agent stages into its cache: the server reads it there
                 raise ValueError("--node-agent-url needs --adapter-cache-dir, the agent's cache folder as this "
                                  "server sees it (without it the agent would never be asked)")
+        if self.node_agent_token_file is not None and self.node_agent_url is None:
+            raise ValueError("--node-agent-token-file needs --node-agent-url (the agent it is sent to)")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r}: use {', '.join(TOOL_CALL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

@@ -160,6 +160,9 @@ class FakeKubeAPI:
     configmaps: dict = field(default_factory=dict)  # (namespace, name) -> ConfigMap
     lists: list = field(default_factory=list)  # (namespace, query) of ConfigMap lists
     fail_lists: int = 0  # answer 500 to this many ConfigMap lists first
+    tokens: dict = field(default_factory=dict)  # service-account token -> (username, audiences)
+    reviews: list = field(default_factory=list)  # the TokenReview bodies asked for
+    fail_reviews: int = 0  # answer 500 to this many TokenReviews first
     rv: int = 0
 
     def put_configmap(self, ns: str, name: str, data: dict, binary: dict | None = None, *,
@@ -191,6 +194,23 @@ class FakeKubeAPI:
                                   "items": items})
 
 
+    async def token_review(self, request):
+        """As the API server answers: authenticated with the user, for a known token whose
+        audiences include one asked for; else authenticated false."""
+        body = await request.json()
+        self.reviews.append(body)
+        if self.fail_reviews:
+            self.fail_reviews -= 1
+            return web.json_response({"kind": "Status", "code": 500}, status=500)
+        known = self.tokens.get(body["spec"]["token"])
+        asked = body["spec"].get("audiences") or []
+        if known is None or not set(asked) & set(known[1]):
+            status = {"authenticated": False, "error": "invalid bearer token"}
+        else:
+            status = {"authenticated": True, "user": {"username": known[0]}, "audiences": sorted(set(asked) & set(known[1]))}
+        return web.json_response({"kind": "TokenReview", "apiVersion": "authentication.k8s.io/v1",
+                                  "spec": body["spec"], "status": status}, status=201)
+
     async def list_pods(self, request):
         self.requests.append((dict(request.query), request.headers.get("Authorization")))
         return web.json_response({"kind": "PodList", "items": self.pods})
@@ -215,6 +235,7 @@ async def kube_api():
     api = FakeKubeAPI()
     app = web.Application()
     app.router.add_get("/api/v1/pods", api.list_pods)
+    app.router.add_post("/apis/authentication.k8s.io/v1/tokenreviews", api.token_review)
     app.router.add_get("/api/v1/namespaces/{ns}/configmaps/{name}", api.get_configmap)
     app.router.add_get("/api/v1/namespaces/{ns}/configmaps", api.list_configmaps)
     app.router.add_patch("/apis/loraplex.io/v1alpha1/namespaces/{ns}/loraadapters/{name}/status", api.patch_status)

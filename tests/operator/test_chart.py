@@ -284,12 +284,18 @@ def test_node_agent_may_patch_only_adapter_status():
 def test_node_agent_role_grants_its_calls_and_no_more():
     """The agent runs on every node with the host's adapter cache mounted; its token may do
     what node_agent/kube.py does: GET one plan ConfigMap by name, list the pods on its node,
-    get / merge-patch LoRAAdapter status. Not get or list every ConfigMap of the cluster
-    (aws-auth, coredns, any app's configuration), read objects it never reads, or write events."""
+    get / merge-patch LoRAAdapter status, review the servers' tokens (stage_auth.py). Not get
+    or list every ConfigMap of the cluster (aws-auth, coredns, any app's configuration), read
+    objects it never reads, or write events."""
     docs = render_all()
     role = docs[("ClusterRole", "lp-loraplex-node-agent")]
     assert _granted(role) == {("loraplex.io", "loraadapters/status", "get"),
-                              ("loraplex.io", "loraadapters/status", "patch"), ("", "pods", "list")}
+                              ("loraplex.io", "loraadapters/status", "patch"), ("", "pods", "list"),
+                              ("authentication.k8s.io", "tokenreviews", "create")}
+    values = copy.deepcopy(VALUES)
+    values["nodeAgent"]["stageTokenAudience"] = ""
+    role = render_all(values)[("ClusterRole", "lp-loraplex-node-agent")]
+    assert ("authentication.k8s.io", "tokenreviews", "create") not in _granted(role)
 
 
 def test_node_agent_may_read_its_plan_configmap_and_no_other():
@@ -534,3 +540,17 @@ def test_node_agent_stages_plan_adapters_only_when_the_chart_says_so():
     values["nodeAgent"]["stagePlanAdaptersOnly"] = True
     (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
     assert AgentSettings.from_env_and_args(container["args"], env=IN_POD).agent_config().stage_plan_adapters_only
+
+
+def test_node_agents_take_the_servers_tokens_of_the_operators_audience():
+    """The chart's agents review the tokens the operator's servers send (the audience both use),
+    and stage for the token's namespace alone; with the value empty /v1/stage is open."""
+    from loraplex.operator.workloads import NODE_AGENT_AUDIENCE
+
+    (container,) = render_all()[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+    config = AgentSettings.from_env_and_args(container["args"], env=IN_POD).agent_config()
+    assert config.stage_token_audience == NODE_AGENT_AUDIENCE
+    values = copy.deepcopy(VALUES)
+    values["nodeAgent"]["stageTokenAudience"] = ""
+    (container,) = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]["containers"]
+    assert AgentSettings.from_env_and_args(container["args"], env=IN_POD).agent_config().stage_token_audience is None

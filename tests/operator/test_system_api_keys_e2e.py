@@ -143,8 +143,9 @@ def _secret_sources(volume: dict[str, Any]) -> list[tuple[str, list[dict[str, st
     if "secret" in volume:
         return [(volume["secret"]["secretName"], volume["secret"]["items"])]
     sources = volume["projected"]["sources"]
-    assert all(set(src) == {"secret"} for src in sources), f"a source this kubelet does not know: {sources}"
-    return [(src["secret"]["name"], src["secret"]["items"]) for src in sources]
+    assert all(set(src) <= {"secret", "serviceAccountToken"} and len(src) == 1 for src in sources), \
+        f"a source this kubelet does not know: {sources}"
+    return [(src["secret"]["name"], src["secret"]["items"]) for src in sources if "secret" in src]
 
 
 async def _write_secret_items(api: KubeClient, namespace: str, volume: dict[str, Any], local: Path) -> None:
@@ -155,6 +156,10 @@ async def _write_secret_items(api: KubeClient, namespace: str, volume: dict[str,
             tmp = local / f".{item['path']}.tmp"
             tmp.write_bytes(await _secret_value(api, namespace, name, item["key"]))
             tmp.replace(local / item["path"])
+    # A projected service-account token: the kubelet asks the API for one; a stand-in here.
+    for src in volume.get("projected", {}).get("sources", []):
+        if "serviceAccountToken" in src:
+            (local / src["serviceAccountToken"]["path"]).write_text(f"sa-token:{namespace}:default")
 
 
 async def _call(http: aiohttp.ClientSession, method: str, url: str, key: str | None = None,

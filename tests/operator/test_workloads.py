@@ -40,6 +40,7 @@ def test_deployment_runs_the_server_with_the_plan_mounted():
                                  "o_proj", "--dtype", "bfloat16",
                                  "--adapter-cache-dir", "/var/lib/loraplex/adapters", "--adapter-namespace", "ml",
                                  "--node-agent-url", "http://$(NODE_IP):8081",
+                                 "--node-agent-token-file", "/var/run/secrets/loraplex/node-agent/token",
                                  "--max-num-seqs", "16", "--max-model-len", "2048"]
     # The server's own command line accepts them, with the meaning the operator intends
     # ($(NODE_IP) as the kubelet expands it from the downward-API variable).
@@ -52,6 +53,13 @@ def test_deployment_runs_the_server_with_the_plan_mounted():
     assert settings.adapter_cache_dir == "/var/lib/loraplex/adapters" and settings.adapter_namespace == "ml"
     assert settings.node_agent_url == "http://10.1.2.3:8081"
     assert settings.plan_file == "/etc/loraplex/plan/plan.json"
+    # The node agent's token: a projected service-account token of the agent's audience, which
+    # the kubelet rotates; the agent stages this namespace's adapters for it, no other's.
+    assert settings.node_agent_token_file == "/var/run/secrets/loraplex/node-agent/token"
+    assert {"name": "node-agent-token", "mountPath": "/var/run/secrets/loraplex/node-agent",
+            "readOnly": True} in container["volumeMounts"]
+    assert {"name": "node-agent-token", "projected": {"sources": [{"serviceAccountToken": {
+        "audience": "loraplex-node-agent", "expirationSeconds": 3600, "path": "token"}}]}} in pod["volumes"]
     assert {"name": "plan", "mountPath": "/etc/loraplex/plan", "readOnly": True} in container["volumeMounts"]
     assert {"name": "plan", "configMap": {"name": "llama-3-8b-plan"}} in pod["volumes"]
     # The node's adapter cache: the namespace's folder alone (node_agent.store), read-only, where

@@ -742,6 +742,7 @@ class _Files(threading.Thread):
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.staged.append(body)
+                outer.authorization.append(self.headers.get("Authorization"))
                 time.sleep(outer.delay)
                 src = root / body["source"].rsplit("/", 1)[-1]
                 if cache_dir is None or not src.is_dir():
@@ -760,6 +761,7 @@ class _Files(threading.Thread):
         self.delay = delay
         self.staged: list[dict] = []
         self.gets: list[str] = []
+        self.authorization: list[str | None] = []  # each POST's Authorization header
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
                                                       functools.partial(Handler, directory=str(root)))
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
