@@ -89,3 +89,26 @@ def test_the_flag_needs_the_api():
     s = AgentSettings.from_env_and_args(["--cache-dir", "/tmp/c", "--budget-bytes", "1000", "--stage-token-audience",
                                          AUDIENCE, "--kube-api-url", "https://10.0.0.1"], env={})
     assert s.agent_config().stage_token_audience == AUDIENCE
+
+
+async def test_a_servers_fetch_sends_its_token_file_and_stages(tmp_path, object_store, kube_api, client_factory):
+    """The server's side (adapter_sources.fetch_adapter with --node-agent-token-file) against
+    this agent: its token file's token is reviewed, and the adapter lands in its namespace's
+    folder, which is the server's --adapter-cache-dir."""
+    import asyncio
+
+    from loraplex.server.adapter_sources import AdapterLoadError, fetch_adapter
+
+    object_store.add("sql", tmp_path, seed=1)
+    client = await _agent(tmp_path, kube_api, client_factory)
+    url = str(client.server.make_url("")).rstrip("/")
+    token = tmp_path / "token"
+    token.write_text("tok-acme\n")
+    served = tmp_path / "cache" / ".namespaces" / "acme"
+    path = await asyncio.to_thread(fetch_adapter, "sql", object_store.source("sql"), None, served, url,
+                                   namespace="acme", agent_token_file=token)
+    assert path == served / "sql" and (path / "adapter_config.json").is_file()
+    token.write_text("tok-globex")  # another namespace's server token, asking for acme's folder
+    with pytest.raises(AdapterLoadError, match="HTTP 403"):
+        await asyncio.to_thread(fetch_adapter, "sql", object_store.source("sql"), None, served, url,
+                                namespace="acme", agent_token_file=token)
