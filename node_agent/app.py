@@ -435,11 +435,11 @@ async def stage(request: web.Request) -> web.Response:
         return error("InvalidRequest", f"missing fields: {', '.join(missing)}", 400)
     agent = _agent(request)
     ref = AdapterRef(body["name"], body["source"], body.get("sha256"), body.get("dtype"), body.get("namespace"))
+    refused = await _stage_refusal(request, agent, ref.namespace)  # who asks, before what is asked
+    if refused is not None:
+        return refused
     try:
         ref.validate()
-        refused = await _stage_refusal(request, agent, ref.namespace)
-        if refused is not None:
-            return refused
         if (agent.config.stage_plan_adapters_only and not holds_key(request, agent.config.api_key)
                 and not await agent.plan_lists(ref.namespace, ref.name)):
             where = f" of namespace {ref.namespace!r}" if ref.namespace else ""
