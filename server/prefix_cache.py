@@ -94,20 +94,24 @@ class PrefixCache:
             if not rows:
                 break
             found, depth = rows, depth + 1
-        best, best_n = -1, 0
-        for row in sorted(found, key=lambda r: -self.rows[r].used):
+        # Each row's tokens past the whole blocks (fewer than a block), then the best row's
+        # blocks compared whole: once, short of a collision (the rows of one chain hash hold
+        # the same blocks; a burst's 32 rows of one system prompt need not all be compared).
+        head = depth * BLOCK
+        ranked = []
+        for row in found:
             held = self.rows[row]
-            n = depth * BLOCK
-            if held.key != key or held.tokens[:n] != tokens[:n]:
-                continue  # a hash collision: not this row
-            end = min(limit, len(held.tokens), len(tokens))
+            n, end = head, min(limit, len(held.tokens), len(tokens))
             while n < end and held.tokens[n] == tokens[n]:
                 n += 1
-            if n > best_n:
-                best, best_n = row, n
-        if best >= 0 and touch:
-            self.rows[best].used = self._touch()
-        return best, best_n
+            ranked.append((n, held.used, row))
+        for n, _, row in sorted(ranked, reverse=True):
+            held = self.rows[row]
+            if held.key == key and held.tokens[:head] == tokens[:head]:  # else a hash collision
+                if touch:
+                    held.used = self._touch()
+                return row, n
+        return -1, 0
 
     def _touch(self) -> int:
         self._clock += 1
