@@ -665,6 +665,7 @@ class AdapterCache:
                 if e.unloading:
                     continue
                 state = e.state if e.state != "cold" else ("failed" if e.error else "idle")
+                retry = self.loader.fetch_retry_in(e) if e.state == "cold" else None
                 rows.append({
                     "name": e.name, "tenant": self._plan_tenants.get(e.name), "tier": self._tier(e), "state": state, "slot": e.slot if e.ready else None,
                     "pinned": e.pinned, "pin_pending": e.pinned and not e.ready, "expired": e.expired,
@@ -672,7 +673,7 @@ class AdapterCache:
                     "hits": e.hits, "misses": e.misses, "requests": e.refs,
                     "leases": len(e.leases) if e.ready and self.table.leased(e) else 0,
                     "path": str(e.path) if e.path else None, "source": redact(e.source), "sha256": e.sha256,
-                    "error": e.error})
+                    "error": e.error, "retry_in_s": round(retry, 1) if retry is not None else None})
             return rows
 
     def refresh_metrics(self) -> None:

@@ -233,6 +233,15 @@ class AdapterLoader:
                                 f"{failed.error.message} (its fetch failed {times}; the next is "
                                 f"tried in {left:.1f} s, or at once for a new version)")
 
+    def fetch_retry_in(self, e: CachedAdapter) -> float | None:
+        """Seconds until a fetch of `e` is tried again, while its back-off runs (for GET
+        /v1/adapters); None when it is not backing off. Under the cache's lock."""
+        failed = self._failed_fetches.get(e.name)
+        if failed is None or failed.row is not e or failed.version != e.version:
+            return None
+        left = failed.until - self.clock()
+        return left if left > 0 else None
+
     def _record_fetch(self, e: CachedAdapter, version: tuple, error: AdapterLoadError | None) -> None:
         """Count a fetch of `e` (for `version`) that failed, or forget the failures of one that
         worked. Under the cache's lock."""

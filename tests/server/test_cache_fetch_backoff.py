@@ -54,7 +54,8 @@ def test_a_sha256_mismatch_is_downloaded_once_per_backoff(tmp_path_factory):
         assert cache.acquire("sql") == -1 and cache.failed_load("sql")
         cache.release("sql")
         assert _weights_gets(files) == 1
-        assert {r["name"]: r for r in cache.describe()}["sql"]["state"] == "failed"
+        row = {r["name"]: r for r in cache.describe()}["sql"]
+        assert row["state"] == "failed" and 0 < row["retry_in_s"] <= adapter_loader.FETCH_RETRY_FIRST_S
         # Past it: one more download, which fails the same way; the next back-off is longer.
         clock.skew += adapter_loader.FETCH_RETRY_FIRST_S + 0.1
         _fails(cache.prefetch("sql"), "corrupt")
@@ -67,6 +68,7 @@ def test_a_sha256_mismatch_is_downloaded_once_per_backoff(tmp_path_factory):
         cache.register("sql", source=f"{files.url}/sql", sha256=digest)
         cache.prefetch("sql").result(10)
         assert _weights_gets(files) == 3 and "sql" in cache.ready_slots()
+        assert {r["name"]: r for r in cache.describe()}["sql"]["retry_in_s"] is None
         check_invariants(cache)
         cache.close()
 
