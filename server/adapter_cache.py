@@ -68,7 +68,7 @@ from pathlib import Path
 import torch
 
 from .adapter_format import WEIGHTS_FILE, AdapterError, AdapterSpec, BaseSpec, read_adapter
-from .adapter_loader import AdapterLoader
+from .adapter_loader import AdapterLoader, doubling_backoff
 from .adapter_names import InvalidAdapterName, check_adapter_name
 from .adapter_sources import AdapterLoadError, Fetched, redact
 from .adapters import AdapterId, LoRABuffers
@@ -774,8 +774,7 @@ class AdapterCache:
         to 2 minutes. The newest timer of a name is the one that looks again at files its load
         failed on (`_retry_pin`), so one chain of them runs however many pins and failures
         started one."""
-        # The exponent capped: 2.0 ** 1024 overflows a float (some 34 hours of failures).
-        delay = min(PIN_RETRY_MAX_S, PIN_RETRY_FIRST_S * 2.0 ** min(max(e.failed_in_row, 1) - 1, 64))
+        delay = doubling_backoff(e.failed_in_row, PIN_RETRY_FIRST_S, PIN_RETRY_MAX_S)
         token = object()
         with self._lock:
             self._pin_retries[e.name] = token

@@ -85,6 +85,13 @@ FETCH_RETRY_FIRST_S = 2.0
 FETCH_RETRY_MAX_S = 120.0
 
 
+def doubling_backoff(failures: int, first: float, most: float) -> float:
+    """Seconds to wait after `failures` failures in a row (at least one): `first`, doubled
+    after each, at most `most`. The exponent is capped: 2.0 ** 1024 overflows a float (some
+    34 hours of failures at 2 minutes each)."""
+    return min(most, first * 2.0 ** min(max(failures, 1) - 1, 64))
+
+
 class Unstaged(Exception):
     """A load found its adapter not on local disk (host_copy): it is staged before it loads."""
 
@@ -220,14 +227,12 @@ class AdapterLoader:
         its version changed (a new CR, a new sha256), or a fetch is no longer needed (the node
         agent staged it meanwhile). Under the cache's lock."""
         failed = self._failed_fetches.get(e.name)
-        if failed is None:
-            return None
-        if failed.row is not e or failed.version != e.version:
-            del self._failed_fetches[e.name]
-            return None
-        left = failed.until - self.clock()
-        if left <= 0 or not self.needs_fetch(e):
+        if failed is not None and (failed.row is not e or failed.version != e.version):
+            del self._failed_fetches[e.name]  # another row or version: its failures are not this one's
+        left = self.fetch_retry_in(e)
+        if left is None or not self.needs_fetch(e):
             return None  # kept: the count goes on if the next fetch fails too
+        failed = self._failed_fetches[e.name]
         times = "once" if failed.count == 1 else f"{failed.count} times in a row"
         return AdapterLoadError(e.name, failed.error.reason,
                                 f"{failed.error.message} (its fetch failed {times}; the next is "
@@ -251,7 +256,7 @@ class AdapterLoader:
         last = self._failed_fetches.get(e.name)
         count = last.count + 1 if last is not None and last.row is e and last.version == version else 1
         now = self.clock()
-        delay = min(FETCH_RETRY_MAX_S, FETCH_RETRY_FIRST_S * 2.0 ** min(count - 1, 16))
+        delay = doubling_backoff(count, FETCH_RETRY_FIRST_S, FETCH_RETRY_MAX_S)
         self._failed_fetches[e.name] = FailedFetch(e, version, error, count, now, now + delay)
 
     # -- staging: the source onto local disk, before a slot (staging thread) ------------------------
