@@ -60,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     p.add_argument("--sdpa-prefill", action="store_true",
                    help="prefill attention as SDPA per prompt, not the fused ops' one launch per layer")
+    p.add_argument("--eager-prefill", action="store_true",
+                   help="run every prefill step eagerly, not small ones as CUDA graphs (server/prefill_graphs.py)")
     p.add_argument("--profile", action="store_true",
                    help="profile one more pass with the cache on (torch.profiler): its top ops on stderr")
     a = p.parse_args(argv)
@@ -171,6 +173,8 @@ def main(argv=None) -> int:
         max_loras=max(args.adapters, 1), max_lora_rank=args.rank, warmup=True)
     engine = LLMEngine.from_settings(settings)
     engine.model.prefill_kernel = not args.sdpa_prefill
+    if args.eager_prefill:
+        engine.prefill_graphs.use_graphs = False
     for i in range(args.adapters):
         spec, tensors = random_adapter(cfg, args.rank, seed=100 + i, device=engine.device, dtype=engine.dtype)
         engine.adapters.install(AdapterId(f"a{i}", f"random-{i}", "memory"), spec, tensors)

@@ -155,10 +155,9 @@ def base_warmup_rows(model: LlamaModel, max_tokens: int) -> list[int]:
     return sorted(set(seen.values()))
 
 
-def build_prefill(chunks: list[PrefillChunk],
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[PrefillSeq]]:
-    """Pack the step's prompt chunks (whole prompts, without chunked prefill): tokens int64 [T],
-    token_slots int32 [T] (each chunk carries its request's adapter slot)."""
+def pack_prefill(chunks: list[PrefillChunk]) -> tuple[list[int], list[int], list[PrefillSeq]]:
+    """Pack the step's prompt chunks back to back: tokens, token slots (each chunk carries its
+    request's adapter slot) and the sequences, on the host."""
     tokens: list[int] = []
     slots: list[int] = []
     seqs = []
@@ -167,8 +166,7 @@ def build_prefill(chunks: list[PrefillChunk],
         seqs.append(PrefillSeq(row=req.row, start=len(tokens), length=c.length, pos=c.pos))
         tokens += req.prompt_ids[c.pos: c.pos + c.length]
         slots += [req.slot] * c.length
-    # Sent without waiting for the device's queue: a decode step launched ahead may be in it.
-    return to_device(tokens, torch.int64, device), to_device(slots, torch.int32, device), seqs
+    return tokens, slots, seqs
 
 
 @dataclass
@@ -215,7 +213,7 @@ class DecodeRunner:
         # Size the LoRA grid for the step's adapters (adapter_bucket), or for every slot (the
         # bench's before/after switch).
         self.bound_adapters = True
-        self._pool = None
+        self.pool = None
         self.last_args: tuple | None = None
         self.last_key: tuple | None = None  # the last replayed graph's key (benchmarks replay it alone)
         # Held while a graph is captured: the adapter cache's CUDA lock, so no load thread makes
@@ -351,8 +349,8 @@ class DecodeRunner:
     def _capture(self, args) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture model.decode on the current inputs. The warm-up runs compute exactly what
         this step's replay computes (same inputs, same KV writes), so they change nothing."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -364,7 +362,7 @@ class DecodeRunner:
             self._logits = torch.empty(self.max_rows, self.model.cfg.vocab_size, dtype=torch.float32,
                                        device=self.device)
         graph = torch.cuda.CUDAGraph()
-        with self.capture_guard, torch.cuda.graph(graph, pool=self._pool):
+        with self.capture_guard, torch.cuda.graph(graph, pool=self.pool):
             self._logits[:b].copy_(self.model.decode(*args))
         log.debug("captured decode graph: batch %d, kv_len %d, adapters %s", b, args[3], args[4])
         return graph, self._logits[:b]

@@ -37,16 +37,17 @@ from .adapter_format import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from .adapter_format import AdapterError, BaseSpec
 from .adapter_cache import AdapterCache
 from .adapters import LoRABuffers, slot_groups
-from .batch import DecodeRunner, LookAhead, adapter_bucket, build_prefill, warm_up_prefill
+from .batch import DecodeRunner, LookAhead, adapter_bucket, pack_prefill, warm_up_prefill
 from .cache_metrics import CacheMetrics
 from .config import ModelConfig, named_shape
 from .kv_cache import KVCache
 from .metrics import EngineMetrics
 from .model import LlamaModel
+from .prefill_graphs import PrefillGraphs
 from .prefix_cache import PrefixCache
 from .plan_watch import PlanWatcher
 from .request import Request, RequestOutput, State
-from .sampling import Sampled, Sampler, SamplingParams
+from .sampling import Sampled, Sampler, SamplingParams, to_device
 from .scheduler import Scheduler
 from .settings import ServerSettings
 from .slot_sizing import resolve_max_loras
@@ -229,6 +230,12 @@ class LLMEngine:
         self.metrics.describe_kv_cache(settings.kv_block, self.kv.rows, self.kv.max_len,
                                        str(self.dtype).removeprefix("torch."), settings.enable_prefix_caching)
         self.decoder.capture_guard = self.adapters.cuda_lock
+        # Small prefill steps replay CUDA graphs too, in the decode graphs' memory pool.
+        self.prefill_graphs = PrefillGraphs(self.model, settings.max_num_seqs, settings.max_prefill_tokens,
+                                            settings.cuda_graphs)
+        self.prefill_graphs.capture_guard = self.adapters.cuda_lock
+        if self.prefill_graphs.use_graphs:
+            self.decoder.pool = self.prefill_graphs.pool = torch.cuda.graph_pool_handle()
         # Prefix caching: a prompt's first tokens found in a KV row (of the same adapter slot
         # and load of it, or the base) are copied, not prefilled (prefix_cache.py).
         self.prefixes = PrefixCache(self.kv) if settings.enable_prefix_caching else None
@@ -308,8 +315,9 @@ class LLMEngine:
             longest = max(longest, self.max_model_len - 1)
         prefills = warm_up_prefill(self.model, longest)
         steps = self.decoder.warm_up()
-        log.info("warm-up: %d prefills and %d decode steps (every kernel compiled), %d decode graphs captured, in %.1fs",
-                 prefills, steps, self.decoder.num_graphs, time.perf_counter() - t0)
+        graphs = self.prefill_graphs.warm_up(self.decoder.warmup_masks())
+        log.info("warm-up: %d prefills and %d decode steps (every kernel compiled), %d decode and %d prefill graphs "
+                 "captured, in %.1fs", prefills, steps, self.decoder.num_graphs, graphs, time.perf_counter() - t0)
         return prefills, steps
 
     # -- requests --------------------------------------------------------------------------
@@ -411,7 +419,7 @@ class LLMEngine:
         prefilled: list[Request] = []  # prompts completed this step
         launched: list[tuple[list[Request], Sampled]] = []  # sampling queued on the device, per batch
         if chunks:
-            tokens, slots, seqs = build_prefill(chunks, self.device)
+            tokens, slots, seqs = pack_prefill(chunks)
             reqs = [c.req for c in chunks]
             max_adapters = adapter_bucket(len({r.slot for r in reqs if r.slot >= 0}))
             groups = self.lora.groups_of(r.slot for r in reqs)
@@ -419,10 +427,16 @@ class LLMEngine:
             # prompt is never chunked: the scheduler prefills it whole).
             wanted = {i: r.params.prompt_logprobs for i, r in enumerate(reqs)
                       if r.params.prompt_logprobs is not None}
-            if wanted:
-                logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, max_adapters, wanted, groups)
+            if not wanted and self.prefill_graphs.use_graphs and self.prefill_graphs.takes(len(tokens), len(seqs)):
+                logits, prompt_logprobs = self.prefill_graphs.run(tokens, slots, seqs, max_adapters, groups), {}
             else:
-                logits, prompt_logprobs = self.model.prefill(tokens, slots, seqs, max_adapters, lora_groups=groups), {}
+                # Sent without waiting for the device's queue: a decode step launched ahead may be in it.
+                tokens_d, slots_d = to_device(tokens, torch.int64, self.device), to_device(slots, torch.int32, self.device)
+                if wanted:
+                    logits, prompt_logprobs = self.model.prefill(tokens_d, slots_d, seqs, max_adapters, wanted, groups)
+                else:
+                    logits, prompt_logprobs = self.model.prefill(tokens_d, slots_d, seqs, max_adapters,
+                                                                 lora_groups=groups), {}
             last = [i for i, c in enumerate(chunks) if c.last]  # only these sample a first token
             self.scheduler.prefilled(chunks)
             for i in last:
@@ -431,7 +445,7 @@ class LLMEngine:
             rows = [i for i in last if not reqs[i].finished]  # max_tokens 0: done already
             if rows:
                 launched.append(([reqs[i] for i in rows], self._launch_sample([reqs[i] for i in rows], logits, rows)))
-            self.metrics.prompt_tokens.inc(tokens.shape[0])
+            self.metrics.prompt_tokens.inc(len(tokens))
         ahead, self._ahead = self._ahead, None
         if decoding:
             if ahead is not None and ahead.covers(decoding):

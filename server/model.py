@@ -298,6 +298,29 @@ class LlamaModel:
             positions = plan.positions
         else:
             positions = torch.cat([torch.arange(s.pos, s.pos + s.length, device=self.device) for s in seqs])
+        x = self._prefill_layers(tokens, positions, lora, plan, seqs)
+        last = to_device([s.start + s.length - 1 for s in seqs], torch.int64, self.device)
+        logits = self._logits(x[last])
+        if prompt_logprobs is None:
+            return logits
+        return logits, self._prompt_logprobs(x, tokens, seqs, prompt_logprobs)
+
+    @torch.inference_mode()
+    def prefill_planned(self, tokens: torch.Tensor, token_slots: torch.Tensor, last: torch.Tensor, plan,
+                        max_adapters: int | None = None, lora_groups: int | None = None) -> torch.Tensor:
+        """`prefill` with its inputs on the device already, for a CUDA graph to capture
+        (prefill_graphs.py): `plan` an ops.PrefillPlan (padded, maybe), `last` int64 [n] the
+        packed index of each prompt's last token. Logits float32 [n, vocab]. The fused
+        prefill attention only; no prompt logprobs."""
+        lora = self._step_lora(token_slots, max_adapters, lora_groups)
+        x = self._prefill_layers(tokens, plan.positions, lora, plan, None)
+        return self._logits(x[last])
+
+    def _prefill_layers(self, tokens: torch.Tensor, positions: torch.Tensor, lora: StepLoRA | None, plan,
+                        seqs: list[PrefillSeq] | None) -> torch.Tensor:
+        """The hidden states [T, hidden] after the last layer: attention by `plan` (the
+        fused kernel), else SDPA per prompt of `seqs`."""
+        cfg = self.cfg
         x = self.w.embed[tokens]
         rope = self._rope_tables(positions, x.dtype)
         for i, lw in enumerate(self.w.layers):
@@ -309,11 +332,7 @@ class LlamaModel:
                 attn = self._prefill_attention_torch(q, k, v, i, seqs)
             x = x + self._linear(attn.reshape(x.shape[0], cfg.q_size), lw.o, lw.o_bias, i, "o", lora)
             x = x + self._mlp(self._rms_norm(x, lw.post_norm), i, lora)
-        last = to_device([s.start + s.length - 1 for s in seqs], torch.int64, self.device)
-        logits = self._logits(x[last])
-        if prompt_logprobs is None:
-            return logits
-        return logits, self._prompt_logprobs(x, tokens, seqs, prompt_logprobs)
+        return x
 
     def _prefill_attention_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                                  plan) -> torch.Tensor:

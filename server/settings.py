@@ -176,8 +176,8 @@ class ServerSettings:
     """add_lora backend: auto, triton or torch. Default: auto."""
 
     cuda_graphs: bool = True
-    """Replay decode steps as CUDA graphs (CUDA devices only; --no-cuda-graphs turns
-    them off). Default: on."""
+    """Replay decode steps, and prefill steps of up to 1,024 tokens, as CUDA graphs (CUDA
+    devices only; --no-cuda-graphs turns them off). Default: on."""
 
     decode_look_ahead: bool = True
     """Launch each decode step before the tokens of the step before it reach the host (they

@@ -274,3 +274,22 @@ def test_prefill_attention_kernel_figures():
     for got in claims(r"the four-adapter case took ([\d.]+)x less time with the cache than without, "
                       r"against ([\d.]+)x with SDPA per prompt"):
         assert got == want
+
+
+def test_prefill_graph_figures():
+    graphs, eager, base = (load(f"prefix_h200_{n}.json") for n in ("graphs", "eager", "base_graphs"))
+    assert eager["meta"]["args"]["eager_prefill"] and not graphs["meta"]["args"]["eager_prefill"]
+    assert (graphs["meta"]["args"]["adapters"], base["meta"]["args"]["adapters"]) == (4, 0)
+    want = (f2(graphs["summary"]["speedup_wall"]), f2(base["summary"]["speedup_wall"]),
+            f"{graphs['summary']['ttft_p50_ratio_on_over_off']:.3f}", f"{base['summary']['ttft_p50_ratio_on_over_off']:.3f}")
+    for got in claims(r"it takes ([\d.]+)x less with four adapters and ([\d.]+)x less for the base, time to first\s+"
+                      r"token p50 ([\d.]+)x and ([\d.]+)x"):
+        assert got == want
+    step = load("prefill_step_h200_graphs.json")
+    case = next(c for c in step["cases"] if (c["prompts"], c["tokens_each"], c["cached"]) == (1, 64, 1024))
+    assert step["meta"]["args"]["adapters"] == 4
+    want = (f2(case["adapters_graph"]["ms"]), f2(case["adapters"]["ms"]), f2(case["adapters_graph_speedup"]),
+            f2(case["base_graph"]["ms"]), f2(case["base"]["ms"]), f2(case["base_graph_speedup"]))
+    for got in claims(r"took ([\d.]+) ms with four\s+adapters against ([\d.]+) ms eagerly \(([\d.]+)x\), and ([\d.]+) ms "
+                      r"against ([\d.]+) ms base only \(([\d.]+)x\)"):
+        assert got == want

@@ -40,7 +40,13 @@ BLOCK_N = 64
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """A prefill step's prompts and programs, on the device (int32)."""
+    """A prefill step's prompts and programs, on the device (int32).
+
+    A padded plan (`layout` with room to spare, for a CUDA graph of a fixed size: see
+    server/prefill_graphs.py) has more tokens, prompts and programs than the step: the
+    spare prompts have length 0, the spare programs take one of them (they write nothing),
+    and the spare tokens write their K/V at `scratch` (a row, and the cache's last
+    position, which no sequence uses); `prefill_attention` zeroes their output."""
 
     seqs: torch.Tensor  # [S, 4]: start in q, length, pos, KV row
     programs: torch.Tensor  # [P, 2]: prompt index, first token of the block
@@ -48,23 +54,53 @@ class PrefillPlan:
     rows_index: torch.Tensor  # int64 [T]: each token's KV row
     positions: torch.Tensor  # int64 [T]: each token's position
     block_m: int
+    padded: bool = False
+
+    @staticmethod
+    def block_m_for(groups: int) -> int:
+        """Tokens per program for `groups` query heads per kv head."""
+        return max(1, TILE_ROWS // triton.next_power_of_2(groups))
+
+    @staticmethod
+    def layout(seqs: Sequence[tuple[int, int, int, int]], block_m: int, tokens: int | None = None,
+               num_seqs: int | None = None, programs: int | None = None,
+               scratch: tuple[int, int] = (0, 0)) -> list[int]:
+        """The plan as one int64 list, [seqs 4*S | programs 2*P | rows T | positions T], padded
+        to `tokens`, `num_seqs` (plus one spare prompt, when padding) and `programs` where
+        given (each at least what `seqs` needs; `scratch`: the (row, position) of spare tokens)."""
+        progs = [(i, m0) for i, (_, n, _, _) in enumerate(seqs) for m0 in range(0, n, block_m)]
+        rows = [row for _, n, _, row in seqs for _ in range(n)]
+        positions = [p for _, n, pos, _ in seqs for p in range(pos, pos + n)]
+        seq_rows = [list(s) for s in seqs]
+        if tokens is not None:
+            if tokens < len(rows) or num_seqs < len(seqs) or programs < len(progs):
+                raise ValueError(f"a plan of {len(rows)} tokens, {len(seqs)} prompts and {len(progs)} programs "
+                                 f"does not fit {tokens}, {num_seqs} and {programs}")
+            seq_rows += [[0, 0, 0, 0]] * (num_seqs + 1 - len(seqs))  # spare prompts: length 0
+            progs += [(num_seqs, 0)] * (programs - len(progs))
+            rows += [scratch[0]] * (tokens - len(rows))
+            positions += [scratch[1]] * (tokens - len(positions))
+        return [x for s in seq_rows for x in s] + [x for p in progs for x in p] + rows + positions
+
+    @classmethod
+    def from_flat(cls, flat: torch.Tensor, num_seqs: int, programs: int, tokens: int, block_m: int,
+                  padded: bool = False) -> "PrefillPlan":
+        """The plan over `flat`, a device copy of `layout` (num_seqs counting a spare prompt)."""
+        a, b = 4 * num_seqs, 4 * num_seqs + 2 * programs
+        return cls(flat[:a].view(-1, 4).to(torch.int32), flat[a:b].view(-1, 2).to(torch.int32), tokens,
+                   flat[b:b + tokens], flat[b + tokens:b + 2 * tokens], block_m, padded)
 
     @classmethod
     def build(cls, seqs: Sequence[tuple[int, int, int, int]], groups: int, device: torch.device) -> "PrefillPlan":
         """`seqs`: (start, length, pos, row) of each prompt, starts back to back from 0;
         `groups`: heads per kv head. One copy to the device."""
-        block_m = max(1, TILE_ROWS // triton.next_power_of_2(groups))
-        programs = [(i, m0) for i, (_, n, _, _) in enumerate(seqs) for m0 in range(0, n, block_m)]
+        block_m = cls.block_m_for(groups)
+        flat = cls.layout(seqs, block_m)
         tokens = sum(n for _, n, _, _ in seqs)
-        rows = [row for _, n, _, row in seqs for _ in range(n)]
-        positions = [p for _, n, pos, _ in seqs for p in range(pos, pos + n)]
-        flat = [x for s in seqs for x in s] + [x for p in programs for x in p] + rows + positions
+        programs = (len(flat) - 4 * len(seqs) - 2 * tokens) // 2
         host = torch.tensor(flat, dtype=torch.int64).pin_memory() if device.type == "cuda" else \
             torch.tensor(flat, dtype=torch.int64)
-        dev = host.to(device, non_blocking=True)
-        a, b = 4 * len(seqs), 4 * len(seqs) + 2 * len(programs)
-        return cls(dev[:a].view(-1, 4).to(torch.int32), dev[a:b].view(-1, 2).to(torch.int32), tokens,
-                   dev[b:b + tokens], dev[b + tokens:], block_m)
+        return cls.from_flat(host.to(device, non_blocking=True), len(seqs), programs, tokens, block_m)
 
 
 @triton.jit
@@ -141,6 +177,8 @@ def _prefill_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = out_ptr + (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    # A spare program of a padded plan (a prompt of length 0) saw no key: l_i 0, nothing stored.
+    l_i = tl.where(l_i > 0, l_i, 1.0)
     tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
 
@@ -164,7 +202,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     check_dtype("v_cache", v_cache, q.dtype)
     check_dense_rows(q=q, k_cache=k_cache, v_cache=v_cache)
     check_launchable(q, k_cache, v_cache, plan.seqs)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # A padded plan's spare tokens belong to no prompt: zeros, not whatever memory held.
+    out = (torch.zeros_like if plan.padded else torch.empty_like)(q, memory_format=torch.contiguous_format)
     groups = heads // kv_heads
     if tokens == 0:
         return out

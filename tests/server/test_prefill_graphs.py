@@ -1,0 +1,102 @@
+"""Prefill steps padded to a bucket (server/prefill_graphs.py) against `LlamaModel.prefill`:
+the same logits and the same K/V, nothing written but the step's positions and the scratch
+one. On the CPU the padded step runs eagerly through Triton's interpreter; on a GPU
+(`TRITON_INTERPRET=0`) the same tests capture and replay its CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.server.model import PrefillSeq
+from loraplex.server.ops.prefill_attention import PrefillPlan
+from loraplex.server.prefill_graphs import PREFILL_GRAPH_MAX_TOKENS, PrefillGraphs, token_buckets
+
+from .test_ops import DEVICE, DTYPES, close, rel_error, tiny_model
+
+pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                reason="TRITON_INTERPRET is off and there is no CUDA device")
+GRAPHS = DEVICE == "cuda"
+
+
+def test_buckets_double_up_to_the_step_and_stop_at_the_cap():
+    assert token_buckets(16) == [16]
+    assert token_buckets(100) == [16, 32, 64, 128]
+    assert token_buckets(10**6)[-1] == PREFILL_GRAPH_MAX_TOKENS
+
+
+def test_a_padded_plan_keeps_the_step_and_parks_the_rest():
+    flat = PrefillPlan.layout([(0, 3, 0, 2), (3, 2, 10, 0)], block_m=16, tokens=8, num_seqs=3, programs=4,
+                              scratch=(0, 47))
+    seqs, programs, rows, positions = flat[:16], flat[16:24], flat[24:32], flat[32:]
+    assert seqs == [0, 3, 0, 2, 3, 2, 10, 0] + [0] * 8  # two spare prompts of length 0
+    assert programs == [0, 0, 1, 0, 3, 0, 3, 0]  # spare programs on a spare prompt
+    assert rows == [2, 2, 2, 0, 0, 0, 0, 0] and positions == [0, 1, 2, 10, 11, 47, 47, 47]
+    with pytest.raises(ValueError, match="does not fit"):
+        PrefillPlan.layout([(0, 40, 0, 1)], block_m=16, tokens=32, num_seqs=1, programs=3)
+
+
+STEPS = {
+    # (row, length, pos, slot) per prompt: whole prompts, one after a cached prefix, a one-token chunk
+    "mixed": [(0, 9, 0, 0), (2, 6, 20, 1), (4, 1, 30, -1)],
+    "base": [(1, 17, 0, -1), (3, 5, 11, -1)],  # 22 tokens: the 32 bucket
+    "one-adapter": [(2, 16, 4, 1)],  # exactly a bucket
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("step", list(STEPS), ids=list(STEPS))
+def test_a_padded_step_gives_the_prefills_logits_and_cache(dtype, step):
+    eager, padded = (tiny_model(dtype, fused=True, device=DEVICE) for _ in range(2))
+    runner = PrefillGraphs(padded, max_rows=5, max_tokens=64, graphs=GRAPHS)
+    gen = torch.Generator().manual_seed(3)
+    tokens, slots, seqs = [], [], []
+    for row, n, pos, slot in STEPS[step]:
+        seqs.append(PrefillSeq(row=row, start=len(tokens), length=n, pos=pos))
+        tokens += torch.randint(3, eager.cfg.vocab_size, (n,), generator=gen).tolist()
+        slots += [slot] * n
+    used = {s for s in slots if s >= 0}
+    max_adapters, groups = len(used), eager.lora.groups_of(used) if used else 0
+    want = eager.prefill(torch.tensor(tokens, device=DEVICE), torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                         seqs, max_adapters, lora_groups=groups)
+    assert runner.takes(len(tokens), len(seqs))
+    got = runner.run(tokens, slots, seqs, max_adapters, groups)
+    if GRAPHS:
+        assert runner.num_graphs == 1
+        got = runner.run(tokens, slots, seqs, max_adapters, groups).clone()  # a replay of the captured graph
+    assert got.shape == want.shape and not got.isnan().any()
+    assert rel_error(got, want) < {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}[dtype]
+    row, last = runner.scratch
+    for kp, ke in zip(padded.kv.k + padded.kv.v, eager.kv.k + eager.kv.v):
+        kp, ke = kp.clone(), ke.clone()
+        kp[row, :, last] = ke[row, :, last]  # the spare tokens' K/V went there, and only there
+        close(kp, ke, dtype)
+
+
+def test_steps_it_does_not_take():
+    model = tiny_model(torch.float32, fused=True, device=DEVICE)
+    runner = PrefillGraphs(model, max_rows=5, max_tokens=40, graphs=GRAPHS)
+    assert runner.buckets == [16, 32, 64]
+    assert runner.takes(64, 5) and not runner.takes(65, 1)
+    assert not runner.takes(6, 6)  # more prompts than rows
+    model.prefill_kernel = False  # SDPA per prompt: not this path
+    assert not runner.takes(8, 1)
+
+
+@pytest.mark.skipif(not GRAPHS, reason="captures CUDA graphs")
+def test_the_warm_up_captures_every_bucket_without_touching_a_prompts_cache():
+    model = tiny_model(torch.float32, fused=True, device=DEVICE)
+    runner = PrefillGraphs(model, max_rows=5, max_tokens=40, graphs=True)
+    before = [t.clone() for t in model.kv.k + model.kv.v]
+    # 3 buckets x (base, adapter buckets 1 and 2 on the one mask)
+    assert runner.warm_up([model.lora.held_mask]) == 9
+    row, last = runner.scratch
+    for t, b in zip(model.kv.k + model.kv.v, before):
+        t[row, :, last] = b[row, :, last]
+        assert torch.equal(t, b)
+
+
+def test_the_flag_says_the_largest_step_replayed():
+    from loraplex.server.settings import field_docs
+
+    assert f"{PREFILL_GRAPH_MAX_TOKENS:,} tokens" in " ".join(field_docs()["cuda_graphs"].split())
