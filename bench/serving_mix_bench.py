@@ -1,4 +1,5 @@
-"""Serving-mix benchmark: the engine under churn, with and without the decode look-ahead.
+"""Serving-mix benchmark: the engine under churn, with and without the decode look-ahead
+(or the prefill CUDA graphs).
 
     python3 bench/serving_mix_bench.py --out $OUT/mix.json              # one GPU: Llama-3-8B shape, bf16
     python3 bench/serving_mix_bench.py --shape tiny --quick --out /tmp/m.json   # CPU smoke test
@@ -9,7 +10,9 @@ arrive while others run (`--arrivals` per step until all are in), so steps mix p
 decodes, rows leaving and rows joining, as a server's do. Each mode (`--no-decode-look-ahead`
 and the default) runs the same requests in turn, `--rounds` times, alternating, on one engine
 (its graphs captured in an untimed first round); per round: generated tokens per second over
-the round's wall time, and the steps taken.
+the round's wall time, and the steps taken. `--compare prefill-graphs` alternates every
+prefill step run eagerly against steps of up to 1,024 tokens replayed as CUDA graphs
+(server/prefill_graphs.py) instead, the look-ahead on in both.
 """
 
 from __future__ import annotations
@@ -37,6 +40,19 @@ from loraplex.server.settings import ServerSettings  # noqa: E402
 log = logging.getLogger("serving_mix_bench")
 
 
+def set_look_ahead(engine: LLMEngine, on: bool) -> None:
+    engine.look_ahead = on  # on the CPU it gains nothing, but runs
+
+
+def set_prefill_graphs(engine: LLMEngine, on: bool) -> None:
+    engine.prefill_graphs.use_graphs = on and engine.device.type == "cuda"
+
+
+# --compare: (the mode without, the mode with, how to set it)
+COMPARES = {"look-ahead": ("waiting", "look_ahead", set_look_ahead),
+            "prefill-graphs": ("eager_prefill", "prefill_graphs", set_prefill_graphs)}
+
+
 def parse_args(argv=None):
     p = engine_parser(__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=384, help="requests per round (default 384)")
@@ -44,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--adapters", type=int, default=32, help="distinct adapters; a fifth of requests use the base")
     p.add_argument("--arrivals", type=int, default=2, help="requests arriving per step (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per mode (default 2)")
+    p.add_argument("--compare", choices=sorted(COMPARES), default="look-ahead",
+                   help="what the two modes differ in (default look-ahead)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     a = p.parse_args(argv)
     if a.quick:
@@ -100,27 +118,28 @@ def main(argv=None) -> int:
         engine.adapters.install(AdapterId(f"a{i}", f"random-{i}", "memory"), spec, tensors)
     cuda = engine.device.type == "cuda"
     run_round(engine, work, args.arrivals)  # untimed: compiles and captures what the rounds need
-    rounds = {"waiting": [], "look_ahead": []}
+    without, with_, switch = COMPARES[args.compare]
+    rounds = {without: [], with_: []}
     for _ in range(args.rounds):
         for mode in rounds:
-            engine.look_ahead = mode == "look_ahead"  # on the CPU it gains nothing, but runs
+            switch(engine, mode == with_)
             engine.look_ahead_hits = engine.look_ahead_misses = 0
             r = run_round(engine, work, args.arrivals)
             rounds[mode].append(r)
-            log.info("%-10s %8.1f tok/s  %d tokens in %.2f s, %d steps (look-ahead used %d, missed %d)", mode,
+            log.info("%-14s %8.1f tok/s  %d tokens in %.2f s, %d steps (look-ahead used %d, missed %d)", mode,
                      r["tok_s"], r["tokens"], r["seconds"], r["steps"], r["look_ahead_hits"], r["look_ahead_misses"])
-    gain = statistics.median(r["tok_s"] for r in rounds["look_ahead"]) / statistics.median(
-        r["tok_s"] for r in rounds["waiting"])
-    log.info("look-ahead / waiting: %.3fx tokens/s (medians)", gain)
+    gain = statistics.median(r["tok_s"] for r in rounds[with_]) / statistics.median(
+        r["tok_s"] for r in rounds[without])
+    log.info("%s / %s: %.3fx tokens/s (medians)", with_, without, gain)
     doc = {
         "benchmark": "serving_mix",
         "device": torch.cuda.get_device_name(engine.device) if cuda else platform.processor() or "cpu",
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "config": {"shape": args.shape, "dtype": str(engine.dtype).removeprefix("torch."), "batch": args.batch,
                    "requests": args.requests, "adapters": args.adapters, "rank": args.rank,
-                   "arrivals_per_step": args.arrivals, "quick": args.quick},
+                   "arrivals_per_step": args.arrivals, "quick": args.quick, "compare": args.compare},
         "rounds": rounds,
-        "look_ahead_over_waiting": gain,
+        f"{with_}_over_{without}": gain,
     }
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)

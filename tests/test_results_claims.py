@@ -293,3 +293,7 @@ def test_prefill_graph_figures():
     for got in claims(r"took ([\d.]+) ms with four\s+adapters against ([\d.]+) ms eagerly \(([\d.]+)x\), and ([\d.]+) ms "
                       r"against ([\d.]+) ms base only \(([\d.]+)x\)"):
         assert got == want
+    mix = load("serving_mix_h200_prefill_graphs.json")
+    assert mix["config"]["compare"] == "prefill-graphs" and mix["config"]["adapters"] == 32
+    for got in claims(r"the graphs gave ([\d.]+)x the tokens/s of eager prefill in one run"):
+        assert got == (f2(mix["prefill_graphs_over_eager_prefill"]),)

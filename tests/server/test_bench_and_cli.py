@@ -44,6 +44,21 @@ def test_serving_mix_bench_quick_on_cpu(tmp_path):
     assert ahead["look_ahead_hits"] > 0 == ahead["look_ahead_misses"] == waiting["look_ahead_hits"]
 
 
+def test_prefill_step_bench_quick_on_cpu(tmp_path):
+    """Every case timed base only and with adapters, each launch variant asked for too; no
+    graph on the CPU."""
+    out = tmp_path / "step.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "prefill_step_bench.py"), "--shape", "tiny", "--quick",
+                        "--device", "cpu", "--variants", "pdl-off,block-32", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["prompts"], c["tokens_each"], c["cached"]) for c in cases] == [(1, 8, 16), (3, 8, 16), (2, 24, 0)]
+    for c in cases:
+        assert all(c[k]["ms"] > 0 for k in ("base", "adapters", "pdl-off", "block-32"))
+        assert "adapters_graph" not in c and c["adapters_over_base"] > 0
+
+
 # On an IPv6 address the demo's requests went to "http://::1:PORT", which is no URL: they were
 # never sent, and nothing said so.
 @pytest.mark.parametrize("host", [[], ["--host", "::1"]], ids=["default", "ipv6"])
