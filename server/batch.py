@@ -184,6 +184,23 @@ class LookAhead:
         return all(self.rows.get(row) is req and self.positions[row] == req.position for row, req in decoding.items())
 
 
+def capture_graph(run: Callable[[], torch.Tensor], out: torch.Tensor, pool, guard) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `run`, its result copied into `out` (outside the graphs' `pool`, so no
+    graph keeps an output of its own). `run` goes twice on a side stream first, where its
+    kernels compile and its workspaces are allocated; `guard` is held while capturing."""
+    device = out.device
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with guard, torch.cuda.graph(graph, pool=pool):
+        out.copy_(run())
+    return graph
+
+
 class DecodeRunner:
     def __init__(self, model: LlamaModel, max_rows: int, kv_block: int, cuda_graphs: bool):
         self.model = model
@@ -351,18 +368,10 @@ class DecodeRunner:
         this step's replay computes (same inputs, same KV writes), so they change nothing."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.model.decode(*args)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
         b = args[0].shape[0]
         if self._logits is None:
             self._logits = torch.empty(self.max_rows, self.model.cfg.vocab_size, dtype=torch.float32,
                                        device=self.device)
-        graph = torch.cuda.CUDAGraph()
-        with self.capture_guard, torch.cuda.graph(graph, pool=self.pool):
-            self._logits[:b].copy_(self.model.decode(*args))
+        graph = capture_graph(lambda: self.model.decode(*args), self._logits[:b], self.pool, self.capture_guard)
         log.debug("captured decode graph: batch %d, kv_len %d, adapters %s", b, args[3], args[4])
         return graph, self._logits[:b]

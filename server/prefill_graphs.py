@@ -29,6 +29,7 @@ import logging
 
 import torch
 
+from .batch import adapter_bucket, capture_graph
 from .model import LlamaModel, PrefillSeq
 from .ops import PrefillPlan
 
@@ -119,8 +120,6 @@ class PrefillGraphs:
         scratch position only). Returns the graphs captured."""
         if not (self.use_graphs and self.model.fused_ops and self.model.prefill_kernel):
             return 0
-        from .batch import adapter_bucket
-
         lora = self.model.lora
         before = self.num_graphs
         for b in self.buckets:
@@ -157,22 +156,15 @@ class PrefillGraphs:
         return self.model.prefill_planned(tokens, slots, last, plan, max_adapters, lora_groups)
 
     def _capture(self, bucket: int, max_adapters: int, lora_groups: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Capture the bucket's padded step on its current inputs: run twice first (on a side
-        stream, where the kernels compile), computing what the replay will (the same K/V)."""
+        """Capture the bucket's padded step on its current inputs (`capture_graph`'s two runs
+        first compute what the replay will: the same K/V)."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(bucket, max_adapters, lora_groups)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
         num_seqs = self.sizes(bucket)[0]
         if self._logits is None:
             self._logits = torch.empty(self.sizes(self.buckets[-1])[0], self.model.cfg.vocab_size,
                                        dtype=torch.float32, device=self.device)
-        graph = torch.cuda.CUDAGraph()
-        with self.capture_guard, torch.cuda.graph(graph, pool=self.pool):
-            self._logits[:num_seqs].copy_(self._forward(bucket, max_adapters, lora_groups))
+        graph = capture_graph(lambda: self._forward(bucket, max_adapters, lora_groups), self._logits[:num_seqs],
+                              self.pool, self.capture_guard)
         log.debug("captured prefill graph: %d tokens, adapters %d, groups %d", bucket, max_adapters, lora_groups)
         return graph, self._logits[:num_seqs]
