@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     engine = LLMEngine.from_settings(settings)
     engine.model.prefill_kernel = not args.sdpa_prefill
     if args.eager_prefill:
-        engine.prefill_graphs.use_graphs = False
+        engine.prefill_graphs.enabled = False
     for i in range(args.adapters):
         spec, tensors = random_adapter(cfg, args.rank, seed=100 + i, device=engine.device, dtype=engine.dtype)
         engine.adapters.install(AdapterId(f"a{i}", f"random-{i}", "memory"), spec, tensors)

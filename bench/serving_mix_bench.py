@@ -45,7 +45,7 @@ def set_look_ahead(engine: LLMEngine, on: bool) -> None:
 
 
 def set_prefill_graphs(engine: LLMEngine, on: bool) -> None:
-    engine.prefill_graphs.use_graphs = on and engine.device.type == "cuda"
+    engine.prefill_graphs.enabled = on and engine.prefill_graphs.use_graphs
 
 
 # --compare: (the mode without, the mode with, how to set it)

@@ -427,7 +427,7 @@ class LLMEngine:
             # prompt is never chunked: the scheduler prefills it whole).
             wanted = {i: r.params.prompt_logprobs for i, r in enumerate(reqs)
                       if r.params.prompt_logprobs is not None}
-            if not wanted and self.prefill_graphs.use_graphs and self.prefill_graphs.takes(len(tokens), len(seqs)):
+            if not wanted and self.prefill_graphs.enabled and self.prefill_graphs.takes(len(tokens), len(seqs)):
                 logits, prompt_logprobs = self.prefill_graphs.run(tokens, slots, seqs, max_adapters, groups), {}
             else:
                 # Sent without waiting for the device's queue: a decode step launched ahead may be in it.

@@ -54,13 +54,15 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 class PrefillGraphs:
     """The prefill graphs of one model. `graphs=False` runs the same padded step eagerly
-    (what a CPU test checks against `model.prefill`)."""
+    (what a CPU test checks against `model.prefill`). `enabled`: whether the engine sends
+    its steps here (on with graphs; a test turns it on without them, a benchmark off)."""
 
     def __init__(self, model: LlamaModel, max_rows: int, max_tokens: int, graphs: bool = True):
         self.model = model
         self.device = model.device
         self.max_rows = max_rows
         self.use_graphs = graphs and self.device.type == "cuda"
+        self.enabled = self.use_graphs
         self.buckets = token_buckets(max_tokens)
         cfg = model.cfg
         self.block_m = PrefillPlan.block_m_for(cfg.num_heads // cfg.num_kv_heads)

@@ -100,3 +100,51 @@ def test_the_flag_says_the_largest_step_replayed():
     from loraplex.server.settings import field_docs
 
     assert f"{PREFILL_GRAPH_MAX_TOKENS:,} tokens" in " ".join(field_docs()["cuda_graphs"].split())
+
+
+@pytest.mark.skipif(GRAPHS, reason="the CPU's padded eager path; on CUDA the engine's CUDA tests replay the graphs")
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["plain", "prefix-cache"])
+def test_an_engine_that_pads_its_prefills_matches_hf_peft(hf_llama, llama_adapters, prefix_caching):
+    """The engine with its prefill steps padded to buckets (as a graph runs them, here eagerly
+    in Triton's interpreter, with the fused ops): a mixed batch over every adapter and the
+    base, prompts in chunks, two sharing a system prompt, gives HF transformers + peft's
+    greedy tokens, request by request."""
+    import random
+
+    from loraplex.server.engine import LLMEngine
+    from loraplex.server.sampling import SamplingParams
+    from loraplex.server.settings import ServerSettings
+
+    from .conftest import ADAPTERS
+    from .test_parity import hf_greedy
+
+    settings = ServerSettings(model=str(hf_llama), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=128,
+                              max_loras=8, max_lora_rank=16, max_prefill_tokens=24, enable_chunked_prefill=True,
+                              enable_prefix_caching=prefix_caching,
+                              lora_modules=[f"{n}={p}" for n, p in llama_adapters.items()])
+    engine = LLMEngine.from_settings(settings)
+    engine.model.fused_ops = True
+    engine.prefill_graphs = PrefillGraphs(engine.model, settings.max_num_seqs, settings.max_prefill_tokens,
+                                          graphs=False)
+    engine.prefill_graphs.enabled = True
+    padded = []
+    run = engine.prefill_graphs.run
+    engine.prefill_graphs.run = lambda *a: padded.append(len(a[0])) or run(*a)
+    rng = random.Random(5)
+    system = [1] + [rng.randrange(3, 320) for _ in range(20)]
+    prompts = {name: [1] + [rng.randrange(3, 320) for _ in range(9 + 7 * i)] for i, name in enumerate(["base", *ADAPTERS])}
+    prompts["again"] = system + [rng.randrange(3, 320) for _ in range(5)]
+    prompts["base"] = system + [rng.randrange(3, 320) for _ in range(3)]
+    adapter = {name: None if name in ("base", "again") else name for name in prompts}
+    reqs = {}
+    for name, prompt in prompts.items():
+        reqs[name] = engine.make_request(prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                                         adapter[name])
+        engine.add_request(reqs[name])
+    while engine.has_work():
+        engine.step()
+    assert padded and max(padded) <= 24  # every prefill went the padded way
+    for name, r in reqs.items():
+        assert r.output_ids == hf_greedy(hf_llama, llama_adapters.get(adapter[name]), prompts[name], 5), name
+    if prefix_caching:
+        assert reqs["again"].cached_tokens + reqs["base"].cached_tokens >= 16  # one found the other's system prompt
