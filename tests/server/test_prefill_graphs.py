@@ -73,6 +73,39 @@ def test_a_padded_step_gives_the_prefills_logits_and_cache(dtype, step):
         close(kp, ke, dtype)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_random_steps_at_and_across_bucket_edges(seed):
+    """Steps of 1 to 5 prompts whose tokens land on a bucket's edge or just past it (16, 17,
+    32, 33, 64), each prompt whole or after a cached prefix, over the adapters and the base:
+    the padded step's logits and K/V are the prefill's."""
+    import random
+
+    rng = random.Random(seed)
+    eager, padded = (tiny_model(torch.float32, fused=True, device=DEVICE, max_len=96) for _ in range(2))
+    runner = PrefillGraphs(padded, max_rows=5, max_tokens=64, graphs=GRAPHS)
+    for total in (16, 17, 32, 33, 64):
+        prompts = rng.randint(1, 5)
+        cuts = sorted(rng.sample(range(1, total), prompts - 1))
+        lengths = [b - a for a, b in zip([0] + cuts, cuts + [total])]
+        tokens, slots, seqs = [], [], []
+        for row, n in zip(rng.sample(range(5), prompts), lengths):
+            pos = rng.choice([0, 0, rng.randrange(1, eager.kv.max_len - 1 - n)])  # positions < max_len - 1
+            seqs.append(PrefillSeq(row=row, start=len(tokens), length=n, pos=pos))
+            tokens += [rng.randrange(3, eager.cfg.vocab_size) for _ in range(n)]
+            slots += [rng.choice([-1, 0, 1])] * n
+        used = {x for x in slots if x >= 0}
+        args = (len(used), eager.lora.groups_of(used) if used else 0)
+        want = eager.prefill(torch.tensor(tokens, device=DEVICE), torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                             seqs, args[0], lora_groups=args[1])
+        got = runner.run(tokens, slots, seqs, *args)
+        assert rel_error(got, want) < 1e-5, (total, lengths)
+        row, last = runner.scratch
+        for kp, ke in zip(padded.kv.k + padded.kv.v, eager.kv.k + eager.kv.v):
+            kp = kp.clone()
+            kp[row, :, last] = ke[row, :, last]
+            close(kp, ke, torch.float32)
+
+
 def test_steps_it_does_not_take():
     model = tiny_model(torch.float32, fused=True, device=DEVICE)
     runner = PrefillGraphs(model, max_rows=5, max_tokens=40, graphs=GRAPHS)
