@@ -42,6 +42,7 @@ from loraplex.server.adapters import AdapterId, random_adapter  # noqa: E402
 from loraplex.server.config import named_shape  # noqa: E402
 from loraplex.server.engine import LLMEngine  # noqa: E402
 from loraplex.server.prefix_cache import PrefixCache  # noqa: E402
+from loraplex.server.prefix_store import HostPrefixStore  # noqa: E402
 from loraplex.server.sampling import SamplingParams  # noqa: E402
 from loraplex.server.settings import ServerSettings  # noqa: E402
 
@@ -56,6 +57,11 @@ def parse_args(argv=None):
     p.add_argument("--question-len", type=int, default=64, help="each request's own tokens (default 64)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
     p.add_argument("--adapters", type=int, default=4, help="distinct adapters, one system prompt each (default 4)")
+    p.add_argument("--system-prompts", type=int, default=0,
+                   help="distinct system prompts, round-robin, prompt k on adapter k mod --adapters (default: "
+                        "one per adapter)")
+    p.add_argument("--kv-offloading-size", type=float, default=0.0,
+                   help="GiB: also time passes with the cache's host tier of this size (prefix_store.py)")
     p.add_argument("--rounds", type=int, default=2, help="timed passes per mode (default 2)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     p.add_argument("--sdpa-prefill", action="store_true",
@@ -73,19 +79,23 @@ def parse_args(argv=None):
 
 def make_workload(args, vocab: int) -> list[tuple[list[int], str | None]]:
     rng = random.Random(0)
-    systems = [[rng.randrange(3, vocab) for _ in range(args.system_len)] for _ in range(max(args.adapters, 1))]
+    count = args.system_prompts or max(args.adapters, 1)
+    systems = [[rng.randrange(3, vocab) for _ in range(args.system_len)] for _ in range(count)]
     work = []
     for i in range(args.requests):
-        k = i % max(args.adapters, 1)
+        k = i % count
         work.append((systems[k] + [rng.randrange(3, vocab) for _ in range(args.question_len)],
-                     f"a{k}" if args.adapters else None))
+                     f"a{k % args.adapters}" if args.adapters else None))
     return work
 
 
-def set_prefix_caching(engine: LLMEngine, on: bool) -> None:
-    """Turn the engine's prefix cache on (empty) or off between passes, as the flag would."""
+def set_prefix_caching(engine: LLMEngine, on: bool, store: HostPrefixStore | None = None) -> None:
+    """Turn the engine's prefix cache on (empty; with `store`, emptied, as its host tier) or
+    off between passes, as the flags would."""
     engine.kv.kept[:] = 0
-    engine.prefixes = PrefixCache(engine.kv) if on else None
+    if store is not None:
+        store.clear()
+    engine.prefixes = PrefixCache(engine.kv, store) if on else None
     engine.scheduler.prefixes = engine.prefixes
 
 
@@ -185,13 +195,20 @@ def main(argv=None) -> int:
     set_prefix_caching(engine, False)
     run_pass(args, engine, work[: args.concurrency])
     log.info("untimed first pass: %.2f s", first["wall_s"])
-    passes: dict[str, list[dict]] = {"off": [], "on": []}
+    store = None
+    if args.kv_offloading_size:
+        store = HostPrefixStore(engine.kv, int(args.kv_offloading_size * 2**30))
+        log.info("host tier: %.2f GB, %d blocks", store.nbytes / 1e9, store.num_blocks)
+    modes = ("off", "on") + (("host",) if store is not None else ())
+    passes: dict[str, list[dict]] = {mode: [] for mode in modes}
     for _ in range(args.rounds):
-        for mode in ("off", "on"):
-            set_prefix_caching(engine, mode == "on")
+        for mode in modes:
+            set_prefix_caching(engine, mode != "off", store if mode == "host" else None)
             r = run_pass(args, engine, work)
+            if mode == "host":
+                r["host_tier"] = {"loaded_tokens": store.loaded_tokens, "saved_tokens": store.saved_tokens}
             passes[mode].append(r)
-            log.info("prefix cache %-3s  %.2f s  %6.1f req/s  prefilled %7d of %7d prompt tokens  ttft p50 %7.1f ms"
+            log.info("prefix cache %-4s  %.2f s  %6.1f req/s  prefilled %7d of %7d prompt tokens  ttft p50 %7.1f ms"
                      "  p95 %7.1f ms  steps: %d prefilling %.2f s, %d decoding only %.2f s", mode, r["wall_s"],
                      r["requests_per_s"], r["prompt_tokens_prefilled"], r["prompt_tokens"], r["ttft_ms_p50"],
                      r["ttft_ms_p95"], r["prefill_steps"], r["prefill_steps_s"], r["decode_only_steps"],
@@ -231,6 +248,20 @@ def main(argv=None) -> int:
     log.info("on vs off: %.2fx wall, ttft p50 %.3fx, p95 %.3fx, prefilled %.3fx; outputs equal %s, first tokens %s",
              summary["speedup_wall"], summary["ttft_p50_ratio_on_over_off"], summary["ttft_p95_ratio_on_over_off"],
              summary["prefilled_ratio_on_over_off"], summary["outputs_equal"], summary["first_tokens_equal"])
+    if store is not None:
+        host = passes["host"]
+        same_host = agreement(off[-1]["outputs"], host[-1]["outputs"])
+        summary["host_tier"] = {
+            "speedup_wall_over_on": med(on, "wall_s") / med(host, "wall_s"),
+            "prefilled_ratio_over_on": med(host, "prompt_tokens_prefilled") / med(on, "prompt_tokens_prefilled"),
+            "ttft_p50_ratio_over_on": med(host, "ttft_ms_p50") / med(on, "ttft_ms_p50"),
+            "ttft_p95_ratio_over_on": med(host, "ttft_ms_p95") / med(on, "ttft_ms_p95"),
+            "outputs_equal_to_off": f"{same_host['equal']} of {len(work)}",
+        }
+        t = summary["host_tier"]
+        log.info("host tier vs rows only: %.2fx wall, prefilled %.3fx, ttft p50 %.3fx, p95 %.3fx; outputs equal to "
+                 "off %s", t["speedup_wall_over_on"], t["prefilled_ratio_over_on"], t["ttft_p50_ratio_over_on"],
+                 t["ttft_p95_ratio_over_on"], t["outputs_equal_to_off"])
     for rs in passes.values():
         for r in rs:
             r.pop("outputs")
@@ -238,7 +269,7 @@ def main(argv=None) -> int:
         "meta": {"device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else
                  platform.processor() or "cpu", "dtype": str(engine.dtype), "torch": torch.__version__,
                  "shape": args.shape, "args": {k: v for k, v in vars(args).items() if k != "out"}},
-        "summary": summary, "off": off, "on": on,
+        "summary": summary, "off": off, "on": on, **({"host": passes["host"]} if store is not None else {}),
     }
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)

@@ -45,6 +45,7 @@ from .metrics import EngineMetrics
 from .model import LlamaModel
 from .prefill_graphs import PrefillGraphs
 from .prefix_cache import PrefixCache
+from .prefix_store import HostPrefixStore
 from .plan_watch import PlanWatcher
 from .request import Request, RequestOutput, State
 from .sampling import Sampled, Sampler, SamplingParams, to_device
@@ -238,7 +239,12 @@ class LLMEngine:
             self.decoder.pool = self.prefill_graphs.pool = torch.cuda.graph_pool_handle()
         # Prefix caching: a prompt's first tokens found in a KV row (of the same adapter slot
         # and load of it, or the base) are copied, not prefilled (prefix_cache.py).
-        self.prefixes = PrefixCache(self.kv) if settings.enable_prefix_caching else None
+        store = None
+        if settings.enable_prefix_caching and settings.kv_offloading_size:
+            store = HostPrefixStore(self.kv, int(settings.kv_offloading_size * 2**30))
+            log.info("KV offloading: %.2f GB of host memory, %d blocks of 16 tokens", store.nbytes / 1e9,
+                     store.num_blocks)
+        self.prefixes = PrefixCache(self.kv, store) if settings.enable_prefix_caching else None
         self.scheduler = Scheduler(self.kv, settings.max_prefill_tokens,
                                    chunked_prefill=settings.enable_chunked_prefill, prefixes=self.prefixes,
                                    prefix_key=self.prefix_key)

@@ -1,6 +1,6 @@
 """The KV cache: one preallocated row per running sequence, allocated once at start.
 
-    k[layer], v[layer]: [rows, kv_heads, max_len, head_dim]
+    k[layer], v[layer]: [rows, kv_heads, max_len, head_dim]   (views of k_all, v_all: [layers, ...])
 
 A sequence owns one row from admission to finish; its token at position p lives at
 [row, :, p]. Decode runs the batch over rows 0..n-1 (n = highest busy row + 1, rounded up
@@ -32,9 +32,13 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, rows: int, max_len: int, device: torch.device, dtype: torch.dtype):
         self.rows = rows
         self.max_len = max_len
-        shape = (rows, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        shape = (cfg.num_layers, rows, cfg.num_kv_heads, max_len, cfg.head_dim)
+        # One tensor for all layers, so that a prefix moves in one op over every layer
+        # (prefix_store.py); k[layer] and v[layer] are views of it.
+        self.k_all = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_all = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = list(self.k_all.unbind(0))
+        self.v = list(self.v_all.unbind(0))
         self._free = list(range(rows))  # a heap: lowest free row first
         self._busy: set[int] = set()
         # Per row, the tokens at its front that a free row keeps for prefix caching (written by
@@ -47,7 +51,7 @@ class KVCache:
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return 2 * self.k_all.numel() * self.k_all.element_size()
 
     @property
     def num_free(self) -> int:
@@ -74,9 +78,8 @@ class KVCache:
         """Copy the K/V of positions 0..n-1 of row `src` into row `dst`, in every layer (queued
         on the current stream, so it runs after every write to `src` queued before it and
         before any queued after)."""
-        dsts = [t[dst, :, :n] for t in self.k + self.v]
-        srcs = [t[src, :, :n] for t in self.k + self.v]
-        torch._foreach_copy_(dsts, srcs)
+        for t in (self.k_all, self.v_all):
+            t[:, dst, :, :n].copy_(t[:, src, :, :n])
 
     def free(self, row: int) -> None:
         if row not in self._busy:

@@ -21,6 +21,10 @@ a row matches only prompts of the same `key`: the adapter slot and the slot's lo
 A hash only finds a candidate: the tokens themselves are compared, so a collision is a miss,
 never a wrong answer.
 
+A row keeps its prefix until it is handed to another request. With a store (the host tier,
+--kv-offloading-size: prefix_store.py), the prefix goes there first, and an admission that
+the store holds further than any row takes its blocks from there.
+
 What keeps a free row's K/V intact: no prefill writes a row it was not given, and a decode
 step writes a free row inside its span (which computes garbage, kv_cache.py) at position
 `KVCache.kept[row]`, just past what the row holds (DecodeRunner.run). A row's prefix is at
@@ -70,8 +74,10 @@ class PrefixCache:
     """Which prefix each KV row of `kv` holds, and the hash index over their blocks. Used
     on the engine's thread only (admission, the end of a prefill, a request's end)."""
 
-    def __init__(self, kv: KVCache):
+    def __init__(self, kv: KVCache, store=None):
+        """`store`: a prefix_store.HostPrefixStore, the second tier (None: rows only)."""
         self.kv = kv
+        self.store = store
         self.rows: dict[int, RowPrefix] = {}
         self._index: dict[int, set[int]] = {}  # chain hash -> rows holding that prefix
         # Prompt tokens asked for and found, as vLLM's vllm:prefix_cache_queries / _hits count.
@@ -113,6 +119,14 @@ class PrefixCache:
                 return row, n
         return -1, 0
 
+    def found(self, key: Hashable, tokens: list[int], limit: int) -> int:
+        """How many of `tokens` an admission would find now, in a row or in the store (a
+        look: nothing counts as used)."""
+        n = self.match(key, tokens, limit, touch=False)[1]
+        if self.store is not None:
+            n = max(n, BLOCK * len(self.store.match(key, tokens, limit, touch=False)))
+        return n
+
     def _touch(self) -> int:
         self._clock += 1
         return self._clock
@@ -152,15 +166,32 @@ class PrefixCache:
 
     def admit(self, key: Hashable, tokens: list[int], match: bool = True) -> tuple[int, int]:
         """A KV row for a new request of `tokens` under `key`, and how many of its first tokens
-        that row holds now: the longest prefix another row holds, copied in, at most all but
-        the last token (whose logits the prefill must compute). `match` False (a prompt whose
-        every token's logprob is asked for): no match, the row only."""
-        donor, n = -1, 0
+        that row holds now: the longest prefix another row holds (or, longer, the store:
+        prefix_store.py), copied in, at most all but the last token (whose logits the prefill
+        must compute). With a store, the prefix the row given held goes to the store first.
+        `match` False (a prompt whose every token's logprob is asked for): no match, the row
+        only."""
+        donor, n, stored = -1, 0, []
         if match:
             self.queries += len(tokens)
             donor, n = self.match(key, tokens, len(tokens) - 1)
-        row = self.kv.alloc(self.victim(donor))
-        if n:
+            if self.store is not None:
+                stored = self.store.match(key, tokens, len(tokens) - 1)
+                if len(stored) * BLOCK > n:
+                    donor, n = -1, len(stored) * BLOCK
+                else:
+                    stored = []
+        victim = self.victim(donor)
+        if self.store is not None and victim in self.rows:
+            # Before the row is written over (past the n tokens it keeps, when it is the donor).
+            self.store.save(victim, self.rows[victim], keep=stored)
+        row = self.kv.alloc(victim)
+        if stored:
+            self.forget(row)
+            self.store.load(row, stored)
+            self.keep(row, key, tokens[:n])
+            self.hits += n
+        elif n:
             if donor != row:
                 self.kv.copy_prefix(donor, row, n)
             self.keep(row, key, tokens[:n])

@@ -169,11 +169,12 @@ class Scheduler:
     def _share_prefills(self, picked: list[Request]) -> list[Request]:
         """`picked` less the requests that wait a step to share an earlier one's prefill: one
         whose prompt has at least half of itself (and a block) in common with the prompt of a
-        request picked before it, under the same key, more than a row holds already. Admitted
-        together, both would compute the common part; a step later the first one's row holds
-        it, and the other's prefill copies it (n choices of one prompt, a burst of requests
-        with one system prompt: the first step prefills one of them, not all). The first of
-        each group goes now, so each step admits some of every group."""
+        request picked before it, under the same key, more than a row (or the host tier)
+        holds already. Admitted together, both would compute the common part; a step later
+        the first one's row holds it, and the other's prefill copies it (n choices of one
+        prompt, a burst of requests with one system prompt: the first step prefills one of
+        them, not all). The first of each group goes now, so each step admits some of every
+        group."""
         if self.prefixes is None or len(picked) < 2:
             return picked
         firsts: dict[tuple, Request] = {}  # (key, first block) -> the first picked request of them
@@ -186,7 +187,7 @@ class Scheduler:
                 if first is not req and req.params.prompt_logprobs is None:
                     limit = len(tokens) - 1  # the last token is always prefilled
                     shared = _common_prefix(first.prompt_ids, tokens, limit)
-                    if 2 * shared >= len(tokens) and shared >= self.prefixes.match(key, tokens, limit, touch=False)[1] + BLOCK:
+                    if 2 * shared >= len(tokens) and shared >= self.prefixes.found(key, tokens, limit) + BLOCK:
                         continue
             out.append(req)
         return out

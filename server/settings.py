@@ -103,6 +103,13 @@ class ServerSettings:
     row instead of prefilled; at least 16 tokens, matched in blocks of 16. Off: every prompt is
     prefilled whole. Default: on (as in vLLM)."""
 
+    kv_offloading_size: float = 0.0
+    """GiB of host memory for the prefix cache's second tier, as vLLM's flag of this name: a
+    finished request's prefix that its KV row is about to lose (the row given to another
+    request) is copied there first, in blocks of 16 tokens held once, and a prompt the host
+    holds further than any row has those blocks copied back into its row instead of
+    prefilled; least recently used first out. Needs prefix caching. Default: 0.0 (off)."""
+
     enable_prompt_tokens_details: bool = False
     """Add `prompt_tokens_details: {"cached_tokens": N}` to a response's usage, as vLLM's flag
     of this name does: N of the prompt tokens were found in the prefix cache, not prefilled (0,
@@ -247,6 +254,11 @@ class ServerSettings:
                           ("session_lease_seconds", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least {low}")
+        if self.kv_offloading_size < 0:
+            raise ValueError("--kv-offloading-size must be at least 0 (GiB; 0: off)")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size holds the prefix cache's second tier: it needs prefix caching "
+                             "(leave out --no-enable-prefix-caching)")
         if self.eviction_policy not in ("lru", "lfu-aged", "wtinylfu"):
             raise ValueError(f"--eviction-policy {self.eviction_policy!r}: use lru, lfu-aged or wtinylfu")
         if not 0 < self.port < 65536 and self.port != 0:
@@ -366,6 +378,8 @@ def _kind(f: dataclasses.Field) -> str:
         return "bool"
     if hint is int:
         return "int"
+    if hint is float:
+        return "float"
     if typing.get_origin(hint) is list:
         return "list"
     return "str"
@@ -383,6 +397,11 @@ def _parse_env(f: dataclasses.Field, raw: str):
             return int(raw)
         except ValueError:
             raise ValueError(f"LORAPLEX_{f.name.upper()}={raw!r}: not an integer") from None
+    if kind == "float":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"LORAPLEX_{f.name.upper()}={raw!r}: not a number") from None
     if kind == "list":
         return [x for x in raw.replace(",", " ").split() if x]
     return raw
@@ -403,8 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
         if kind == "bool":
             parser.add_argument(flag, dest=f.name, default=None,
                                 action=argparse.BooleanOptionalAction, help=help_text)
-        elif kind == "int":
-            parser.add_argument(flag, dest=f.name, default=None, type=int, help=help_text)
+        elif kind in ("int", "float"):
+            parser.add_argument(flag, dest=f.name, default=None, type=int if kind == "int" else float, help=help_text)
         elif kind == "list":
             parser.add_argument(flag, dest=f.name, default=None, nargs="+", action="extend", help=help_text)
         else:

@@ -297,3 +297,16 @@ def test_prefill_graph_figures():
     assert mix["config"]["compare"] == "prefill-graphs" and mix["config"]["adapters"] == 32
     for got in claims(r"the graphs gave ([\d.]+)x the tokens/s of eager prefill in one run"):
         assert got == (f2(mix["prefill_graphs_over_eager_prefill"]),)
+
+
+def test_kv_offloading_cpu_figures():
+    run = load("prefix_cpu_tiny_offload.json")
+    args, host = run["meta"]["args"], run["summary"]["host_tier"]
+    assert (args["system_prompts"], args["adapters"], args["concurrency"]) == (32, 4, 8)
+    assert host["outputs_equal_to_off"] == "128 of 128"
+    assert all(r["prompt_tokens_prefilled"] == r["prompt_tokens"] for r in run["on"])  # the rows found nothing
+    want = (f"{host['prefilled_ratio_over_on']:.3f}", f2(host["speedup_wall_over_on"]),
+            f"{host['ttft_p50_ratio_over_on']:.3f}")
+    for got in claims(r"with the host tier a run prefilled ([\d.]+)x the prompt tokens and took ([\d.]+)x less "
+                      r"time,\s+time to first token p50 ([\d.]+)x"):
+        assert got == want

@@ -1,0 +1,168 @@
+"""KV offloading (server/prefix_store.py, --kv-offloading-size): the prefix cache's host tier.
+
+The store: a row's whole blocks saved once (only those it lacks, as one contiguous extent)
+and loaded back bit for bit into another row; keys kept apart, a collision a miss; the least
+recently used extent evicted first, never one the admission loads from. The prefix cache:
+the row an admission takes is saved first, and a prompt the store holds further than any
+row is loaded from it. The engine: with more system prompts than KV rows, a prompt whose
+row was reused is found in the host tier and gives HF transformers + peft's greedy tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loraplex.server.config import named_shape
+from loraplex.server.kv_cache import KVCache
+from loraplex.server.prefix_cache import BLOCK, PrefixCache
+from loraplex.server.prefix_store import HostPrefixStore
+
+
+def make(rows: int = 3, blocks: int = 16, max_len: int = 96) -> tuple[PrefixCache, HostPrefixStore]:
+    kv = KVCache(named_shape("tiny"), rows, max_len, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    kv.k_all.normal_(generator=gen)
+    kv.v_all.normal_(generator=gen)
+    store = HostPrefixStore(kv, blocks * HostPrefixStore.bytes_per_block(kv))
+    return PrefixCache(kv, store), store
+
+
+def held(cache: PrefixCache, row: int, n: int) -> torch.Tensor:
+    """K and V of positions 0..n-1 of `row`, every layer."""
+    return torch.stack([cache.kv.k_all[:, row, :, :n], cache.kv.v_all[:, row, :, :n]]).clone()
+
+
+def test_a_saved_prefix_loads_back_bit_for_bit_into_another_row():
+    cache, store = make()
+    tokens = list(range(100, 140))  # 2 whole blocks and 8 tokens
+    cache.keep(1, ("a",), tokens)
+    want = held(cache, 1, 2 * BLOCK)
+    assert store.save(1, cache.rows[1]) == 2 * BLOCK and store.blocks_used == 2
+    cache.kv.k_all[:, 1].zero_()
+    cache.kv.v_all[:, 1].zero_()
+    blocks = store.match(("a",), tokens + [1], 40)
+    assert len(blocks) == 2
+    assert store.load(2, blocks) == 2 * BLOCK
+    assert torch.equal(held(cache, 2, 2 * BLOCK), want)
+    assert store.match(("b",), tokens, 40) == []  # another key
+    assert len(store.match(("a",), tokens, 20)) == 1  # the limit: whole blocks under it
+    assert store.match(("a",), [7] + tokens[1:], 40) == []  # the first block differs
+
+
+def test_each_block_is_kept_once_and_a_collision_is_a_miss():
+    cache, store = make()
+    system = list(range(200, 232))  # 2 blocks
+    cache.keep(0, ("a",), system + list(range(10, 26)))  # + 1 block
+    cache.keep(1, ("a",), system + list(range(50, 82)))  # + 2 other blocks
+    assert store.save(0, cache.rows[0]) == 3 * BLOCK
+    assert store.save(1, cache.rows[1]) == 2 * BLOCK  # the system prompt's blocks are there already
+    assert store.save(1, cache.rows[1]) == 0
+    assert store.blocks_used == 5 and len(store._extents) == 2
+    assert len(store.match(("a",), system + list(range(50, 82)), 64)) == 4
+    # A hash that names other tokens (a collision) ends the match there.
+    extent, i = store._index[cache.rows[0].hashes[2]]
+    extent.tokens[i * BLOCK] = -1
+    assert len(store.match(("a",), system + list(range(10, 26)), 48)) == 2
+
+
+def test_the_least_recently_used_extent_goes_first_never_the_one_being_loaded():
+    cache, store = make(rows=4, blocks=4)
+    prompts = {name: [k] * 2 * BLOCK for k, name in enumerate("abc", start=1)}
+    for row, name in enumerate("ab"):
+        cache.keep(row, (name,), prompts[name])
+        assert store.save(row, cache.rows[row]) == 2 * BLOCK
+    assert len(store.match(("a",), prompts["a"], 32)) == 2  # a is used now: b is the oldest
+    cache.keep(2, ("c",), prompts["c"])
+    assert store.save(2, cache.rows[2]) == 2 * BLOCK
+    assert store.match(("b",), prompts["b"], 32) == [] and len(store.match(("c",), prompts["c"], 32)) == 2
+    # A save that would need the blocks an admission is loading saves only what fits around them.
+    a, c = store.match(("a",), prompts["a"], 32), store.match(("c",), prompts["c"], 32)
+    cache.keep(3, ("d",), [9] * 3 * BLOCK)
+    assert store.save(3, cache.rows[3], keep=a + c) == 0
+    assert store.match(("a",), prompts["a"], 32) == a and store.match(("c",), prompts["c"], 32) == c
+    assert store.save(3, cache.rows[3], keep=a) == 2 * BLOCK  # c goes (older than a now); 2 of 3 fit
+    assert store.match(("c",), prompts["c"], 32) == [] and store.match(("a",), prompts["a"], 32) == a
+
+
+def test_eviction_coalesces_free_space():
+    cache, store = make(rows=4, blocks=6)
+    for row, name in enumerate("abc"):
+        cache.keep(row, (name,), [row + 1] * 2 * BLOCK)
+        store.save(row, cache.rows[row])
+    assert store._free == []
+    for name in "ab":  # c is the newest; a and b go, and their blocks make one run of 4
+        store._evict(next(e for e in store._extents.values() if e.key == (name,)))
+    assert store._free == [(0, 4)]
+    cache.keep(3, ("d",), [7] * 4 * BLOCK)
+    assert store.save(3, cache.rows[3]) == 4 * BLOCK and store._free == []
+
+
+def test_an_admission_saves_the_row_it_takes_and_loads_what_only_the_store_holds():
+    cache, store = make(rows=2)
+    system = list(range(300, 348))  # 3 blocks
+    first = cache.admit(("a",), system + [1, 2, 3])
+    assert first == (0, 0)
+    cache.keep(0, ("a",), system + [1, 2, 3])  # its prefill ran
+    want = held(cache, 0, 3 * BLOCK)
+    cache.kv.free(0)
+    # Another prompt takes row 0 (row 1 is free and empty: it goes there), then a third row 0's.
+    assert cache.admit(("b",), [5] * 40)[0] == 1
+    cache.keep(1, ("b",), [5] * 40)
+    cache.kv.free(1)
+    row, n = cache.admit(("c",), [6] * 40)  # the least recently used row: 0, saved first
+    assert (row, n) == (0, 0) and store.saved_tokens == 3 * BLOCK
+    cache.keep(0, ("c",), [6] * 40)
+    cache.kv.free(0)
+    # The system prompt again: no row holds it (row 0 holds c's now), the store does.
+    row, n = cache.admit(("a",), system + [9])
+    assert n == 3 * BLOCK and store.loaded_tokens == 3 * BLOCK and cache.hits == 3 * BLOCK
+    assert torch.equal(held(cache, row, 3 * BLOCK), want)
+    assert cache.rows[row].tokens == system
+
+
+def test_the_flag():
+    from loraplex.server.settings import ServerSettings
+
+    assert ServerSettings(dummy_weights="tiny").kv_offloading_size == 0
+    assert ServerSettings.from_env_and_args(["--dummy-weights", "tiny", "--kv-offloading-size", "0.25"]) \
+        .kv_offloading_size == 0.25
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        ServerSettings(dummy_weights="tiny", kv_offloading_size=1, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="at least 0"):
+        ServerSettings(dummy_weights="tiny", kv_offloading_size=-1)
+    kv = KVCache(named_shape("tiny"), 1, 32, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="no block"):
+        HostPrefixStore(kv, 100)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["rows-only", "host-tier"])
+def test_more_system_prompts_than_rows(hf_llama, llama_adapters, offload):
+    """Two KV rows, three system prompts of one adapter, asked in turn, one request at a time:
+    each request's row is taken by the next, so by its second turn a system prompt is in no
+    row; with the host tier it is found there. Outputs equal HF transformers + peft's."""
+    from loraplex.server.engine import LLMEngine
+    from loraplex.server.sampling import SamplingParams
+    from loraplex.server.settings import ServerSettings
+
+    from .test_parity import hf_greedy
+
+    name = next(iter(llama_adapters))
+    engine = LLMEngine.from_settings(ServerSettings(
+        model=str(hf_llama), device="cpu", dtype="float32", max_num_seqs=2, max_model_len=128, max_loras=2,
+        max_lora_rank=16, lora_modules=[f"{name}={llama_adapters[name]}"], kv_offloading_size=0.01 if offload else 0))
+    rng = random.Random(3)
+    systems = [[1] + [rng.randrange(3, 320) for _ in range(40)] for _ in range(3)]
+    cached = []
+    for turn in range(2):
+        for system in systems:
+            prompt = system + [rng.randrange(3, 320) for _ in range(4)]
+            req = engine.make_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), name)
+            engine.add_request(req)
+            while engine.has_work():
+                engine.step()
+            assert req.output_ids == hf_greedy(hf_llama, llama_adapters[name], prompt, 4)
+            cached.append(req.cached_tokens)
+    assert cached[:3] == [0, 0, 0]
+    assert cached[3:] == ([2 * BLOCK] * 3 if offload else [0] * 3)
