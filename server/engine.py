@@ -412,11 +412,16 @@ class LLMEngine:
         # Requests whose adapter is still loading stay queued; the batch goes on without them.
         running = {r.adapter for r in self.scheduler.running.values() if r.adapter}
         # Whole prompts of the admitted requests, or (chunked prefill) chunks of them.
+        store = self.prefixes.store if self.prefixes is not None else None
         looked_up = (self.prefixes.queries, self.prefixes.hits) if self.prefixes is not None else None
+        moved = (store.loaded_tokens, store.saved_tokens) if store is not None else None
         chunks = self.scheduler.schedule(self.adapters.ready_slots(running))
         if looked_up is not None:  # what this step's admissions looked up and found
             self.metrics.prefix_queries.inc(self.prefixes.queries - looked_up[0])
             self.metrics.prefix_hits.inc(self.prefixes.hits - looked_up[1])
+        if moved is not None:  # and what they moved to and from the host tier
+            self.metrics.offload_hits.inc(store.loaded_tokens - moved[0])
+            self.metrics.offload_saved.inc(store.saved_tokens - moved[1])
         for c in chunks:
             if c.pos == c.req.cached_tokens:  # its first chunk: it was admitted now
                 self.metrics.queue_seconds.observe(time.monotonic() - c.req.arrival)
@@ -437,7 +442,8 @@ class LLMEngine:
                 logits, prompt_logprobs = self.prefill_graphs.run(tokens, slots, seqs, max_adapters, groups), {}
             else:
                 # Sent without waiting for the device's queue: a decode step launched ahead may be in it.
-                tokens_d, slots_d = to_device(tokens, torch.int64, self.device), to_device(slots, torch.int32, self.device)
+                tokens_d = to_device(tokens, torch.int64, self.device)
+                slots_d = to_device(slots, torch.int32, self.device)
                 if wanted:
                     logits, prompt_logprobs = self.model.prefill(tokens_d, slots_d, seqs, max_adapters, wanted, groups)
                 else:

@@ -75,6 +75,14 @@ class EngineMetrics:
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        # The host tier (--kv-offloading-size; prefix_store.py): tokens copied back from it (of
+        # the hits above), tokens copied to it, and how full it is.
+        self.offload_hits = Counter("loraplex_kv_offload_hit_tokens",
+                                    "Prompt tokens found in the prefix cache's host tier and copied back", registry=r)
+        self.offload_saved = Counter("loraplex_kv_offload_saved_tokens",
+                                     "Tokens copied to the prefix cache's host tier", registry=r)
+        self.offload_usage = Gauge("loraplex_kv_offload_usage_perc",
+                                   "Share of the prefix cache's host tier in use (0..1)", registry=r)
 
     def describe_kv_cache(self, block_size: int, rows: int, max_len: int, dtype: str,
                           prefix_caching: bool = False) -> None:
@@ -94,6 +102,8 @@ class EngineMetrics:
         self.vllm_running.set(running)
         self.vllm_waiting.set(waiting)
         self.vllm_kv_usage.set(1 - engine.kv.num_free / engine.kv.rows)
+        store = engine.prefixes.store if engine.prefixes is not None else None
+        self.offload_usage.set(store.blocks_used / store.num_blocks if store is not None else 0)
         self.adapters_loaded.set(len(engine.adapters.list()))
         self.adapter_slots.set(engine.lora.num_slots)
         engine.adapters.refresh_metrics()

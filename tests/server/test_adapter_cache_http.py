@@ -260,7 +260,7 @@ def flapping_lora_state():
 
     states = [(["a"], []), (["b"], ["a"])]
     turn = itertools.count()
-    engine = NS(scheduler=NS(running={}, waiting=[]), kv=NS(num_free=1, rows=2), lora=NS(num_slots=4),
+    engine = NS(scheduler=NS(running={}, waiting=[]), kv=NS(num_free=1, rows=2), lora=NS(num_slots=4), prefixes=None,
                 adapters=NS(list=list, refresh_metrics=lambda: None), lora_state=lambda: states[next(turn) % 2])
     metrics = EngineMetrics()
     stop = threading.Event()

@@ -165,7 +165,8 @@ def test_an_engine_that_pads_its_prefills_matches_hf_peft(hf_llama, llama_adapte
     engine.prefill_graphs.run = lambda *a: padded.append(len(a[0])) or run(*a)
     rng = random.Random(5)
     system = [1] + [rng.randrange(3, 320) for _ in range(20)]
-    prompts = {name: [1] + [rng.randrange(3, 320) for _ in range(9 + 7 * i)] for i, name in enumerate(["base", *ADAPTERS])}
+    prompts = {name: [1] + [rng.randrange(3, 320) for _ in range(9 + 7 * i)]
+               for i, name in enumerate(["base", *ADAPTERS])}
     prompts["again"] = system + [rng.randrange(3, 320) for _ in range(5)]
     prompts["base"] = system + [rng.randrange(3, 320) for _ in range(3)]
     adapter = {name: None if name in ("base", "again") else name for name in prompts}

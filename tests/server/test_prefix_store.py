@@ -166,3 +166,12 @@ def test_more_system_prompts_than_rows(hf_llama, llama_adapters, offload):
             cached.append(req.cached_tokens)
     assert cached[:3] == [0, 0, 0]
     assert cached[3:] == ([2 * BLOCK] * 3 if offload else [0] * 3)
+    engine.metrics.refresh(engine)
+    metric = lambda name: engine.metrics.registry.get_sample_value(name)  # noqa: E731
+    assert metric("loraplex_kv_offload_hit_tokens_total") == sum(cached[3:])
+    assert metric("vllm:prefix_cache_hits_total") == sum(cached)
+    if offload:
+        assert metric("loraplex_kv_offload_saved_tokens_total") >= 3 * 2 * BLOCK
+        assert 0 < metric("loraplex_kv_offload_usage_perc") <= 1
+    else:
+        assert metric("loraplex_kv_offload_saved_tokens_total") == 0 == metric("loraplex_kv_offload_usage_perc")
