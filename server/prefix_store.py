@@ -139,9 +139,6 @@ class HostPrefixStore:
             h = nxt
         return blocks
 
-    def holds(self, chain_hash: int) -> bool:
-        return chain_hash in self._index
-
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
@@ -151,14 +148,16 @@ class HostPrefixStore:
     def save(self, row: int, prefix: RowPrefix, keep: list[int] = ()) -> int:
         """Copy the whole blocks of `prefix` (what KV row `row` holds) that the store lacks into
         one new extent, evicting the least recently used extents (none holding a block of
-        `keep`) to make room; as many of them as fit, from the first missing one on. Returns
-        the tokens saved."""
+        `keep`, nor of the prefix's blocks before those) to make room; as many of them as fit,
+        from the first missing one on. Returns the tokens saved."""
         hashes = prefix.hashes
         first = next((i for i, h in enumerate(hashes) if h not in self._index), len(hashes))
         missing = len(hashes) - first
         if missing == 0:
             return 0
-        start, n = self._allocate(missing, set(keep))
+        # The blocks before them stay too: without them the new ones would be out of reach.
+        held = {self._index[h][0].start + self._index[h][1] for h in hashes[:first]}
+        start, n = self._allocate(missing, set(keep) | held)
         if n == 0:
             return 0
         parent = hashes[first - 1] if first else key_hash(prefix.key)

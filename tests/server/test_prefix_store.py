@@ -175,3 +175,18 @@ def test_more_system_prompts_than_rows(hf_llama, llama_adapters, offload):
         assert 0 < metric("loraplex_kv_offload_usage_perc") <= 1
     else:
         assert metric("loraplex_kv_offload_saved_tokens_total") == 0 == metric("loraplex_kv_offload_usage_perc")
+
+
+def test_a_save_never_evicts_the_blocks_its_own_chain_starts_with():
+    """The system prompt's blocks are the oldest extent, but the question's blocks saved after
+    them would be out of reach without them: another extent goes instead."""
+    cache, store = make(rows=3, blocks=5)
+    system, other = list(range(400, 432)), [3] * 2 * BLOCK  # 2 blocks each
+    cache.keep(0, ("a",), system)
+    store.save(0, cache.rows[0])
+    cache.keep(1, ("b",), other)
+    store.save(1, cache.rows[1])
+    assert len(store.match(("b",), other, 32)) == 2  # b is used now, a's extent is the oldest
+    cache.keep(2, ("a",), system + [5] * 2 * BLOCK)
+    assert store.save(2, cache.rows[2]) == 2 * BLOCK
+    assert len(store.match(("a",), system + [5] * 2 * BLOCK, 64)) == 4 and store.match(("b",), other, 32) == []
