@@ -3,7 +3,7 @@ step, in a batch that mixes adapters and the base, as rows leave and sequences g
 what a LoRA grid sized for every slot computes); graphs captured at start by the warm-up
 serve a run without a capture and give its tokens; chunked prefill, logprobs, penalties
 and echo under graphs and the fused ops give what whole prefills give; prompt logprobs in
-chunks in bf16; prefix caching under graphs and the look-ahead.
+chunks in bf16; prefix caching under graphs and the look-ahead, and its host tier.
 
 tests/conftest.py sends Triton through its interpreter (for the CPU); on a GPU run these as
 `TRITON_INTERPRET=0 pytest tests/server/test_cuda.py`.
@@ -281,6 +281,44 @@ def test_cuda_prefix_caching_gives_what_whole_prefills_give():
     cached, engine = run(True)
     assert [r.output_ids for r in cached.values()] == [r.output_ids for r in plain.values()]
     assert sum(r.cached_tokens for r in cached.values()) >= 8 * 32 and engine.decoder.num_graphs >= 2
+
+
+def test_cuda_host_tier_gives_what_whole_prefills_give():
+    """KV offloading on the GPU (page-locked host memory, the staging buffer, every copy on the
+    compute stream), under graphs, the look-ahead and the prefill graphs: two KV rows, six
+    system prompts over two adapters and the base, asked in turn while other requests decode,
+    so the rows alone never hold a prompt when it comes back. The greedy outputs with the
+    host tier equal those without prefix caching (float32), and the host tier gave most of
+    the second round's prompts."""
+
+    def run(offload: float | None) -> tuple[list, LLMEngine]:
+        settings = ServerSettings(dummy_weights="tiny", device="cuda", dtype="float32", max_num_seqs=2,
+                                  max_model_len=128, max_loras=4, max_lora_rank=16, kv_block=16, seed=3,
+                                  enable_prefix_caching=offload is not None, kv_offloading_size=offload or 0.0)
+        engine = LLMEngine.from_settings(settings)
+        for i in range(2):
+            spec, tensors = random_adapter(engine.cfg, rank=8 + 8 * i, seed=i, device="cuda", dtype=engine.dtype)
+            engine.adapters.install(AdapterId(f"a{i}", str(i), "memory"), spec, tensors)
+        gen = torch.Generator().manual_seed(4)
+        systems = [torch.randint(3, engine.cfg.vocab_size, (48,), generator=gen).tolist() for _ in range(6)]
+        reqs = []
+        for turn in range(2):
+            for i, system in enumerate(systems):
+                prompt = system + torch.randint(3, engine.cfg.vocab_size, (5,), generator=gen).tolist()
+                r = engine.make_request(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                                        [None, "a0", "a1"][i % 3])
+                reqs.append(r)
+                engine.add_request(r)
+                engine.step()  # the next arrives while this one decodes
+        while engine.has_work():
+            engine.step()
+        return reqs, engine
+
+    plain, _ = run(None)
+    offloaded, engine = run(0.01)
+    assert engine.prefixes.store.data.is_pinned()
+    assert [r.output_ids for r in offloaded] == [r.output_ids for r in plain]
+    assert sum(r.cached_tokens for r in offloaded[6:]) >= 4 * 48 and engine.prefixes.store.loaded_tokens >= 4 * 48
 
 
 def test_cuda_attention_after_a_cached_prefix_needs_no_score_matrix():
