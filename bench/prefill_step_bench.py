@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import statistics
 import sys
@@ -85,19 +86,19 @@ def parse_args(argv=None):
 @contextmanager
 def variant(name: str | None):
     """The LoRA launch variant `name` (None: the default) for the calls inside."""
-    saved_env, saved_min = lora_configs.os.environ.get("LORAPLEX_PDL"), lora_batch.PREFILL_MIN_TOKENS
+    saved_env, saved_min = os.environ.get("LORAPLEX_PDL"), lora_batch.PREFILL_MIN_TOKENS
     try:
         if name == "pdl-off":
-            lora_configs.os.environ["LORAPLEX_PDL"] = "0"
+            os.environ["LORAPLEX_PDL"] = "0"
         elif name == "block-32":
             lora_batch.PREFILL_MIN_TOKENS = 0
         lora_configs.supports_pdl.cache_clear()
         yield
     finally:
         if saved_env is None:
-            lora_configs.os.environ.pop("LORAPLEX_PDL", None)
+            os.environ.pop("LORAPLEX_PDL", None)
         else:
-            lora_configs.os.environ["LORAPLEX_PDL"] = saved_env
+            os.environ["LORAPLEX_PDL"] = saved_env
         lora_batch.PREFILL_MIN_TOKENS = saved_min
         lora_configs.supports_pdl.cache_clear()
 

@@ -1,8 +1,8 @@
 """Prefill steps of up to PREFILL_GRAPH_MAX_TOKENS tokens, replayed as CUDA graphs.
 
-A prefill runs eagerly: for Llama-3-8B, 32 layers of about 20 launches each (GEMMs, norms,
-RoPE, the K/V write, the attention kernel, and with adapters two LoRA launches a projection
-group). A small step launches faster than Python can issue it. Measured on an H200
+A prefill runs eagerly: for Llama-3-8B, 32 layers of at least 16 launches each, 22 with
+adapters (GEMMs, norms, RoPE, the K/V write, the attention kernel, and with adapters two LoRA
+launches a projection group). A small step launches faster than Python can issue it. Measured on an H200
 (bench/results/prefill_step_h200_notes.md): four 64-token questions after a cached
 1,024-token system prompt took 15.6 ms base only, its kernels 9 ms, and 37 ms with four
 adapters, the host issuing the LoRA calls the whole time: the time to first token of every
