@@ -385,10 +385,16 @@ class Warmer:
         planned = await self._plans_version(ref)
         if planned is not None and planned.sha256 is not None:
             ref = dataclasses.replace(ref, source=planned.source)
-        plan = self.plan
-        if plan is not None and ref.namespace == self.namespace and ref.name in plan.adapters:
+        if planned is not None:  # listed by the plan this agent holds, or by the one just read
             return await self._stage(ref)
-        return await self.store.stage(ref)
+        staged = await self.store.stage(ref)
+        # The plan loop may have taken a plan that lists it while it downloaded: that plan's
+        # reconcile found nothing of it on disk to report, so it is reported here.
+        plan = self.plan
+        if (self.reporter is not None and plan is not None and ref.namespace == self.namespace
+                and ref.name in plan.adapters and is_version(staged, plan.adapters[ref.name].ref)):
+            self.reporter.staged(ref.name, staged.bytes)
+        return staged
 
     async def lists_now(self, name: str) -> bool:
         """Whether this warmer's plan, read again now, lists `name` (the plan loop woken to

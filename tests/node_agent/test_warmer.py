@@ -440,3 +440,46 @@ async def test_a_plan_adapter_staged_on_a_servers_request_is_reported(tmp_path, 
     reported = [(name, body["status"]["nodes"]["node-7"]) for _, name, body, _ in kube_api.patches]
     assert reported == [("c", {"phase": "Staged", "message": "", "bytes": staged.bytes})]  # the latest state
     assert store.get("other") is not None
+
+
+async def test_a_servers_request_races_the_plan_loop_and_is_still_reported(tmp_path, object_store, session, kube_api):
+    """A server may follow a newer plan than this agent has taken: a request for an adapter
+    only that plan lists is staged as the plan's (it was staged as a stranger's, with no
+    report, and the plan loop's reconcile, finding nothing on disk yet, reported nothing, so
+    the adapter said "not staged on any node" for good). And an adapter no plan lists when
+    its request came, listed by a plan the loop took while it downloaded, is reported too."""
+    object_store.add("a", tmp_path)
+    object_store.add("c", tmp_path, seed=1)
+    object_store.add("d", tmp_path, seed=2)
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan_json(object_store, others=["a"]))
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7")
+    warmer = Warmer(store, cm.path, session, reporter=reporter)
+    await warmer.check_plan()
+    await warmer.reconcile()
+
+    def ref(name):
+        return AdapterRef(name, object_store.source(name), object_store.adapters[name].sha256)
+
+    cm.write(plan_json(object_store, others=["a", "c"]))  # the servers' plan; the agent's loop has not polled
+    staged_c = await warmer.stage_on_request(ref("c"))
+    assert "c" not in warmer.plan.adapters  # still the old plan: the request read the new one
+    await reporter.flush()
+    assert [(name, body["status"]["nodes"]["node-7"]) for _, name, body, _ in kube_api.patches] == [
+        ("c", {"phase": "Staged", "message": "", "bytes": staged_c.bytes})]
+
+    stage = store.stage
+
+    async def plan_loop_meanwhile(r):
+        cm.write(plan_json(object_store, others=["a", "c", "d"]))
+        assert await warmer.check_plan()
+        await warmer.reconcile()  # d is not on disk yet: nothing of it to report
+        return await stage(r)
+
+    store.stage = plan_loop_meanwhile
+    cm.write(plan_json(object_store, others=["a", "c"]))
+    staged_d = await warmer.stage_on_request(ref("d"))
+    await reporter.flush()
+    assert [(name, body["status"]["nodes"]["node-7"]) for _, name, body, _ in kube_api.patches[1:]] == [
+        ("d", {"phase": "Staged", "message": "", "bytes": staged_d.bytes})]
