@@ -45,6 +45,8 @@ Not a load that failed on the adapter's files, while they are unchanged (`Adapte
 the same stamp of config, weights and served copy): a request, prefetch or pin of it fails at
 once with that error (`_refused`), taking no slot, so traffic to one broken adapter evicts no
 healthy one; once the files change, or a new version is registered, a load is tried again.
+Files no load has read yet are checked on a staging thread before their first load (config,
+header, shapes), so most broken files fail there and even their first failure takes no slot.
 Under overload (every slot's adapter always has requests) a cold request would starve: after
 `drain_after` seconds one busy adapter stops admitting and gives up its slot once its running
 requests finish (`SlotTable.drain`), round robin through the slots.
@@ -140,7 +142,7 @@ class AdapterCache:
                                     unstaged=self._unstaged)
         self.table = SlotTable(buffers.num_slots, self.policy, self.host, self.metrics,
                                max_concurrent_loads=max_concurrent_loads, start_load=self.loader.start, clock=clock,
-                               start_stage=self.loader.stage, needs_stage=self.loader.needs_fetch)
+                               start_stage=self.loader.stage, needs_stage=self.loader.needs_stage)
         self.session_lease_s = session_lease_s
         # Held by a load worker around its CUDA calls, and by the engine while it captures a CUDA graph.
         self.cuda_lock = self.loader.cuda_lock

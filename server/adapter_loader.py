@@ -11,7 +11,9 @@ Where it sits in the adapter cache's data flow::
 
 Stage first: an adapter not on local disk (`needs_fetch`, the check `host_copy` makes) is
 fetched by `stage` on a staging thread (as many as load workers) before it waits for a slot;
-its load then reads it from disk. A load that finds it must fetch after all (its version
+its load then reads it from disk. Files no load has read yet are checked there too (their
+config, header and shapes: `_check_files`), so files that do not fit fail before a slot is
+taken for them (evicting an idle adapter). A load that finds it must fetch after all (its version
 replaced on disk meanwhile) does not: it gives its slot back to stage it (`unstaged`).
 
 One load, fastest tier that holds the adapter first::
@@ -160,6 +162,10 @@ class AdapterLoader:
         # Fetches (seconds each) on their own threads: they hold no slot and no load worker.
         self.max_concurrent_fetches = max(1, max_concurrent_fetches or max_concurrent_loads)
         self._staging = FetchThreads(self.max_concurrent_fetches, "loraplex-stage")
+        # The checks of files on disk (`_check_files`, milliseconds each) on a thread of their
+        # own: behind a slow fetch, a load from disk would wait for a staging thread. One, so
+        # that rows checked wait for their slots in the order they were asked for.
+        self._checking = FetchThreads(1, "loraplex-check")
         # One file is read as a few MB-sized chunks at once: a single thread copies from the page
         # cache at well under the host's memory bandwidth.
         self.read_threads = read_threads or min(8, os.cpu_count() or 1)
@@ -173,6 +179,7 @@ class AdapterLoader:
         # First (a staging ends in a load), and without waiting for fetches: a download in
         # flight ends at its next chunk, a node agent's answer is not waited for.
         self._staging.stop()
+        self._checking.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.read_pool.shutdown(wait=True)
 
@@ -270,9 +277,21 @@ class AdapterLoader:
         path = self.disk_dir(e)
         return path is None or (not e.admin and not _holds(path, e.sha256, e.source))
 
+    def needs_stage(self, e: CachedAdapter) -> bool:
+        """Whether `e` goes to a staging thread before it waits for a slot: to be fetched
+        (`needs_fetch`), or to have its files checked (`_check_files`) when no load or check of
+        these files (their stamp) worked yet. Under the cache's lock: a few stat calls."""
+        if self.needs_fetch(e):
+            return True
+        if e.memory is not None or e.name in self.host:
+            return False
+        path = self.disk_dir(e)
+        return path is not None and (e.disk_read is None or e.disk_read.stamp != self.files_stamp(path))
+
     def stage(self, e: CachedAdapter) -> None:
-        """Bring `e` onto local disk on a staging thread; `staged_done` hears how it went."""
-        self._staging.submit(self._stage_run, e)
+        """Bring `e` onto local disk and check its files, on a staging thread (a check alone, of
+        one on disk, on a check thread); `staged_done` hears how it went. Under the cache's lock."""
+        (self._staging if self.needs_fetch(e) else self._checking).submit(self._stage_run, e)
 
     def _stage_run(self, e: CachedAdapter) -> None:
         t0 = self.clock()
@@ -296,7 +315,40 @@ class AdapterLoader:
             error = load_error(e.name, err)
         with self._lock:
             self._record_fetch(e, identity, error)
+        if error is None:
+            assert path is not None
+            try:
+                self._check_files(e, path, identity)
+            except AdapterLoadError as err:
+                error = err
         self.staged_done(e, identity, fetched, error)
+
+    def _check_files(self, e: CachedAdapter, path: Path, identity: tuple) -> None:
+        """Parse and check `e`'s files under `path` (read_adapter: the config, the weights'
+        header, their shapes against the base; no weights read), before a slot is taken for
+        them: files that do not fit fail here (kept as `broken`), not in a load that has
+        evicted an idle adapter for them. The spec is kept for the load (DiskRead with no read
+        plan). Files that change during the check are left to the load to read and judge."""
+        stamp = self.files_stamp(path)
+        try:
+            spec = read_adapter(path, self.base)
+        except (AdapterError, OSError) as err:
+            if self.files_stamp(path) != stamp:
+                return
+            raise self._failed_on_files(e, identity, path, stamp, err) from err
+        with self._lock:
+            if self.files_stamp(path) == stamp and e.version == identity:
+                e.disk_read = DiskRead(stamp, spec, None)
+
+    def _failed_on_files(self, e: CachedAdapter, identity: tuple, path: Path, stamp: tuple,
+                         err: BaseException) -> AdapterLoadError:
+        """The error of a read or check of `e`'s files (of stamp `stamp`, unchanged since) that
+        failed with `err`; one that lies in the files (FILE_FAILURES) is kept as `broken`."""
+        error = load_error(e.name, err)
+        if error.reason in FILE_FAILURES and not isinstance(err, StalePlan):
+            with self._lock:
+                self._broken[e.name] = BrokenFiles(e, identity, path, stamp, error)
+        return error
 
     def _fetch(self, name: str, version: str | None, source: str | None, admin: bool,
                missing: Path | None) -> Path:
@@ -416,10 +468,11 @@ class AdapterLoader:
             with self._lock:
                 last = e.disk_read if e.disk_read is not None and e.disk_read.stamp == stamp else None
             try:
-                if last is not None:
+                if last is not None:  # (its plan None: checked before the load, not read yet)
                     spec = last.spec
                     copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock,
-                                          self.read_pool, on_region=on_region, plan=last.plan)
+                                          self.read_pool, on_region=on_region, plan=last.plan,
+                                          plans=self.read_plans)
                 else:
                     spec = read_adapter(path, self.base)
                     copy = read_into_host(path, spec, self.buffers, self.pin_memory, self.cuda_lock,
@@ -429,11 +482,7 @@ class AdapterLoader:
                     log.info("adapter %s: its files changed during a read that failed; reading them again", e.name)
                     continue
                 # The files are as they were: the error is theirs, or the host's (out of memory).
-                error = load_error(e.name, err)
-                if error.reason in FILE_FAILURES and not isinstance(err, StalePlan):
-                    with self._lock:
-                        self._broken[e.name] = BrokenFiles(e, identity, path, stamp, error)
-                raise error from err
+                raise self._failed_on_files(e, identity, path, stamp, err) from err
             if files_now() == stamp:
                 with self._lock:
                     self._broken.pop(e.name, None)

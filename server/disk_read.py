@@ -295,11 +295,12 @@ def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: E
 @dataclass(frozen=True)
 class DiskRead:
     """What a load from disk worked out, kept with the adapter for its reloads: its spec
-    (read_adapter) and its read plan, valid while its files' `stamp` (files_stamp) is the same."""
+    (read_adapter) and its read plan, valid while its files' `stamp` (files_stamp) is the same.
+    No plan: the files were checked (AdapterLoader.needs_stage) and not read yet."""
 
     stamp: tuple
     spec: AdapterSpec
-    plan: ReadPlan
+    plan: ReadPlan | None
 
 
 def files_stamp(directory: Path, weights: Path) -> tuple:

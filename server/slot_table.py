@@ -173,9 +173,10 @@ class SlotTable:
         self.metrics = metrics
         self.max_concurrent_loads = max_concurrent_loads
         self.start_load = start_load  # runs the load of (row, slot) on a load worker; returns at once
-        # Runs the staging of a row (a fetch onto local disk) on a staging thread; returns at once.
+        # Runs the staging of a row (a fetch onto local disk, a check of its files) on a staging
+        # thread; returns at once.
         self.start_stage = start_stage
-        self.needs_stage = needs_stage  # whether a load of the row must fetch it first (None: never)
+        self.needs_stage = needs_stage  # whether a row must be staged before its load (None: never)
         self.clock = clock
         self.entries: dict[str, CachedAdapter] = {}
         self.ready: dict[str, int] = {}  # name -> slot of the resident adapters (read every step)
@@ -196,7 +197,8 @@ class SlotTable:
 
     def want(self, e: CachedAdapter, check: bool = True) -> None:
         """Queue a load of `e` (if it is neither resident nor on its way) and start what can start.
-        One not on local disk (`needs_stage`) is staged first: it waits for its slot once there.
+        One not on local disk, or with files not checked yet (`needs_stage`), is staged first:
+        it waits for its slot once there.
         `check=False` (the engine thread's calls) skips that look at the disk: the load then
         finds out, and gives its slot back to stage it first (`unstage`)."""
         if e.state == "pending":

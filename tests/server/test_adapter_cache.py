@@ -69,6 +69,19 @@ def wait_ready(cache: AdapterCache, name: str, timeout: float = 10) -> int:
     raise AssertionError(f"{name} not resident; {cache.describe()}")
 
 
+def settled(cache: AdapterCache, timeout: float = 10) -> None:
+    """Wait until no row is staging: rows with files not checked yet go through a check thread
+    (AdapterLoader.needs_stage) before they wait for a slot (pending) or load."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with cache._lock:
+            staging = [n for n, e in cache.table.entries.items() if e.state == "staging"]
+        if not staging:
+            return
+        assert time.monotonic() < deadline, f"{staging} still staging; {cache.describe()}"
+        time.sleep(0.002)
+
+
 def check_invariants(cache: AdapterCache) -> None:
     """Every slot is free or held by exactly one loading/ready adapter; ready_slots agrees."""
     table = cache.table
@@ -373,6 +386,7 @@ def test_pins_take_all_slots_but_one_and_the_rest_stay_pending(disk):
     cache = make_cache(disk, slots=3)
     futures = [cache.pin(n) for n in "abc"]
     futures[0].result(10), futures[1].result(10)
+    settled(cache)
     rows = {r["name"]: r for r in cache.describe()}
     assert rows["c"]["pin_pending"] and rows["c"]["state"] == "pending"
     assert use(cache, "d") not in (rows["a"]["slot"], rows["b"]["slot"])  # requests still page
@@ -415,6 +429,7 @@ def test_adapter_in_use_is_never_evicted(disk):
     cache.acquire("b")  # a queued request: its adapter loads and stays until it runs
     wait_ready(cache, "b")
     assert cache.acquire("c") == -1  # no evictable slot: c waits
+    settled(cache)
     time.sleep(0.05)
     assert cache.ready_slots() == {"a": slot_a, "b": 1 - slot_a}
     assert [r["state"] for r in cache.describe() if r["name"] == "c"] == ["pending"]
@@ -569,6 +584,7 @@ def test_drain_skips_a_pending_name_whose_row_was_unloaded(disk):
         cache.acquire(name)
         wait_ready(cache, name)  # both slots busy: nothing evictable
     cache.prefetch("c")
+    settled(cache)
     assert [r["state"] for r in cache.describe() if r["name"] == "c"] == ["pending"]
     assert cache.unload("c") is True
     assert "c" in cache.table.pending and "c" not in cache.table.entries
@@ -838,6 +854,7 @@ def test_unload_while_in_use_or_pending(disk):
     cache.acquire("a")
     slot = wait_ready(cache, "a")
     waiting = cache.prefetch("b")  # no slot: a is in use
+    settled(cache)
     assert cache.unload("b")  # pending, unused: gone now, its waiter told
     with pytest.raises(AdapterLoadError, match="unloaded"):
         waiting.result(5)
@@ -860,6 +877,7 @@ def test_a_starved_load_drains_one_busy_adapter_after_its_running_requests(disk)
         wait_ready(cache, name)
     slots = cache.ready_slots()
     assert cache.acquire("c") == -1  # no slot free or evictable
+    settled(cache)
     now[0] = 4.9
     assert cache.ready_slots({"a", "b"}) == slots  # not starved long enough
     now[0] = 5.0
@@ -919,6 +937,7 @@ def test_loads_pending_counts_only_loads_still_pending(disk):
     cache.acquire("b")  # a request waits for a slot
     cache.prefetch("b")  # and a session start (it keeps the load wanted once the request leaves)
     cache.prefetch("c")
+    settled(cache)
     cache.refresh_metrics()
     assert cache.metrics.loads_pending._value.get() == 2
     assert cache.unload("c") is True
@@ -982,6 +1001,7 @@ def test_a_waiter_cancelled_as_its_load_ends_leaves_the_others_told(disk, end):
         cache.acquire("b")
         wait_ready(cache, "b")  # the only slot busy: a stays pending
     first = cache.prefetch("a")
+    settled(cache)
     with cache._lock:
         cache.table.entries["a"].waiters.insert(0, _CancelledAfterTheCheck())
     second = cache.prefetch("a")
@@ -1007,6 +1027,7 @@ def test_unloading_an_idle_adapter_starts_a_load_waiting_for_its_slot(disk):
     cache.acquire("b")
     wait_ready(cache, "b")
     assert cache.acquire("c") == -1
+    settled(cache)
     time.sleep(0.05)
     assert [r["state"] for r in cache.describe() if r["name"] == "c"] == ["pending"]
     slot_a = cache.table.entries["a"].slot

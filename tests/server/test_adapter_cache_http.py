@@ -316,7 +316,7 @@ def test_pin_unpin_prefetch_and_listing(serve):
         assert set(rows) == {"a", "b", "c", "slow", "bad"} and rows["a"]["tier"] == "disk"
         assert listing["slots"] == 2 and rows["a"]["bytes"] > 0
         r = client.post("/v1/adapters/a/prefetch", params={"wait": "false"})
-        assert r.status_code == 202 and r.json()["state"] in ("pending", "loading", "ready")
+        assert r.status_code == 202 and r.json()["state"] in ("staging", "pending", "loading", "ready")
         r = client.post("/v1/adapters/b/pin")
         assert r.status_code == 200 and r.json()["pinned"]
         r = client.post("/v1/adapters/c/prefetch")

@@ -122,6 +122,47 @@ def test_a_broken_adapter_requested_many_times_evicts_no_healthy_one(disk, damag
         cache.close()
 
 
+@pytest.mark.parametrize("damage, reason", DAMAGE, ids=[d.__name__ for d, _ in DAMAGE])
+def test_even_the_first_failure_of_broken_files_takes_no_slot(disk, damage, reason):
+    """Every slot holds an idle healthy adapter when the broken one is first asked for: its
+    files are checked (config, header, shapes) before a slot is taken for them, so its first
+    request fails too without evicting one (a load's own failure freed the slot, but the
+    adapter it had evicted for it was gone)."""
+    cache = make_cache(disk, slots=3)
+    try:
+        slots = fill(cache, "abc")
+        damage(disk / "x")
+        before = evictions(cache)
+        with pytest.raises(AdapterLoadError) as err:
+            cache.prefetch("x").result(10)
+        assert err.value.reason == reason and "'x'" in str(err.value)
+        assert evictions(cache) == before and cache.ready_slots() == slots
+        assert request_fails_at_once(cache, "x") == str(err.value)  # then as before: kept with its files
+        check_invariants(cache)
+    finally:
+        cache.close()
+
+
+def test_a_healthy_adapters_files_are_parsed_once_for_its_check_and_first_load(disk, monkeypatch):
+    """The check before the slot hands its spec to the load: the files' config and header are
+    parsed once, not once for the check and again in the load; a reload from disk of the same
+    files parses nothing."""
+    import loraplex.server.adapter_loader as loader_module
+
+    parsed = []
+    real = loader_module.read_adapter
+    monkeypatch.setattr(loader_module, "read_adapter", lambda path, base: parsed.append(path.name) or real(path, base))
+    cache = make_cache(disk, slots=1)
+    try:
+        use(cache, "a")
+        use(cache, "b")  # evicts a: its reload (from host memory or disk) parses nothing
+        use(cache, "a")
+        assert parsed == ["a", "b"]
+        check_invariants(cache)
+    finally:
+        cache.close()
+
+
 def test_the_same_files_touched_are_tried_again(disk):
     """Only the stamp (inode, size, mtime) tells: a weights file whose mtime moved (written
     again, maybe as broken as before) is loaded once more, not assumed to be the same; when
