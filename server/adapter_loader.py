@@ -420,6 +420,9 @@ class AdapterLoader:
                 raise Unstaged(e.name)
             path, tier = self._fetch(e.name, version, source, admin, missing), "source"
         copy, spec, stamp = self._read_disk(e, path, writer, identity)
+        # The same files (the stamp a spec and a read plan are reused under) give the same
+        # bytes, and so the same K/V for a prompt: prefixes kept under it outlive the slot.
+        copy.content = ("files", stamp)
         if not admin and not _holds(path, version, source):  # replaced again, meanwhile or by the staging
             raise AdapterLoadError(e.name, "fetch", f"{path} holds another version than the plan's "
                                    f"(another adapter of that name staged on this node?)")

@@ -31,6 +31,7 @@ adapter's tensors are written into a slot.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -187,9 +188,13 @@ class LoRABuffers:
         # The same on the host, per slot as a bit mask (group_mask): the step reads which groups
         # its rows' adapters target without a device sync, and skips the others' launches.
         self.group_masks = [0] * num_slots
-        # Per slot, how many times its weights were written (a load, or cleared): what a KV
-        # row's prefix was computed under is (slot, this count) (prefix_cache.py).
+        # Per slot, how many times its weights were written (a load, or cleared), and what
+        # identifies the bytes written where that is known (HostCopy.content: the files a copy
+        # was read from), else None: what a prefix's K/V was computed under is the content,
+        # which outlives the slot (an adapter paged out and back in finds its prefixes), else
+        # (slot, the count) (LLMEngine.prefix_key).
         self.writes = [0] * num_slots
+        self.contents: list[Hashable | None] = [None] * num_slots
 
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
@@ -226,6 +231,7 @@ class LoRABuffers:
         self.ranks[slot] = torch.tensor(ranks, dtype=torch.int32)
         self.group_masks[slot] = group_mask(ranks)
         self.writes[slot] += 1
+        self.contents[slot] = None
 
     @property
     def held_mask(self) -> int:
@@ -246,6 +252,7 @@ class LoRABuffers:
         self.ranks[slot] = 0
         self.group_masks[slot] = 0
         self.writes[slot] += 1
+        self.contents[slot] = None
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -371,11 +371,16 @@ class LLMEngine:
                 raise UnknownModelError(adapter) from None
         return req
 
-    def prefix_key(self, req: Request) -> tuple[int, int]:
-        """What a request's K/V is computed under, for the prefix cache: its adapter slot and
-        the count of that slot's writes (another adapter, or another version, loaded there
-        since is another key); (-1, 0) for the base."""
-        return (req.slot, self.lora.writes[req.slot]) if req.slot >= 0 else (-1, 0)
+    def prefix_key(self, req: Request) -> Hashable:
+        """What a request's K/V is computed under, for the prefix cache: what identifies the
+        weights in its adapter's slot (the files they were read from: an adapter paged out and
+        back in, into any slot, finds its prefixes again), else the slot and the count of its
+        writes (another adapter, or another version, loaded there since is another key);
+        (-1, 0) for the base."""
+        if req.slot < 0:
+            return (-1, 0)
+        content = self.lora.contents[req.slot]
+        return content if content is not None else (req.slot, self.lora.writes[req.slot])
 
     def check_token_ids(self, ids: list[int]) -> None:
         """RequestError unless every id is in the vocabulary."""

@@ -27,7 +27,7 @@ import functools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -67,6 +67,9 @@ class HostCopy:
             self.rank = torch.empty(len(PROJECTIONS), dtype=torch.int32, pin_memory=pin)  # per projection
         self.nbytes = self.flat.numel() * self.flat.element_size()
         self.read_plan: ReadPlan | None = None  # how it was read from disk (read_into_host), if it was
+        # What identifies its bytes beyond this copy (AdapterLoader.host_copy sets it: the
+        # stamp of the files it was read from), for the prefix cache; None: nothing does.
+        self.content: Hashable | None = None
 
     @functools.cached_property
     def layers(self) -> list[dict[str, LoRAGroup]]:
@@ -139,6 +142,7 @@ class HostCopy:
         buffers.ranks[slot].copy_(self.rank, non_blocking=True)
         buffers.group_masks[slot] = group_mask(self.rank.tolist())  # the host's copy of the ranks
         buffers.writes[slot] += 1
+        buffers.contents[slot] = self.content
 
 
 def read_into_host(path: str | Path, spec: AdapterSpec, buffers: LoRABuffers, pin: bool,

@@ -16,8 +16,10 @@ finished chat turn stays for the next one while other rows are free), the donor 
          row 0; its prefill computes 9 tokens at positions 40..48; row 3 keeps all it held
 
 K/V depend on the adapter: LoRA on any projection changes every later layer's inputs, so
-a row matches only prompts of the same `key`: the adapter slot and the slot's load count
-(a slot loaded with another adapter, or a new version, holds other weights), or the base.
+a row matches only prompts of the same `key` (LLMEngine.prefix_key): what identifies the
+weights in the request's adapter slot (the files they were read from, so an adapter paged
+out and back in, into any slot, finds its prefixes; another adapter or a new version is
+another key), or the base.
 A hash only finds a candidate: the tokens themselves are compared, so a collision is a miss,
 never a wrong answer.
 

@@ -271,3 +271,28 @@ def test_the_flag_parses_and_is_on_by_default():
     assert ServerSettings(dummy_weights="tiny").enable_prefix_caching is True
     off = ServerSettings.from_env_and_args(["--dummy-weights", "tiny", "--no-enable-prefix-caching"])
     assert off.enable_prefix_caching is False
+
+
+def test_an_adapter_paged_out_and_back_in_finds_its_prefixes(hf_llama, llama_adapters):
+    """One slot, two adapters taking turns: a's prompt was kept under the slot and its load
+    count, so a's next request after b had the slot found nothing. Keyed by the files the
+    weights were read from, a's prefix outlives the slot; b, loaded into the same slot, never
+    matches a's row; and the answers are those of an engine with no prefix caching."""
+    engines = [engine_for(hf_llama, {n: llama_adapters[n] for n in ("qv-r8", "all-r16")}, max_loras=1,
+                          max_cpu_loras=max_cpu, enable_prefix_caching=on)
+               for on, max_cpu in ((True, 0), (False, 0), (True, 2))]
+    prompt = [1] + list(range(10, 50))
+    for cached in (engines[0], engines[2]):  # a reload from disk, and from the host tier
+        plain = engines[1]
+        evictions = cached.adapters.metrics.evictions.labels("gpu")
+        before = evictions._value.get()
+        turns = [(prompt, "qv-r8"), (prompt, "all-r16"), (prompt + [7, 8, 9], "qv-r8"), (prompt + [5], "all-r16")]
+        got = []
+        for p, name in turns:
+            (c,) = run(cached, [(p, name, 3)])
+            (r,) = run(plain, [(p, name, 3)])
+            assert c.output_ids == r.output_ids, name
+            got.append(c.cached_tokens)
+        assert got[:2] == [0, 0]  # b in a's slot: not a's prefix
+        assert got[2] == len(prompt) and got[3] == len(prompt)  # each found its own after a reload
+        assert evictions._value.get() - before in (3, 4)  # each turn paged the other out (the first too, if b was in)
