@@ -90,26 +90,29 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
             splits = [ToolStream(parser, body) for _ in streams] if reads_calls else None
             async for j, out in merged(streams):
                 counts[j], cached[j] = out.completion_tokens, out.cached_tokens
-                text, calls, reason = out.text, [], out.finish_reason
-                if splits is not None:  # a call's text is held back; the calls come at the end
+                text, deltas, reason = out.text, [], out.finish_reason
+                if splits is not None:  # a call's text is held back, or streamed as its deltas
                     text = splits[j].feed(out.text)
                     if out.finished:
                         rest, calls = splits[j].end()
-                        text += rest
+                        text, deltas = text + rest, splits[j].end_deltas(calls)
                         reason = finish_reason(tools, calls, reason)
+                    else:
+                        deltas = splits[j].call_deltas()
                 # Tokens whose text is held back (a possible stop string) still bring their logprobs.
-                if text or out.finished or (want_logprobs and out.token_ids):
+                if text or deltas or out.finished or (want_logprobs and out.token_ids):
                     lp = (chat_logprobs(lp_tokenizer, out.token_ids, out.logprobs, body.skip_special_tokens)
                           if want_logprobs else None)
-                    if calls:
-                        yield chunk([{"index": j, "delta": {"content": text} if text else {}, "logprobs": lp,
-                                      "finish_reason": None}], "chat.completion.chunk")
-                        yield chunk([{"index": j, "delta": {"tool_calls": [c.as_openai(k) for k, c in enumerate(calls)]},
-                                      "logprobs": None, "finish_reason": reason}], "chat.completion.chunk")
+                    done = reason if out.finished else None
+                    if deltas:
+                        if text or lp is not None:
+                            yield chunk([{"index": j, "delta": {"content": text} if text else {}, "logprobs": lp,
+                                          "finish_reason": None}], "chat.completion.chunk")
+                        yield chunk([{"index": j, "delta": {"tool_calls": deltas}, "logprobs": None,
+                                      "finish_reason": done}], "chat.completion.chunk")
                         continue
                     yield chunk([{"index": j, "delta": {"content": text} if text else {},
-                                  "logprobs": lp, "finish_reason": reason if out.finished else None}],
-                                "chat.completion.chunk")
+                                  "logprobs": lp, "finish_reason": done}], "chat.completion.chunk")
             if include_usage:
                 yield chunk([], "chat.completion.chunk", total(counts))
 

@@ -7,7 +7,8 @@ depends on `tool_choice`:
 - "none": text, as without tools.
 - a named tool (`{"type": "function", "function": {"name": "f"}}`): the reply is held to f's
   parameters schema (a structured output, structured.py) and comes back as one call of f,
-  finish_reason "stop" (OpenAI's, for a forced function).
+  its text the arguments, finish_reason "stop" (OpenAI's, for a forced function); cut by
+  max_tokens or a stop string, still the call (its arguments cut), as OpenAI's.
 - "required": the reply is held to a JSON array of calls, `[{"name": <a tool's>,
   "parameters": <its schema>}, ...]` (one call at most with `parallel_tool_calls: false`),
   and comes back as those calls, finish_reason "tool_calls" (OpenAI's and vLLM's).
@@ -18,8 +19,10 @@ depends on `tool_choice`:
   `{"name", "parameters"}`, or several joined by ";"). A reply the parser cannot read as
   calls is the content, whole.
 
-Streamed, the text that cannot be part of a call is sent as it comes; a call's text is held
-back and the calls come in one delta at the end (`ToolStream`).
+Streamed, the text that cannot be part of a call is sent as it comes. A named tool's call
+streams as OpenAI's does: a first delta with its id and name, then its arguments piece by
+piece as the model writes them. Other calls' text is held back and the calls come in one
+delta at the end (`ToolStream`).
 """
 
 from __future__ import annotations
@@ -39,8 +42,12 @@ class ToolCall:
 
     def as_openai(self, index: int | None = None) -> dict:
         """The call as a message's `tool_calls` entry (with `index`, a stream delta's)."""
-        return {**({"index": index} if index is not None else {}), "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+        return {**({"index": index} if index is not None else {}), "id": new_call_id(),
                 "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def _parameters(tool) -> dict:
@@ -99,17 +106,19 @@ def tool_grammar_spec(body) -> GrammarSpec | None:
 
 
 def forced_calls(body, text: str) -> list[ToolCall] | None:
-    """The calls of a reply held by tool_choice (named or "required"); None when the reply is
-    not a whole one (max_tokens or a stop string cut it)."""
+    """The calls of a reply held by tool_choice: a named tool's, its text (stripped) the
+    arguments, whole or cut (None for no text at all); "required"'s, None when the reply is not
+    a whole one (max_tokens or a stop string cut it)."""
+    if body.tool_choice != "required":
+        arguments = text.strip()
+        return [ToolCall(body.named_tool().function.name, arguments)] if arguments else None
     try:
         value = json.loads(text)
     except ValueError:
         return None
-    if body.tool_choice == "required":
-        if not isinstance(value, list):
-            return None
-        return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
-    return [ToolCall(body.named_tool().function.name, json.dumps(value, ensure_ascii=False))]
+    if not isinstance(value, list):
+        return None
+    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
 
 
 # -- "auto": reading calls out of a reply --------------------------------------------------------
@@ -186,12 +195,15 @@ PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
 
 class ToolStream:
     """A streamed reply's text split as it comes: `feed` returns the text that can be sent as
-    content now; `end` returns the rest of the content and the calls.
+    content now, `call_deltas` the tool_calls deltas that can be sent now; `end` returns the
+    rest of the content and the calls, `end_deltas` their deltas not sent yet.
 
     hermes: content streams until a `<tool_call>` (text that could begin one, and whitespace
     at the end, are held back);
     llama3_json: a reply that starts with "{" (or the python tag) is held whole;
-    forced (named or required): all of it is held."""
+    named: no content; the call's first delta (id, name) once the arguments begin, then
+    their text as it comes (whitespace at either end held back: the arguments are stripped);
+    required: all of it is held."""
 
     def __init__(self, parser: str | None, body=None):
         self.parser = parser
@@ -199,6 +211,23 @@ class ToolStream:
         self.text = ""
         self._sent = 0  # characters of text sent as content
         self._holding = parser is None
+        self._named = parser is None and body is not None and body.tool_mode() == "named"
+        self._args_sent: int | None = None  # characters of the named call's arguments sent (None: no delta yet)
+
+    def call_deltas(self, final: bool = False) -> list[dict]:
+        """The named call's deltas that can go now: its first (id, name, the arguments so far),
+        or the arguments written since; `final`: up to the end of the stripped text."""
+        if not self._named:
+            return []
+        args = self.text.strip() if final else self.text.lstrip().rstrip()
+        if self._args_sent is None:
+            if not args:
+                return []
+            self._args_sent = len(args)
+            return [{"index": 0, "id": new_call_id(), "type": "function",
+                     "function": {"name": self.body.named_tool().function.name, "arguments": args}}]
+        piece, self._args_sent = args[self._args_sent:], max(self._args_sent, len(args))
+        return [{"index": 0, "function": {"arguments": piece}}] if piece else []
 
     def feed(self, delta: str) -> str:
         self.text += delta
@@ -234,6 +263,13 @@ class ToolStream:
         # With calls, the content went out as it came (hermes: the text before the first
         # call; forced and llama3_json replies have none); without, what was held goes now.
         return ("", calls) if calls else (self.text[self._sent:], [])
+
+    def end_deltas(self, calls: list[ToolCall]) -> list[dict]:
+        """The tool_calls deltas of `calls` (`end`'s) not sent yet: the named call's last
+        arguments, or every call (held back to the end)."""
+        if self._named:
+            return self.call_deltas(final=True)
+        return [c.as_openai(k) for k, c in enumerate(calls)]
 
 
 def read_reply(parser: str | None, body, text: str) -> tuple[str | None, list[ToolCall]]:

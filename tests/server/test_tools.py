@@ -15,6 +15,7 @@ from loraplex.server.settings import ServerSettings
 from loraplex.server.structured import available
 
 from .conftest import serve_tiny_llama
+from .test_tools_replies import merged_calls
 
 needs_xgrammar = pytest.mark.skipif(not available(), reason="xgrammar is not installed")
 
@@ -204,7 +205,9 @@ def test_a_named_tool_is_called_streamed_and_not(served):
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     assert not any(d.get("content") for d in deltas)  # the call's JSON is never sent as text
-    (streamed,) = [c for d in deltas for c in d.get("tool_calls", [])]
+    pieces = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert len(pieces) > 2  # as OpenAI's: the id and name first, then the arguments as they come
+    (streamed,) = merged_calls(pieces)
     assert streamed["index"] == 0 and streamed["function"]["name"] == "get_weather"
     assert set(json.loads(streamed["function"]["arguments"])) == set(args)
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
@@ -262,5 +265,5 @@ def test_the_openai_client_reads_the_calls(served):
         model="tiny-llama", messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, TIME], stream=True,
         tool_choice={"type": "function", "function": {"name": "get_time"}}, temperature=0, max_tokens=120)
     deltas = [c.choices[0].delta for c in stream if c.choices]
-    (call,) = [t for d in deltas for t in (d.tool_calls or [])]
-    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    (call,) = merged_calls([t.model_dump(exclude_none=True) for d in deltas for t in (d.tool_calls or [])])
+    assert call["function"]["name"] == "get_time" and json.loads(call["function"]["arguments"])["zone"] in ("UTC", "CET")

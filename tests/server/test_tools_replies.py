@@ -45,11 +45,25 @@ def stream(url, **fields) -> list[dict]:
         return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
 
 
+def merged_calls(deltas: list[dict]) -> list[dict]:
+    """Stream deltas' `tool_calls` entries put together as OpenAI's clients do: by `index`,
+    the first entry of a call with its id, type and name, the arguments of all concatenated."""
+    calls: dict[int, dict] = {}
+    for t in deltas:
+        if t["index"] not in calls:
+            assert t["id"] and t["type"] == "function" and t["function"]["name"], t
+            calls[t["index"]] = {**t, "function": dict(t["function"])}
+        else:
+            assert set(t) == {"index", "function"} and set(t["function"]) == {"arguments"}, t
+            calls[t["index"]]["function"]["arguments"] += t["function"]["arguments"]
+    return [calls[k] for k in sorted(calls)]
+
+
 def streamed_reply(events: list[dict], index: int = 0) -> tuple[str, list[dict], str | None]:
-    """(content, calls, finish_reason) of one choice of a stream."""
+    """(content, calls, finish_reason) of one choice of a stream (its calls merged from their deltas)."""
     choices = [c for e in events for c in e["choices"] if c["index"] == index]
     content = "".join(c["delta"].get("content") or "" for c in choices)
-    calls = [t for c in choices for t in c["delta"].get("tool_calls", [])]
+    calls = merged_calls([t for c in choices for t in c["delta"].get("tool_calls", [])])
     return content, calls, choices[-1]["finish_reason"]
 
 
@@ -102,3 +116,22 @@ def test_two_tools_of_one_name_are_refused(served):
         assert r.status_code == 400, (tool_choice, r.text)
         error = r.json()["error"]
         assert error["param"] == "tools" and "get_weather" in error["message"], error
+
+
+@needs_xgrammar
+def test_a_named_call_cut_by_max_tokens_is_still_the_call_streamed_and_not(served):
+    """OpenAI's: a forced function's reply cut by max_tokens is that call with its arguments
+    cut, finish_reason "length" (it was the text, as content). Streamed, the arguments come
+    piece by piece, and together they are the whole response's."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = chat(served.url, tools=[WEATHER, TIME], tool_choice=named, max_tokens=40).json()["choices"][0]
+    whole_args = whole["message"]["tool_calls"][0]["function"]["arguments"]
+    json.loads(whole_args)
+    choice = chat(served.url, tools=[WEATHER, TIME], tool_choice=named, max_tokens=3).json()["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "length" and not choice["message"]["content"], choice
+    cut = call["function"]["arguments"]
+    assert call["function"]["name"] == "get_weather" and cut and whole_args.startswith(cut) and cut != whole_args
+    content, calls, reason = streamed_reply(stream(served.url, tools=[WEATHER, TIME], tool_choice=named, max_tokens=3))
+    assert content == "" and reason == "length"
+    assert [c["function"] for c in calls] == [call["function"]]
