@@ -49,6 +49,20 @@ def plan_json(object_store, pinned=(), others=(), prefetch=(), base="tiny-llama"
             "prefetch": [{"name": n, "start": iso(s), "end": iso(e)} for n, s, e in prefetch]}
 
 
+def reporting_warmer(tmp_path: Path, session, kube_api, plan: dict):
+    """A warmer of `plan` (mounted as a ConfigMap) for namespace ml on node-7, reporting to
+    `kube_api`, its plan taken (not reconciled). Returns (cm, store, reporter, warmer)."""
+    from loraplex.node_agent.kube import KubeAPI, StatusReporter
+    from loraplex.node_agent.store import AdapterStore
+    from loraplex.node_agent.warmer import Warmer
+
+    cm = ConfigMapDir(tmp_path / "plan")
+    cm.write(plan)
+    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
+    reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7")
+    return cm, store, reporter, Warmer(store, cm.path, session, reporter=reporter)
+
+
 class ConfigMapDir:
     """A mounted ConfigMap as the kubelet writes it: plan.json -> ..data/plan.json, and
     ..data -> a timestamped directory, swapped by renaming a new symlink over ..data."""

@@ -215,17 +215,10 @@ async def test_a_plan_let_go_while_it_stages_leaves_no_staging_report(tmp_path, 
     """A found plan goes (its BaseModel deleted) while its loop stages "a": the loop is
     cancelled, then the plan retired. "a" was not on disk yet, so its node entry stayed
     Staging for good; it must be deleted, as the void download leaves nothing here."""
-    from loraplex.node_agent.kube import KubeAPI, StatusReporter
-    from loraplex.node_agent.warmer import Warmer
-
-    from .helpers import ConfigMapDir, plan_json
+    from .helpers import plan_json, reporting_warmer
 
     object_store.add("a", tmp_path)
-    cm = ConfigMapDir(tmp_path / "plan")
-    cm.write(plan_json(object_store, pinned=["a"]))
-    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
-    reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7")
-    warmer = Warmer(store, cm.path, session, reporter=reporter)
+    _, store, reporter, warmer = reporting_warmer(tmp_path, session, kube_api, plan_json(object_store, pinned=["a"]))
     await warmer.check_plan()
     object_store.gate = asyncio.Event()
     loop = asyncio.ensure_future(warmer.reconcile())

@@ -17,7 +17,7 @@ from loraplex.node_agent.tasks import TaskGuard
 from loraplex.node_agent.kube import KubeAPI, KubePods, PlanConfigMap, StatusReporter
 from loraplex.node_agent.warmer import PlanError, StaticServers, Warmer, parse_plan
 
-from .helpers import T0, ConfigMapDir, plan_json
+from .helpers import T0, ConfigMapDir, plan_json, reporting_warmer
 
 
 class FakeNow:
@@ -253,11 +253,7 @@ async def test_kube_pods_of_a_plans_namespace_only(session, kube_api):
 async def _reporting_warmer(tmp_path, session, kube_api, plan: dict):
     """A warmer of `plan` for namespace ml on node-7, reporting to `kube_api`: reconciled once,
     its reports sent. Returns (store, reporter, warmer)."""
-    cm = ConfigMapDir(tmp_path / "plan")
-    cm.write(plan)
-    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
-    reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7")
-    warmer = Warmer(store, cm.path, session, reporter=reporter)
+    _, store, reporter, warmer = reporting_warmer(tmp_path, session, kube_api, plan)
     await warmer.check_plan()
     await warmer.reconcile()
     await reporter.flush()
@@ -451,11 +447,7 @@ async def test_a_servers_request_races_the_plan_loop_and_is_still_reported(tmp_p
     object_store.add("a", tmp_path)
     object_store.add("c", tmp_path, seed=1)
     object_store.add("d", tmp_path, seed=2)
-    cm = ConfigMapDir(tmp_path / "plan")
-    cm.write(plan_json(object_store, others=["a"]))
-    store = AdapterStore(tmp_path / "cache", 10**9, session=session)
-    reporter = StatusReporter(KubeAPI(kube_api.url, session), "ml", "node-7")
-    warmer = Warmer(store, cm.path, session, reporter=reporter)
+    cm, store, reporter, warmer = reporting_warmer(tmp_path, session, kube_api, plan_json(object_store, others=["a"]))
     await warmer.check_plan()
     await warmer.reconcile()
 
