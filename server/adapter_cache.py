@@ -45,8 +45,9 @@ Not a load that failed on the adapter's files, while they are unchanged (`Adapte
 the same stamp of config, weights and served copy): a request, prefetch or pin of it fails at
 once with that error (`_refused`), taking no slot, so traffic to one broken adapter evicts no
 healthy one; once the files change, or a new version is registered, a load is tried again.
-Files no load has read yet are checked on a staging thread before their first load (config,
-header, shapes), so most broken files fail there and even their first failure takes no slot.
+Files no load has read yet are checked before their first load takes a slot (config, header,
+shapes; on a thread of their own: `AdapterLoader.needs_stage`), so most broken files fail
+there, and even their first failure takes no slot.
 Under overload (every slot's adapter always has requests) a cold request would starve: after
 `drain_after` seconds one busy adapter stops admitting and gives up its slot once its running
 requests finish (`SlotTable.drain`), round robin through the slots.

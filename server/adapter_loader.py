@@ -336,8 +336,10 @@ class AdapterLoader:
             if self.files_stamp(path) != stamp:
                 return
             raise self._failed_on_files(e, identity, path, stamp, err) from err
+        if self.files_stamp(path) != stamp:
+            return
         with self._lock:
-            if self.files_stamp(path) == stamp and e.version == identity:
+            if e.version == identity:
                 e.disk_read = DiskRead(stamp, spec, None)
 
     def _failed_on_files(self, e: CachedAdapter, identity: tuple, path: Path, stamp: tuple,

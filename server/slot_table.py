@@ -188,7 +188,7 @@ class SlotTable:
         self.free = list(range(num_slots))
         self.pending: deque[str] = deque()
         self.in_flight = 0
-        self.staging = 0  # rows being staged (fetched onto disk): no slot, no load worker
+        self.staging = 0  # rows being staged (fetched onto disk, their files checked): no slot, no load worker
         self.failures: dict[str, str] = {}
         self.max_in_flight_seen = 0
         self.session_lease_s = 60.0  # how long a session start's lease holds (AdapterCache sets it)

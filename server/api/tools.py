@@ -214,12 +214,12 @@ class ToolStream:
         self._named = parser is None and body is not None and body.tool_mode() == "named"
         self._args_sent: int | None = None  # characters of the named call's arguments sent (None: no delta yet)
 
-    def call_deltas(self, final: bool = False) -> list[dict]:
+    def call_deltas(self) -> list[dict]:
         """The named call's deltas that can go now: its first (id, name, the arguments so far),
-        or the arguments written since; `final`: up to the end of the stripped text."""
+        or the arguments written since (the text stripped: whitespace at the end waits)."""
         if not self._named:
             return []
-        args = self.text.strip() if final else self.text.lstrip().rstrip()
+        args = self.text.strip()
         if self._args_sent is None:
             if not args:
                 return []
@@ -268,7 +268,7 @@ class ToolStream:
         """The tool_calls deltas of `calls` (`end`'s) not sent yet: the named call's last
         arguments, or every call (held back to the end)."""
         if self._named:
-            return self.call_deltas(final=True)
+            return self.call_deltas()
         return [c.as_openai(k) for k, c in enumerate(calls)]
 
 
