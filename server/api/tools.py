@@ -11,7 +11,9 @@ depends on `tool_choice`:
   max_tokens or a stop string, still the call (its arguments cut), as OpenAI's.
 - "required": the reply is held to a JSON array of calls, `[{"name": <a tool's>,
   "parameters": <its schema>}, ...]` (one call at most with `parallel_tool_calls: false`),
-  and comes back as those calls, finish_reason "tool_calls" (OpenAI's and vLLM's).
+  and comes back as those calls, each its parameters' text the arguments, finish_reason
+  "tool_calls" (OpenAI's and vLLM's); cut, the calls whose names it wrote, the last one's
+  arguments cut.
 - "auto", the default with tools (the server needs `--enable-auto-tool-choice` and
   `--tool-call-parser`): the model writes text, or calls as its template taught it, and a
   parser reads them out of the reply (`hermes`: `<tool_call>{"name", "arguments"}</tool_call>`
@@ -19,10 +21,10 @@ depends on `tool_choice`:
   `{"name", "parameters"}`, or several joined by ";"). A reply the parser cannot read as
   calls is the content, whole.
 
-Streamed, the text that cannot be part of a call is sent as it comes. A named tool's call
-streams as OpenAI's does: a first delta with its id and name, then its arguments piece by
-piece as the model writes them. Other calls' text is held back and the calls come in one
-delta at the end (`ToolStream`).
+Streamed, the text that cannot be part of a call is sent as it comes. The calls of a named
+tool or "required" stream as OpenAI's do: a first delta with a call's id and name, then its
+arguments piece by piece as the model writes them. An "auto" reply's calls are held back
+and come in one delta at the end (`ToolStream`).
 """
 
 from __future__ import annotations
@@ -107,18 +109,114 @@ def tool_grammar_spec(body) -> GrammarSpec | None:
 
 def forced_calls(body, text: str) -> list[ToolCall] | None:
     """The calls of a reply held by tool_choice: a named tool's, its text (stripped) the
-    arguments, whole or cut (None for no text at all); "required"'s, None when the reply is not
-    a whole one (max_tokens or a stop string cut it)."""
+    arguments; "required"'s, each its parameters' text (RequiredCalls). Whole or cut by
+    max_tokens or a stop string (the last call's arguments cut, a call whose name was cut
+    left out); None for a reply with no call."""
     if body.tool_choice != "required":
         arguments = text.strip()
         return [ToolCall(body.named_tool().function.name, arguments)] if arguments else None
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, list):
-        return None
-    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+    reader = RequiredCalls()
+    reader.feed(text)
+    return reader.calls() or None
+
+
+class RequiredCalls:
+    """An incremental reader of a "required" reply, which its grammar holds to a JSON array of
+    {"name": ..., "parameters": ...} objects (in that order, required_schema): each call's name
+    once its string is whole, and its parameters' text as far as it is written, so that the
+    arguments can stream as the model writes them (`feed` the text as it comes; `calls`).
+    The arguments are the model's own text of the parameters, as OpenAI's are.
+
+    A character scanner, not a parser: the grammar already made the text valid JSON. It keeps
+    the nesting depth (2 inside a call object) and whether it is in a string, and at depth 2
+    which key's value comes (`_key`) and where that value lies."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._depth = 0
+        self._in_string = self._escape = False
+        self._string_at = 0  # where the string being read began (its quote)
+        self._expect = ""  # at depth 2: "key", "value" (after the colon), "in-value", "" (after one)
+        self._key: str | None = None
+        self._last = 0  # the last character of a number, true, false or null being read at depth 2
+        self._calls: list[list] = []  # [name or None, parameters' start or None, their end or None]
+
+    def feed(self, delta: str) -> None:
+        start, self.text = len(self.text), self.text + delta
+        text = self.text
+        for i in range(start, len(text)):
+            ch = text[i]
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._in_string = False
+                    if self._depth == 2:
+                        self._string_ended(text[self._string_at: i + 1], i + 1)
+                continue
+            if ch in " \t\r\n":
+                continue
+            if self._depth == 2 and self._expect == "value":  # a value of the call's `_key` begins
+                self._expect = "in-value"
+                if self._key == "parameters":
+                    self._calls[-1][1] = i
+            if ch == '"':
+                self._in_string, self._string_at = True, i
+            elif ch in "[{":
+                self._depth += 1
+                if self._depth == 2 and ch == "{":
+                    self._calls.append([None, None, None])
+                    self._expect = "key"
+            elif ch in "]}":
+                if self._depth == 2:
+                    self._value_ended(self._last + 1)  # a number or literal ended by the call's end
+                self._depth -= 1
+                if self._depth == 2 and self._expect == "in-value":  # an object or array value ended
+                    self._value_ended(i + 1)
+            elif self._depth == 2:
+                if ch == ":":
+                    self._expect = "value"
+                elif ch == ",":
+                    self._value_ended(self._last + 1)
+                    self._expect = "key"
+                else:
+                    self._last = i
+
+    def _string_ended(self, raw: str, end: int) -> None:
+        if self._expect == "key":
+            self._key = json.loads(raw)
+        elif self._expect == "in-value":
+            if self._key == "name":
+                self._calls[-1][0] = json.loads(raw)
+            self._value_ended(end)
+
+    def _value_ended(self, end: int) -> None:
+        if self._expect == "in-value":
+            if self._key == "parameters":
+                self._calls[-1][2] = end
+            self._expect = ""
+
+    def arguments(self, k: int) -> str | None:
+        """Call k's arguments as far as written: its parameters' text up to their end, or up
+        to the text's end while they are being written ("" before they start); None while its
+        name is not whole."""
+        name, start, end = self._calls[k]
+        if name is None:
+            return None
+        if start is None:
+            return ""
+        if end is None and self._depth == 2 and self._expect == "in-value" and self.text[start] not in "[{\"":
+            end = self._last + 1  # a number or literal: up to its last character
+        return self.text[start: end if end is not None else len(self.text)]
+
+    def names(self) -> list[str | None]:
+        return [c[0] for c in self._calls]
+
+    def calls(self) -> list[ToolCall]:
+        """The calls so far (a cut call's arguments cut), those with a name."""
+        return [ToolCall(name, self.arguments(k)) for k, name in enumerate(self.names()) if name is not None]
 
 
 # -- "auto": reading calls out of a reply --------------------------------------------------------
@@ -201,9 +299,9 @@ class ToolStream:
     hermes: content streams until a `<tool_call>` (text that could begin one, and whitespace
     at the end, are held back);
     llama3_json: a reply that starts with "{" (or the python tag) is held whole;
-    named: no content; the call's first delta (id, name) once the arguments begin, then
-    their text as it comes (whitespace at either end held back: the arguments are stripped);
-    required: all of it is held."""
+    named and required (forced): no content; each call's first delta (id, name, the
+    arguments so far) once its name is known, then its arguments as they are written (named:
+    the reply, whitespace at either end held back; required: RequiredCalls)."""
 
     def __init__(self, parser: str | None, body=None):
         self.parser = parser
@@ -211,26 +309,38 @@ class ToolStream:
         self.text = ""
         self._sent = 0  # characters of text sent as content
         self._holding = parser is None
-        self._named = parser is None and body is not None and body.tool_mode() == "named"
-        self._args_sent: int | None = None  # characters of the named call's arguments sent (None: no delta yet)
+        mode = body.tool_mode() if parser is None and body is not None else None
+        self._named = mode == "named"
+        self._required = RequiredCalls() if mode == "required" else None
+        self._args_sent: list[int] = []  # per call streamed, the characters of its arguments sent
+
+    def _calls_so_far(self) -> list[tuple[str, str]]:
+        """(name, arguments as far as written) of each call of a forced reply known so far."""
+        if self._named:
+            args = self.text.strip()
+            return [(self.body.named_tool().function.name, args)] if args else []
+        if self._required is not None:
+            return [(c.name, c.arguments) for c in self._required.calls()]
+        return []
 
     def call_deltas(self) -> list[dict]:
-        """The named call's deltas that can go now: its first (id, name, the arguments so far),
-        or the arguments written since (the text stripped: whitespace at the end waits)."""
-        if not self._named:
-            return []
-        args = self.text.strip()
-        if self._args_sent is None:
-            if not args:
-                return []
-            self._args_sent = len(args)
-            return [{"index": 0, "id": new_call_id(), "type": "function",
-                     "function": {"name": self.body.named_tool().function.name, "arguments": args}}]
-        piece, self._args_sent = args[self._args_sent:], max(self._args_sent, len(args))
-        return [{"index": 0, "function": {"arguments": piece}}] if piece else []
+        """The tool_calls deltas of a forced reply that can go now: a call's first (its id,
+        name and arguments so far), or the arguments written since."""
+        deltas = []
+        for k, (name, args) in enumerate(self._calls_so_far()):
+            if k == len(self._args_sent):
+                self._args_sent.append(len(args))
+                deltas.append({"index": k, "id": new_call_id(), "type": "function",
+                               "function": {"name": name, "arguments": args}})
+            elif len(args) > self._args_sent[k]:
+                deltas.append({"index": k, "function": {"arguments": args[self._args_sent[k]:]}})
+                self._args_sent[k] = len(args)
+        return deltas
 
     def feed(self, delta: str) -> str:
         self.text += delta
+        if self._required is not None:
+            self._required.feed(delta)
         if self._holding:
             return ""
         if self.parser == "llama3_json":
@@ -265,9 +375,9 @@ class ToolStream:
         return ("", calls) if calls else (self.text[self._sent:], [])
 
     def end_deltas(self, calls: list[ToolCall]) -> list[dict]:
-        """The tool_calls deltas of `calls` (`end`'s) not sent yet: the named call's last
-        arguments, or every call (held back to the end)."""
-        if self._named:
+        """The tool_calls deltas of `calls` (`end`'s) not sent yet: a forced reply's last
+        arguments, or every call (an "auto" reply's, held back to the end)."""
+        if self._named or self._required is not None:
             return self.call_deltas()
         return [c.as_openai(k) for k, c in enumerate(calls)]
 

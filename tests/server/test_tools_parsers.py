@@ -4,6 +4,9 @@ reads as, however the reply's text is split into deltas."""
 
 from __future__ import annotations
 
+import json
+import random
+
 import pytest
 
 from loraplex.server.api.tools import ToolCall, ToolStream, read_reply
@@ -85,3 +88,71 @@ def test_parallel_tool_calls_false_keeps_the_first_call(parser, text, parallel):
     sent = "".join(stream.feed(ch) for ch in text)
     rest, streamed = stream.end()
     assert [c.name for c in streamed] == [c.name for c in calls] and (sent + rest or None) == content
+
+
+REQUIRED = [
+    '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}, {"name":"get_time","parameters":{"zone":"U\\"TC"}}]',
+    '[ {"name" : "f" , "parameters" : { "a" : [1, {"b": "}]"}] } } ]',
+    '[{"name": "g", "parameters": 12}]',
+    '[{"name": "g", "parameters": null}, {"name": "h", "parameters": "x,}"}]',
+    '[]',
+]
+
+
+class _Body:
+    """What ToolStream reads of a request held by tool_choice "required"."""
+
+    tool_choice = "required"
+    parallel_tool_calls = None
+
+    def tool_mode(self) -> str:
+        return "required"
+
+
+def _streamed(text: str, seed: int) -> tuple[str, list[dict], int]:
+    """A "required" reply fed in random pieces: (content sent, the tool_calls deltas sent, how
+    many of them went before the reply's end)."""
+    rng = random.Random(seed)
+    stream, content, deltas, i = ToolStream(None, _Body()), "", [], 0
+    while i < len(text):
+        n = rng.randint(1, 6)
+        content += stream.feed(text[i: i + n])
+        deltas += stream.call_deltas()
+        i += n
+    rest, calls = stream.end()
+    return content + rest, deltas + stream.end_deltas(calls), len(deltas)
+
+
+@pytest.mark.parametrize("text", REQUIRED)
+def test_required_calls_stream_as_their_arguments_are_written(text):
+    """The calls of a "required" reply (its grammar's JSON array) stream as OpenAI's do, each
+    its id and name first, then its arguments in pieces as they come; put together they are
+    the whole reply's calls, whose arguments are the parameters' own text."""
+    want = [(c["name"], c["parameters"]) for c in json.loads(text)]
+    _, whole = read_reply(None, _Body(), text)
+    assert [(c.name, json.loads(c.arguments)) for c in whole] == want
+    for seed in range(20):
+        content, deltas, before_end = _streamed(text, seed)
+        assert content == ("" if want else text)  # "[]": no call, the content
+        assert before_end >= len(want)  # each call began before the reply ended
+        merged: dict[int, dict] = {}
+        for d in deltas:
+            if d["index"] not in merged:
+                assert d["id"].startswith("chatcmpl-tool-") and d["function"]["name"]
+                merged[d["index"]] = {"name": d["function"]["name"], "arguments": d["function"]["arguments"]}
+            else:
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                merged[d["index"]]["arguments"] += d["function"]["arguments"]
+        assert [merged[k] for k in sorted(merged)] == [{"name": c.name, "arguments": c.arguments} for c in whole]
+
+
+def test_a_cut_required_reply_keeps_the_calls_it_named():
+    """Cut by max_tokens: the calls whose names are whole, the last one's arguments cut (as
+    OpenAI's cut calls); cut before any name, the text is the content."""
+    text = REQUIRED[0]
+    cut = text[: text.index('"zone"') + 4]
+    _, calls = read_reply(None, _Body(), cut)
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris", "unit": "C"}'),
+                                                       ("get_time", '{"zon')]
+    assert read_reply(None, _Body(), '[{"name": "get_w') == ('[{"name": "get_w', [])
+    assert _streamed(cut, 0)[1][-1]["function"]["arguments"]  # streamed up to the cut too

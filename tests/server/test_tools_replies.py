@@ -76,7 +76,7 @@ def test_required_calls_finish_with_tool_calls_streamed_too(served):
         == "tool_calls"
     named = {"type": "function", "function": {"name": "get_time"}}
     assert chat(served.url, tools=[WEATHER, TIME], tool_choice=named).json()["choices"][0]["finish_reason"] == "stop"
-    # Cut by max_tokens, no call is whole: the text is the content, finish_reason "length".
+    # Cut by max_tokens before a call's name is whole: the text is the content, finish_reason "length".
     choice = chat(served.url, tools=[WEATHER, TIME], tool_choice="required", max_tokens=4).json()["choices"][0]
     assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"], choice
 
