@@ -120,6 +120,15 @@ def forced_calls(body, text: str) -> list[ToolCall] | None:
     return reader.calls() or None
 
 
+def _string(raw: str) -> str | None:
+    """A JSON string's text decoded; None if it is none (which no grammar-held reply writes)."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
 class RequiredCalls:
     """An incremental reader of a "required" reply, which its grammar holds to a JSON array of
     {"name": ..., "parameters": ...} objects (in that order, required_schema): each call's name
@@ -186,10 +195,10 @@ class RequiredCalls:
 
     def _string_ended(self, raw: str, end: int) -> None:
         if self._expect == "key":
-            self._key = json.loads(raw)
+            self._key = _string(raw)
         elif self._expect == "in-value":
             if self._key == "name":
-                self._calls[-1][0] = json.loads(raw)
+                self._calls[-1][0] = _string(raw)
             self._value_ended(end)
 
     def _value_ended(self, end: int) -> None:
