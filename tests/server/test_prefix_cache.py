@@ -282,10 +282,13 @@ def test_an_adapter_paged_out_and_back_in_finds_its_prefixes(hf_llama, llama_ada
                           max_cpu_loras=max_cpu, enable_prefix_caching=on)
                for on, max_cpu in ((True, 0), (False, 0), (True, 2))]
     prompt = [1] + list(range(10, 50))
-    for cached in (engines[0], engines[2]):  # a reload from disk, and from the host tier
+    # max_cpu_loras 0: host copies for as many adapters as slots (one: a's gives way to b's, so
+    # a reloads from disk); 2: both stay in host memory (a reloads from there).
+    for cached in (engines[0], engines[2]):
         plain = engines[1]
-        evictions = cached.adapters.metrics.evictions.labels("gpu")
-        before = evictions._value.get()
+        evictions, host_hits = (cached.adapters.metrics.evictions.labels("gpu"),
+                                cached.adapters.metrics.hits.labels("host"))
+        before, host_before = evictions._value.get(), host_hits._value.get()
         turns = [(prompt, "qv-r8"), (prompt, "all-r16"), (prompt + [7, 8, 9], "qv-r8"), (prompt + [5], "all-r16")]
         got = []
         for p, name in turns:
@@ -296,3 +299,4 @@ def test_an_adapter_paged_out_and_back_in_finds_its_prefixes(hf_llama, llama_ada
         assert got[:2] == [0, 0]  # b in a's slot: not a's prefix
         assert got[2] == len(prompt) and got[3] == len(prompt)  # each found its own after a reload
         assert evictions._value.get() - before in (3, 4)  # each turn paged the other out (the first too, if b was in)
+        assert (host_hits._value.get() > host_before) == (cached is engines[2])
