@@ -329,6 +329,7 @@ class AdapterLoader:
         them: files that do not fit fail here (kept as `broken`), not in a load that has
         evicted an idle adapter for them. The spec is kept for the load (DiskRead with no read
         plan). Files that change during the check are left to the load to read and judge."""
+        t0 = self.clock()
         stamp = self.files_stamp(path)
         try:
             spec = read_adapter(path, self.base)
@@ -340,7 +341,7 @@ class AdapterLoader:
             return
         with self._lock:
             if e.version == identity:
-                e.disk_read = DiskRead(stamp, spec, None)
+                e.disk_read = DiskRead(stamp, spec, None, self.clock() - t0)
 
     def _failed_on_files(self, e: CachedAdapter, identity: tuple, path: Path, stamp: tuple,
                          err: BaseException) -> AdapterLoadError:
@@ -377,6 +378,8 @@ class AdapterLoader:
         writer = SlotWriter(self, slot)
         with self._lock:  # what its staging fetched, for this load (nothing else sets it while loading)
             fetched, e.fetched = e.fetched, None
+            # The check of its files before the slot (parsing them), which this load's read skips.
+            checked = e.disk_read.seconds if e.disk_read is not None and e.disk_read.plan is None else 0.0
         try:
             copy, tier = self.host_copy(e, writer, fetched)
             self.copy_to_slot(copy, slot, writer)
@@ -390,8 +393,12 @@ class AdapterLoader:
             error = load_error(e.name, err)
         finally:
             writer.close()  # a failed load's transfers land before the slot goes to another
+        # Counted as the load's: the fetch of a load from the source, and the check of its
+        # files before a first read (their parse, which the read skips); not the wait for a slot.
         if tier == "source" and fetched is not None:
-            t0 -= fetched.seconds  # a load from the source: its fetch and its read, not its wait for a slot
+            t0 -= fetched.seconds + checked
+        elif tier == "disk":
+            t0 -= checked
         self.done(e, slot, tier, error, t0)
 
     def host_copy(self, e: CachedAdapter, writer: "SlotWriter | None" = None,

@@ -296,11 +296,13 @@ def read_tensors(weights: Path, targets: list[tuple[str, torch.Tensor]], pool: E
 class DiskRead:
     """What a load from disk worked out, kept with the adapter for its reloads: its spec
     (read_adapter) and its read plan, valid while its files' `stamp` (files_stamp) is the same.
-    No plan: the files were checked (AdapterLoader.needs_stage) and not read yet."""
+    No plan: the files were checked (AdapterLoader.needs_stage) and not read yet; `seconds`,
+    what the check took, which the load that reads them next counts as its own."""
 
     stamp: tuple
     spec: AdapterSpec
     plan: ReadPlan | None
+    seconds: float = 0.0
 
 
 def files_stamp(directory: Path, weights: Path) -> tuple:

@@ -320,3 +320,25 @@ def test_over_http_requests_for_a_broken_adapter_fail_and_the_others_stay_reside
         r = c.post("/v1/completions", json={**body, "model": "broken"})
         assert r.status_code == 200, r.text
         assert {row["name"]: row["tier"] for row in c.get("/v1/adapters").json()["data"]}["broken"] == "gpu"
+
+
+def test_a_first_reads_cold_load_seconds_count_the_check_of_its_files(disk, monkeypatch):
+    """The parse a first read from disk skips (the check before its slot did it) is still the
+    load's time in loraplex_adapter_load_seconds{source="disk"}, as it was when the load
+    parsed the files itself; the wait for a slot between them is not."""
+    import loraplex.server.adapter_loader as loader_module
+
+    real = loader_module.read_adapter
+
+    def slow_parse(path, base):
+        time.sleep(0.2)
+        return real(path, base)
+
+    monkeypatch.setattr(loader_module, "read_adapter", slow_parse)
+    cache = make_cache(disk, slots=1)
+    try:
+        use(cache, "a")
+        assert cache.metrics.load_seconds.labels("disk")._sum.get() >= 0.2
+        check_invariants(cache)
+    finally:
+        cache.close()
