@@ -220,12 +220,9 @@ class RequiredCalls:
             end = self._last + 1  # a number or literal: up to its last character
         return self.text[start: end if end is not None else len(self.text)]
 
-    def names(self) -> list[str | None]:
-        return [c[0] for c in self._calls]
-
     def calls(self) -> list[ToolCall]:
         """The calls so far (a cut call's arguments cut), those with a name."""
-        return [ToolCall(name, self.arguments(k)) for k, name in enumerate(self.names()) if name is not None]
+        return [ToolCall(c[0], self.arguments(k)) for k, c in enumerate(self._calls) if c[0] is not None]
 
 
 # -- "auto": reading calls out of a reply --------------------------------------------------------
@@ -323,24 +320,22 @@ class ToolStream:
         self._required = RequiredCalls() if mode == "required" else None
         self._args_sent: list[int] = []  # per call streamed, the characters of its arguments sent
 
-    def _calls_so_far(self) -> list[tuple[str, str]]:
-        """(name, arguments as far as written) of each call of a forced reply known so far."""
-        if self._named:
-            args = self.text.strip()
-            return [(self.body.named_tool().function.name, args)] if args else []
+    def _forced_calls(self) -> list[ToolCall]:
+        """A forced reply's calls as far as written: the required reader's (fed as the text
+        came, not scanned again), or forced_calls' of the named tool."""
         if self._required is not None:
-            return [(c.name, c.arguments) for c in self._required.calls()]
-        return []
+            return self._required.calls()
+        return (forced_calls(self.body, self.text) or []) if self._named else []
 
     def call_deltas(self) -> list[dict]:
         """The tool_calls deltas of a forced reply that can go now: a call's first (its id,
         name and arguments so far), or the arguments written since."""
         deltas = []
-        for k, (name, args) in enumerate(self._calls_so_far()):
+        for k, call in enumerate(self._forced_calls()):
+            args = call.arguments
             if k == len(self._args_sent):
                 self._args_sent.append(len(args))
-                deltas.append({"index": k, "id": new_call_id(), "type": "function",
-                               "function": {"name": name, "arguments": args}})
+                deltas.append(call.as_openai(k))
             elif len(args) > self._args_sent[k]:
                 deltas.append({"index": k, "function": {"arguments": args[self._args_sent[k]:]}})
                 self._args_sent[k] = len(args)
@@ -378,7 +373,8 @@ class ToolStream:
 
     def end(self) -> tuple[str, list[ToolCall]]:
         """(content not sent yet, the calls) once the reply is whole."""
-        _, calls = read_reply(self.parser, self.body, self.text)
+        forced = self._named or self._required is not None
+        calls = self._forced_calls() if forced else read_reply(self.parser, self.body, self.text)[1]
         # With calls, the content went out as it came (hermes: the text before the first
         # call; forced and llama3_json replies have none); without, what was held goes now.
         return ("", calls) if calls else (self.text[self._sent:], [])

@@ -37,6 +37,20 @@ BASES = {
 }
 
 
+def merged_calls(deltas: list[dict]) -> list[dict]:
+    """Stream deltas' `tool_calls` entries put together as OpenAI's clients do: by `index`,
+    the first entry of a call with its id, type and name, the arguments of all concatenated."""
+    calls: dict[int, dict] = {}
+    for t in deltas:
+        if t["index"] not in calls:
+            assert t["id"] and t["type"] == "function" and t["function"]["name"], t
+            calls[t["index"]] = {**t, "function": dict(t["function"])}
+        else:
+            assert set(t) == {"index", "function"} and set(t["function"]) == {"arguments"}, t
+            calls[t["index"]]["function"]["arguments"] += t["function"]["arguments"]
+    return [calls[k] for k in sorted(calls)]
+
+
 def make_hf_base(path: Path, kind: str = "llama", seed: int = 0) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 

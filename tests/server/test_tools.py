@@ -14,8 +14,7 @@ from loraplex.server.api.tools import ToolCall, ToolStream, parse_hermes, parse_
 from loraplex.server.settings import ServerSettings
 from loraplex.server.structured import available
 
-from .conftest import serve_tiny_llama
-from .test_tools_replies import merged_calls
+from .conftest import merged_calls, serve_tiny_llama
 
 needs_xgrammar = pytest.mark.skipif(not available(), reason="xgrammar is not installed")
 

@@ -11,6 +11,8 @@ import pytest
 
 from loraplex.server.api.tools import ToolCall, ToolStream, read_reply
 
+from .conftest import merged_calls
+
 CALL = '{"name": "get_weather", "arguments": {"city": "Zürich"}}'
 REPLIES = {
     "hermes": [
@@ -135,15 +137,9 @@ def test_required_calls_stream_as_their_arguments_are_written(text):
         content, deltas, before_end = _streamed(text, seed)
         assert content == ("" if want else text)  # "[]": no call, the content
         assert before_end >= len(want)  # each call began before the reply ended
-        merged: dict[int, dict] = {}
-        for d in deltas:
-            if d["index"] not in merged:
-                assert d["id"].startswith("chatcmpl-tool-") and d["function"]["name"]
-                merged[d["index"]] = {"name": d["function"]["name"], "arguments": d["function"]["arguments"]}
-            else:
-                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
-                merged[d["index"]]["arguments"] += d["function"]["arguments"]
-        assert [merged[k] for k in sorted(merged)] == [{"name": c.name, "arguments": c.arguments} for c in whole]
+        assert all(d["id"].startswith("chatcmpl-tool-") for d in deltas if "id" in d)
+        merged = merged_calls(deltas)
+        assert [c["function"] for c in merged] == [{"name": c.name, "arguments": c.arguments} for c in whole]
 
 
 def test_a_cut_required_reply_keeps_the_calls_it_named():

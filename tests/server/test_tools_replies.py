@@ -11,7 +11,7 @@ import pytest
 
 from loraplex.server.structured import available
 
-from .conftest import serve_tiny_llama
+from .conftest import merged_calls, serve_tiny_llama
 
 needs_xgrammar = pytest.mark.skipif(not available(), reason="xgrammar is not installed")
 
@@ -43,20 +43,6 @@ def stream(url, **fields) -> list[dict]:
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json=body(stream=True, **fields)) as s:
         assert s.status_code == 200, s.read()
         return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-
-
-def merged_calls(deltas: list[dict]) -> list[dict]:
-    """Stream deltas' `tool_calls` entries put together as OpenAI's clients do: by `index`,
-    the first entry of a call with its id, type and name, the arguments of all concatenated."""
-    calls: dict[int, dict] = {}
-    for t in deltas:
-        if t["index"] not in calls:
-            assert t["id"] and t["type"] == "function" and t["function"]["name"], t
-            calls[t["index"]] = {**t, "function": dict(t["function"])}
-        else:
-            assert set(t) == {"index", "function"} and set(t["function"]) == {"arguments"}, t
-            calls[t["index"]]["function"]["arguments"] += t["function"]["arguments"]
-    return [calls[k] for k in sorted(calls)]
 
 
 def streamed_reply(events: list[dict], index: int = 0) -> tuple[str, list[dict], str | None]:
