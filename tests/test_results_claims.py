@@ -310,3 +310,18 @@ def test_kv_offloading_cpu_figures():
     for got in claims(r"with the host tier a run prefilled ([\d.]+)x the prompt tokens and took ([\d.]+)x less "
                       r"time,\s+time to first token p50 ([\d.]+)x"):
         assert got == want
+
+
+def test_kv_offloading_h200_figures():
+    reuse, once = load("prefix_h200_offload_reuse.json"), load("prefix_h200_offload.json")
+    args = reuse["meta"]["args"]
+    assert (args["requests"], args["system_prompts"], args["adapters"], args["system_len"]) == (384, 128, 4, 1024)
+    assert once["meta"]["args"]["requests"] == once["meta"]["args"]["system_prompts"] == 128
+    assert all(r["prompt_tokens_prefilled"] == r["prompt_tokens"] for r in reuse["on"])  # the rows found nothing
+    host = reuse["summary"]["host_tier"]
+    want = (f"{host['prefilled_ratio_over_on']:.3f}", f2(host["speedup_wall_over_on"]),
+            f"{host['ttft_p50_ratio_over_on']:.3f}", f2(once["summary"]["host_tier"]["speedup_wall_over_on"]))
+    for got in claims(r"the host tier prefilled ([\d.]+)x the prompt tokens of the rows alone and took ([\d.]+)x "
+                      r"less time, time to first token p50 ([\d.]+)x; with no prompt asked twice its saves cost "
+                      r"([\d.]+)x"):
+        assert got == want
