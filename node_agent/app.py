@@ -41,6 +41,7 @@ from prometheus_client import generate_latest
 
 from loraplex.node_agent.auth import authenticate, holds_key
 from loraplex.node_agent.metrics import Metrics
+from loraplex.node_agent.server_keys import ServerKeys
 from loraplex.node_agent.stage_auth import StageAuth, TokenReviewError
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StoreError
 from loraplex.node_agent.tasks import TaskGuard
@@ -75,6 +76,7 @@ class AgentConfig:
     download_stall_bytes: int = 64 * 1024  # in this many seconds fails as Stalled
     server_api_key: str | None = field(default=None, repr=False)  # sent to the servers it warms
     server_api_key_file: Path | None = None  # or read from this file, re-read when it changes
+    server_api_keys_dir: Path | None = None  # one key file per namespace or BaseModel (server_keys.py)
     api_key: str | None = field(default=None, repr=False)  # this API's own key (auth.py): none, open
     stage_plan_adapters_only: bool = False  # /v1/stage of a name no followed plan lists needs api_key
     # /v1/stage needs a service-account token of this audience, of the namespace it stages for
@@ -105,11 +107,12 @@ class Agent:
 
     def __init__(self, config: AgentConfig, metrics: Metrics | None = None) -> None:
         self.config = config
-        # The servers' admin key, as given or as its file holds it now (a Secret's mount: a
-        # rotated key reaches the warmers without a restart).
-        self.server_api_key: str | WatchedFile | None = (
+        # The servers' admin keys: one for all, as given or as its file holds it now (a Secret's
+        # mount: a rotated key reaches the warmers without a restart), and those of the keys
+        # folder, per namespace or BaseModel, before it.
+        self.server_api_key = ServerKeys(
             WatchedFile(config.server_api_key_file, functools.partial(read_key_file, flag="--server-api-key-file"))
-            if config.server_api_key_file is not None else config.server_api_key)
+            if config.server_api_key_file is not None else config.server_api_key, config.server_api_keys_dir)
         self.metrics = metrics or Metrics()
         self.tasks = TaskGuard(self.metrics)
         self.session: aiohttp.ClientSession | None = None

@@ -92,6 +92,13 @@ class Settings:
     place of --server-api-key: read when the agent warms a server, re-read when it changes, so
     the key rotates without a restart (the chart's nodeAgent.serverApiKeySecret). Default: none."""
 
+    server_api_keys_dir: str | None = None
+    """A folder of the servers' admin keys, one file per key (a Secret mounted whole, the
+    chart's nodeAgent.serverApiKeysSecret): a server of BaseModel B in namespace N is sent the
+    key of file 'N.B', else of file 'N', else the one of --server-api-key-file or
+    --server-api-key. Each file is re-read when it changes, and one taken out stops being
+    sent. Default: none."""
+
     api_key: str | None = field(default=None, repr=False)
     """This agent's own API key: GET /v1/adapters and POST /v1/sessions (every endpoint under
     /v1/ but /v1/stage) then need 'Authorization: Bearer KEY'; /v1/stage (the servers call it,
@@ -192,6 +199,8 @@ class Settings:
             if self.server_api_key is not None:
                 raise ValueError("give --server-api-key or --server-api-key-file, not both")
             read_key_file(self.server_api_key_file, "--server-api-key-file")  # said now, not at the first warm-up
+        if self.server_api_keys_dir is not None and not Path(self.server_api_keys_dir).is_dir():
+            raise ValueError(f"--server-api-keys-dir {self.server_api_keys_dir}: no such folder")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"--log-level {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
 
@@ -241,6 +250,7 @@ class Settings:
             plan_namespace=self.plan_namespace,
             server_api_key=self.server_api_key,
             server_api_key_file=Path(self.server_api_key_file) if self.server_api_key_file else None,
+            server_api_keys_dir=Path(self.server_api_keys_dir) if self.server_api_keys_dir else None,
             api_key=self.api_key,
             stage_plan_adapters_only=self.stage_plan_adapters_only,
             stage_token_audience=self.stage_token_audience,

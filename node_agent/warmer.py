@@ -56,6 +56,7 @@ import aiohttp
 
 from loraplex.node_agent.kube import StatusReporter
 from loraplex.node_agent.metrics import Metrics
+from loraplex.node_agent.server_keys import ServerKeys
 from loraplex.node_agent.sources import redact
 from loraplex.node_agent.store import AdapterRef, AdapterStore, StagedAdapter, StoreError, is_version
 from loraplex.server.adapter_format import SERVING_DTYPES
@@ -281,12 +282,13 @@ class Warmer:
         server_timeout_seconds: float = 10.0,
         retry_seconds: float = 10.0,
         max_retry_seconds: float = 300.0,
-        server_api_key: str | WatchedFile | None = None,
+        server_api_key: str | WatchedFile | ServerKeys | None = None,
     ) -> None:
         self.store = store
-        # The servers' --api-key (or its file, read as it is now), on the calls to them only
-        # (the session also fetches sources).
-        self._server_api_key = server_api_key
+        # The servers' admin keys (one for all, as given or as its file holds it now, or one per
+        # namespace or BaseModel: server_keys.py), on the calls to them only (the session also
+        # fetches sources).
+        self._server_keys = server_api_key if isinstance(server_api_key, ServerKeys) else ServerKeys(server_api_key)
         self.plan_source: PlanSource | None = PlanFile(plan) if isinstance(plan, (str, Path)) else plan
         self._session = session
         self.discovery = discovery
@@ -689,8 +691,8 @@ class Warmer:
         return results
 
     def _server_headers(self) -> dict[str, str]:
-        key = self._server_api_key
-        key = key.get() if isinstance(key, WatchedFile) else key
+        plan = self.plan
+        key = self._server_keys.key_for(self.namespace, plan.base_model if plan is not None else None)
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     async def call_server(self, url: str, name: str, action: str) -> WarmResult:

@@ -27,7 +27,7 @@ README = (ROOT / "README.md").read_text()
 BENCH_README = (ROOT / "bench" / "README.md").read_text()
 
 # Flags of programs the README runs that are not loraplex's own.
-OTHER_PROGRAMS_FLAGS = {"--create-namespace", "--set", "--standalone", "--help", "--all", "--type"}  # helm, kopf, kubectl
+OTHER_PROGRAMS_FLAGS = {"--create-namespace", "--set", "--standalone", "--help", "--all", "--type", "--from-file"}  # helm, kopf, kubectl
 
 
 # -- reading the README ----------------------------------------------------------------------

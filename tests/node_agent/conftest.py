@@ -9,6 +9,7 @@ weights request until a gate opens (to count concurrent downloads).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,8 +119,8 @@ async def session():
         yield s
 
 
-@pytest.fixture
-async def fake_server():
+@contextlib.asynccontextmanager
+async def serving_fake_server():
     srv = FakeServer()
     app = web.Application()
     app.router.add_get("/readyz", srv.readyz)
@@ -127,8 +128,23 @@ async def fake_server():
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     srv.url = str(server.make_url("")).rstrip("/")
-    yield srv
-    await server.close()
+    try:
+        yield srv
+    finally:
+        await server.close()
+
+
+@pytest.fixture
+async def fake_server():
+    async with serving_fake_server() as srv:
+        yield srv
+
+
+@pytest.fixture
+async def other_fake_server():
+    """A second server (another namespace's, say)."""
+    async with serving_fake_server() as srv:
+        yield srv
 
 
 @pytest.fixture

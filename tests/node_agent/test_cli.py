@@ -59,6 +59,13 @@ def test_the_servers_api_key_file_is_checked_at_start_and_replaces_the_key(tmp_p
     assert capsys.readouterr().err.startswith("loraplex-node-agent: --server-api-key-file")
 
 
+def test_the_servers_keys_folder_is_checked_at_start(tmp_path, capsys):
+    s = Settings.from_env_and_args(["--server-api-keys-dir", str(tmp_path), "--server-api-key", "sk-ops"], {})
+    assert s.agent_config().server_api_keys_dir == tmp_path and s.server_api_key == "sk-ops"
+    assert main(["--server-api-keys-dir", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.startswith("loraplex-node-agent: --server-api-keys-dir")
+
+
 def test_the_agents_own_api_key_comes_from_the_environment_or_the_flag_and_is_never_shown():
     """--api-key, else LORAPLEX_NODE_AGENT_API_KEY (from a Secret), the flag winning; apart
     from --server-api-key (the servers' key, which the agent sends), and in no repr."""

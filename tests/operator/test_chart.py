@@ -481,6 +481,34 @@ def test_node_agent_takes_the_servers_api_key_from_a_secret(tmp_path):
         assert settings.server_api_key_file == str(tmp_path / "api-key") and settings.server_api_key is None
 
 
+def test_node_agent_takes_the_servers_keys_per_namespace_from_a_secret(tmp_path):
+    """nodeAgent.serverApiKeysSecret: the whole Secret mounted as a folder (each data key a
+    file, the kubelet's updates seen) for --server-api-keys-dir, beside serverApiKeySecret's
+    one key; none named: no mount, no folder."""
+    pod = render_all()[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "server-api-keys" not in {v["name"] for v in pod["volumes"]}
+    assert AgentSettings.from_env_and_args(container["args"], env=IN_POD).server_api_keys_dir is None
+
+    values = copy.deepcopy(VALUES)
+    values["nodeAgent"]["serverApiKeysSecret"]["name"] = "loraplex-team-keys"
+    values["nodeAgent"]["serverApiKeySecret"]["name"] = "loraplex-server-keys"
+    pod = render_all(values)[("DaemonSet", "lp-loraplex-node-agent")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "server-api-keys"]
+    assert volume == {"name": "server-api-keys", "secret": {"secretName": "loraplex-team-keys"}}  # every key
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "server-api-keys"]
+    assert "subPath" not in mount and mount["readOnly"] is True
+    args = container["args"]
+    assert args[args.index("--server-api-keys-dir") + 1] == mount["mountPath"]
+    assert "--server-api-key-file" in args  # the fallback stays
+    (tmp_path / "api-key").write_text("sk-ops-1\n")
+    args[args.index("--server-api-key-file") + 1] = str(tmp_path / "api-key")
+    args[args.index("--server-api-keys-dir") + 1] = str(tmp_path)
+    settings = AgentSettings.from_env_and_args(args, env=IN_POD)
+    assert settings.agent_config().server_api_keys_dir == tmp_path
+
+
 def test_node_agent_takes_its_own_api_key_from_a_secret():
     """nodeAgent.apiKeySecret: the agents' own --api-key as LORAPLEX_NODE_AGENT_API_KEY from the
     Secret (never a literal in the DaemonSet); none named: no such variable, the API open. Apart
