@@ -10,8 +10,10 @@
          volume a folder: the Secrets' items real files, the node's hostPaths
          under a folder standing for the node's disk, the plan ConfigMap a file kept in step)
       -> the node agent, given the servers' admin key as the chart gives it (its
-         nodeAgent.serverApiKeySecret mounted for --server-api-key-file), stages and warms the
-         server: its prefetches and pins are taken, where the same calls without a key are 401
+         nodeAgent.serverApiKeySecret mounted for --server-api-key-file; or, among other
+         teams' keys, nodeAgent.serverApiKeysSecret mounted whole for --server-api-keys-dir),
+         stages and warms the server: its prefetches and pins are taken, where the same calls
+         without a key are 401
       -> over HTTP: no key is a 401 under /v1/, each tenant's key sees the base and its own
          adapter only (another tenant's is a model that does not exist), the admin keys see
          both, the probes and /metrics need no key, a tenant's key may not pin
@@ -138,10 +140,11 @@ async def _pod_view(api: KubeClient, deployment: dict[str, Any], node: Path, pod
     return args, env, mounts
 
 
-def _secret_sources(volume: dict[str, Any]) -> list[tuple[str, list[dict[str, str]]]]:
-    """(Secret name, items) of a Secret volume, or of each Secret source of a projected one."""
+def _secret_sources(volume: dict[str, Any]) -> list[tuple[str, list[dict[str, str]] | None]]:
+    """(Secret name, items) of a Secret volume (items None: every key, as a file of its name),
+    or of each Secret source of a projected one."""
     if "secret" in volume:
-        return [(volume["secret"]["secretName"], volume["secret"]["items"])]
+        return [(volume["secret"]["secretName"], volume["secret"].get("items"))]
     sources = volume["projected"]["sources"]
     assert all(set(src) <= {"secret", "serviceAccountToken"} and len(src) == 1 for src in sources), \
         f"a source this kubelet does not know: {sources}"
@@ -152,6 +155,10 @@ async def _write_secret_items(api: KubeClient, namespace: str, volume: dict[str,
     """The volume's Secret items as files of `local`, each written beside and renamed into place
     (the kubelet swaps a new folder in: a reader never sees half a file)."""
     for name, items in _secret_sources(volume):
+        if items is None:
+            secret = await api.get(SECRETS.path(namespace, name))
+            assert secret is not None, f"Secret {namespace}/{name} is missing"
+            items = [{"key": key, "path": key} for key in secret["data"]]
         for item in items:
             tmp = local / f".{item['path']}.tmp"
             tmp.write_bytes(await _secret_value(api, namespace, name, item["key"]))
@@ -180,8 +187,13 @@ def _server_calls(metrics_text: str) -> dict[tuple[str, str], float]:
             for s in family.samples if s.name.endswith("_total")}
 
 
+@pytest.mark.parametrize("agent_keys", ["one key", "per BaseModel"])
 async def test_api_keys_and_tenants_from_the_secrets_to_the_served_api(
-        api, emulator, operator, eventually_, tmp_path, monkeypatch):
+        api, emulator, operator, eventually_, tmp_path, monkeypatch, agent_keys):
+    """The agent's key for the servers as the chart gives it: one key for all
+    (nodeAgent.serverApiKeySecret), or this BaseModel's among other teams' in one Secret
+    mounted whole (nodeAgent.serverApiKeysSecret), where the one key for all beside it is
+    not this server's."""
     from loraplex.node_agent.cli import Settings as AgentSettings
     from loraplex.server.demo import build_demo
     from loraplex.server.engine import check_settings
@@ -196,7 +208,12 @@ async def test_api_keys_and_tenants_from_the_secrets_to_the_served_api(
     keys_file = {TENANT_KEYS["acme"]: "acme", TENANT_KEYS["globex"]: "globex", OPS_KEY: "*"}
     await api.create(SECRETS.path(NS), _secret(NS, "tiny-keys", {"admin-key": ADMIN_KEY}))
     await api.create(SECRETS.path(NS), _secret(NS, "tiny-tenant-keys", {"keys.json": json.dumps(keys_file)}))
-    await api.create(SECRETS.path(AGENT_NS), _secret(AGENT_NS, "loraplex-server-api-key", {"api-key": ADMIN_KEY}))
+    per_base = agent_keys == "per BaseModel"
+    # The agents' Secret, and the key in it that is this BaseModel's servers' admin key.
+    agent_secret, agent_key = ("loraplex-team-keys", f"{NS}.{BASE}") if per_base else \
+        ("loraplex-server-api-key", "api-key")
+    agent_data = {agent_key: ADMIN_KEY, **({"other-team": "sk-other-team-e2e-0123"} if per_base else {})}
+    await api.create(SECRETS.path(AGENT_NS), _secret(AGENT_NS, agent_secret, agent_data))
     await api.create(BASE_MODELS.path(NS), _keyed_base_body())
 
     async def written():
@@ -237,19 +254,27 @@ async def test_api_keys_and_tenants_from_the_secrets_to_the_served_api(
     # The DaemonSet's agent: its command line, and the key as the chart mounts it from its Secret.
     node_cache = node / ADAPTER_CACHE_DIR.lstrip("/")
     assert cache_dir == node / namespace_cache_dir(NS).lstrip("/")  # the namespace's folder of the agent's cache
-    agent_volume = {"name": "server-api-key", "secret": {"secretName": "loraplex-server-api-key",
-                                                         "items": [{"key": "api-key", "path": "api-key"}]}}
-    agent_mount = tmp_path / "agent-pod" / "server-api-key"
+    if per_base:
+        agent_volume = {"name": "server-api-keys", "secret": {"secretName": agent_secret}}  # every key
+        agent_mount = tmp_path / "agent-pod" / "server-api-keys"
+        key_args = ["--server-api-keys-dir", str(agent_mount), "--server-api-key", "sk-not-this-servers-e2e-key"]
+    else:
+        agent_volume = {"name": "server-api-key", "secret": {"secretName": agent_secret,
+                                                             "items": [{"key": "api-key", "path": "api-key"}]}}
+        agent_mount = tmp_path / "agent-pod" / "server-api-key"
+        key_args = ["--server-api-key-file", str(agent_mount / "api-key")]
     agent_mount.mkdir(parents=True)
     await _write_secret_items(api, AGENT_NS, agent_volume, agent_mount)
     agent_settings = AgentSettings.from_env_and_args(
         ["--cache-dir", str(node_cache), "--budget-bytes", str(10**9), "--plan-configmap", f"{NS}/{BASE}-plan",
          "--server-url", f"http://127.0.0.1:{server_port}", "--kube-api-url", emulator.base_url,
-         "--poll-seconds", "0.1", "--server-poll-seconds", "0.1",
-         "--server-api-key-file", str(agent_mount / "api-key")],
+         "--poll-seconds", "0.1", "--server-poll-seconds", "0.1", *key_args],
         env={"NODE_NAME": NODE})
     agent_config = agent_settings.agent_config()
-    assert agent_config.server_api_key is None and agent_config.server_api_key_file == agent_mount / "api-key"
+    if per_base:
+        assert agent_config.server_api_keys_dir == agent_mount and (agent_mount / agent_key).read_text() == ADMIN_KEY
+    else:
+        assert agent_config.server_api_key is None and agent_config.server_api_key_file == agent_mount / "api-key"
 
     async with aiohttp.ClientSession() as http:
         server_url, agent_url = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{agent_port}"
@@ -341,7 +366,7 @@ async def test_api_keys_and_tenants_from_the_secrets_to_the_served_api(
 
             # The admin key rotated: both Secrets through the API, then the kubelet's sync of the
             # mounts. Neither the server nor the agent restarts.
-            for namespace, name, key in ((NS, "tiny-keys", "admin-key"), (AGENT_NS, "loraplex-server-api-key", "api-key")):
+            for namespace, name, key in ((NS, "tiny-keys", "admin-key"), (AGENT_NS, agent_secret, agent_key)):
                 await api.merge_patch(SECRETS.path(namespace, name),
                                       {"data": {key: base64.b64encode(NEW_ADMIN_KEY.encode()).decode()}})
             pod_volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
