@@ -17,11 +17,14 @@ Blocks are the prefix cache's (BLOCK tokens, chained hashes: a block's hash cove
 token before it and the key, prefix_cache.chain_hashes), and the store keeps each block
 once: a save adds only the blocks the store lacks, as one extent, contiguous in the store,
 so that a load moves few contiguous runs. Host layout: [blocks, 2 (K, V), layers, kv_heads,
-BLOCK, head_dim], page-locked on CUDA; a run goes through a device staging buffer of STAGE
-blocks (one gather or scatter op over every layer, one copy across the bus). Every copy is
-queued on the current stream, behind what was queued before it: a save runs before the
-prefill that overwrites its row, a load before the prefill that reads it, and a block
-reused by a later save is overwritten after the loads queued before it.
+BLOCK, head_dim], page-locked on CUDA; a run goes through device staging of STAGE blocks
+(one gather or scatter op over every layer, one copy across the bus). Gathers and scatters
+are queued on the current stream, behind what was queued before them: a save's gather runs
+before the prefill that overwrites its row, a load before the prefill that reads it. On CUDA
+a save's copy to the host runs on a copy stream of its own, from a ring of SAVE_CHUNKS
+staging chunks, so the prefill does not wait for it; it starts after everything queued
+before the gather (so a block reused by a later save is overwritten after the loads queued
+before it), and a load waits for the save of the blocks it reads.
 
 Eviction: the least recently used extent (saved or matched) goes first, never one that the
 admission in progress loads from. A chain broken by an evicted extent leaves the extents
@@ -45,6 +48,12 @@ log = logging.getLogger(__name__)
 
 # Blocks moved per staging round trip (for Llama-3-8B in bf16: 32 MiB of device memory).
 STAGE = 16
+# On CUDA, saves go through a ring of this many staging chunks (STAGE blocks each; 256 MiB for
+# Llama-3-8B in bf16): a chunk is gathered out of the row on the compute stream, then copied
+# to host memory on a copy stream of its own, so the prefill that follows does not wait for
+# the bus. A 1,024-token prefix of Llama-3-8B is 4 chunks: two such saves can be on their way
+# at once before a third waits for the first.
+SAVE_CHUNKS = 8
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -72,6 +81,7 @@ class Extent:
     hashes: list[int]
     tokens: list[int]  # the blocks' tokens, BLOCK each
     used: int = 0
+    saved: object = None  # on CUDA, the event its copy to the host records (a load waits for it)
 
 
 class HostPrefixStore:
@@ -86,7 +96,13 @@ class HostPrefixStore:
         device = kv.k_all.device
         pin = device.type == "cuda" if pin is None else pin
         self.data = host_buffer((self.num_blocks, *self.block_shape), kv.k_all.dtype, pin)
-        self._stage: torch.Tensor | None = None  # device staging, made at first use
+        self._stage: torch.Tensor | None = None  # device staging of loads, made at first use
+        # Saves on CUDA (_save_async): the ring, the copy stream, and per ring chunk the event
+        # its last copy to the host records.
+        self._ring: torch.Tensor | None = None
+        self._copier: torch.cuda.Stream | None = None
+        self._chunk_done: list[torch.cuda.Event | None] = [None] * SAVE_CHUNKS
+        self._next_chunk = 0
         self._extents: dict[int, Extent] = {}  # start block -> extent
         self._index: dict[int, tuple[Extent, int]] = {}  # chain hash -> (extent, block within it)
         self._free: list[tuple[int, int]] = []  # (start, length), sorted, coalesced
@@ -166,12 +182,19 @@ class HostPrefixStore:
         self._extents[start] = extent
         for i, h in enumerate(extent.hashes):
             self._index[h] = (extent, i)
-        self._copy(row, first, start, n, to_store=True)
+        extent.saved = self._copy(row, first, start, n, to_store=True)
         self.saved_tokens += n * BLOCK
         return n * BLOCK
 
     def load(self, row: int, blocks: list[int]) -> int:
         """Copy store `blocks` (a `match`) into KV row `row` at positions 0.. ; returns the tokens."""
+        if self._copier is not None:
+            # Their extents' copies to the host may still be on the way (_save_async).
+            compute = torch.cuda.current_stream(self.kv.k_all.device)
+            for e in self._extents.values():
+                if e.saved is not None and any(e.start <= b < e.start + len(e.hashes) for b in blocks):
+                    compute.wait_event(e.saved)
+                    e.saved = None  # what the compute stream runs from now on comes after it
         i = 0
         while i < len(blocks):
             j = i + 1
@@ -182,21 +205,29 @@ class HostPrefixStore:
         self.loaded_tokens += len(blocks) * BLOCK
         return len(blocks) * BLOCK
 
-    def _copy(self, row: int, first: int, start: int, n: int, to_store: bool) -> None:
-        """Blocks first..first+n-1 of KV row `row` to (or from) store blocks start..start+n-1,
-        STAGE blocks a round trip through the device staging buffer."""
-        k_all, v_all = self.kv.k_all, self.kv.v_all
+    def _row_blocks(self, row: int, first: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of blocks first..first+m-1 of KV row `row`, each as [m, layers, kv_heads,
+        BLOCK, d] views of the cache."""
+        k_all = self.kv.k_all
         layers, kv_heads, head_dim = k_all.shape[0], k_all.shape[2], k_all.shape[4]
+        lo, hi = first * BLOCK, (first + m) * BLOCK
+        return tuple(cache[:, row, :, lo:hi].view(layers, kv_heads, m, BLOCK, head_dim).permute(2, 0, 1, 3, 4)
+                     for cache in (k_all, self.kv.v_all))
+
+    def _copy(self, row: int, first: int, start: int, n: int, to_store: bool):
+        """Blocks first..first+n-1 of KV row `row` to (or from) store blocks start..start+n-1,
+        STAGE blocks a round trip through device staging. A save on CUDA returns the event its
+        copy to the host records (_save_async)."""
+        if to_store and self.data.is_pinned() and self.kv.k_all.is_cuda:
+            return self._save_async(row, first, start, n)
         if self._stage is None:
+            k_all = self.kv.k_all
             self._stage = torch.empty((STAGE, *self.block_shape), dtype=k_all.dtype, device=k_all.device)
         for off in range(0, n, STAGE):
             m = min(STAGE, n - off)
-            lo, hi = (first + off) * BLOCK, (first + off + m) * BLOCK
             stage = self._stage[:m]
             host = self.data[start + off: start + off + m]
-            for part, cache in enumerate((k_all, v_all)):
-                # [layers, kv_heads, m*BLOCK, d] of the row <-> [m, layers, kv_heads, BLOCK, d]
-                rows = cache[:, row, :, lo:hi].view(layers, kv_heads, m, BLOCK, head_dim).permute(2, 0, 1, 3, 4)
+            for part, rows in enumerate(self._row_blocks(row, first + off, m)):
                 if to_store:
                     stage[:, part].copy_(rows)
                 else:
@@ -205,6 +236,36 @@ class HostPrefixStore:
                     rows.copy_(stage[:, part])
             if to_store:
                 host.copy_(stage, non_blocking=True)
+
+    def _save_async(self, row: int, first: int, start: int, n: int) -> torch.cuda.Event:
+        """`_copy` to the store on CUDA: each chunk gathered into the next chunk of the ring on
+        the compute stream (behind what was queued before: the row's last writes, and any
+        load from the store blocks it overwrites), then copied to the host on the copy stream.
+        The compute stream waits only for a ring chunk's copy before it gathers into it again;
+        a load of the extent, for the event returned (its last chunk's, in stream order)."""
+        k_all = self.kv.k_all
+        compute = torch.cuda.current_stream(k_all.device)
+        if self._ring is None:
+            self._ring = torch.empty((SAVE_CHUNKS, STAGE, *self.block_shape), dtype=k_all.dtype, device=k_all.device)
+            self._copier = torch.cuda.Stream(k_all.device)
+        for off in range(0, n, STAGE):
+            m = min(STAGE, n - off)
+            j = self._next_chunk
+            self._next_chunk = (j + 1) % SAVE_CHUNKS
+            if self._chunk_done[j] is not None:
+                compute.wait_event(self._chunk_done[j])
+            chunk = self._ring[j, :m]
+            for part, rows in enumerate(self._row_blocks(row, first + off, m)):
+                chunk[:, part].copy_(rows)
+            gathered = torch.cuda.Event()
+            gathered.record(compute)
+            self._copier.wait_event(gathered)
+            with torch.cuda.stream(self._copier):
+                self.data[start + off: start + off + m].copy_(chunk, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._copier)
+            self._chunk_done[j] = done
+        return done
 
     # -- space -----------------------------------------------------------------------------
 

@@ -325,3 +325,12 @@ def test_kv_offloading_h200_figures():
                       r"less time, time to first token p50 ([\d.]+)x; with no prompt asked twice its saves cost "
                       r"([\d.]+)x"):
         assert got == want
+
+
+def test_async_saves_h200_figure():
+    now, prev = load("prefix_h200_async_saves2_once_now.json"), load("prefix_h200_async_saves2_once_prev.json")
+    for run in (now, prev):
+        assert run["meta"]["args"]["requests"] == run["meta"]["args"]["system_prompts"] == 128
+    assert prev["summary"]["host_tier"]["speedup_wall_over_on"] < now["summary"]["host_tier"]["speedup_wall_over_on"]
+    (got,) = claims(r"and ([\d.]+)x since each save's copy to the host runs on a stream of its own")
+    assert got == (f"{now['summary']['host_tier']['speedup_wall_over_on']:.3f}",)

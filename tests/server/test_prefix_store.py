@@ -190,3 +190,64 @@ def test_a_save_never_evicts_the_blocks_its_own_chain_starts_with():
     cache.keep(2, ("a",), system + [5] * 2 * BLOCK)
     assert store.save(2, cache.rows[2]) == 2 * BLOCK
     assert len(store.match(("a",), system + [5] * 2 * BLOCK, 64)) == 4 and store.match(("b",), other, 32) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_saves_on_their_copy_stream_load_back_bit_for_bit():
+    """On CUDA a save's copy to the host runs on a copy stream from a ring of staging chunks,
+    while the compute stream goes on and overwrites the row (as the prefill that follows a
+    save does). Blocks of Llama-3-8B's K/V shape (each copy takes a while), every allocation
+    made first, then the device held busy so that everything after is queued behind it: more
+    saves than the ring has chunks, each loaded back bit for bit, also one loaded at once, and
+    a load queued from blocks that a later save reuses still reads what they held."""
+    import dataclasses
+
+    from loraplex.server import prefix_store
+
+    cfg = dataclasses.replace(named_shape("tiny"), num_layers=32, num_kv_heads=8, head_dim=128)
+    blocks = 3 * prefix_store.STAGE  # 3 ring chunks a save: 5 saves wrap the ring
+    assert 5 * 3 > prefix_store.SAVE_CHUNKS
+    kv = KVCache(cfg, 3, blocks * BLOCK + 1, torch.device("cuda"), torch.float32)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kv.k_all.normal_(generator=gen)
+    kv.v_all.normal_(generator=gen)
+    store = HostPrefixStore(kv, 4 * blocks * HostPrefixStore.bytes_per_block(kv))  # 4 saves fit
+    cache = PrefixCache(kv, store)
+    assert store.data.is_pinned()
+    prompts = [[i + 1] * blocks * BLOCK for i in range(5)]
+
+    # The ring, the copy stream, the load staging and the clones' memory first: an allocation
+    # from the driver may wait for the device, which would order what the test races.
+    cache.keep(0, ("warm",), [9] * blocks * BLOCK)
+    store.save(0, cache.rows[0])
+    store.load(2, store.match(("warm",), [9] * blocks * BLOCK, blocks * BLOCK))
+    warm = [held(cache, 2, blocks * BLOCK) for _ in range(6)]  # as many as the test holds at once
+    torch.cuda.synchronize()
+    store.clear()
+    del warm
+
+    want = []
+    torch.cuda._sleep(1_000_000_000)  # about half a second of the compute stream, busy
+    for i, tokens in enumerate(prompts):
+        row = i % 2
+        if i == 4:  # a load of the first prompt's blocks, queued before the save that evicts them
+            first = store.match(("p", 0), prompts[0], len(prompts[0]), touch=False)
+            assert len(first) == blocks
+            store.load(2, first)
+        cache.keep(row, ("p", i), tokens)
+        want.append(held(cache, row, blocks * BLOCK))
+        assert store.save(row, cache.rows[row]) == blocks * BLOCK
+        kv.k_all[:, row].normal_(generator=gen)  # the prefill after the save overwrites the row
+        kv.v_all[:, row].normal_(generator=gen)
+        if i == 1:  # loaded back at once: the load waits for the copy of its blocks to the host
+            store.load(2, store.match(("p", 1), tokens, len(tokens), touch=False))
+            early = held(cache, 2, blocks * BLOCK)
+    assert store.match(("p", 0), prompts[0], len(prompts[0])) == []  # evicted by the fifth
+    torch.cuda.synchronize()
+    assert torch.equal(early, want[1])
+    assert torch.equal(held(cache, 2, blocks * BLOCK), want[0])
+    for i in range(1, 5):
+        got = store.match(("p", i), prompts[i], len(prompts[i]))
+        assert len(got) == blocks
+        store.load(2, got)
+        assert torch.equal(held(cache, 2, blocks * BLOCK), want[i]), i
