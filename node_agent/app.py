@@ -110,7 +110,7 @@ class Agent:
         # The servers' admin keys: one for all, as given or as its file holds it now (a Secret's
         # mount: a rotated key reaches the warmers without a restart), and those of the keys
         # folder, per namespace or BaseModel, before it.
-        self.server_api_key = ServerKeys(
+        self.server_keys = ServerKeys(
             WatchedFile(config.server_api_key_file, functools.partial(read_key_file, flag="--server-api-key-file"))
             if config.server_api_key_file is not None else config.server_api_key, config.server_api_keys_dir)
         self.metrics = metrics or Metrics()
@@ -228,7 +228,7 @@ class Agent:
         warmer = Warmer(self.store, plan, self.session, discovery=discovery, reporter=reporter,
                         metrics=self.metrics, namespace=namespace, record_file=record,
                         poll_seconds=c.poll_seconds, server_poll_seconds=c.server_poll_seconds,
-                        server_api_key=self.server_api_key)
+                        server_api_key=self.server_keys)
         loops = []
         if plan is not None:
             loops.append(self.tasks.spawn(warmer.run(), f"plan-watch{label}"))
@@ -322,7 +322,7 @@ class Agent:
             reporter = self._reporter(namespace, spawn=True)
             assert self.store is not None and self.session is not None
             warmer = Warmer(self.store, None, self.session, reporter=reporter, metrics=self.metrics,
-                            namespace=namespace, record_file=record, server_api_key=self.server_api_key)
+                            namespace=namespace, record_file=record, server_api_key=self.server_keys)
             warmer.listed_elsewhere = functools.partial(self._listed_elsewhere, warmer)
             self._wire()  # a new Warmer takes the store's eviction callback for itself
             await warmer.retire()

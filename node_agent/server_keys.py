@@ -34,6 +34,8 @@ _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 
 
 class ServerKeys:
+    """The key for a server: the keys folder's, else the one key for all (`default`)."""
+
     def __init__(self, default: str | WatchedFile | None = None, keys_dir: Path | str | None = None) -> None:
         self.default = default
         self.keys_dir = Path(keys_dir) if keys_dir is not None else None

@@ -97,6 +97,7 @@ class HostPrefixStore:
         pin = device.type == "cuda" if pin is None else pin
         self.data = host_buffer((self.num_blocks, *self.block_shape), kv.k_all.dtype, pin)
         self._stage: torch.Tensor | None = None  # device staging of loads, made at first use
+        self._async_saves = device.type == "cuda" and self.data.is_pinned()
         # Saves on CUDA (_save_async): the ring, the copy stream, and per ring chunk the event
         # its last copy to the host records.
         self._ring: torch.Tensor | None = None
@@ -218,7 +219,7 @@ class HostPrefixStore:
         """Blocks first..first+n-1 of KV row `row` to (or from) store blocks start..start+n-1,
         STAGE blocks a round trip through device staging. A save on CUDA returns the event its
         copy to the host records (_save_async)."""
-        if to_store and self.data.is_pinned() and self.kv.k_all.is_cuda:
+        if to_store and self._async_saves:
             return self._save_async(row, first, start, n)
         if self._stage is None:
             k_all = self.kv.k_all
