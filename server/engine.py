@@ -51,7 +51,7 @@ from .request import Request, RequestOutput, State
 from .sampling import Sampled, Sampler, SamplingParams, to_device
 from .scheduler import Scheduler
 from .settings import ServerSettings
-from .slot_sizing import resolve_max_loras
+from .slot_sizing import memory_budget, resolve_max_loras
 from .structured import Grammars, GrammarState
 from .tokenizer import Tokenizer, check_tokenizer
 from .weights import check_checkpoint, dummy_weights, load_weights
@@ -140,18 +140,24 @@ def check_settings(settings: ServerSettings) -> None:
         name, path = item.split("=", 1)
         if not (Path(path) / ADAPTER_CONFIG_FILE).is_file():
             raise ValueError(f"--lora-modules {name}={path}: no {ADAPTER_CONFIG_FILE} there")
-    check_memory(settings, cfg, resolve_dtype(settings.dtype, device), device_memory(device))
+    check_memory(settings, cfg, resolve_dtype(settings.dtype, device),
+                 device_memory(device, settings.gpu_memory_utilization),
+                 by_utilization=device.type == "cuda" and settings.gpu_memory_utilization is not None)
 
 
-def device_memory(device: torch.device) -> int:
-    """Bytes the engine may allocate on `device`: the CUDA device's free memory, or the host's
-    physical memory."""
+def device_memory(device: torch.device, utilization: float | None = None) -> int:
+    """Bytes the engine may allocate on `device`: the CUDA device's free memory (with
+    `utilization`, --gpu-memory-utilization: that fraction of its total, less what is in use
+    already), or the host's physical memory."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free, total = torch.cuda.mem_get_info(device)
+        return free if utilization is None else memory_budget(free, total, utilization)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_memory(settings: ServerSettings, cfg: ModelConfig, dtype: torch.dtype, memory: int) -> None:
+
+def check_memory(settings: ServerSettings, cfg: ModelConfig, dtype: torch.dtype, memory: int,
+                 by_utilization: bool = False) -> None:
     """ValueError unless the base weights, the KV cache and (with --max-loras) the adapter
     slots fit in `memory` bytes. The cache is allocated whole at start, one row of
     max-model-len tokens per sequence of max-num-seqs (kv_cache.py): vLLM's habit of 256
@@ -166,7 +172,8 @@ def check_memory(settings: ServerSettings, cfg: ModelConfig, dtype: torch.dtype,
     slots = settings.max_loras * slot
     if weights + kv + slots <= memory:
         return
-    have = f"the device has {memory / 1e9:.1f} GB"
+    have = (f"--gpu-memory-utilization {settings.gpu_memory_utilization} leaves {memory / 1e9:.1f} GB"
+            if by_utilization else f"the device has {memory / 1e9:.1f} GB")
     if weights >= memory:
         raise ValueError(f"the base's weights need {weights / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')} "
                          f"and {have}")
@@ -216,7 +223,8 @@ class LLMEngine:
         # Slots hold the layer groups of the projections this server serves (slot_groups).
         groups = slot_groups(settings.lora_target_modules)
         slots = resolve_max_loras(settings.max_loras,
-                                  LoRABuffers.slot_bytes(cfg, settings.max_lora_rank, self.dtype, groups), self.device)
+                                  LoRABuffers.slot_bytes(cfg, settings.max_lora_rank, self.dtype, groups), self.device,
+                                  settings.gpu_memory_utilization)
         self.lora = LoRABuffers(cfg, slots, settings.max_lora_rank, self.device, self.dtype, groups)
         # GPU slots paged over host memory, local disk and a source (adapter_cache.py).
         self.adapters = AdapterCache.from_settings(self.lora, BaseSpec(

@@ -34,6 +34,9 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # --tool-call-parser: the ways of writing a tool call that api/tools.py reads.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+# vLLM's names for settings of ours, taken as flags beside our own (the field's flag first).
+FLAG_ALIASES = {"max_prefill_tokens": ("--max-num-batched-tokens",)}
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype names
 # Kubernetes puts `<SERVICE>_PORT=tcp://10.96.0.12:8000` into every pod of a namespace for each
 # Service there: a Service named `loraplex` sets LORAPLEX_PORT so. That is no --port.
 SERVICE_LINK = re.compile(r"^(tcp|udp|sctp)://\S+:\d+$")
@@ -75,7 +78,7 @@ class ServerSettings:
 
     dtype: str = "auto"
     """Weights and activations dtype: float32, float16, bfloat16 or auto (bfloat16 on
-    CUDA, float32 on the CPU). Default: auto."""
+    CUDA, float32 on the CPU); vLLM's half and float are float16 and float32. Default: auto."""
 
     seed: int = 0
     """Seed for random dummy weights and for requests without a seed. Default: 0."""
@@ -88,8 +91,8 @@ class ServerSettings:
     max_position_embeddings. Default: 2048."""
 
     max_prefill_tokens: int = 4096
-    """Prompt tokens prefilled in one step, at most (one prompt may exceed it alone).
-    Default: 4096."""
+    """Prompt tokens prefilled in one step, at most (one prompt may exceed it alone); also
+    taken as vLLM's --max-num-batched-tokens. Default: 4096."""
 
     enable_chunked_prefill: bool = False
     """Prefill a prompt longer than the step's --max-prefill-tokens budget in chunks over
@@ -125,12 +128,23 @@ class ServerSettings:
     "arguments"}</tool_call> blocks: Qwen2.5, Hermes) or llama3_json (a JSON object
     {"name", "parameters"}, several joined by ";": Llama 3.1 and later). Default: none."""
 
+    enable_lora: bool = True
+    """vLLM's flag that turns adapters on, taken so that vLLM's command lines run: this server
+    always serves them, and --no-enable-lora is refused. Default: on."""
+
     max_loras: int = 0
     """Adapter slots in the device buffers (the GPU tier): adapters resident at once; 0 sizes
     them from the device's free memory after weights and KV cache (8 on the CPU). Default: 0."""
 
     max_lora_rank: int = 16
     """Largest adapter rank the slot buffers hold; larger adapters are refused. Default: 16."""
+
+    gpu_memory_utilization: float | None = None
+    """The fraction of the GPU's memory this server may hold (weights, KV cache, adapter
+    slots), memory other processes hold counted against it, as vLLM's flag of this name: at
+    start these must fit in it, and --max-loras 0 sizes the slots to what it leaves. Not set:
+    the memory free at start (and the slots 0.8 of what is left). Not used on the CPU.
+    Default: none."""
 
     max_cpu_loras: int = 0
     """Adapters kept in host memory (pinned on CUDA), the host tier; its byte bound is this
@@ -244,6 +258,7 @@ class ServerSettings:
     def validate(self) -> None:
         if not (self.model or self.dummy_weights or self.demo):
             raise ValueError("one of --model, --dummy-weights or --demo is required")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"--dtype {self.dtype!r}: use auto, float32, float16 or bfloat16")
         if self.kernel_backend not in ("auto", "triton", "torch"):
@@ -254,6 +269,12 @@ class ServerSettings:
                           ("session_lease_seconds", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least {low}")
+        if not self.enable_lora:
+            raise ValueError("--no-enable-lora: loraplex always serves adapters (it is a multi-LoRA server); "
+                             "requests for the base model need no flag")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: a fraction of the GPU's "
+                             "memory, above 0 and at most 1")
         if self.kv_offloading_size < 0:
             raise ValueError("--kv-offloading-size must be at least 0 (GiB; 0: off)")
         if self.kv_offloading_size and not self.enable_prefix_caching:
@@ -378,7 +399,7 @@ def _kind(f: dataclasses.Field) -> str:
         return "bool"
     if hint is int:
         return "int"
-    if hint is float:
+    if hint is float or hint == float | None:
         return "float"
     if typing.get_origin(hint) is list:
         return "list"
@@ -416,16 +437,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     docs = field_docs()
     for f in dataclasses.fields(ServerSettings):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ())]
         kind = _kind(f)
         help_text = docs.get(f.name, "")
         if kind == "bool":
-            parser.add_argument(flag, dest=f.name, default=None,
+            parser.add_argument(*flags, dest=f.name, default=None,
                                 action=argparse.BooleanOptionalAction, help=help_text)
         elif kind in ("int", "float"):
-            parser.add_argument(flag, dest=f.name, default=None, type=int if kind == "int" else float, help=help_text)
+            parser.add_argument(*flags, dest=f.name, default=None, type=int if kind == "int" else float, help=help_text)
         elif kind == "list":
-            parser.add_argument(flag, dest=f.name, default=None, nargs="+", action="extend", help=help_text)
+            parser.add_argument(*flags, dest=f.name, default=None, nargs="+", action="extend", help=help_text)
         else:
-            parser.add_argument(flag, dest=f.name, default=None, help=help_text)
+            parser.add_argument(*flags, dest=f.name, default=None, help=help_text)
     return parser

@@ -182,6 +182,8 @@ def test_every_flag_is_documented_with_its_default(title, helper, settings):
     module, _, name = settings.partition(":")
     cls = getattr(importlib.import_module(module), name)
     docs = {"--" + k.replace("_", "-"): v for k, v in field_docs(cls).items()}
+    for name, aliases in getattr(importlib.import_module(module), "FLAG_ALIASES", {}).items():
+        docs.update((alias, docs["--" + name.replace("_", "-")]) for alias in aliases)  # vLLM's names
     documented = flag_table(title)
     flags = {f for f in help_flags(helper()) if not f.startswith("--no-")}
     assert set(documented) == flags, (f"not in the README: {sorted(flags - set(documented))}; "

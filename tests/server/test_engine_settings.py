@@ -84,3 +84,53 @@ def test_the_triton_backend_on_the_cpu_needs_the_interpreter(monkeypatch, backen
             check_settings(settings)
     else:
         check_settings(settings)
+
+
+GB = 10**9
+
+
+def test_gpu_memory_utilization_is_a_fraction_of_the_whole_device_less_what_is_in_use(monkeypatch):
+    """--gpu-memory-utilization (vLLM's): the engine's budget is that fraction of the device's
+    total memory, less what is in use at start (other processes' too); without it, what is free."""
+    from loraplex.server import engine, slot_sizing
+
+    assert slot_sizing.memory_budget(free=121 * GB, total=141 * GB, utilization=0.5) == int(50.5 * GB)
+    assert slot_sizing.memory_budget(free=121 * GB, total=141 * GB, utilization=0.1) == 0  # in use already
+    assert slot_sizing.memory_budget(free=40 * GB, total=141 * GB, utilization=1.0) == 40 * GB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (121 * GB, 141 * GB))
+    cuda = torch.device("cuda", 0)
+    assert engine.device_memory(cuda) == 121 * GB
+    assert engine.device_memory(cuda, 0.5) == int(50.5 * GB)
+    assert engine.device_memory(torch.device("cpu"), 0.5) == engine.device_memory(torch.device("cpu"))
+    # --max-loras 0: slots of 84 MB over what is left, less 2 GiB for activations and graphs.
+    assert slot_sizing.resolve_max_loras(0, 84 * 10**6, cuda) == 256  # 0.8 of 121 GB: the cap
+    room = int(0.3 * 141 * GB) - 20 * GB - (2 << 30)
+    assert slot_sizing.resolve_max_loras(0, 84 * 10**6, cuda, 0.3) == room // (84 * 10**6) < 256
+    assert slot_sizing.resolve_max_loras(12, 84 * 10**6, cuda, 0.3) == 12  # the flag wins
+
+
+def test_what_gpu_memory_utilization_leaves_is_named_when_it_does_not_fit():
+    cfg = named_shape("tiny")
+    settings = ServerSettings(dummy_weights="tiny", device="cuda", max_num_seqs=1, gpu_memory_utilization=0.2)
+    with pytest.raises(ValueError, match=r"weights need .* and --gpu-memory-utilization 0.2 leaves 0.0 GB"):
+        check_memory(settings, cfg, torch.float32, 1000, by_utilization=True)
+
+
+def test_vllms_flags_for_what_is_here_run(capsys, monkeypatch):
+    """vLLM's command lines run: --enable-lora (adapters are always on), --max-num-batched-tokens
+    (our --max-prefill-tokens), --gpu-memory-utilization, --dtype half and float; what cannot be
+    is refused in a line."""
+    s = ServerSettings.from_env_and_args(["--dummy-weights", "tiny", "--enable-lora", "--max-num-batched-tokens",
+                                          "8192", "--gpu-memory-utilization", "0.85"])
+    assert (s.enable_lora, s.max_prefill_tokens, s.gpu_memory_utilization) == (True, 8192, 0.85)
+    assert ServerSettings.from_env_and_args(["--dummy-weights", "tiny"]).gpu_memory_utilization is None
+    for given, dtype in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")):  # vLLM's --dtype
+        assert ServerSettings(dummy_weights="tiny", dtype=given).dtype == dtype
+    monkeypatch.setenv("LORAPLEX_GPU_MEMORY_UTILIZATION", "0.5")
+    assert ServerSettings.from_env_and_args(["--dummy-weights", "tiny"]).gpu_memory_utilization == 0.5
+    monkeypatch.delenv("LORAPLEX_GPU_MEMORY_UTILIZATION")
+    for args, said in ((["--no-enable-lora"], "--no-enable-lora"), (["--gpu-memory-utilization", "0"], "above 0"),
+                       (["--gpu-memory-utilization", "1.5"], "at most 1")):
+        assert main(["--dummy-weights", "tiny", "--device", "cpu", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("loraplex-server: ") and said in err and err.count("\n") == 1, err
