@@ -19,6 +19,7 @@ import ast
 import dataclasses
 import inspect
 import ipaddress
+import json
 import os
 import re
 import textwrap
@@ -69,9 +70,9 @@ class ServerSettings:
     """Name of the base model in the API. Default: the --model folder's name."""
 
     lora_modules: list[str] = field(default_factory=list)
-    """Adapters to load at start, as NAME=PATH (repeatable); a NAME is ASCII letters, digits,
-    '.', '_', '-', '@' and '+', starting with a letter or digit (server/adapter_names.py).
-    Default: none."""
+    """Adapters to load at start, as NAME=PATH (repeatable), or as vLLM's JSON form
+    {"name": NAME, "path": PATH}; a NAME is ASCII letters, digits, '.', '_', '-', '@' and
+    '+', starting with a letter or digit (server/adapter_names.py). Default: none."""
 
     device: str = "auto"
     """Torch device: cpu, cuda, cuda:N or auto (cuda when present). Default: auto."""
@@ -287,6 +288,7 @@ class ServerSettings:
         bad = sorted(set(self.lora_target_modules) - set(TARGET_MODULES))
         if bad:
             raise ValueError(f"--lora-target-modules: unknown {bad}; allowed {list(TARGET_MODULES)}")
+        self.lora_modules = [_lora_module(item) for item in self.lora_modules]
         names = set()
         for item in self.lora_modules:
             name, eq, path = item.partition("=")
@@ -391,6 +393,20 @@ def field_docs(cls: type = ServerSettings) -> dict[str, str]:
                 and isinstance(nxt.value.value, str)):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
+
+
+def _lora_module(item: str) -> str:
+    """NAME=PATH of a --lora-modules item given as vLLM's JSON {"name", "path"} (its other keys,
+    base_model_name, name the base this server serves anyway); any other item as it is."""
+    if not item.lstrip().startswith("{"):
+        return item
+    try:
+        spec = json.loads(item)
+    except ValueError as e:
+        raise ValueError(f"--lora-modules {item!r}: not JSON ({e})") from None
+    if not (isinstance(spec, dict) and isinstance(spec.get("name"), str) and isinstance(spec.get("path"), str)):
+        raise ValueError(f"--lora-modules {item!r}: the JSON form is {{\"name\": NAME, \"path\": PATH}}")
+    return f"{spec['name']}={spec['path']}"
 
 
 def _kind(f: dataclasses.Field) -> str:

@@ -118,14 +118,20 @@ def test_what_gpu_memory_utilization_leaves_is_named_when_it_does_not_fit():
 
 def test_vllms_flags_for_what_is_here_run(capsys, monkeypatch):
     """vLLM's command lines run: --enable-lora (adapters are always on), --max-num-batched-tokens
-    (our --max-prefill-tokens), --gpu-memory-utilization, --dtype half and float; what cannot be
-    is refused in a line."""
+    (our --max-prefill-tokens), --gpu-memory-utilization, --dtype half and float, --lora-modules
+    as JSON; what cannot be is refused in a line."""
     s = ServerSettings.from_env_and_args(["--dummy-weights", "tiny", "--enable-lora", "--max-num-batched-tokens",
                                           "8192", "--gpu-memory-utilization", "0.85"])
     assert (s.enable_lora, s.max_prefill_tokens, s.gpu_memory_utilization) == (True, 8192, 0.85)
     assert ServerSettings.from_env_and_args(["--dummy-weights", "tiny"]).gpu_memory_utilization is None
     for given, dtype in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")):  # vLLM's --dtype
         assert ServerSettings(dummy_weights="tiny", dtype=given).dtype == dtype
+    s = ServerSettings.from_env_and_args(["--dummy-weights", "tiny", "--lora-modules", "poet=/a/poet",
+                                          '{"name": "sql", "path": "/a/sql", "base_model_name": "tiny"}'])
+    assert s.lora_modules == ["poet=/a/poet", "sql=/a/sql"]
+    for bad in ('{"name": "sql"}', '{"name": "sql", "path": 3}', "{nope", '["sql", "/a/sql"]'):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            ServerSettings(dummy_weights="tiny", lora_modules=[bad])
     monkeypatch.setenv("LORAPLEX_GPU_MEMORY_UTILIZATION", "0.5")
     assert ServerSettings.from_env_and_args(["--dummy-weights", "tiny"]).gpu_memory_utilization == 0.5
     monkeypatch.delenv("LORAPLEX_GPU_MEMORY_UTILIZATION")
