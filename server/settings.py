@@ -328,6 +328,10 @@ class ServerSettings:
     def from_env_and_args(cls, argv: list[str] | None = None) -> "ServerSettings":
         parser = build_parser()
         ns = parser.parse_args(argv)
+        if ns.model_dir is not None:
+            if ns.model is not None and ns.model != ns.model_dir:
+                raise ValueError(f"the model is given twice: {ns.model_dir!r} and --model {ns.model!r}")
+            ns.model = ns.model_dir
         values = {}
         for f in dataclasses.fields(cls):
             arg = getattr(ns, f.name)
@@ -451,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="loraplex-server",
         description="OpenAI-compatible multi-LoRA server: one base model, many adapters.",
     )
+    # vLLM's `vllm serve MODEL`: the model folder may come first, without --model.
+    parser.add_argument("model_dir", nargs="?", default=None, metavar="MODEL",
+                        help="the model folder, in place of --model (as vLLM's `vllm serve MODEL`)")
     docs = field_docs()
     for f in dataclasses.fields(ServerSettings):
         flags = ["--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ())]

@@ -119,13 +119,17 @@ def test_what_gpu_memory_utilization_leaves_is_named_when_it_does_not_fit():
 def test_vllms_flags_for_what_is_here_run(capsys, monkeypatch):
     """vLLM's command lines run: --enable-lora (adapters are always on), --max-num-batched-tokens
     (our --max-prefill-tokens), --gpu-memory-utilization, --dtype half and float, --lora-modules
-    as JSON; what cannot be is refused in a line."""
+    as JSON, the model folder first without --model; what cannot be is refused in a line."""
     s = ServerSettings.from_env_and_args(["--dummy-weights", "tiny", "--enable-lora", "--max-num-batched-tokens",
                                           "8192", "--gpu-memory-utilization", "0.85"])
     assert (s.enable_lora, s.max_prefill_tokens, s.gpu_memory_utilization) == (True, 8192, 0.85)
     assert ServerSettings.from_env_and_args(["--dummy-weights", "tiny"]).gpu_memory_utilization is None
     for given, dtype in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")):  # vLLM's --dtype
         assert ServerSettings(dummy_weights="tiny", dtype=given).dtype == dtype
+    assert ServerSettings.from_env_and_args(["/models/llama-3-8b", "--enable-lora"]).model == "/models/llama-3-8b"
+    assert ServerSettings.from_env_and_args(["/m/a", "--model", "/m/a"]).model == "/m/a"
+    with pytest.raises(ValueError, match="given twice"):
+        ServerSettings.from_env_and_args(["/m/a", "--model", "/m/b"])
     s = ServerSettings.from_env_and_args(["--dummy-weights", "tiny", "--lora-modules", "poet=/a/poet",
                                           '{"name": "sql", "path": "/a/sql", "base_model_name": "tiny"}'])
     assert s.lora_modules == ["poet=/a/poet", "sql=/a/sql"]
