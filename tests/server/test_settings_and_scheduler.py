@@ -19,9 +19,11 @@ from loraplex.server.settings import ServerSettings, build_parser, field_docs
 
 def test_every_field_has_a_flag_and_a_docstring():
     parser = build_parser()
-    flags = {a.dest for a in parser._actions if a.dest != "help"}
+    flags = {a.dest for a in parser._actions if a.dest != "help" and a.option_strings}
     fields = {f.name for f in dataclasses.fields(ServerSettings)}
     assert flags == fields
+    # One positional beside them: the model folder first, as `vllm serve MODEL` takes it.
+    assert [a.dest for a in parser._actions if not a.option_strings] == ["model_dir"]
     docs = field_docs()
     assert set(docs) == fields and all("Default" in d for d in docs.values())
 
