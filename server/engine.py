@@ -155,7 +155,6 @@ def device_memory(device: torch.device, utilization: float | None = None) -> int
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-
 def check_memory(settings: ServerSettings, cfg: ModelConfig, dtype: torch.dtype, memory: int,
                  by_utilization: bool = False) -> None:
     """ValueError unless the base weights, the KV cache and (with --max-loras) the adapter
