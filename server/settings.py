@@ -140,6 +140,10 @@ class ServerSettings:
     max_lora_rank: int = 16
     """Largest adapter rank the slot buffers hold; larger adapters are refused. Default: 16."""
 
+    tensor_parallel_size: int = 1
+    """vLLM's flag, taken so that its command lines run: a server runs on one GPU, so only 1
+    is taken (more GPUs: more replicas, each its own server). Default: 1."""
+
     gpu_memory_utilization: float | None = None
     """The fraction of the GPU's memory this server may hold (weights, KV cache, adapter
     slots), memory other processes hold counted against it, as vLLM's flag of this name: at
@@ -270,6 +274,9 @@ class ServerSettings:
                           ("session_lease_seconds", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least {low}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: a loraplex server runs on one GPU; "
+                             "serve more traffic with more replicas (a BaseModel's serving.replicas or serving.autoscaling)")
         if not self.enable_lora:
             raise ValueError("--no-enable-lora: loraplex always serves adapters (it is a multi-LoRA server); "
                              "requests for the base model need no flag")

@@ -119,7 +119,8 @@ def test_what_gpu_memory_utilization_leaves_is_named_when_it_does_not_fit():
 def test_vllms_flags_for_what_is_here_run(capsys, monkeypatch):
     """vLLM's command lines run: --enable-lora (adapters are always on), --max-num-batched-tokens
     (our --max-prefill-tokens), --gpu-memory-utilization, --dtype half and float, --lora-modules
-    as JSON, the model folder first without --model; what cannot be is refused in a line."""
+    as JSON, the model folder first without --model, --tensor-parallel-size 1; what cannot be is
+    refused in a line."""
     s = ServerSettings.from_env_and_args(["--dummy-weights", "tiny", "--enable-lora", "--max-num-batched-tokens",
                                           "8192", "--gpu-memory-utilization", "0.85"])
     assert (s.enable_lora, s.max_prefill_tokens, s.gpu_memory_utilization) == (True, 8192, 0.85)
@@ -139,7 +140,10 @@ def test_vllms_flags_for_what_is_here_run(capsys, monkeypatch):
     monkeypatch.setenv("LORAPLEX_GPU_MEMORY_UTILIZATION", "0.5")
     assert ServerSettings.from_env_and_args(["--dummy-weights", "tiny"]).gpu_memory_utilization == 0.5
     monkeypatch.delenv("LORAPLEX_GPU_MEMORY_UTILIZATION")
+    assert ServerSettings.from_env_and_args(["--dummy-weights", "tiny", "--tensor-parallel-size", "1"]) \
+        .tensor_parallel_size == 1
     for args, said in ((["--no-enable-lora"], "--no-enable-lora"), (["--gpu-memory-utilization", "0"], "above 0"),
+                       (["--tensor-parallel-size", "2"], "more replicas"),
                        (["--gpu-memory-utilization", "1.5"], "at most 1")):
         assert main(["--dummy-weights", "tiny", "--device", "cpu", *args]) == 2
         err = capsys.readouterr().err
