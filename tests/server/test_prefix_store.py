@@ -192,6 +192,91 @@ def test_a_save_never_evicts_the_blocks_its_own_chain_starts_with():
     assert len(store.match(("a",), system + [5] * 2 * BLOCK, 64)) == 4 and store.match(("b",), other, 32) == []
 
 
+def test_saves_on_the_copy_stream_are_ordered_against_the_rows_the_ring_and_the_loads(monkeypatch):
+    """The order in which the store's copies run on CUDA (_save_async and load), checked on
+    the CPU with stand-ins for streams and events that keep it (stream_order.py): a save's
+    copy to the host after its gather into the ring, a gather into a ring chunk after that
+    chunk's last copy out, a load after the copy of the blocks it reads, a save's copy into
+    blocks after the load queued from them before it, the prefill that overwrites a row
+    after the gather out of it. More saves than the ring has chunks; the loads bit for bit."""
+    from loraplex.server import prefix_store
+
+    from .stream_order import StreamOrder
+
+    blocks = 3 * prefix_store.STAGE
+    kv = KVCache(named_shape("tiny"), 3, blocks * BLOCK + 1, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    kv.k_all.normal_(generator=gen)
+    kv.v_all.normal_(generator=gen)
+    store = HostPrefixStore(kv, 4 * blocks * HostPrefixStore.bytes_per_block(kv))
+    store._async_saves = True  # as on CUDA with the host memory page-locked
+    cache = PrefixCache(kv, store)
+
+    def label(t: torch.Tensor) -> set:
+        ptr = t.data_ptr()
+
+        def within(base: torch.Tensor | None) -> bool:
+            return base is not None and base.data_ptr() <= ptr < base.data_ptr() + base.nbytes
+
+        if within(store._ring):
+            return {("ring", (ptr - store._ring.data_ptr()) // store._ring[0].nbytes)}
+        if within(store.data):
+            first = (ptr - store.data.data_ptr()) // store.block_bytes
+            return {("block", b) for b in range(first, first + t.nbytes // store.block_bytes)}
+        for part in (kv.k_all, kv.v_all):
+            if within(part):
+                return {("row", (ptr - part.data_ptr()) // (part.stride(1) * part.element_size()) % kv.rows)}
+        return {("stage",)} if within(store._stage) else set()
+
+    order = StreamOrder(label)
+    order.install(monkeypatch)
+
+    def read(row: int) -> torch.Tensor:
+        order.access("read", reads={("row", row)})
+        return held(cache, row, blocks * BLOCK)
+
+    prompts = [[i + 1] * blocks * BLOCK for i in range(5)]
+    want = []
+    for i, tokens in enumerate(prompts):
+        row = i % 2
+        if i == 4:  # a load from the first prompt's blocks, queued before the save that evicts them
+            store.load(2, store.match(("p", 0), prompts[0], len(prompts[0]), touch=False))
+            first_loaded = read(2)
+        cache.keep(row, ("p", i), tokens)
+        want.append(read(row))
+        assert store.save(row, cache.rows[row]) == blocks * BLOCK
+        order.access("prefill", writes={("row", row)})  # the prefill after the save overwrites the row
+        kv.k_all[:, row].normal_(generator=gen)
+        kv.v_all[:, row].normal_(generator=gen)
+        if i == 1:  # loaded back at once
+            store.load(2, store.match(("p", 1), tokens, len(tokens), touch=False))
+            assert torch.equal(read(2), want[1])
+    assert torch.equal(first_loaded, want[0])
+    for i in range(1, 5):
+        store.load(2, store.match(("p", i), prompts[i], len(prompts[i])))
+        assert torch.equal(read(2), want[i]), i
+    assert len(store._ring) < 5 * 3  # the ring wrapped: 5 saves of 3 chunks
+    assert order.races() == []
+
+
+def test_the_stream_order_checker_sees_a_missing_wait(monkeypatch):
+    from .stream_order import StreamOrder
+
+    order = StreamOrder(lambda t: set())
+    order.install(monkeypatch)
+    side = torch.cuda.Stream()
+    order.access("gather", writes={"ring"})
+    with torch.cuda.stream(side):
+        order.access("copy out", reads={"ring"})  # no wait for the gather
+    assert [(a, b) for a, b, _ in order.races()] == [("gather@compute", "copy out@side1")]
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream())
+    side.wait_event(done)
+    with torch.cuda.stream(side):
+        order.access("copy out again", reads={"ring"})
+    assert len(order.races()) == 1  # the second one waited
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_saves_on_their_copy_stream_load_back_bit_for_bit():
     """On CUDA a save's copy to the host runs on a copy stream from a ring of staging chunks,
