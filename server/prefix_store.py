@@ -81,7 +81,6 @@ class Extent:
     hashes: list[int]
     tokens: list[int]  # the blocks' tokens, BLOCK each
     used: int = 0
-    saved: object = None  # on CUDA, the event its copy to the host records (a load waits for it)
 
 
 class HostPrefixStore:
@@ -98,12 +97,14 @@ class HostPrefixStore:
         self.data = host_buffer((self.num_blocks, *self.block_shape), kv.k_all.dtype, pin)
         self._stage: torch.Tensor | None = None  # device staging of loads, made at first use
         self._async_saves = device.type == "cuda" and self.data.is_pinned()
-        # Saves on CUDA (_save_async): the ring, the copy stream, and per ring chunk the event
-        # its last copy to the host records.
+        # Saves on CUDA (_save_async): the ring, the copy stream, per ring chunk the event its
+        # last copy to the host records, and the saves whose copies may still be on their way
+        # (store blocks start..end-1, the event of their last chunk), which a load waits for.
         self._ring: torch.Tensor | None = None
         self._copier: torch.cuda.Stream | None = None
         self._chunk_done: list[torch.cuda.Event | None] = [None] * SAVE_CHUNKS
         self._next_chunk = 0
+        self._in_flight: list[tuple[int, int, torch.cuda.Event]] = []
         self._extents: dict[int, Extent] = {}  # start block -> extent
         self._index: dict[int, tuple[Extent, int]] = {}  # chain hash -> (extent, block within it)
         self._free: list[tuple[int, int]] = []  # (start, length), sorted, coalesced
@@ -183,19 +184,22 @@ class HostPrefixStore:
         self._extents[start] = extent
         for i, h in enumerate(extent.hashes):
             self._index[h] = (extent, i)
-        extent.saved = self._copy(row, first, start, n, to_store=True)
+        done = self._copy(row, first, start, n, to_store=True)
+        if done is not None:
+            self._in_flight = [f for f in self._in_flight if not f[2].query()] + [(start, start + n, done)]
         self.saved_tokens += n * BLOCK
         return n * BLOCK
 
     def load(self, row: int, blocks: list[int]) -> int:
         """Copy store `blocks` (a `match`) into KV row `row` at positions 0.. ; returns the tokens."""
-        if self._copier is not None:
-            # Their extents' copies to the host may still be on the way (_save_async).
+        if self._in_flight:
+            # The copies of saves to these blocks may still be on their way (_save_async).
             compute = torch.cuda.current_stream(self.kv.k_all.device)
-            for e in self._extents.values():
-                if e.saved is not None and any(e.start <= b < e.start + len(e.hashes) for b in blocks):
-                    compute.wait_event(e.saved)
-                    e.saved = None  # what the compute stream runs from now on comes after it
+            waited = [f for f in self._in_flight if any(f[0] <= b < f[1] for b in blocks)]
+            for _, _, done in waited:
+                compute.wait_event(done)
+            # What the compute stream runs from now on comes after them.
+            self._in_flight = [f for f in self._in_flight if f not in waited]
         i = 0
         while i < len(blocks):
             j = i + 1

@@ -36,6 +36,10 @@ class Event:
     def record(self, stream: Stream | None = None) -> None:
         self.clock = dict((stream or _current[0]).clock)
 
+    def query(self) -> bool:
+        """Never done: what the code must wait for, it waits for here."""
+        return False
+
 
 @dataclass
 class Access:
