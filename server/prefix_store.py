@@ -195,11 +195,13 @@ class HostPrefixStore:
         if self._in_flight:
             # The copies of saves to these blocks may still be on their way (_save_async).
             compute = torch.cuda.current_stream(self.kv.k_all.device)
-            waited = [f for f in self._in_flight if any(f[0] <= b < f[1] for b in blocks)]
-            for _, _, done in waited:
-                compute.wait_event(done)
-            # What the compute stream runs from now on comes after them.
-            self._in_flight = [f for f in self._in_flight if f not in waited]
+            left = []
+            for f in self._in_flight:
+                if any(f[0] <= b < f[1] for b in blocks):
+                    compute.wait_event(f[2])  # what the compute stream runs from now on comes after it
+                else:
+                    left.append(f)
+            self._in_flight = left
         i = 0
         while i < len(blocks):
             j = i + 1
