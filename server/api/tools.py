@@ -44,12 +44,8 @@ class ToolCall:
 
     def as_openai(self, index: int | None = None) -> dict:
         """The call as a message's `tool_calls` entry (with `index`, a stream delta's)."""
-        return {**({"index": index} if index is not None else {}), "id": new_call_id(),
+        return {**({"index": index} if index is not None else {}), "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
                 "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def new_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def _parameters(tool) -> dict:
@@ -318,6 +314,7 @@ class ToolStream:
         mode = body.tool_mode() if parser is None and body is not None else None
         self._named = mode == "named"
         self._required = RequiredCalls() if mode == "required" else None
+        self._forced = self._named or self._required is not None  # held by tool_choice
         self._args_sent: list[int] = []  # per call streamed, the characters of its arguments sent
 
     def _forced_calls(self) -> list[ToolCall]:
@@ -373,8 +370,7 @@ class ToolStream:
 
     def end(self) -> tuple[str, list[ToolCall]]:
         """(content not sent yet, the calls) once the reply is whole."""
-        forced = self._named or self._required is not None
-        calls = self._forced_calls() if forced else read_reply(self.parser, self.body, self.text)[1]
+        calls = self._forced_calls() if self._forced else read_reply(self.parser, self.body, self.text)[1]
         # With calls, the content went out as it came (hermes: the text before the first
         # call; forced and llama3_json replies have none); without, what was held goes now.
         return ("", calls) if calls else (self.text[self._sent:], [])
@@ -382,7 +378,7 @@ class ToolStream:
     def end_deltas(self, calls: list[ToolCall]) -> list[dict]:
         """The tool_calls deltas of `calls` (`end`'s) not sent yet: a forced reply's last
         arguments, or every call (an "auto" reply's, held back to the end)."""
-        if self._named or self._required is not None:
+        if self._forced:
             return self.call_deltas()
         return [c.as_openai(k) for k, c in enumerate(calls)]
 
