@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
+import mmap
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -56,17 +58,38 @@ STAGE = 16
 SAVE_CHUNKS = 8
 
 
+class _LockedPages(mmap.mmap):
+    """Anonymous host pages, page-locked for CUDA (cudaHostRegister) while they are mapped:
+    when the last view of them goes, they are unregistered before they are unmapped. Memory
+    freed while still registered leaves the driver a registration of pages the process may
+    map again (seen on the H200: the next cuBLAS handle made in the process failed)."""
+
+    address = 0  # set once registered
+
+    def __del__(self) -> None:
+        if self.address:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self.address = 0
+
+
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """Host memory of `shape`, page-locked (`pin`) so that copies to and from the device run
-    asynchronously. Registered in place (cudaHostRegister), not taken from torch's pinned
+    asynchronously: pages of its own, registered in place (cudaHostRegister) and unregistered
+    when the tensor and its views are gone (_LockedPages), not taken from torch's pinned
     allocator, which rounds a request up to a power of two (40 GiB asked, 64 GiB locked).
     Where it cannot be locked, plain memory: the copies then wait for the device."""
-    t = torch.empty(shape, dtype=dtype)
-    if pin and t.numel():
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(err) != 0:
-            log.warning("KV offloading: could not page-lock %.1f GB of host memory (%s); its copies will "
-                        "wait for the device", t.numel() * t.element_size() / 1e9, err)
+    numel = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if not (pin and numel):
+        return torch.empty(shape, dtype=dtype)
+    pages = _LockedPages(-1, numel * itemsize)
+    t = torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor's storage holds `pages`
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), numel * itemsize, 0)
+    if int(err) != 0:
+        log.warning("KV offloading: could not page-lock %.1f GB of host memory (%s); its copies will "
+                    "wait for the device", numel * itemsize / 1e9, err)
+    else:
+        pages.address = t.data_ptr()
     return t
 
 

@@ -321,6 +321,25 @@ def test_cuda_host_tier_gives_what_whole_prefills_give():
     assert sum(r.cached_tokens for r in offloaded[6:]) >= 4 * 48 and engine.prefixes.store.loaded_tokens >= 4 * 48
 
 
+def test_cuda_freed_host_tier_memory_leaves_cublas_working():
+    """The host tier's page-locked memory, freed, is unregistered first: freed while still
+    registered, the next cuBLAS handle the process made failed (CUBLAS_STATUS_INTERNAL_ERROR,
+    bench/results/cuda_host_register_h200.log). In a process of its own, which has made no
+    cuBLAS handle yet."""
+    import subprocess
+    import sys
+
+    code = ("import gc, torch\n"
+            "from loraplex.server.prefix_store import host_buffer\n"
+            "t = host_buffer((256 << 20,), torch.uint8, True)\n"
+            "assert t.is_pinned()\n"
+            "del t; gc.collect()\n"
+            "a = torch.randn(64, 64, device='cuda')\n"
+            "print(float((a @ a).sum()))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_cuda_attention_after_a_cached_prefix_needs_no_score_matrix():
     """A prefill after a cached prefix (or a later chunk) attends to the row's keys with the
     causal triangle aligned bottom right. As an explicit mask with GQA, SDPA has no fused

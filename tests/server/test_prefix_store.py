@@ -192,6 +192,53 @@ def test_a_save_never_evicts_the_blocks_its_own_chain_starts_with():
     assert len(store.match(("a",), system + [5] * 2 * BLOCK, 64)) == 4 and store.match(("b",), other, 32) == []
 
 
+def test_page_locked_memory_is_unregistered_when_its_last_view_goes(monkeypatch):
+    """The store's host memory is registered with CUDA in place; freed while still registered,
+    it broke the next cuBLAS handle the process made (on the H200). It is unregistered, at
+    the address it was registered at, only once nothing views it; a failed registration is
+    never unregistered, and the memory is still usable."""
+    import gc
+
+    from loraplex.server import prefix_store
+
+    calls = []
+
+    class Cudart:
+        status = 0
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size))
+            return self.status
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    cudart = Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    t = prefix_store.host_buffer((4, 3, 5), torch.float16, pin=True)
+    assert t.shape == (4, 3, 5) and t.dtype == torch.float16
+    t.fill_(1.5)
+    assert calls == [("register", t.data_ptr(), 4 * 3 * 5 * 2)]
+    address, view = t.data_ptr(), t[2:]
+    del t
+    gc.collect()
+    assert len(calls) == 1  # a view still reads it
+    assert view.sum().item() == 2 * 3 * 5 * 1.5
+    del view
+    gc.collect()
+    assert calls[1:] == [("unregister", address)]
+
+    cudart.status = 1  # cudaErrorInvalidValue: not locked, plain memory
+    t = prefix_store.host_buffer((8,), torch.float32, pin=True)
+    t.copy_(torch.arange(8.0))
+    assert t.sum().item() == 28 and len(calls) == 3
+    del t
+    gc.collect()
+    assert len(calls) == 3
+    assert prefix_store.host_buffer((2, 2), torch.float32, pin=False).shape == (2, 2) and len(calls) == 3
+
+
 def test_saves_on_the_copy_stream_are_ordered_against_the_rows_the_ring_and_the_loads(monkeypatch):
     """The order in which the store's copies run on CUDA (_save_async and load), checked on
     the CPU with stand-ins for streams and events that keep it (stream_order.py): a save's
