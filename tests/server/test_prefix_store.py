@@ -325,13 +325,21 @@ def test_the_stream_order_checker_sees_a_missing_wait(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_saves_on_their_copy_stream_load_back_bit_for_bit():
+@pytest.mark.parametrize("busy", ["compute", "copy"])
+def test_cuda_saves_on_their_copy_stream_load_back_bit_for_bit(busy):
     """On CUDA a save's copy to the host runs on a copy stream from a ring of staging chunks,
     while the compute stream goes on and overwrites the row (as the prefill that follows a
     save does). Blocks of Llama-3-8B's K/V shape (each copy takes a while), every allocation
-    made first, then the device held busy so that everything after is queued behind it: more
-    saves than the ring has chunks, each loaded back bit for bit, also one loaded at once, and
-    a load queued from blocks that a later save reuses still reads what they held."""
+    made first, then one stream held busy so that what it runs comes late: more saves than
+    the ring has chunks, each loaded back bit for bit, also one loaded at once, and a load
+    queued from blocks that a later save reuses still reads what they held.
+
+    Each of the three waits matters with one stream late. Compute late: a copy to the host
+    that did not wait for its gather would read the ring before it. Copy stream late (the
+    compute stream runs ahead): a load that did not wait for the save of its blocks would read
+    them before they are written (with both on time it trails the copy writing them, in the
+    same order, and reads them right: seen on the H200), and a gather that did not wait for
+    its ring chunk's last copy would overwrite it before that copy read it."""
     import dataclasses
 
     from loraplex.server import prefix_store
@@ -359,7 +367,11 @@ def test_cuda_saves_on_their_copy_stream_load_back_bit_for_bit():
     del warm
 
     want = []
-    torch.cuda._sleep(1_000_000_000)  # about half a second of the compute stream, busy
+    if busy == "compute":
+        torch.cuda._sleep(1_000_000_000)  # about half a second
+    else:
+        with torch.cuda.stream(store._copier):
+            torch.cuda._sleep(2_000_000_000)  # about a second, while the compute stream goes on
     for i, tokens in enumerate(prompts):
         row = i % 2
         if i == 4:  # a load of the first prompt's blocks, queued before the save that evicts them
