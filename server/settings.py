@@ -437,7 +437,7 @@ def _parse_env(f: dataclasses.Field, raw: str):
     kind = _kind(f)
     if kind == "bool":
         value = raw.strip().lower()
-        if value not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+        if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             raise ValueError(f"LORAPLEX_{f.name.upper()}={raw!r}: use 1/true/yes/on or 0/false/no/off")
         return value in ("1", "true", "yes", "on")
     if kind == "int":

@@ -45,6 +45,8 @@ def test_flags_env_and_validation(monkeypatch):
     ("LORAPLEX_PORT", "80a", "LORAPLEX_PORT='80a': not an integer"),
     # A typo of "true" turned the feature off without a word.
     ("LORAPLEX_CUDA_GRAPHS", "ture", "LORAPLEX_CUDA_GRAPHS='ture'"),
+    # Set and empty (`value: ""` in a pod spec) turned it off too, where an empty number stops the server.
+    ("LORAPLEX_CUDA_GRAPHS", "", "LORAPLEX_CUDA_GRAPHS=''"),
 ])
 def test_a_bad_environment_value_names_its_variable(monkeypatch, var, raw, words):
     monkeypatch.setenv(var, raw)
