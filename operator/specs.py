@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
+from loraplex.server.settings import FLAG_ALIASES, build_parser  # the server's own command line (no torch)
+
 GROUP = "loraplex.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -198,7 +200,7 @@ EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu-aged", "wtinylfu")
 # `serving.extraArgs` may not name them, or the Deployment would contradict the packing math
 # (--max-loras, --max-num-seqs, --max-model-len size GPU memory), the plan (adapters come
 # from LoRAAdapters, not --lora-modules) or the probes and the Service (--host, --port).
-OPERATOR_FLAGS: frozenset[str] = frozenset({
+_SET_FLAGS: frozenset[str] = frozenset({
     "--model", "--served-model-name", "--dummy-weights", "--demo", "--demo-dir", "--host", "--port",
     "--device", "--dtype", "--plan-file", "--max-loras", "--max-lora-rank", "--lora-target-modules",
     "--lora-modules", "--adapter-cache-dir", "--adapter-namespace", "--node-agent-url", "--node-agent-token-file",
@@ -209,6 +211,11 @@ OPERATOR_FLAGS: frozenset[str] = frozenset({
     # serving.apiKeys: the keys come from Secrets, never from the command line (`ps` shows it).
     "--api-key", "--api-key-file", "--api-keys-file",
 })
+# ... and the other spellings the server takes for them (vLLM's --max-num-batched-tokens for
+# --max-prefill-tokens): refused as well, or the alias would override serving.engine.
+OPERATOR_FLAGS: frozenset[str] = _SET_FLAGS | frozenset(
+    alias for field, aliases in FLAG_ALIASES.items() if "--" + field.replace("_", "-") in _SET_FLAGS
+    for alias in aliases)
 # OPERATOR_FLAGS that serving.apiKeys sets, named in the refusal so it points there.
 API_KEY_FLAGS: frozenset[str] = frozenset({"--api-key", "--api-key-file", "--api-keys-file"})
 
@@ -268,7 +275,9 @@ class Engine:
 
 
 def _extra_args(value: Any) -> tuple[str, ...]:
-    """serving.extraArgs: strings, none of them a flag the operator sets (OPERATOR_FLAGS)."""
+    """serving.extraArgs: strings, none of them a flag the operator sets (OPERATOR_FLAGS), that
+    the server's command line takes (the server's own parser: an unknown flag, a flag without
+    its value or a value of the wrong kind is refused here, not in a crash loop of pods)."""
     if value is None:
         return ()
     if not isinstance(value, (list, tuple)) or not all(isinstance(a, str) for a in value):
@@ -279,7 +288,28 @@ def _extra_args(value: Any) -> tuple[str, ...]:
     if owned:
         use = "serving.apiKeys" if set(owned) <= API_KEY_FLAGS else "serving.engine and the rest of the spec"
         raise SpecError(f"serving.extraArgs may not set {', '.join(owned)}: the operator sets them (use {use})")
+    _check_server_args(list(value))
     return tuple(value)
+
+
+def _check_server_args(args: list[str]) -> None:
+    """SpecError unless loraplex-server's parser takes `args` (flags only: the model folder, its
+    one positional, is the operator's --model)."""
+    if any(a in ("-h", "--help") for a in args):
+        raise SpecError("serving.extraArgs may not ask for --help: the server would print it and exit")
+    parser = build_parser()
+
+    def refuse(message: str):
+        raise SpecError(f"serving.extraArgs {args!r}: {message} (loraplex-server's command line)")
+
+    parser.error = refuse
+    try:
+        ns = parser.parse_args(args)
+    except SystemExit as e:  # argparse's other ways out (--version, say)
+        raise SpecError(f"serving.extraArgs {args!r}: the server would exit ({e.code})") from None
+    if ns.model_dir is not None:
+        raise SpecError(f"serving.extraArgs may not name the model folder ({ns.model_dir!r}): the operator "
+                        "sets --model")
 
 
 # Environment variables the operator sets on the server container (workloads.deployment), and
@@ -289,7 +319,7 @@ def _extra_args(value: Any) -> tuple[str, ...]:
 # status and the adapter-name check go by, and LORAPLEX_LORA_MODULES serve adapters outside the
 # plan. API keys come through serving.apiKeys alone.
 API_KEY_ENV: frozenset[str] = frozenset({"LORAPLEX_API_KEY", "LORAPLEX_API_KEY_FILE", "LORAPLEX_API_KEYS_FILE"})
-FLAG_ENV: frozenset[str] = frozenset("LORAPLEX_" + flag[2:].upper().replace("-", "_") for flag in OPERATOR_FLAGS
+FLAG_ENV: frozenset[str] = frozenset("LORAPLEX_" + flag[2:].upper().replace("-", "_") for flag in _SET_FLAGS
                                      if not flag.startswith("--no-"))  # (the off form of a flag: no variable)
 OPERATOR_ENV: frozenset[str] = frozenset({"NODE_IP", "TRITON_CACHE_DIR"}) | FLAG_ENV
 
