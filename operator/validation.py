@@ -21,6 +21,7 @@ import urllib.parse
 from typing import Any
 
 from loraplex.operator.specs import ALL_TARGET_MODULES, AdapterSpec, BaseModelSpec, module_names
+from loraplex.server.adapter_format import peft_targets
 from loraplex.server.adapter_names import InvalidAdapterName, check_adapter_name
 
 # adapter_config.json is a few hundred bytes; anything this big is not one.
@@ -82,14 +83,19 @@ def served_name(base: BaseModelSpec) -> str:
     return base.serving.served_model_name or pathlib.PurePosixPath(model_path(base)).name
 
 
-def normalise_target_modules(value: Any) -> tuple[str, ...] | None:
-    """PEFT writes a list of names or one name ("q_proj", "model.layers.0.self_attn.q_proj"),
-    or "all-linear": every projection (as the servers read it, in any case)."""
-    if value is None:
-        return None
-    if isinstance(value, str) and value.lower() == "all-linear":
-        return module_names(ALL_TARGET_MODULES)
-    return module_names([value] if isinstance(value, str) else list(value))
+# Layers the projections of an adapter_config.json are looked for in (the base's count is not
+# known here): more than any Llama-family model has (Llama 3.1 405B: 126), so that a regex or
+# layers_to_transform naming late layers still finds their projections.
+_CONFIG_LAYERS = 256
+
+
+def config_target_modules(config: dict) -> tuple[str, ...]:
+    """The projections an adapter_config.json puts LoRA on, as the servers read it (and peft):
+    target_modules a list of names, a regex (a string) or "all-linear", none meaning peft's
+    default (q_proj, v_proj), then layers_to_transform / layers_pattern and exclude_modules
+    (server/adapter_format.peft_targets, which imports no torch). ValueError (AdapterError)
+    for a config the servers refuse."""
+    return module_names({proj for _, proj in peft_targets(config, _CONFIG_LAYERS)})
 
 
 def parse_adapter_config(text: str) -> tuple[int | None, tuple[str, ...] | None]:
@@ -106,7 +112,7 @@ def parse_adapter_config(text: str) -> tuple[int | None, tuple[str, ...] | None]
     largest = max([int(rank), *ranks]) if rank is not None else None
     if largest is not None and largest < 1:  # as the schema bounds spec.rank
         raise ValueError(f"adapter_config.json gives rank {largest}; a LoRA rank is at least 1")
-    return largest, normalise_target_modules(config.get("target_modules"))
+    return largest, config_target_modules(config)
 
 
 def local_path(source: str) -> pathlib.Path | None:

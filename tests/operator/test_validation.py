@@ -103,11 +103,38 @@ def test_adapter_config_is_read_from_local_sources(tmp_path):
 
 
 def test_peft_target_module_forms():
-    assert parse_adapter_config('{"r": 4, "target_modules": "q_proj"}') == (4, ("q_proj",))
+    # One string is a regex that peft fullmatches against whole module names: "q_proj" names none.
+    assert parse_adapter_config('{"r": 4, "target_modules": "q_proj"}') == (4, ())
+    assert parse_adapter_config('{"r": 4, "target_modules": ".*q_proj"}') == (4, ("q_proj",))
     assert parse_adapter_config('{"r": 4, "target_modules": ["model.layers.0.self_attn.k_proj"]}') == (4, ("k_proj",))
-    assert parse_adapter_config('{"target_modules": null}') == (None, None)
+    # No target_modules: peft's default for Llama-family models, which the servers serve too.
+    assert parse_adapter_config('{"target_modules": null}') == (None, ("q_proj", "v_proj"))
     with pytest.raises(ValueError):
         parse_adapter_config("[1, 2]")
+
+
+@pytest.mark.parametrize(("config", "modules"), [
+    # A regex (peft fullmatches it against module names): read as a module named
+    # "(q_proj|v_proj)" it was rejected, TargetModulesNotAllowed, on a q/k/v/o base.
+    ({"target_modules": r".*\.(q_proj|v_proj)"}, ("q_proj", "v_proj")),
+    ({"target_modules": r".*layers\.(3|40)\.self_attn\.k_proj"}, ("k_proj",)),
+    # exclude_modules was ignored: all-linear without the MLP read as all seven projections.
+    ({"target_modules": "all-linear", "exclude_modules": ["gate_proj", "up_proj", "down_proj"]},
+     ("k_proj", "o_proj", "q_proj", "v_proj")),
+    ({"target_modules": ["q_proj", "k_proj"], "layers_to_transform": [100]}, ("k_proj", "q_proj")),
+    ({"target_modules": ["q_proj", "down_proj"], "exclude_modules": r".*mlp.*"}, ("q_proj",)),
+])
+def test_adapter_config_target_modules_are_read_as_the_servers_read_them(config, modules):
+    assert parse_adapter_config(json.dumps({"r": 8, **config})) == (8, modules)
+    spec = adapter(rank=None, target_modules=None)
+    assert validate(spec.with_metadata(*parse_adapter_config(json.dumps({"r": 8, **config}))), BASE).accepted
+
+
+def test_an_adapter_config_the_servers_refuse_is_not_read(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "target_modules": ["lm_head"]}))
+    with pytest.raises(ValueError, match="lm_head"):
+        parse_adapter_config((tmp_path / "adapter_config.json").read_text())
+    assert read_adapter_config(str(tmp_path)) == (None, None)
 
 
 def test_local_path_only_for_local_sources():
