@@ -337,8 +337,8 @@ def test_cuda_saves_on_their_copy_stream_load_back_bit_for_bit(busy):
     Each of the three waits matters with one stream late. Compute late: a copy to the host
     that did not wait for its gather would read the ring before it. Copy stream late (the
     compute stream runs ahead): a load that did not wait for the save of its blocks would read
-    them before they are written (with both on time it trails the copy writing them, in the
-    same order, and reads them right: seen on the H200), and a gather that did not wait for
+    them before they are written (with both on time that mutant passed on the H200: the load,
+    likely, trails the copy writing its blocks in the same order), and a gather that did not wait for
     its ring chunk's last copy would overwrite it before that copy read it."""
     import dataclasses
 
